@@ -1,0 +1,116 @@
+"""The batch structure every data source produces and the model consumes.
+
+A `Batch` holds B examples with static shapes: the jagged behaviour histories
+(packed into a bucketed token capacity), the user and candidate features, two
+binary labels and a per-example weight (0 for the padding examples that fill the
+last batch of an epoch to the static B, so nothing is dropped and nothing is
+counted twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import numpy as np
+
+from gem_jax.jagged import Jagged
+
+PAD_ID = 0  # reserved id in every vocabulary: padding / unknown
+
+
+class HistoryField(enum.IntEnum):
+    """Columns of `Batch.history.values` (int32 `[T_cap, 3]`)."""
+
+    ITEM = 0  # remapped item id, 1..num_items-1
+    ACTION = 1  # action / rating bucket, 1..num_actions-1
+    TIME_BUCKET = 2  # log-scaled age of the event relative to the target, 1..num_time_buckets-1
+
+
+class UserField(enum.IntEnum):
+    """Columns of `Batch.user` (int32 `[B, 4]`); PAD_ID where a data set lacks the feature."""
+
+    USER = 0
+    AGE = 1
+    GENDER = 2
+    OCCUPATION = 3
+
+
+class Task(enum.IntEnum):
+    """Columns of `Batch.labels` (float32 `[B, 2]`); the meaning is per data set (see README)."""
+
+    PRIMARY = 0
+    SECONDARY = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+    """Vocabulary sizes (each includes PAD_ID = 0) and the history bound of a data set."""
+
+    num_items: int
+    num_users: int
+    num_actions: int
+    num_time_buckets: int
+    num_genres: int  # width of the multi-hot candidate side features (>= 1)
+    num_ages: int = 1
+    num_genders: int = 1
+    num_occupations: int = 1
+    max_seq_len: int = 200
+
+    def user_vocab_sizes(self) -> tuple[int, int, int, int]:
+        """Vocabulary size of each `UserField` column, in order."""
+        return (self.num_users, self.num_ages, self.num_genders, self.num_occupations)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One static-shape batch of B examples.
+
+    Attributes:
+      history: `Jagged` with int32 values `[T_cap, 3]` (`HistoryField` columns) and
+        offsets `[B+1]`: each example's events before its target, oldest first,
+        at most `max_seq_len` (the most recent kept).
+      user: int32 `[B, 4]` (`UserField` columns).
+      candidate_item: int32 `[B]` the item whose outcome is predicted.
+      candidate_genres: float32 `[B, num_genres]` multi-hot side features.
+      labels: float32 `[B, 2]` in {0, 1} (`Task` columns).
+      weights: float32 `[B]`: 1 for real examples, 0 for padding examples.
+    """
+
+    history: Jagged
+    user: jax.Array
+    candidate_item: jax.Array
+    candidate_genres: jax.Array
+    labels: jax.Array
+    weights: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.candidate_item.shape[0]
+
+
+def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> None:
+    """Checks on the host that every id is inside its vocabulary.
+
+    Out-of-range ids would otherwise be clamped or read as NaN by the gather.
+
+    Raises:
+      ValueError: naming the feature, the example (or history row) and the id.
+    """
+    hist = np.asarray(batch.history.values)[: int(np.asarray(batch.history.offsets)[-1])]
+    checks = [
+        ("history item", hist[:, HistoryField.ITEM], spec.num_items),
+        ("history action", hist[:, HistoryField.ACTION], spec.num_actions),
+        ("history time bucket", hist[:, HistoryField.TIME_BUCKET], spec.num_time_buckets),
+        ("candidate item", np.asarray(batch.candidate_item), spec.num_items),
+    ]
+    user = np.asarray(batch.user)
+    for field, size in zip(UserField, spec.user_vocab_sizes()):
+        checks.append((f"user {field.name.lower()}", user[:, field], size))
+    for name, ids, size in checks:
+        bad = np.flatnonzero((ids < 0) | (ids >= size))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{where}: {name} id {int(ids[i])} at index {i} is outside the vocabulary [0, {size})")

@@ -1,0 +1,72 @@
+"""Public GDPA op: generalized (activation) attention over jagged Q and KV."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import _dispatch
+from pallas_kernels.gdpa import reference
+from pallas_kernels.gdpa.reference import Activation
+
+
+def gdpa(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offsets: jax.Array | None,
+    kv_offsets: jax.Array,
+    *,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+    activation: str | Activation = Activation.GELU,
+    scale: float | None = None,
+    broadcast_q: bool = False,
+    implementation: str | _dispatch.Implementation | None = None,
+) -> jax.Array:
+    """Generalized dot-product attention (GEM's GDPA): an activation instead of softmax.
+
+    For each sequence b, with Q rows `q_offsets[b]:q_offsets[b+1]` and KV rows
+    `kv_offsets[b]:kv_offsets[b+1]`::
+
+        out_b = act((Q_b @ K_b.T) * scale) @ V_b        # per head, float32 inside
+
+    No normalisation over keys, so a zero-length KV gives a zero output.
+    Sources: GEM engineering description (Meta, 2025), GDPA; HSTU pointwise
+    attention (Zhai et al., 2024).
+
+    Args:
+      q: `[Tq, H, D]` jagged queries, or with `broadcast_q` one dense `[Lq, H, D]`
+        set of learned queries shared by every sequence.
+      k, v: `[Tkv, H, D]` jagged keys and values.
+      q_offsets: int32 `[B+1]` (ignored, may be None, with `broadcast_q`).
+      kv_offsets: int32 `[B+1]`.
+      max_seq_len_q, max_seq_len_kv: static bounds on the lengths.
+      activation: "gelu" (tanh form), "gelu_erf", "silu", "relu" or "none".
+      scale: applied to the scores before the activation; default `1/sqrt(D)`.
+      broadcast_q: pooled attention with dense learned queries.
+      implementation: "xla", "pallas" (Hopper) or None (pallas on Hopper, else xla).
+
+    Returns:
+      `[Tq, H, D]` (slack rows zero), or `[B * Lq, H, D]` with `broadcast_q`; q.dtype.
+
+    Raises:
+      ValueError: mismatched shapes, unknown activation or implementation.
+    """
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"q [Tq, H, D] and k, v [Tkv, H, D] must share H and D; got {q.shape}, {k.shape}, {v.shape}")
+    if not broadcast_q and (q_offsets is None or q_offsets.shape != kv_offsets.shape):
+        raise ValueError("q_offsets and kv_offsets must both be int32 [B+1] unless broadcast_q=True")
+    reference.activation_fn(activation)  # validates the name
+    impl = _dispatch.resolve(implementation)
+    kwargs = dict(
+        max_seq_len_q=max_seq_len_q,
+        max_seq_len_kv=max_seq_len_kv,
+        activation=activation,
+        scale=scale,
+        broadcast_q=broadcast_q,
+    )
+    if impl is _dispatch.Implementation.XLA:
+        return reference.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)
+    from pallas_kernels.gdpa import kernel  # Mosaic GPU; imported only when used
+
+    return kernel.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)

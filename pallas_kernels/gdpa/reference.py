@@ -1,0 +1,88 @@
+"""Pure-jnp generalized dot-product attention: the semantic spec of GDPA and its "xla" path.
+
+`out_b = act((Q_b K_b^T) * scale) V_b` per sequence, no softmax. Q and KV are
+jagged with separate offsets; both are padded to their static maxima inside
+(B x Nq x Nkv work, never a T x T matrix over the packed batch). Scores and the
+activation run in float32.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.jagged_layout import from_padded, to_padded
+
+
+class Activation(enum.StrEnum):
+    GELU = "gelu"  # tanh approximation (Hendrycks & Gimpel, 2016)
+    GELU_ERF = "gelu_erf"  # exact erf form
+    SILU = "silu"
+    RELU = "relu"
+    NONE = "none"  # linear attention
+
+
+def activation_fn(activation: str | Activation):
+    """The float32 elementwise function for `activation`.
+
+    Raises:
+      ValueError: an unknown activation name.
+    """
+    try:
+        activation = Activation(activation)
+    except ValueError:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {[a.value for a in Activation]}") from None
+    return {
+        Activation.GELU: lambda x: jax.nn.gelu(x, approximate=True),
+        Activation.GELU_ERF: lambda x: jax.nn.gelu(x, approximate=False),
+        Activation.SILU: jax.nn.silu,
+        Activation.RELU: jax.nn.relu,
+        Activation.NONE: lambda x: x,
+    }[activation]
+
+
+def gdpa_padded(q, k, v, q_lengths, kv_lengths, *, activation, scale: float):
+    """`act(Q K^T * scale) V` on padded inputs; q `[B, Nq, H, D]`, k/v `[B, Nkv, H, D]`.
+
+    Padded KV positions contribute nothing; padded query rows give 0. Returns
+    float32 `[B, Nq, H, D]`.
+    """
+    act = activation_fn(activation)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    q_pos = jnp.arange(q.shape[1])
+    kv_pos = jnp.arange(k.shape[1])
+    mask = (q_pos[None, :] < q_lengths[:, None])[:, None, :, None] & (kv_pos[None, :] < kv_lengths[:, None])[:, None, None, :]
+    p = jnp.where(mask, act(jnp.where(mask, s, 0.0)), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
+
+
+def gdpa(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    *,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+    activation: str | Activation = Activation.GELU,
+    scale: float | None = None,
+    broadcast_q: bool = False,
+):
+    """Reference for `pallas_kernels.gdpa` (same arguments)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kp, vp = (to_padded(x, kv_offsets, max_seq_len_kv) for x in (k, v))
+    kv_lengths = kv_offsets[1:] - kv_offsets[:-1]
+    batch = kv_offsets.shape[0] - 1
+    if broadcast_q:
+        lq = q.shape[0]
+        qp = jnp.broadcast_to(q[None], (batch,) + q.shape)
+        out = gdpa_padded(qp, kp, vp, jnp.full((batch,), lq), kv_lengths, activation=activation, scale=scale)
+        return out.reshape((batch * lq,) + q.shape[1:]).astype(q.dtype)
+    qp = to_padded(q, q_offsets, max_seq_len_q)
+    q_lengths = q_offsets[1:] - q_offsets[:-1]
+    out = gdpa_padded(qp, kp, vp, q_lengths, kv_lengths, activation=activation, scale=scale)
+    return from_padded(out, q_offsets, q.shape[0]).astype(q.dtype)

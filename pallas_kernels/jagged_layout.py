@@ -1,0 +1,57 @@
+"""Index helpers for the jagged `[T_cap, ...]` + `offsets [B+1]` layout.
+
+Shared by the kernels' jnp references and by `gem_jax.jagged`. All are pure jnp,
+jit-friendly, and gather only real rows, so NaN in slack rows stays out of results
+and gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def segment_ids(offsets: jax.Array, capacity: int) -> jax.Array:
+    """int32 `[capacity]`: sequence index of each row; `B` marks slack rows."""
+    rows = jnp.arange(capacity, dtype=jnp.int32)
+    return (jnp.searchsorted(offsets, rows, side="right") - 1).astype(jnp.int32).clip(0, offsets.shape[0] - 1)
+
+
+def positions_in_sequence(offsets: jax.Array, capacity: int) -> jax.Array:
+    """int32 `[capacity]`: index of each row inside its sequence; 0 on slack rows."""
+    seg = segment_ids(offsets, capacity)
+    starts = jnp.concatenate([offsets[:-1], offsets[-1:]])[seg]
+    return jnp.where(seg < offsets.shape[0] - 1, jnp.arange(capacity, dtype=jnp.int32) - starts, 0)
+
+
+def to_padded(values: jax.Array, offsets: jax.Array, max_seq_len: int, fill_value=0) -> jax.Array:
+    """Jagged `[T_cap, ...]` -> padded `[B, max_seq_len, ...]`.
+
+    Equivalent to stacking `values[offsets[b]:offsets[b+1]]` padded with
+    `fill_value`. Rows past `max_seq_len` in a sequence are not representable:
+    validate first. Gathers only real rows, so NaN in slack stays out.
+    """
+    batch = offsets.shape[0] - 1
+    pos = jnp.arange(max_seq_len, dtype=jnp.int32)
+    rows = offsets[:-1, None] + pos[None, :]
+    valid = pos[None, :] < (offsets[1:] - offsets[:-1])[:, None]
+    safe_rows = jnp.where(valid, rows, 0)
+    gathered = values[safe_rows.reshape(-1)].reshape((batch, max_seq_len) + values.shape[1:])
+    mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
+    return jnp.where(mask, gathered, jnp.asarray(fill_value, values.dtype))
+
+
+def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, fill_value=0) -> jax.Array:
+    """Padded `[B, N, ...]` -> jagged values `[capacity, ...]`; slack rows filled.
+
+    The inverse of `to_padded` for the rows that exist.
+    """
+    batch, max_len = padded.shape[:2]
+    seg = segment_ids(offsets, capacity)
+    pos = positions_in_sequence(offsets, capacity)
+    valid = jnp.arange(capacity) < offsets[-1]
+    flat = padded.reshape((batch * max_len,) + padded.shape[2:])
+    idx = jnp.where(valid, jnp.minimum(seg, batch - 1) * max_len + jnp.minimum(pos, max_len - 1), 0)
+    out = flat[idx] if batch * max_len else jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
+    mask = valid.reshape(valid.shape + (1,) * (padded.ndim - 2))
+    return jnp.where(mask, out, jnp.asarray(fill_value, padded.dtype))
