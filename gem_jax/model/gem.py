@@ -1,0 +1,89 @@
+"""The GEM-style model: embeddings, sequence tower, cross-feature tower, interaction, task heads.
+
+Architecture after Meta's GEM engineering description (2025): a sequence tower over the
+jagged behaviour history and a cross-feature tower over non-sequence features exchanging
+information InterFormer-style, then multi-task heads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gem_jax.data.batch import Batch, FeatureSpec, HistoryField, Task, UserField
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.cross_tower import CrossFeatureTower, uniform_offsets
+from gem_jax.model.interaction import CrossAttention
+from gem_jax.model.layers import MLP, EmbeddingTable, dense, rms_norm
+from gem_jax.model.sequence_tower import SequenceTower
+
+NUM_BASE_TOKENS = len(UserField) + 2  # user fields, candidate item, candidate genres
+
+
+class FeatureEmbeddings(nnx.Module):
+    """Embedding tables for history events, user fields and the candidate."""
+
+    def __init__(self, spec: FeatureSpec, dim: int, *, rngs: nnx.Rngs):
+        self.item = EmbeddingTable(spec.num_items, dim, rngs=rngs)  # shared by history and candidate
+        self.action = EmbeddingTable(spec.num_actions, dim, rngs=rngs)
+        self.time_bucket = EmbeddingTable(spec.num_time_buckets, dim, rngs=rngs)
+        self.user = nnx.List([EmbeddingTable(size, dim, rngs=rngs) for size in spec.user_vocab_sizes()])
+        self.genres = dense(spec.num_genres, dim, (None, "embed"), rngs=rngs)
+
+    def history(self, values: jax.Array) -> jax.Array:
+        """int32 `[T_cap, 3]` -> `[T_cap, d]`: sum of item, action and time-bucket embeddings."""
+        return (
+            self.item(values[:, HistoryField.ITEM])
+            + self.action(values[:, HistoryField.ACTION])
+            + self.time_bucket(values[:, HistoryField.TIME_BUCKET])
+        )
+
+    def feature_tokens(self, batch: Batch) -> jax.Array:
+        """`[B, NUM_BASE_TOKENS, d]`: one token per user field, the candidate item, its genres."""
+        users = [table(batch.user[:, field]) for field, table in zip(UserField, self.user)]
+        genres = batch.candidate_genres / jnp.maximum(batch.candidate_genres.sum(-1, keepdims=True), 1.0)
+        return jnp.stack(users + [self.item(batch.candidate_item), self.genres(genres)], axis=1)
+
+
+class GEMModel(nnx.Module):
+    """Predicts one logit per task for each example of a `Batch`.
+
+    Flow: history embeddings get the example's feature context (cross attention, long Q
+    short KV) -> sequence tower (JFA self-attention blocks, GDPA pooled attention) ->
+    feature tokens + pooled tokens attend to the history (short Q, long KV) ->
+    cross-feature tower (GDPA token attention, DHEN) -> per-task MLP heads.
+    """
+
+    def __init__(self, spec: FeatureSpec, config: ModelConfig, *, rngs: nnx.Rngs):
+        d = config.embed_dim
+        self.config = config
+        self.spec = spec
+        self.num_tokens = NUM_BASE_TOKENS + config.num_pooled_queries
+        self.embed = FeatureEmbeddings(spec, d, rngs=rngs)
+        self.history_context = CrossAttention(config, rngs=rngs)
+        self.sequence_tower = SequenceTower(config, rngs=rngs)
+        self.feature_to_history = CrossAttention(config, rngs=rngs)
+        self.cross_tower = CrossFeatureTower(self.num_tokens, config, rngs=rngs)
+        self.head_norm = rms_norm(self.num_tokens * d, rngs=rngs)
+        self.heads = nnx.List([MLP(self.num_tokens * d, config.head_hidden, 1, rngs=rngs) for _ in Task])
+
+    def __call__(self, batch: Batch) -> jax.Array:
+        """Returns float32 logits `[B, len(Task)]`."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+        history = batch.history
+        b, base = batch.batch_size, NUM_BASE_TOKENS
+        tokens = self.embed.feature_tokens(batch).astype(dtype)
+        x = self.embed.history(history.values).astype(dtype)
+        x = self.history_context(
+            x, history.offsets, history.max_seq_len, tokens.reshape(b * base, -1), uniform_offsets(b, base), base
+        )
+        x, pooled = self.sequence_tower(x, history.replace_values(x))
+        tokens = jnp.concatenate([tokens, pooled.astype(dtype)], axis=1)
+        f = self.num_tokens
+        tokens = self.feature_to_history(
+            tokens.reshape(b * f, -1), uniform_offsets(b, f), f, x, history.offsets, history.max_seq_len
+        ).reshape(b, f, -1)
+        tokens = self.cross_tower(tokens)
+        flat = self.head_norm(tokens.reshape(b, -1))
+        return jnp.concatenate([head(flat) for head in self.heads], axis=-1).astype(jnp.float32)

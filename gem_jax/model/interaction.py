@@ -1,0 +1,59 @@
+"""InterFormer-style interaction between the towers through GDPA cross attention.
+
+InterFormer (Zeng et al., "InterFormer: Towards Effective Heterogeneous Interaction
+Learning for Click-Through Rate Prediction", 2024) exchanges information both ways
+between the sequence and the non-sequence features. Both directions are GEM's GDPA
+cross shapes: history tokens attending to the example's few feature tokens (long Q,
+short KV) and feature tokens attending to the history (short Q, long KV).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from gem_jax.jagged import segment_ids
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.layers import dense, rms_norm
+
+
+class CrossAttention(nnx.Module):
+    """Jagged queries attend to jagged context with GELU attention (GDPA), residual added.
+
+    The sum over keys is divided by sqrt(context length) to keep its scale bounded;
+    an empty context adds only the output bias.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d = config.embed_dim
+        self.config = config
+        self.q_in = rms_norm(d, rngs=rngs)
+        self.kv_in = rms_norm(d, rngs=rngs)
+        self.q = dense(d, d, ("embed", "heads"), rngs=rngs, use_bias=False)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False)
+        self.q_norm = rms_norm(config.head_dim, rngs=rngs)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs)
+
+    def __call__(self, x, x_offsets, max_len_x: int, context, context_offsets, max_len_context: int) -> jax.Array:
+        """x `[Tq, d]` with offsets `[B+1]`; context `[Tkv, d]` with offsets `[B+1]` -> `[Tq, d]`."""
+        cfg = self.config
+        h, hd = cfg.num_heads, cfg.head_dim
+        q = self.q_norm(self.q(self.q_in(x)).reshape(x.shape[0], h, hd))
+        kv = self.kv(self.kv_in(context)).reshape(context.shape[0], 2, h, hd)
+        attn = pallas_kernels.gdpa(
+            q,
+            self.k_norm(kv[:, 0]),
+            kv[:, 1],
+            x_offsets,
+            context_offsets,
+            max_seq_len_q=max_len_x,
+            max_seq_len_kv=max_len_context,
+            activation="gelu",
+            implementation=cfg.attention_implementation,
+        )
+        context_len = jnp.maximum(context_offsets[1:] - context_offsets[:-1], 1).astype(x.dtype)
+        row_scale = jnp.append(jax.lax.rsqrt(context_len), 0.0)[segment_ids(x_offsets, x.shape[0])]  # 0 on slack rows
+        return x + self.out(attn.reshape(x.shape[0], -1) * row_scale[:, None])

@@ -1,0 +1,75 @@
+"""Building blocks with logical-axis annotations: dense layers, embedding tables, MLPs, RoPE.
+
+Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `table_rows`,
+`table_dim`, ...); `gem_jax.parallel.rules` maps them to mesh axes per config.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+EMBEDDING_PARAM = "embedding"  # name of every embedding-table parameter (the sparse optimizer's partition key)
+
+
+def dense(in_features: int, out_features: int, axes: tuple[str | None, str | None], *, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
+    """`nnx.Linear` whose kernel `[in, out]` carries the logical axis names `axes`."""
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=use_bias,
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), axes),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axes[1],)),
+        rngs=rngs,
+    )
+
+
+class EmbeddingTable(nnx.Module):
+    """An embedding table `[num_rows, dim]` (rows are ids; row 0 is padding).
+
+    Lookups must get ids already validated in `[0, num_rows)`
+    (`gem_jax.data.batch.validate_ids`): an XLA gather clamps out-of-range ids.
+    """
+
+    def __init__(self, num_rows: int, dim: int, *, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.normal(stddev=dim**-0.5), ("table_rows", "table_dim"))
+        setattr(self, EMBEDDING_PARAM, nnx.Param(init(rngs.params(), (num_rows, dim))))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """int `[...]` -> float32 `[..., dim]`."""
+        return getattr(self, EMBEDDING_PARAM)[...][ids]
+
+
+def rms_norm(dim: int, *, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(dim, epsilon=1e-6, scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",)), rngs=rngs)
+
+
+class MLP(nnx.Module):
+    """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`)."""
+
+    def __init__(self, dim: int, hidden: int, out: int | None = None, *, rngs: nnx.Rngs):
+        self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs)
+        self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding (Su et al., "RoFormer", 2021), rotate-half form.
+
+    Args:
+      x: `[T, H, D]` with D even.
+      positions: int `[T]` position of each row inside its own sequence.
+      base: wavelength base.
+
+    Returns:
+      `[T, H, D]`, x.dtype; computed in float32.
+    """
+    half = x.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

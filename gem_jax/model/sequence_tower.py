@@ -1,0 +1,111 @@
+"""Sequence tower: self-attention over jagged behaviour histories, then pooled attention.
+
+Self-attention blocks use QK-norm (Dehghani et al., 2023; Henry et al., 2020) and RoPE
+over event positions, through `pallas_kernels.jagged_flash_attention` (GEM's JFA).
+Pooled attention is GEM's GDPA with broadcast learned queries: a few queries attend
+over the whole history with a GELU instead of a softmax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from gem_jax.jagged import Jagged
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.layers import MLP, apply_rope, dense, rms_norm
+
+
+class SelfAttentionBlock(nnx.Module):
+    """Pre-norm causal self-attention + MLP over jagged tokens `[T, d]`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, hd = config.embed_dim, config.num_heads, config.head_dim
+        self.config = config
+        self.norm_attn = rms_norm(d, rngs=rngs)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False)
+        self.q_norm = rms_norm(hd, rngs=rngs)
+        self.k_norm = rms_norm(hd, rngs=rngs)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs)
+        self.norm_mlp = rms_norm(d, rngs=rngs)
+        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs)
+
+    def __call__(self, x: jax.Array, history: Jagged, positions: jax.Array) -> jax.Array:
+        """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence."""
+        cfg = self.config
+        t = x.shape[0]
+        qkv = self.qkv(self.norm_attn(x)).reshape(t, 3, cfg.num_heads, cfg.head_dim)
+        q = apply_rope(self.q_norm(qkv[:, 0]), positions, cfg.rope_base)
+        k = apply_rope(self.k_norm(qkv[:, 1]), positions, cfg.rope_base)
+        attn = pallas_kernels.jagged_flash_attention(
+            q,
+            k,
+            qkv[:, 2],
+            history.offsets,
+            max_seq_len=history.max_seq_len,
+            causal=True,
+            implementation=cfg.attention_implementation,
+        )
+        x = x + self.out(attn.reshape(t, -1))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class PooledAttention(nnx.Module):
+    """Lq learned queries attend over each history with GELU attention (GDPA, broadcast Q).
+
+    Returns `[B, Lq, d]`: zero before the output projection's bias for an
+    empty history.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d = config.embed_dim
+        self.config = config
+        self.queries = nnx.Param(
+            nnx.with_partitioning(nnx.initializers.normal(1.0), (None, "heads", None))(
+                rngs.params(), (config.num_pooled_queries, config.num_heads, config.head_dim)
+            )
+        )
+        self.norm = rms_norm(d, rngs=rngs)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs)
+
+    def __call__(self, x: jax.Array, history: Jagged) -> jax.Array:
+        cfg = self.config
+        t = x.shape[0]
+        kv = self.kv(self.norm(x)).reshape(t, 2, cfg.num_heads, cfg.head_dim)
+        q = self.queries[...].astype(x.dtype)
+        pooled = pallas_kernels.gdpa(
+            q,
+            self.k_norm(kv[:, 0]),
+            kv[:, 1],
+            None,
+            history.offsets,
+            max_seq_len_q=cfg.num_pooled_queries,
+            max_seq_len_kv=history.max_seq_len,
+            activation="gelu",
+            broadcast_q=True,
+            implementation=cfg.attention_implementation,
+        )
+        # GDPA sums over keys without normalising; divide by sqrt(length) to keep scale bounded.
+        lengths = jnp.maximum(history.lengths(), 1).astype(x.dtype)
+        pooled = pooled.reshape(history.batch_size, cfg.num_pooled_queries, -1) / jnp.sqrt(lengths)[:, None, None]
+        return self.out(pooled)
+
+
+class SequenceTower(nnx.Module):
+    """Event embeddings `[T_cap, d]` -> (contextual tokens `[T_cap, d]`, pooled `[B, Lq, d]`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([SelfAttentionBlock(config, rngs=rngs) for _ in range(config.num_seq_layers)])
+        self.final_norm = rms_norm(config.embed_dim, rngs=rngs)
+        self.pool = PooledAttention(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, history: Jagged) -> tuple[jax.Array, jax.Array]:
+        positions = history.positions()
+        for block in self.blocks:
+            x = block(x, history, positions)
+        x = self.final_norm(x)
+        return x, self.pool(x, history)

@@ -1,0 +1,62 @@
+"""Optimizers: AdamW for dense parameters, Adagrad for embedding tables.
+
+Embedding rows are touched sparsely, so they get Adagrad (Duchi et al., 2011), the usual
+choice for recommendation embeddings (DLRM, TorchRec); dense weights get AdamW
+(Loshchilov & Hutter, 2019) with linear warm-up and cosine decay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import optax
+
+from gem_jax.model.layers import EMBEDDING_PARAM
+
+
+class ParamGroup(enum.StrEnum):
+    DENSE = "dense"
+    EMBEDDING = "embedding"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer settings.
+
+    Attributes:
+      learning_rate: peak AdamW learning rate of dense parameters.
+      warmup_steps: linear warm-up steps to the peak.
+      decay_steps: cosine decay length after warm-up (to 10% of the peak).
+      weight_decay: AdamW decoupled weight decay (dense only).
+      embedding_learning_rate: Adagrad learning rate of embedding tables.
+      grad_clip_norm: global gradient-norm clip of the dense group (0 disables).
+    """
+
+    learning_rate: float = 2e-3
+    warmup_steps: int = 50
+    decay_steps: int = 1000
+    weight_decay: float = 1e-4
+    embedding_learning_rate: float = 0.05
+    grad_clip_norm: float = 1.0
+
+
+def param_group(path: tuple) -> ParamGroup:
+    """EMBEDDING for embedding-table parameters (named `EMBEDDING_PARAM`), else DENSE."""
+    keys = [getattr(k, "key", getattr(k, "name", k)) for k in path]
+    return ParamGroup.EMBEDDING if EMBEDDING_PARAM in keys else ParamGroup.DENSE
+
+
+def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+    """A `multi_transform` routing each parameter to its group's optimizer."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, config.warmup_steps + config.decay_steps, config.learning_rate * 0.1
+    )
+    dense = [optax.adamw(schedule, weight_decay=config.weight_decay)]
+    if config.grad_clip_norm:
+        dense.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
+    return optax.multi_transform(
+        {ParamGroup.DENSE: optax.chain(*dense), ParamGroup.EMBEDDING: optax.adagrad(config.embedding_learning_rate)},
+        lambda params: jax.tree_util.tree_map_with_path(lambda path, _: param_group(path), params),
+    )
