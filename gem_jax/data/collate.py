@@ -1,0 +1,129 @@
+"""Gather examples into static-shape `Batch`es with bucketed token capacity.
+
+A batch always has B examples: a short list is completed with padding
+examples (weight 0, empty history, PAD_ID everywhere). The packed history
+takes the smallest capacity bucket that holds it, so a jitted step sees only
+a handful of `T_cap` values and XLA compiles each once (the static-capacity
+jagged batches of HSTU / GEM's jagged kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from gem_jax.data.batch import PAD_ID, Batch, FeatureSpec, HistoryField, UserField, validate_ids
+from gem_jax.data.events import EventLog
+from gem_jax.data.examples import Examples
+from gem_jax.data.features import time_bucket
+from gem_jax.jagged import Jagged, JaggedError
+
+CAPACITY_MULTIPLE = 128
+
+
+def capacity_buckets(batch_size: int, max_seq_len: int, fractions: Sequence[float] = (0.125, 0.25, 0.5, 0.75, 1.0)) -> tuple[int, ...]:
+    """Sorted token capacities `ceil(B * max_seq_len * f)` rounded up to a multiple of 128.
+
+    The largest bucket (fraction 1 must be among the fractions) holds any batch.
+
+    Raises:
+      ValueError: a non-positive size, a fraction outside (0, 1], or no fraction 1.
+    """
+    if batch_size < 1 or max_seq_len < 1:
+        raise ValueError(f"batch_size and max_seq_len must be >= 1, got {batch_size}, {max_seq_len}")
+    if 1.0 not in fractions or not all(0.0 < f <= 1.0 for f in fractions):
+        raise ValueError(f"capacity fractions must be in (0, 1] and include 1, got {tuple(fractions)}")
+    full = batch_size * max_seq_len
+    return tuple(sorted({CAPACITY_MULTIPLE * math.ceil(math.ceil(full * f) / CAPACITY_MULTIPLE) for f in fractions}))
+
+
+def pick_capacity(total: int, capacities: Sequence[int]) -> int:
+    """The smallest capacity `>= total`.
+
+    Raises:
+      JaggedError: `total` exceeds every capacity.
+    """
+    k = int(np.searchsorted(np.asarray(capacities), total))
+    if k == len(capacities):
+        raise JaggedError(f"capacity exceeded: {total} history rows exceed the largest capacity {capacities[-1]}")
+    return int(capacities[k])
+
+
+class BatchBuilder:
+    """Builds a `Batch` from a list of example indices (grain's `batch_fn`).
+
+    Each call gathers the examples' history rows from the event log with
+    vectorised numpy indexing (no per-example Python work), computes time
+    buckets relative to each target, pads to B examples and to the chosen
+    capacity, and validates the ids against `spec`.
+
+    Args:
+      log: the sorted `EventLog`.
+      examples: the examples indexed by the calls.
+      spec: vocabulary sizes and `max_seq_len` (ids are validated against it).
+      batch_size: static B.
+      capacities: sorted token capacities (`capacity_buckets`).
+    """
+
+    def __init__(self, log: EventLog, examples: Examples, spec: FeatureSpec, batch_size: int, capacities: Sequence[int]):
+        if int(examples.history_length.max(initial=0)) > spec.max_seq_len:
+            raise JaggedError(f"an example history is longer than max_seq_len {spec.max_seq_len}")
+        self.log = log
+        self.examples = examples
+        self.spec = spec
+        self.batch_size = batch_size
+        self.capacities = tuple(capacities)
+
+    def __call__(self, indices: Sequence[int]) -> Batch:
+        """Returns the `Batch` of examples `indices` (1..B of them), then padding.
+
+        Raises:
+          ValueError: no index, more than B, or an index out of range.
+          JaggedError: a capacity overflow.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        n, b = idx.shape[0], self.batch_size
+        if not 1 <= n <= b:
+            raise ValueError(f"a batch takes 1..{b} examples, got {n}")
+        if idx.min() < 0 or idx.max() >= len(self.examples):
+            raise ValueError(f"example index out of range [0, {len(self.examples)}): {idx.min()}..{idx.max()}")
+        log, ex = self.log, self.examples
+        target = ex.target_event[idx]
+        lengths = ex.history_length[idx].astype(np.int64)
+        offsets = np.zeros(b + 1, np.int32)
+        np.cumsum(lengths, out=offsets[1 : n + 1])
+        total = int(offsets[n])
+        offsets[n + 1 :] = total
+        capacity = pick_capacity(total, self.capacities)
+
+        rows = np.repeat(target - lengths - offsets[:n], lengths) + np.arange(total)
+        values = np.zeros((capacity, len(HistoryField)), np.int32)
+        values[:total, HistoryField.ITEM] = log.item[rows]
+        values[:total, HistoryField.ACTION] = log.action[rows]
+        age = np.repeat(log.timestamp[target], lengths) - log.timestamp[rows]
+        values[:total, HistoryField.TIME_BUCKET] = time_bucket(age, self.spec.num_time_buckets)
+
+        user_id = log.user[target]
+        user = np.full((b, len(UserField)), PAD_ID, np.int32)
+        user[:n, UserField.USER] = user_id
+        user[:n, UserField.AGE :] = log.user_features[user_id]
+        candidate = np.full(b, PAD_ID, np.int32)
+        candidate[:n] = ex.candidate[idx]
+        genres = np.zeros((b, self.spec.num_genres), np.float32)
+        genres[:n] = log.item_genres[candidate[:n]]
+        labels = np.zeros((b, 2), np.float32)
+        labels[:n] = ex.labels[idx]
+        weights = np.zeros(b, np.float32)
+        weights[:n] = 1.0
+        batch = Batch(
+            history=Jagged(values, offsets, self.spec.max_seq_len),
+            user=user,
+            candidate_item=candidate,
+            candidate_genres=genres,
+            labels=labels,
+            weights=weights,
+        )
+        validate_ids(batch, self.spec)
+        return batch

@@ -1,0 +1,102 @@
+"""Configuration of the data pipeline: which source, how to split and batch it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from gem_jax.data.rows import OnBadRow
+
+
+class Source(enum.Enum):
+    """The data sets `load_dataset` knows."""
+
+    ML_LATEST_SMALL = "ml_latest_small"
+    ML_100K = "ml_100k"
+    AMAZON_BEAUTY = "amazon_beauty"
+    SYNTHETIC = "synthetic"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticConfig:
+    """Shape of the synthetic source (used only with `Source.SYNTHETIC`).
+
+    Attributes:
+      num_items, num_users: vocabulary sizes including PAD_ID.
+      num_genres: multi-hot width.
+      num_train_examples, num_eval_examples: size of the (virtual) splits.
+      median_length_fraction: median history length as a fraction of max_seq_len.
+      length_sigma: sigma of the lognormal length distribution (the tail).
+    """
+
+    num_items: int = 100_000
+    num_users: int = 10_000
+    num_genres: int = 20
+    num_train_examples: int = 1_000_000
+    num_eval_examples: int = 10_000
+    median_length_fraction: float = 0.1
+    length_sigma: float = 1.0
+
+    def __post_init__(self):
+        for name in ("num_items", "num_users"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"synthetic {name} must be >= 2 (PAD_ID plus one id), got {getattr(self, name)}")
+        for name in ("num_genres", "num_train_examples", "num_eval_examples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"synthetic {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.median_length_fraction <= 1.0:
+            raise ValueError(f"median_length_fraction must be in (0, 1], got {self.median_length_fraction}")
+        if self.length_sigma < 0:
+            raise ValueError(f"length_sigma must be >= 0, got {self.length_sigma}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Everything `load_dataset` needs.
+
+    Attributes:
+      source: which data set.
+      path: its folder; None for the default (`gem_jax.data.paths.default_path`).
+      max_seq_len: history bound; longer histories keep the most recent events.
+      eval_fraction: share of each user's latest events held out (`split_by_time`).
+      batch_size: static B of every batch.
+      seed: seeds the per-epoch shuffle (unless `train_iterator` gets its own)
+        and, for sampled-candidate sources, the candidate sampling.
+      on_bad_row: RAISE on the first malformed row, or SKIP and count.
+      num_time_buckets: time-bucket vocabulary size including PAD_ID.
+      capacity_fractions: token capacities are `B * max_seq_len * f`, rounded
+        up to a multiple of 128, for each f in (0, 1] (1 must be among them);
+        a batch takes the smallest that holds its history rows.
+      prefetch_batches: batches built ahead in a background thread (0: none).
+      synthetic: shape of the synthetic source.
+    """
+
+    source: Source = Source.ML_LATEST_SMALL
+    path: str | None = None
+    max_seq_len: int = 200
+    eval_fraction: float = 0.1
+    batch_size: int = 256
+    seed: int = 0
+    on_bad_row: OnBadRow = OnBadRow.RAISE
+    num_time_buckets: int = 32
+    capacity_fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 0.75, 1.0)
+    prefetch_batches: int = 2
+    synthetic: SyntheticConfig = SyntheticConfig()
+
+    def __post_init__(self):
+        if not isinstance(self.source, Source):
+            raise TypeError(f"source must be a Source, got {self.source!r}")
+        if not isinstance(self.on_bad_row, OnBadRow):
+            raise TypeError(f"on_bad_row must be an OnBadRow, got {self.on_bad_row!r}")
+        if self.max_seq_len < 1 or self.batch_size < 1:
+            raise ValueError(f"max_seq_len and batch_size must be >= 1, got {self.max_seq_len}, {self.batch_size}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.num_time_buckets < 2:
+            raise ValueError(f"num_time_buckets must be >= 2, got {self.num_time_buckets}")
+        if self.prefetch_batches < 0:
+            raise ValueError(f"prefetch_batches must be >= 0, got {self.prefetch_batches}")
+        if 1.0 not in self.capacity_fractions or not all(0.0 < f <= 1.0 for f in self.capacity_fractions):
+            raise ValueError(f"capacity_fractions must be in (0, 1] and include 1, got {self.capacity_fractions}")

@@ -1,0 +1,326 @@
+"""`load_dataset`: the one entry point from a `DataConfig` to grain batch iterators.
+
+For a file-backed source: read the event log, split it by time per user,
+build the train and eval examples (index arrays), and wrap them in grain
+datasets:
+
+    train: ShuffledBatchIndices(E_train, B, seed, epochs).map(batch_builder)
+    eval:  ShuffledBatchIndices(E_eval, B, None, 1).map(batch_builder)
+
+Shuffling is a seeded permutation per epoch; each epoch is batched on its own,
+and its last, partial batch is filled with weight-0 padding examples, so every
+example is seen once per epoch and nothing is dropped. The train iterator is grain's `DatasetIterator`: its
+`get_state()` / `set_state()` restore the exact position, so a resumed run
+yields exactly the remaining batches.
+
+Labels per source (`Task.PRIMARY`, `Task.SECONDARY`):
+- ml-latest-small: rating >= 4, rating >= 4.5.
+- ml-100k: rating >= 4, rating == 5.
+- amazon-beauty: the candidate is the next item; the candidate is among the
+  next 5 items (sampled candidates, `next_item_examples`).
+- synthetic: see `gem_jax.data.synthetic`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from gem_jax.data.amazon_beauty import read_amazon_beauty
+from gem_jax.data.batch import Batch, FeatureSpec, Task
+from gem_jax.data.collate import BatchBuilder, capacity_buckets
+from gem_jax.data.config import DataConfig, Source, SyntheticConfig
+from gem_jax.data.events import EventLog
+from gem_jax.data.examples import Examples, next_item_examples, rating_examples
+from gem_jax.data.movielens_100k import read_ml_100k
+from gem_jax.data.movielens_small import read_ml_latest_small
+from gem_jax.data.paths import default_path
+from gem_jax.data.rows import OnBadRow, SkippedRows
+from gem_jax.data.sampling import ShuffledBatchIndices
+from gem_jax.data.split import Split, split_by_time
+from gem_jax.data.synthetic import (
+    EVAL_STREAM,
+    TRAIN_STREAM,
+    SyntheticBatchBuilder,
+    synthetic_item_mean_labels,
+    synthetic_spec,
+)
+
+__all__ = ["DataConfig", "Dataset", "DatasetInfo", "OnBadRow", "Source", "SyntheticConfig", "load_dataset"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    """What a loaded data set holds, for logs and reports.
+
+    Attributes:
+      name: data set name.
+      label_names: meaning of the PRIMARY and SECONDARY labels.
+      num_events, num_users, num_items: events and distinct users / items
+        (without PAD_ID); 0 events for the synthetic source.
+      num_train_examples, num_eval_examples: examples per split.
+      train_positive_rate, eval_positive_rate: mean label per task.
+      skipped: rows left out under `OnBadRow.SKIP`.
+      notes: other facts from the reader.
+    """
+
+    name: str
+    label_names: tuple[str, str]
+    num_events: int
+    num_users: int
+    num_items: int
+    num_train_examples: int
+    num_eval_examples: int
+    train_positive_rate: tuple[float, float]
+    eval_positive_rate: tuple[float, float]
+    skipped: tuple[SkippedRows, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        lines = [
+            f"{self.name}: {self.num_events} events, {self.num_users} users, {self.num_items} items; "
+            f"{self.num_train_examples} train / {self.num_eval_examples} eval examples",
+        ]
+        for task, label in zip(Task, self.label_names):
+            lines.append(
+                f"  {task.name.lower()} label: {label} "
+                f"(positive rate train {self.train_positive_rate[task]:.3f}, eval {self.eval_positive_rate[task]:.3f})"
+            )
+        lines += [f"  {s}" for s in self.skipped] + [f"  {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A split data set with static-shape batch iterators.
+
+    Attributes:
+      spec: vocabulary sizes and `max_seq_len` of every batch.
+      info: counts and label meanings.
+      batch_size: static B.
+      capacities: the token capacities (`T_cap`) a batch can have.
+      seed: default shuffle seed of `train_iterator`.
+      prefetch_batches: batches built ahead in a background thread.
+      train_batch: builds the `Batch` of a list of train example indices.
+      eval_batch: builds the `Batch` of a list of eval example indices.
+      item_mean_labels: float32 `[num_items, 2]`: mean train label of each
+        candidate item (the train mean where an item is never a train
+        candidate); the item-popularity baseline scores `[candidate_item]`.
+    """
+
+    spec: FeatureSpec
+    info: DatasetInfo
+    batch_size: int
+    capacities: tuple[int, ...]
+    seed: int
+    prefetch_batches: int
+    train_batch: Callable[[Sequence[int]], Batch]
+    eval_batch: Callable[[Sequence[int]], Batch]
+    item_mean_labels: np.ndarray
+
+    @property
+    def task_names(self) -> tuple[str, str]:
+        """Short names of the two tasks, in `Task` order ("primary", "secondary"); meanings in `info.label_names`."""
+        return tuple(task.name.lower() for task in Task)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Train batches per epoch (the last one padded)."""
+        return -(-self.info.num_train_examples // self.batch_size)
+
+    @property
+    def num_eval_batches(self) -> int:
+        return -(-self.info.num_eval_examples // self.batch_size)
+
+    def _read_options(self) -> grain.ReadOptions:
+        threads = 1 if self.prefetch_batches else 0
+        return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=self.prefetch_batches)
+
+    def train_dataset(self, seed: int | None = None, num_epochs: int | None = None) -> grain.MapDataset:
+        """grain `MapDataset` of train `Batch`es: epoch after epoch, each shuffled.
+
+        Args:
+          seed: shuffle seed (default `self.seed`).
+          num_epochs: None repeats forever.
+        """
+        seed = self.seed if seed is None else seed
+        return ShuffledBatchIndices(self.info.num_train_examples, self.batch_size, seed, num_epochs).map(self.train_batch)
+
+    def train_iterator(self, seed: int | None = None, num_epochs: int | None = None) -> grain.DatasetIterator:
+        """Checkpointable iterator over train `Batch`es (numpy leaves).
+
+        `it.get_state()` is a small dict; `set_state(state)` on a fresh
+        iterator of the same data set, seed and epochs continues with exactly
+        the batches the saved one had not yet returned.
+        """
+        return iter(self.train_dataset(seed, num_epochs).to_iter_dataset(self._read_options()))
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """Every eval example exactly once, in a fixed order; the last batch padded."""
+        ds = ShuffledBatchIndices(self.info.num_eval_examples, self.batch_size, None, 1).map(self.eval_batch)
+        return iter(ds.to_iter_dataset(self._read_options()))
+
+    def item_mean_label(self, task: Task = Task.PRIMARY) -> np.ndarray:
+        """float32 `[num_items]`: the item-popularity baseline score of each candidate item."""
+        return self.item_mean_labels[:, task]
+
+
+def item_mean_labels(examples: Examples, num_items: int) -> np.ndarray:
+    """float32 `[num_items, 2]`: mean label per candidate item; the overall mean where unseen."""
+    counts = np.bincount(examples.candidate, minlength=num_items)
+    table = np.empty((num_items, 2), np.float32)
+    for task in Task:
+        sums = np.bincount(examples.candidate, weights=examples.labels[:, task], minlength=num_items)
+        overall = examples.labels[:, task].mean() if len(examples) else 0.0
+        table[:, task] = np.where(counts > 0, sums / np.maximum(counts, 1), overall)
+    return table
+
+
+def _rating_builder(thresholds: tuple[float, float]):
+    def build(log: EventLog, split: Split, targets: np.ndarray, config: DataConfig) -> Examples:
+        return rating_examples(log, targets, max_seq_len=config.max_seq_len, thresholds=thresholds)
+
+    return build
+
+
+def _next_item_builder(log: EventLog, split: Split, targets: np.ndarray, config: DataConfig, stream: int) -> Examples:
+    return next_item_examples(log, split, targets, max_seq_len=config.max_seq_len, seed=(config.seed, stream))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileSource:
+    reader: Callable[[str | os.PathLike, OnBadRow], EventLog]
+    build_train: Callable[[EventLog, Split, np.ndarray, DataConfig], Examples]
+    build_eval: Callable[[EventLog, Split, np.ndarray, DataConfig], Examples]
+    label_names: tuple[str, str]
+
+
+_ML_SMALL_LABELS = _rating_builder((4.0, 4.5))
+_ML_100K_LABELS = _rating_builder((4.0, 5.0))
+_FILE_SOURCES = {
+    Source.ML_LATEST_SMALL: _FileSource(read_ml_latest_small, _ML_SMALL_LABELS, _ML_SMALL_LABELS, ("rating >= 4", "rating >= 4.5")),
+    Source.ML_100K: _FileSource(read_ml_100k, _ML_100K_LABELS, _ML_100K_LABELS, ("rating >= 4", "rating == 5")),
+    Source.AMAZON_BEAUTY: _FileSource(
+        read_amazon_beauty,
+        functools.partial(_next_item_builder, stream=0),
+        functools.partial(_next_item_builder, stream=1),
+        ("candidate is the next item", "candidate is among the next 5 items"),
+    ),
+}
+
+
+def _mean_rate(examples: Examples) -> tuple[float, float]:
+    if not len(examples):
+        return (0.0, 0.0)
+    rate = examples.labels.mean(axis=0)
+    return (float(rate[Task.PRIMARY]), float(rate[Task.SECONDARY]))
+
+
+def _load_file_source(config: DataConfig, capacities: tuple[int, ...]) -> Dataset:
+    source = _FILE_SOURCES[config.source]
+    path = Path(config.path) if config.path is not None else default_path(config.source)
+    log = source.reader(path, config.on_bad_row)
+    for skipped in log.skipped:
+        logger.warning("%s", skipped)
+    split = split_by_time(log, config.eval_fraction)
+    train = source.build_train(log, split, split.train_targets, config)
+    evals = source.build_eval(log, split, split.eval_targets, config)
+    if not len(train) or not len(evals):
+        raise ValueError(f"{log.name}: the split left {len(train)} train and {len(evals)} eval examples; both must be > 0")
+    spec = FeatureSpec(
+        num_items=log.num_items,
+        num_users=log.num_users,
+        num_actions=log.num_actions,
+        num_time_buckets=config.num_time_buckets,
+        num_genres=log.num_genres,
+        num_ages=log.num_ages,
+        num_genders=log.num_genders,
+        num_occupations=log.num_occupations,
+        max_seq_len=config.max_seq_len,
+    )
+    info = DatasetInfo(
+        name=log.name,
+        label_names=source.label_names,
+        num_events=log.num_events,
+        num_users=int(np.count_nonzero(np.diff(log.user_offsets))),
+        num_items=int(np.unique(log.item).shape[0]),
+        num_train_examples=len(train),
+        num_eval_examples=len(evals),
+        train_positive_rate=_mean_rate(train),
+        eval_positive_rate=_mean_rate(evals),
+        skipped=log.skipped,
+        notes=log.notes,
+    )
+    return Dataset(
+        spec=spec,
+        info=info,
+        batch_size=config.batch_size,
+        capacities=capacities,
+        seed=config.seed,
+        prefetch_batches=config.prefetch_batches,
+        train_batch=BatchBuilder(log, train, spec, config.batch_size, capacities),
+        eval_batch=BatchBuilder(log, evals, spec, config.batch_size, capacities),
+        item_mean_labels=item_mean_labels(train, log.num_items),
+    )
+
+
+def _load_synthetic(config: DataConfig, capacities: tuple[int, ...]) -> Dataset:
+    syn = config.synthetic
+    spec = synthetic_spec(syn, config.max_seq_len, config.num_time_buckets)
+    table = synthetic_item_mean_labels(config.seed, syn.num_items)
+    expected = (float(table[1:, 0].mean()), float(table[1:, 1].mean()))
+    info = DatasetInfo(
+        name="synthetic",
+        label_names=("Bernoulli(sigmoid(item logit))", "primary and a fair coin"),
+        num_events=0,
+        num_users=syn.num_users - 1,
+        num_items=syn.num_items - 1,
+        num_train_examples=syn.num_train_examples,
+        num_eval_examples=syn.num_eval_examples,
+        train_positive_rate=expected,
+        eval_positive_rate=expected,
+    )
+    build = functools.partial(SyntheticBatchBuilder, syn, spec, config.batch_size, capacities, config.seed)
+    return Dataset(
+        spec=spec,
+        info=info,
+        batch_size=config.batch_size,
+        capacities=capacities,
+        seed=config.seed,
+        prefetch_batches=config.prefetch_batches,
+        train_batch=build(TRAIN_STREAM),
+        eval_batch=build(EVAL_STREAM),
+        item_mean_labels=table,
+    )
+
+
+def load_dataset(config: DataConfig) -> Dataset:
+    """Loads, splits and wraps a data set for training and evaluation.
+
+    Args:
+      config: the `DataConfig`.
+
+    Returns:
+      A `Dataset`: `spec`, `info`, `train_iterator(seed, num_epochs)`,
+      `eval_batches()`, `item_mean_label(task)`.
+
+    Raises:
+      BadRowError: a malformed row under `OnBadRow.RAISE` (file and line named).
+      DataFormatError: an unusable file.
+      FileNotFoundError: a missing file or folder.
+      ValueError: a split without train or eval examples.
+    """
+    capacities = capacity_buckets(config.batch_size, config.max_seq_len, config.capacity_fractions)
+    if config.source is Source.SYNTHETIC:
+        return _load_synthetic(config, capacities)
+    return _load_file_source(config, capacities)

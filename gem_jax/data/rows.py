@@ -1,0 +1,103 @@
+"""Malformed input rows: raise with the file and line, or skip and count.
+
+Every reader takes an `OnBadRow` policy and reports each bad row through a
+`RowChecker`. Under `OnBadRow.RAISE` (the default) the first bad row raises a
+`BadRowError` that names the file, the line (or JSON key) and what is wrong.
+Under `OnBadRow.SKIP` the row is left out and counted per file and kind, and
+the counts travel with the data (`EventLog.skipped`) so nothing is dropped
+silently. Blank lines are not rows and are ignored by every reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+
+
+class OnBadRow(enum.Enum):
+    """What a reader does with a malformed row."""
+
+    RAISE = "raise"
+    SKIP = "skip"
+
+
+class BadRowKind(enum.Enum):
+    """Why a row was rejected."""
+
+    FIELD_COUNT = "wrong number of fields"
+    NOT_A_NUMBER = "not a number"
+    OUT_OF_RANGE = "value out of range"
+    BAD_VALUE = "invalid value"
+    UNKNOWN_ID = "unknown id"
+    DUPLICATE_ID = "duplicate id"
+
+
+class DataFormatError(ValueError):
+    """A whole file is unusable (wrong header, bad JSON, no rows); never skipped."""
+
+
+class BadRowError(ValueError):
+    """One malformed row, raised under `OnBadRow.RAISE`.
+
+    Attributes:
+      path: the file.
+      location: where in the file, e.g. "line 17" or 'key "123"'.
+      kind: a `BadRowKind`.
+      detail: what was found and what was expected.
+    """
+
+    def __init__(self, path: str, location: str, kind: BadRowKind, detail: str):
+        super().__init__(f"{path}, {location}: {kind.value}: {detail}")
+        self.path = path
+        self.location = location
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedRows:
+    """How many rows of one kind were skipped in one file under `OnBadRow.SKIP`."""
+
+    path: str
+    kind: BadRowKind
+    count: int
+    first_location: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: skipped {self.count} row(s), {self.kind.value} (first at {self.first_location})"
+
+
+class RowChecker:
+    """Applies an `OnBadRow` policy to the rows of one file.
+
+    Args:
+      path: the file, as it should appear in messages.
+      on_bad_row: the policy.
+    """
+
+    def __init__(self, path: str | os.PathLike, on_bad_row: OnBadRow):
+        if not isinstance(on_bad_row, OnBadRow):
+            raise TypeError(f"on_bad_row must be an OnBadRow, got {on_bad_row!r}")
+        self.path = str(path)
+        self.on_bad_row = on_bad_row
+        self._counts: dict[BadRowKind, int] = {}
+        self._first: dict[BadRowKind, str] = {}
+
+    def bad(self, location: str | int, kind: BadRowKind, detail: str) -> None:
+        """Reports a bad row; `location` is a 1-based line number or a description.
+
+        Raises:
+          BadRowError: under `OnBadRow.RAISE`.
+        """
+        where = f"line {location}" if isinstance(location, int) else location
+        if self.on_bad_row is OnBadRow.RAISE:
+            raise BadRowError(self.path, where, kind, detail)
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self._first.setdefault(kind, where)
+
+    def skipped(self) -> tuple[SkippedRows, ...]:
+        """The skipped-row counts of this file, one entry per kind, in `BadRowKind` order."""
+        return tuple(
+            SkippedRows(self.path, kind, self._counts[kind], self._first[kind]) for kind in BadRowKind if kind in self._counts
+        )
