@@ -1,0 +1,148 @@
+"""Pure-jnp MXFP8 block quantization and block-scaled matmul: the semantic spec and the "xla" path.
+
+A 2-D tensor `x [R, C]` is cut into `block = (br, bc)` tiles (the last row/column tiles may be
+partial). Each tile gets one E8M0 power-of-two scale (rule in formats.py) and its elements
+are stored as FP8 E4M3 `x / scale`, rounded to nearest-even or stochastically. With square
+32x32 tiles the transpose of `(data, scales)` is exactly the quantization of `x.T`, so a
+backward pass reuses the forward quantization (Hopper still needs the transposed bytes
+physically, since its FP8 MMA reads only K-major operands).
+
+Sources: OCP Microscaling Formats (MX) v1.0 (2023) for E8M0/E4M3 and block scaling;
+NVIDIA, "Recipes for Pre-training LLMs with MXFP8" (arXiv:2506.08027) for the round-up
+scale rule; GEM engineering description (Meta, 2025) for 32x32 square blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mxfp8 import formats
+
+
+class Rounding(enum.StrEnum):
+    NEAREST = "nearest"  # round to nearest, ties to even
+    STOCHASTIC = "stochastic"  # unbiased: E[q(v)] = v for |v| <= 448
+
+
+def check_block(block, name: str = "block") -> tuple[int, int]:
+    """Validates a `(rows, cols)` block shape of positive ints.
+
+    Raises:
+      ValueError: not a pair of positive ints.
+    """
+    if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{name} must be a pair of positive ints (rows, cols), got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def check_rounding(rounding, key) -> Rounding:
+    """Parses `rounding`; stochastic rounding needs a PRNG key.
+
+    Raises:
+      ValueError: unknown rounding name, or stochastic rounding without a key.
+    """
+    try:
+        rounding = Rounding(rounding)
+    except ValueError:
+        raise ValueError(f"unknown rounding {rounding!r}; expected one of {[r.value for r in Rounding]}") from None
+    if rounding is Rounding.STOCHASTIC and key is None:
+        raise ValueError('rounding="stochastic" needs a PRNG key (key=jax.random.key(...))')
+    return rounding
+
+
+def _to_blocks(x: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """`[R, C]` -> zero-padded `[R/br, br, C/bc, bc]` float32."""
+    (r, c), (br, bc) = x.shape, block
+    rp, cp = math.ceil(r / br) * br, math.ceil(c / bc) * bc
+    xf = jnp.pad(x.astype(jnp.float32), ((0, rp - r), (0, cp - c)))
+    return xf.reshape(rp // br, br, cp // bc, bc)
+
+
+def _from_blocks(xb: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    nr, br, nc, bc = xb.shape
+    return xb.reshape(nr * br, nc * bc)[: shape[0], : shape[1]]
+
+
+def round_stochastic_e4m3(v: jax.Array, key: jax.Array) -> jax.Array:
+    """Unbiased stochastic rounding of float32 `v` (|v| <= 448) onto the E4M3 grid, as float8_e4m3fn.
+
+    The grid spacing is `ulp = 2**(max(floor(log2|v|), -6) - 3)` (normal and subnormal
+    E4M3), and `q = floor(v / ulp + u) * ulp` with `u ~ U[0, 1)`, so `E[q] = v` exactly;
+    the final cast is exact. (Adding noise to fp32 mantissa bits instead is biased in
+    the E4M3 subnormal range.)
+    """
+    _, e = jnp.frexp(jnp.abs(v))
+    ulp_exp = jnp.maximum(e - 1, formats.E4M3_MIN_NORMAL_EXP) - formats.E4M3_MANTISSA_BITS
+    u = jax.random.uniform(key, v.shape, jnp.float32)
+    q = jnp.floor(v * formats.exp2_f32(-ulp_exp) + u) * formats.exp2_f32(ulp_exp)
+    return jnp.clip(q, -formats.E4M3_MAX, formats.E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def quantize_blocks(xb: jax.Array, rounding: Rounding, key) -> tuple[jax.Array, jax.Array]:
+    """Quantizes float32 blocks `[nr, br, nc, bc]`; returns (E4M3 data, E8M0 scales `[nr, nc]`)."""
+    nonfinite = jnp.any(~jnp.isfinite(xb), axis=(1, 3))
+    amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=(1, 3))
+    exp = formats.scale_exponent(amax)
+    v = xb * formats.exp2_f32(-exp)[:, None, :, None]  # exact: power-of-two scaling, |v| <= 448
+    if rounding is Rounding.STOCHASTIC:
+        data = round_stochastic_e4m3(v, key)
+    else:
+        data = jnp.clip(v, -formats.E4M3_MAX, formats.E4M3_MAX).astype(jnp.float8_e4m3fn)
+    data = jnp.where(nonfinite[:, None, :, None], jnp.float8_e4m3fn(jnp.nan), data)
+    return data, formats.encode_e8m0(exp, nan=nonfinite)
+
+
+def quantize(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None) -> tuple[jax.Array, jax.Array]:
+    """Block-scaled FP8 quantization of `x [R, C]`; see `pallas_kernels.mxfp8.quantize_mxfp8`."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [R, C], got shape {x.shape}")
+    block = check_block(block)
+    rounding = check_rounding(rounding, key)
+    data, scales = quantize_blocks(_to_blocks(x, block), rounding, key)
+    return _from_blocks(data, x.shape), scales
+
+
+def expand_scales(scales: jax.Array, shape: tuple[int, int], block: tuple[int, int]) -> jax.Array:
+    """float32 `[R, C]`: each element's scale, from E8M0 `scales [ceil(R/br), ceil(C/bc)]`.
+
+    Raises:
+      ValueError: `scales` has the wrong shape or dtype for `shape` and `block`.
+    """
+    (r, c), (br, bc) = shape, check_block(block)
+    want = (math.ceil(r / br), math.ceil(c / bc))
+    if scales.shape != want:
+        raise ValueError(f"scales of shape {scales.shape} do not match data {shape} with block {block}: want {want}")
+    s = formats.decode_e8m0(scales)
+    return jnp.repeat(jnp.repeat(s, br, axis=0), bc, axis=1)[:r, :c]
+
+
+def dequantize(data: jax.Array, scales: jax.Array, *, block=(32, 32), dtype=jnp.float32) -> jax.Array:
+    """`data * scale` per block, in `dtype`; see `pallas_kernels.mxfp8.dequantize_mxfp8`."""
+    if data.ndim != 2 or data.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"data must be 2-D float8_e4m3fn, got {data.dtype} {data.shape}")
+    return (data.astype(jnp.float32) * expand_scales(scales, data.shape, block)).astype(dtype)
+
+
+def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """float32 `x * rsqrt(mean(x**2, -1) + eps) * weight` over the last axis."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
+
+
+def rmsnorm_quantize(x, weight, *, eps=1e-6, block=(32, 32), rounding="nearest", key=None):
+    """RMSNorm of the rows of `x [R, C]` then `quantize`; see `rmsnorm_quantize_mxfp8`."""
+    if x.ndim != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"x must be [R, C] and weight [C]; got {x.shape} and {weight.shape}")
+    return quantize(rmsnorm(x, weight, eps), block=block, rounding=rounding, key=key)
+
+
+def matmul(a, a_scales, b, b_scales, *, a_block, b_block, out_dtype=jnp.bfloat16) -> jax.Array:
+    """`dequantize(a) @ dequantize(b).T` in float32 (HIGHEST precision), cast to `out_dtype`."""
+    af = dequantize(a, a_scales, block=a_block)
+    bf = dequantize(b, b_scales, block=b_block)
+    out = jnp.dot(af, bf.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
