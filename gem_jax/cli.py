@@ -1,0 +1,24 @@
+"""Command-line entry points."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+
+def train_main(argv: list[str] | None = None) -> None:
+    """`gem-train --config configs/movielens.py --workdir runs/demo [--stop-after-steps N]`."""
+    parser = argparse.ArgumentParser(prog="gem-train", description="Train a GEM-style model; resumes from the workdir's latest checkpoint.")
+    parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
+    parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard logs")
+    parser.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after N steps of this run")
+    args = parser.parse_args(argv)
+
+    from gem_jax.config import load_config
+    from gem_jax.train.loop import train_and_evaluate
+
+    config = load_config(args.config)
+    devices = jax.devices()
+    print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    train_and_evaluate(config, args.workdir, stop_after_steps=args.stop_after_steps)

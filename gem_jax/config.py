@@ -1,0 +1,64 @@
+"""The one configuration schema of a training job.
+
+Config files in `configs/` are Python modules with `get_config() -> TrainConfig`. Only the
+training entry point sees a whole `TrainConfig`; every module takes its own part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+from gem_jax.data.pipeline import DataConfig
+from gem_jax.model.config import ModelConfig
+from gem_jax.parallel.mesh import Topology
+from gem_jax.parallel.rules import DATA_PARALLEL_RULES, Rules
+from gem_jax.train.checkpoint import CheckpointConfig
+from gem_jax.train.optimizer import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Attributes:
+    num_steps: optimizer steps of the whole run.
+    log_every: steps between train-metric records (stdout, JSONL, TensorBoard).
+    eval_every: steps between evaluations (0: only at the end).
+    seed: parameter-init seed (the data order has its own seed in `DataConfig`).
+    """
+
+    num_steps: int = 1000
+    log_every: int = 25
+    eval_every: int = 0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    data: DataConfig
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    loop: LoopConfig = LoopConfig()
+    topology: Topology = Topology()
+    rules: Rules = DATA_PARALLEL_RULES
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Imports a config file and returns its `get_config()`.
+
+    Raises:
+      FileNotFoundError: no such file.
+      TypeError: the file has no `get_config` returning a `TrainConfig`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} not found")
+    spec = importlib.util.spec_from_file_location(f"gem_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    get_config = getattr(module, "get_config", None)
+    config = get_config() if callable(get_config) else None
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"{path}: get_config() must return a gem_jax.config.TrainConfig, got {type(config).__name__}")
+    return config

@@ -1,0 +1,164 @@
+"""The training loop: sharded state, jitted steps, eval, checkpoints, metrics, MFU."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from gem_jax.config import TrainConfig
+from gem_jax.data.batch import Batch, validate_ids
+from gem_jax.data.pipeline import Dataset, load_dataset
+from gem_jax.model.gem import GEMModel
+from gem_jax.parallel import rules as rules_lib
+from gem_jax.parallel.mesh import make_mesh
+from gem_jax.train import flops as flops_lib
+from gem_jax.train.baseline import item_mean_label_auc
+from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train.metric_log import MetricLogger
+from gem_jax.train.metrics import EvalAccumulator
+from gem_jax.train.optimizer import make_optimizer
+from gem_jax.train.state import create_train_state
+from gem_jax.train.step import make_eval_step, make_train_step
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss or gradient norm became NaN or Inf."""
+
+
+def batch_shardings(batch: Batch, mesh, rules) -> Batch:
+    """Where each batch leaf lives: the jagged history and per-example arrays replicated (one data shard)."""
+    return jax.tree.map(lambda _: rules_lib.replicated(mesh), batch)
+
+
+def evaluate(eval_step, params, dataset: Dataset, sharding) -> dict[str, float]:
+    """Runs the model over every eval example once; per-task AUC, NE and BCE."""
+    acc = EvalAccumulator(dataset.task_names)
+    for batch in dataset.eval_batches():
+        logits = eval_step(params, jax.device_put(batch, sharding))
+        acc.add(logits, batch.labels, batch.weights)
+    return acc.result()
+
+
+def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_steps: int | None = None) -> dict:
+    """Trains `config` in `workdir`, resuming from its latest checkpoint if any.
+
+    Args:
+      config: the whole job.
+      workdir: checkpoints, `metrics.jsonl` and TensorBoard logs go here.
+      stop_after_steps: stop this run after so many steps (a checkpoint is saved),
+        as a preemption would; the same call again resumes.
+
+    Returns:
+      The final summary record (eval metrics, baseline AUC, throughput).
+
+    Raises:
+      NonFiniteLossError: the loss or gradient norm became non-finite (the step
+        window is named).
+    """
+    workdir = Path(workdir)
+    dataset = load_dataset(config.data)
+    spec = dataset.spec
+    mesh = make_mesh(config.topology)
+    optimizer = make_optimizer(config.optim)
+    state, setup = create_train_state(
+        lambda rngs: GEMModel(spec, config.model, rngs=rngs), optimizer, mesh, config.rules, config.loop.seed
+    )
+    train_iter = dataset.train_iterator()
+    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
+    start = checkpointer.latest_step() or 0
+    if start:
+        state = checkpointer.restore(start, setup.abstract, train_iter)
+
+    logger = MetricLogger(workdir)
+    flop_model = flops_lib.flop_model(config.model, spec)
+    peak = flops_lib.peak_flops()
+    first = next(iter(dataset.eval_batches()))
+    sharding = batch_shardings(first, mesh, config.rules)
+    train_step = make_train_step(setup, optimizer, sharding)
+    eval_step = make_eval_step(setup, sharding)
+
+    num_steps = config.loop.num_steps
+    last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
+    window_metrics, window_flops, window_examples = [], 0.0, 0
+    window_start, train_seconds, train_flops, train_examples = time.perf_counter(), 0.0, 0.0, 0
+    record: dict = {}
+    progress = tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    for step in range(start, last_step):
+        batch = next(train_iter)
+        validate_ids(batch, spec, where=f"train batch {step}")
+        real = np.asarray(batch.weights) > 0
+        lengths = np.diff(np.asarray(batch.history.offsets))[real]
+        window_flops += flop_model.train(lengths)
+        window_examples += int(real.sum())
+        state, step_metrics = train_step(state, jax.device_put(batch, sharding))
+        window_metrics.append(step_metrics)
+        done = step + 1
+        if done % config.loop.log_every == 0 or done == last_step:
+            fetched = jax.device_get(window_metrics)
+            elapsed = time.perf_counter() - window_start
+            record = _train_record(fetched, dataset.task_names, elapsed, window_flops, window_examples, peak)
+            if not all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in fetched):
+                raise NonFiniteLossError(f"non-finite loss or gradient norm in steps {done - len(fetched) + 1}..{done}")
+            logger.log(done, "train", record)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
+            train_seconds, train_flops, train_examples = train_seconds + elapsed, train_flops + window_flops, train_examples + window_examples
+            window_metrics, window_flops, window_examples = [], 0.0, 0
+            window_start = time.perf_counter()
+        checkpointer.save(done, state, train_iter)
+        if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
+            eval_record = evaluate(eval_step, state.params, dataset, sharding)
+            logger.log(done, "eval", eval_record)
+            tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
+            window_start = time.perf_counter()
+        progress.update(1)
+    progress.close()
+
+    final_step = last_step
+    if checkpointer.latest_step() != final_step:
+        checkpointer.save(final_step, state, train_iter, force=True)
+    checkpointer.close()
+    summary = {"step": final_step, "finished": final_step == num_steps}
+    if final_step == num_steps:
+        summary.update(evaluate(eval_step, state.params, dataset, sharding))
+        summary.update(item_mean_label_auc(dataset))
+        logger.log(final_step, "eval", summary)
+    if train_seconds:
+        summary["train_examples_per_s"] = train_examples / train_seconds
+        summary["train_tflops_per_s"] = train_flops / train_seconds / 1e12
+        if peak:
+            summary["mfu"] = train_flops / train_seconds / peak
+    summary.update({k: v for k, v in record.items() if k in ("loss",)})
+    logger.log(final_step, "summary", summary)
+    logger.close()
+    print_summary(summary)
+    return summary
+
+
+def _train_record(window: list[dict], task_names, elapsed: float, flops: float, examples: int, peak: float | None) -> dict:
+    mean = {k: np.mean([np.asarray(m[k]) for m in window], axis=0) for k in window[0]}
+    record = {"loss": float(mean["loss"]), "grad_norm": float(mean["grad_norm"])}
+    for k, name in enumerate(task_names):
+        record[f"bce_{name}"] = float(mean["bce"][k])
+        record[f"ne_{name}"] = float(mean["ne"][k])
+    record["examples_per_s"] = examples / elapsed
+    record["tflops_per_s"] = flops / elapsed / 1e12
+    if peak:
+        record["mfu"] = flops / elapsed / peak
+    return record
+
+
+def print_summary(summary: dict) -> None:
+    """Prints the summary record as a two-column table."""
+    table = Table(title="gem-jax run summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)

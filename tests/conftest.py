@@ -1,0 +1,24 @@
+"""Test-wide settings: CPU only, float32 matmuls at full precision, real paths."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """`../shared/data` beside the repo (override with GEM_SHARED_DATA)."""
+    return Path(os.environ.get("GEM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))

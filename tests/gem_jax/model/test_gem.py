@@ -1,0 +1,107 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gem_jax.data.batch import Batch, FeatureSpec, HistoryField
+from gem_jax.jagged import from_lengths
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.gem import GEMModel
+from gem_jax.model.layers import apply_rope
+
+SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8, num_genres=5, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=12)
+CONFIG = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=16)
+
+
+def make_batch(rng, lengths, capacity, slack_value=0):
+    lengths = np.asarray(lengths)
+    b, t = len(lengths), int(lengths.sum())
+    values = np.stack([rng.integers(1, SPEC.num_items, t), rng.integers(1, SPEC.num_actions, t), rng.integers(1, SPEC.num_time_buckets, t)], 1)
+    history = from_lengths(values, lengths, max_seq_len=SPEC.max_seq_len, capacity=capacity)
+    history = history.replace_values(history.values.at[t:].set(slack_value))
+    user = np.stack([rng.integers(1, n, b) for n in SPEC.user_vocab_sizes()], 1)
+    return Batch(
+        history=history,
+        user=jnp.asarray(user, jnp.int32),
+        candidate_item=jnp.asarray(rng.integers(1, SPEC.num_items, b), jnp.int32),
+        candidate_genres=jnp.asarray(rng.random((b, SPEC.num_genres)) < 0.4, jnp.float32),
+        labels=jnp.asarray(rng.random((b, 2)) < 0.5, jnp.float32),
+        weights=jnp.ones((b,), jnp.float32),
+    )
+
+
+@pytest.fixture(scope="module")
+def split_model():
+    with nnx.use_eager_sharding(False):
+        return nnx.split(GEMModel(SPEC, CONFIG, rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(scope="module")
+def model(split_model):
+    """The model's forward, jitted: `model(batch) -> logits`."""
+    graphdef, params = split_model
+    apply = jax.jit(lambda p, batch: nnx.merge(graphdef, p)(batch))
+    return lambda batch: apply(params, batch)
+
+
+def test_logits_shape_finite_with_empty_full_and_odd_histories(model):
+    batch = make_batch(np.random.default_rng(), [0, 1, 12, 5, 0], capacity=40)
+    logits = model(batch)
+    assert logits.shape == (5, 2) and logits.dtype == jnp.float32
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_slack_rows_change_nothing(model):
+    seed = np.random.default_rng().integers(1 << 30)
+    a = make_batch(np.random.default_rng(seed), [3, 0, 7], capacity=32, slack_value=0)
+    b = make_batch(np.random.default_rng(seed), [3, 0, 7], capacity=32, slack_value=7)
+    np.testing.assert_array_equal(np.asarray(model(a)), np.asarray(model(b)))
+
+
+def test_capacity_bucket_does_not_change_logits(model):
+    seed = np.random.default_rng().integers(1 << 30)
+    a = make_batch(np.random.default_rng(seed), [4, 9, 2], capacity=16)
+    b = make_batch(np.random.default_rng(seed), [4, 9, 2], capacity=64)
+    np.testing.assert_allclose(np.asarray(model(a)), np.asarray(model(b)), rtol=1e-5, atol=1e-6)
+
+
+def test_examples_are_independent(model):
+    """An example's logits do not depend on the other examples of its batch."""
+    rng = np.random.default_rng()
+    batch = make_batch(rng, [5, 3, 8], capacity=24)
+    alone = Batch(
+        history=from_lengths(np.asarray(batch.history.values)[5:8], [3], max_seq_len=SPEC.max_seq_len, capacity=8),
+        user=batch.user[1:2], candidate_item=batch.candidate_item[1:2], candidate_genres=batch.candidate_genres[1:2],
+        labels=batch.labels[1:2], weights=batch.weights[1:2],
+    )
+    np.testing.assert_allclose(np.asarray(model(batch))[1], np.asarray(model(alone))[0], rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_finite_and_history_item_gets_gradient(split_model):
+    batch = make_batch(np.random.default_rng(), [0, 6, 12], capacity=24)
+    graphdef, params = split_model
+
+    def loss(p):
+        return nnx.merge(graphdef, p)(batch).sum()
+
+    grads = jax.jit(jax.grad(loss))(params)
+    leaves = jax.tree.leaves(grads)
+    assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+    item_grad = np.asarray(grads["embed"]["item"]["embedding"][...])
+    used = np.asarray(batch.history.values)[:18, HistoryField.ITEM]
+    assert np.abs(item_grad[used]).sum() > 0
+    unused = np.setdiff1d(np.arange(1, SPEC.num_items), np.concatenate([used, np.asarray(batch.candidate_item)]))
+    assert np.abs(item_grad[unused]).sum() == 0
+
+
+def test_rope_preserves_norm_and_relative_positions():
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32)
+    rot = lambda x, p: apply_rope(x, jnp.array([p]), 10_000.0)
+    np.testing.assert_allclose(jnp.linalg.norm(rot(q, 5)), jnp.linalg.norm(q), rtol=1e-6)
+    # <R_m q, R_n k> depends on m - n only.
+    d1 = jnp.sum(rot(q, 7) * rot(k, 3))
+    d2 = jnp.sum(rot(q, 14) * rot(k, 10))
+    np.testing.assert_allclose(d1, d2, rtol=1e-5)

@@ -1,0 +1,42 @@
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from gem_jax.train import metrics
+
+
+def brute_force_auc(scores, labels):
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return wins / (len(pos) * len(neg))
+
+
+def test_auc_matches_pairwise_count_with_ties():
+    rng = np.random.default_rng()
+    scores = rng.integers(0, 20, 300).astype(float)  # many ties
+    labels = (rng.random(300) < 0.3).astype(int)
+    assert metrics.auc(scores, labels) == pytest.approx(brute_force_auc(scores, labels), abs=1e-12)
+
+
+def test_auc_ignores_zero_weight_examples_and_single_class_is_nan():
+    scores = np.array([0.1, 0.9, 0.5, 100.0])
+    labels = np.array([0, 1, 0, 0])
+    assert metrics.auc(scores, labels, weights=np.array([1, 1, 1, 0])) == 1.0
+    assert np.isnan(metrics.auc(scores, np.zeros(4)))
+
+
+def test_weighted_bce_and_ne_of_base_rate_predictor_is_one():
+    rng = np.random.default_rng()
+    labels = (rng.random((512, 2)) < np.array([0.3, 0.1])).astype(np.float32)
+    p = labels.mean(0)
+    logits = np.broadcast_to(np.log(p / (1 - p)), labels.shape).astype(np.float32)
+    weights = np.ones(512, np.float32)
+    bce = metrics.weighted_bce(jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(weights))
+    np.testing.assert_allclose(metrics.normalized_entropy(np.asarray(bce), p), [1.0, 1.0], rtol=1e-5)
+
+
+def test_weighted_bce_ignores_padding_examples():
+    logits = jnp.array([[2.0], [np.nan]])
+    labels = jnp.array([[1.0], [0.0]])
+    bce = metrics.weighted_bce(jnp.where(jnp.isnan(logits), 0.0, logits), labels, jnp.array([1.0, 0.0]))
+    np.testing.assert_allclose(bce, [np.log1p(np.exp(-2.0))], rtol=1e-6)
