@@ -24,7 +24,7 @@ def half_star_action(rating: np.ndarray) -> np.ndarray:
 def time_bucket(age: np.ndarray, num_time_buckets: int) -> np.ndarray:
     """Log-scaled age buckets: `1 + min(floor(log2(1 + age)), num_time_buckets - 2)`.
 
-    Age 0 -> 1, 1 -> 2, 2..3 -> 3, 4..7 -> 4, ...; the last bucket
+    Age 0 -> 1, 1..2 -> 2, 3..6 -> 3, 7..14 -> 4, ...; the last bucket
     (`num_time_buckets - 1`) holds every older age. Ages are in the source's
     time unit (seconds for MovieLens, positions for Amazon Beauty). The log
     scale follows the time-bucketed relative position features of HSTU
