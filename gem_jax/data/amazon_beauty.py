@@ -12,8 +12,8 @@ Choices:
 - Every event has action 1 (a review; no rating). Ratings are NaN.
 - With the attribute file, the genre columns are the distinct attribute ids in
   sorted order; items without attributes get an all-zero row (counted in
-  `EventLog.notes`). Without it, one all-zero column stands in (the batch
-  structure needs `num_genres >= 1`).
+  `EventLog.notes`). Without it (or without any attribute of a listed item),
+  one all-zero column stands in (the batch structure needs `num_genres >= 1`).
 - The labels of the examples are defined by sampled candidates
   (`gem_jax.data.examples.next_item_examples`), not here.
 """
@@ -97,14 +97,14 @@ def _read_attributes(path: Path, item_vocab: np.ndarray, on_bad_row: OnBadRow) -
     used = {item: attrs for item, attrs in attributes.items() if item in known}
     names = sorted({a for attrs in used.values() for a in attrs})
     column = {a: j for j, a in enumerate(names)}
-    genres = np.zeros((item_vocab.shape[0], len(names)), np.uint8)
+    genres = np.zeros((item_vocab.shape[0], max(len(names), 1)), np.uint8)
     for row, item in enumerate(item_vocab.tolist()):
         genres[row, [column[a] for a in used.get(item, ())]] = 1
     notes = (
         f"{path}: {len(known) - len(used)} item(s) of {SEQUENCES_FILE} have no attributes (all-zero genre row)",
         f"{path}: {len(attributes) - len(used)} attribute entr(ies) for items absent from {SEQUENCES_FILE} not used",
     )
-    return genres, tuple(str(a) for a in names), check, notes
+    return genres, tuple(str(a) for a in names) or ("(no attributes)",), check, notes
 
 
 def read_amazon_beauty(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRow.RAISE, *, attributes: bool = True) -> EventLog:

@@ -4,7 +4,9 @@ An example predicts the outcome of one target event of a user from the user's
 history strictly before it (in the log's sort order), at most `max_seq_len`
 events, the most recent kept. The history of an example with target event t
 and history length h is the log rows `[t - h, t)`; a user's first event has an
-empty history (h = 0) and stays an example. Nothing is copied per example: a
+empty history (h = 0) and stays an example. Events that share the target's
+timestamp but sort before it (smaller item id, then earlier line) belong to
+its history, with age 0. Nothing is copied per example: a
 batch gathers its rows from the log (`gem_jax.data.collate`).
 
 Two ways to define candidates and labels:
