@@ -9,9 +9,9 @@ datasets:
 
 Shuffling is a seeded permutation per epoch; each epoch is batched on its own,
 and its last, partial batch is filled with weight-0 padding examples, so every
-example is seen once per epoch and nothing is dropped. The train iterator is grain's `DatasetIterator`: its
-`get_state()` / `set_state()` restore the exact position, so a resumed run
-yields exactly the remaining batches.
+example is seen once per epoch and nothing is dropped. The train iterator is
+grain's `DatasetIterator`: its `get_state()` / `set_state()` restore the exact
+position, so a resumed run yields exactly the remaining batches.
 
 Labels per source (`Task.PRIMARY`, `Task.SECONDARY`):
 - ml-latest-small: rating >= 4, rating >= 4.5.
