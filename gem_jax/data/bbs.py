@@ -27,9 +27,9 @@ T = TypeVar("T")
 _NO_PARTNER = -1
 
 
-def _check_positive_int(name: str, value) -> None:
+def _check_positive_int(where: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"base_batch_shuffle: {name} must be a positive int, got {value!r}")
+        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
 
 
 def _pair_minibatch(workloads: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,8 +98,8 @@ def base_batch_shuffle(
       ValueError: on a non-1-D or non-finite or negative workload, a bad size,
         or a window that does not fit (see the remainder policy).
     """
-    _check_positive_int("minibatch_size", minibatch_size)
-    _check_positive_int("minibatches_per_batch", minibatches_per_batch)
+    _check_positive_int("base_batch_shuffle", "minibatch_size", minibatch_size)
+    _check_positive_int("base_batch_shuffle", "minibatches_per_batch", minibatches_per_batch)
     if minibatch_size % 2:
         raise ValueError(f"base_batch_shuffle: minibatch_size must be even to pair samples, got {minibatch_size}")
     w = np.asarray(workloads, dtype=np.float64)
@@ -119,7 +119,7 @@ def base_batch_shuffle(
             )
         num_batches = n // batch_size
     else:
-        _check_positive_int("num_batches", num_batches)
+        _check_positive_int("base_batch_shuffle", "num_batches", num_batches)
         if n > num_batches * batch_size:
             raise ValueError(
                 f"base_batch_shuffle: a window of {n} samples exceeds num_batches * batch size = "
@@ -142,17 +142,23 @@ def base_batch_shuffle(
     paired = second != _NO_PARTNER
     unit_load = w[first] + np.where(paired, w[np.where(paired, second, 0)], 0.0)
 
-    # Step 3: rounds of num_batches pairs, heaviest pair to the lightest batch.
+    # Step 3: rounds of num_batches pairs, heaviest pair to the lightest batch. Loads are kept in
+    # tie order (position j is batch tie_order[j]); the short last round is padded with empty units.
     rng = np.random.default_rng(seed)
     tie_order = rng.permutation(num_batches)
     by_load = np.argsort(-unit_load, kind="stable")
-    batch_of_unit = np.empty(first.size, dtype=np.int64)
-    batch_load = np.zeros(num_batches)
-    for start in range(0, by_load.size, num_batches):
-        units = by_load[start : start + num_batches]
-        lightest = tie_order[np.argsort(batch_load[tie_order], kind="stable")][: units.size]
-        batch_of_unit[units] = lightest
-        batch_load[lightest] += unit_load[units]
+    rounds = -(-by_load.size // num_batches)
+    round_loads = np.zeros(rounds * num_batches)
+    round_loads[: by_load.size] = unit_load[by_load]
+    round_loads = round_loads.reshape(rounds, num_batches)
+    slot = np.empty((rounds, num_batches), dtype=np.int64)
+    load = np.zeros(num_batches)
+    for r in range(rounds):
+        lightest = load.argsort(kind="stable")
+        slot[r] = lightest
+        load[lightest] += round_loads[r]
+    batch_of_unit = np.empty(by_load.size, dtype=np.int64)
+    batch_of_unit[by_load] = tie_order[slot.ravel()[: by_load.size]]
 
     batch_of_sample = np.empty(n, dtype=np.int64)
     batch_of_sample[first] = batch_of_unit
@@ -238,7 +244,7 @@ class BaseBatchShuffleIterDataset(grain.IterDataset):
             ("minibatch_size", minibatch_size),
             ("minibatches_per_batch", minibatches_per_batch),
         ):
-            _check_positive_int(name, value)
+            _check_positive_int("BaseBatchShuffleIterDataset", name, value)
         if minibatch_size % 2:
             raise ValueError(f"BaseBatchShuffleIterDataset: minibatch_size must be even, got {minibatch_size}")
         keep = tuple(range(num_batches)) if keep_batches is None else tuple(int(b) for b in keep_batches)

@@ -181,18 +181,42 @@ def test_resume_gives_the_same_stream(cut):
     assert head + _ids(it) == full
 
 
-def test_same_stream_for_any_worker_count():
-    if not flags.FLAGS.is_parsed():  # mp_prefetch reads grain's absl flags; a training entry point parses them
+def _parse_absl_flags():
+    """mp_prefetch reads grain's absl flags; a training entry point parses them, pytest does not."""
+    if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
+
+
+def _prefetched_pipeline(num, workers):
+    options = grain.MultiprocessingOptions(num_workers=workers)
+    return _stage(_examples(num).to_iter_dataset().mp_prefetch(options))
+
+
+def test_same_stream_for_any_worker_count():
+    _parse_absl_flags()
     num = 24 * 4 + 7
     streams = []
     for workers in (0, 2):
-        ds = _examples(num).to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-        it = iter(_stage(ds))
+        it = iter(_prefetched_pipeline(num, workers))
         streams.append(_ids(it))
         it.close()
     assert streams[0] == streams[1]
     assert sorted(np.concatenate(streams[1]).tolist()) == list(range(num))
+
+
+@pytest.mark.slow
+def test_resume_behind_worker_processes():
+    _parse_absl_flags()
+    num, cut = 24 * 4 + 7, 2 * K + 1
+    full = _ids(_prefetched_pipeline(num, 0))
+    it = iter(_prefetched_pipeline(num, 2))
+    head = _ids(next(it) for _ in range(cut))
+    state = json.loads(json.dumps(it.get_state()))
+    it.close()
+    resumed = iter(_prefetched_pipeline(num, 2))  # fresh worker processes
+    resumed.set_state(state)
+    assert head + _ids(resumed) == full
+    resumed.close()
 
 
 def test_keep_batches_splits_the_window_between_loaders():
@@ -214,6 +238,8 @@ def test_stage_rejects_bad_arguments_and_state():
         _stage(parent, keep_batches=[K])
     with pytest.raises(ValueError, match="minibatch_size must be even"):
         _stage(parent, minibatch_size=3)
+    with pytest.raises(ValueError, match="BaseBatchShuffleIterDataset: num_batches must be a positive int, got 0"):
+        _stage(parent, num_batches=0)
     it = iter(_stage(parent))
     with pytest.raises(ValueError, match="state lacks"):
         it.set_state({"parent": it.get_state()["parent"]})
