@@ -1,0 +1,403 @@
+"""MXFP8 GEMM benchmark on one Hopper GPU: our block-scaled FP8 kernels against their peers.
+
+Run on the GPU machine from the repository root::
+
+    PYTHONPATH=. python3 benchmarks/mxfp8_bench.py --out benchmarks/results/mxfp8_h200.json
+
+Peers, all on the same `[M, K] x [N, K]^T` problem, timed in the same process:
+  bf16_xla            `a @ b.T` in bf16 through XLA (cuBLAS)
+  fp8_tensor_xla      per-tensor FP8 through XLA's dequantize->dot pattern (cuBLASLt f8), B pre-transposed
+  torch_tensorwise    `torch._scaled_mm` per-tensor scales
+  torch_blockwise     `torch._scaled_mm` 1x128 (A) x 128x128 (B) block scales (cuBLAS >= 12.9)
+  jax_scaled_matmul   `jax.nn.scaled_matmul` mxfp8 (1x32 e8m0), pre-quantized
+  jax_scaled_dot_general  `jax.nn.scaled_dot_general` mxfp8 config, quantization included
+  ours_32x32          `mxfp8_matmul` Pallas kernel, 32x32 scales, promotion every 32 K
+  ours_128            `mxfp8_matmul` Pallas kernel, 1x128 / 128x128 scales, promotion every 128 K
+For ours, "gemm" is the kernel on pre-quantized operands, "quant" the quantization of both
+bf16 operands, "total" both in one jitted function.
+
+Timing: jitted functions, warm-up, then `reps` medians of the mean over `iters` back-to-back
+calls (device work is asynchronous; one block at the end). torch timings use CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch in the same process
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.mxfp8 import kernel_matmul, mxfp8_matmul, quantize_mxfp8, random_hadamard  # noqa: E402
+
+SHAPES = [  # (M, N, K)
+    (4096, 4096, 4096),
+    (8192, 8192, 8192),
+    (16384, 4096, 4096),
+    # GEM-like dense layers: many tokens, narrow features (embed 256/512, MLP x2/x4)
+    (65536, 1024, 256),
+    (65536, 256, 1024),
+    (65536, 2048, 512),
+]
+SWEEP_SHAPE = (8192, 8192, 8192)
+CHECK_SHAPES = [(300, 200, 260), (4096, 4096, 4096)]
+SMOKE = False
+
+
+ITERS, REPS = 20, 5
+
+
+def jax_time(f, *args, iters=None, reps=None) -> float:
+    """Median seconds per call of the jitted `f`."""
+    iters, reps = (ITERS, REPS) if SMOKE else (iters or ITERS, reps or REPS)
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / iters)
+    return statistics.median(times)
+
+
+def torch_time(f, iters=20, reps=5) -> float:
+    import torch
+
+    f()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            f()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(times)
+
+
+def rel_err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def inputs(m, n, k, seed=0):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = (jax.random.normal(kb, (n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    return a, b
+
+
+BLOCKS = {"ours_32x32": ((32, 32), (32, 32)), "ours_128": ((1, 128), (128, 128))}
+
+
+def ours_fns(name, config):
+    a_block, b_block = BLOCKS[name]
+
+    def gemm(a8, sa, b8, sb):
+        return mxfp8_matmul(a8, sa, b8, sb, implementation="pallas", config=config)
+
+    def quant(a, b):
+        return quantize_mxfp8(a, block=a_block), quantize_mxfp8(b, block=b_block)
+
+    def total(a, b):
+        (a8, sa), (b8, sb) = quant(a, b)
+        return gemm(a8, sa, b8, sb)
+
+    return jax.jit(gemm), jax.jit(quant), jax.jit(total)
+
+
+def check_correctness(log):
+    """Pallas kernel vs the jnp reference on unaligned and aligned shapes."""
+    out = {}
+    for name, (ab, bb) in BLOCKS.items():
+        for m, n, k in CHECK_SHAPES:
+            a, b = inputs(m, n, k, seed=1)
+            a8, sa = quantize_mxfp8(a, block=ab)
+            b8, sb = quantize_mxfp8(b, block=bb)
+            got = mxfp8_matmul(a8, sa, b8, sb, out_dtype=jnp.float32, implementation="pallas")
+            ref = mxfp8_matmul(a8, sa, b8, sb, out_dtype=jnp.float32, implementation="xla")
+            exact = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision="highest")
+            key = f"{name}_{m}x{n}x{k}"
+            out[key] = {
+                "rel_err_vs_reference": rel_err(got, ref),
+                "rel_err_vs_bf16_inputs_f32_product": rel_err(got, exact),
+                "finite": bool(jnp.all(jnp.isfinite(got))),
+            }
+            log(f"correctness {key}: {out[key]}")
+    return out
+
+
+def torch_peers(m, n, k, log):
+    import torch
+
+    res = {}
+    dev = "cuda"
+    a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, device=dev) / k**0.5 * 16).to(torch.float8_e4m3fn)  # [N, K] row-major = [K, N] col-major
+    one = torch.tensor(1.0, device=dev)
+    try:
+        res["torch_tensorwise"] = torch_time(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16))
+    except Exception as e:  # noqa: BLE001 -- record why a peer is missing
+        res["torch_tensorwise_error"] = repr(e)[:300]
+    # 1x128 (A, scales [M, K/128]) x 128x128 (B, scales [K/128, N/128] in v1 orientation).
+    ref = None
+    sa = torch.exp2(torch.randint(-2, 3, (m, k // 128), device=dev).float())
+    sb = torch.exp2(torch.randint(-2, 3, (n // 128, k // 128), device=dev).float())
+    if m * n * k <= 4096**3:
+        af = a.float() * sa.repeat_interleave(128, 1)
+        bf = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        ref = af @ bf.t()
+    variants = {
+        "sa_outer_major": lambda: (sa.t().contiguous().t(), sb.t()),
+        "sa_row_major": lambda: (sa, sb.t()),
+        "sa_outer_major_sb_contig": lambda: (sa.t().contiguous().t(), sb.t().contiguous()),
+    }
+    for vname, make in variants.items():
+        try:
+            s_a, s_b = make()
+            f = lambda: torch._scaled_mm(a, b.t(), s_a, s_b, out_dtype=torch.bfloat16)  # noqa: E731
+            got = f()
+            if ref is not None:
+                err = float((got.float() - ref).norm() / ref.norm())
+                if err > 1e-2:
+                    res[f"torch_blockwise_{vname}_error"] = f"rel_err {err:.3g}"
+                    continue
+                res["torch_blockwise_rel_err"] = err
+            res["torch_blockwise"] = torch_time(f)
+            res["torch_blockwise_variant"] = vname
+            break
+        except Exception as e:  # noqa: BLE001
+            res[f"torch_blockwise_{vname}_error"] = repr(e)[:300]
+    log(f"torch {m}x{n}x{k}: { {k_: v for k_, v in res.items()} }")
+    return res
+
+
+def jax_peers(a, b, log):
+    res = {}
+    dims = (((1,), (1,)), ((), ()))
+    res["bf16_xla"] = jax_time(jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.bfloat16)), a, b)
+
+    a8 = a.astype(jnp.float8_e4m3fn)
+    b8 = (b * 16).astype(jnp.float8_e4m3fn)
+    sa = jnp.float32(1.0)
+    sb = jnp.float32(1 / 16)
+
+    def fp8_tensor(x8, y8, sx, sy):
+        x = x8.astype(jnp.bfloat16) * sx.astype(jnp.bfloat16)
+        y = y8.astype(jnp.bfloat16) * sy.astype(jnp.bfloat16)
+        return jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.bfloat16)
+
+    f = jax.jit(fp8_tensor)
+    hlo = f.lower(a8, b8, sa, sb).compile().as_text()
+    res["fp8_tensor_xla_uses_cublaslt_f8"] = "f8" in hlo and "cublas$lt$matmul" in hlo
+    res["fp8_tensor_xla"] = jax_time(f, a8, b8, sa, sb)
+    try:
+        a32, sa32 = quantize_mxfp8(a, block=(1, 32))
+        b32, sb32 = quantize_mxfp8(b, block=(1, 32))
+        g = jax.jit(
+            lambda x, y, sx, sy: jax.nn.scaled_matmul(x[None], y[None], sx[None], sy[None], preferred_element_type=jnp.bfloat16)
+        )
+        res["jax_scaled_matmul"] = jax_time(g, a32, b32, sa32, sb32)
+    except Exception as e:  # noqa: BLE001
+        res["jax_scaled_matmul_error"] = repr(e)[:300]
+    try:
+        cfg = jax.nn.get_scaled_dot_general_config("mxfp8")
+        h = jax.jit(
+            lambda x, y: jax.nn.scaled_dot_general(x, y, dims, preferred_element_type=jnp.bfloat16, configs=[cfg, cfg, cfg])
+        )
+        res["jax_scaled_dot_general"] = jax_time(h, a, b)
+    except Exception as e:  # noqa: BLE001
+        res["jax_scaled_dot_general_error"] = repr(e)[:300]
+    return res
+
+
+def ours(a, b, name, config, log):
+    gemm, quant, total = ours_fns(name, config)
+    (a8, sa), (b8, sb) = quant(a, b)
+    return {
+        f"{name}_gemm": jax_time(gemm, a8, sa, b8, sb),
+        f"{name}_quant": jax_time(quant, a, b),
+        f"{name}_total": jax_time(total, a, b),
+    }
+
+
+def sweep(log):
+    """Tile configs of both kernels at SWEEP_SHAPE; returns {name: (best_config, table)}."""
+    m, n, k = SWEEP_SHAPE
+    a, b = inputs(m, n, k)
+    best = {}
+    for name, (ab, bb) in BLOCKS.items():
+        a8, sa = quantize_mxfp8(a, block=ab)
+        b8, sb = quantize_mxfp8(b, block=bb)
+        kb = ab[1]
+        table = []
+        for cluster in (None, "n", "m"):
+            for steps in ((8,) if kb == 32 else (4,)):
+                cfg = kernel_matmul.TuningConfig(tile_n=128, max_concurrent_steps=steps, cluster=cluster)
+                try:
+                    f = jax.jit(lambda *t, c=cfg: mxfp8_matmul(*t, implementation="pallas", config=c))
+                    t = jax_time(f, a8, sa, b8, sb, iters=10, reps=3)
+                    table.append({"cluster": cluster, "steps": steps, "seconds": t, "tflops": 2 * m * n * k / t / 1e12})
+                except Exception as e:  # noqa: BLE001
+                    table.append({"cluster": cluster, "steps": steps, "error": repr(e)[:400]})
+                log(f"sweep {name} {table[-1]}")
+        ok = [r for r in table if "seconds" in r]
+        cfg = (
+            kernel_matmul.TuningConfig(tile_n=128, max_concurrent_steps=min(ok, key=lambda r: r["seconds"])["steps"],
+                                       cluster=min(ok, key=lambda r: r["seconds"])["cluster"])
+            if ok
+            else kernel_matmul.default_config(kb)
+        )
+        best[name] = (cfg, table)
+    return best
+
+
+def quant_costs(m, k, log):
+    a, _ = inputs(m, 128, k)
+    key = jax.random.key(3)
+    res = {}
+    for label, fn in {
+        "quantize_32x32_nearest": lambda x: quantize_mxfp8(x, block=(32, 32)),
+        "quantize_32x32_stochastic": lambda x: quantize_mxfp8(x, block=(32, 32), rounding="stochastic", key=key),
+        "quantize_1x128": lambda x: quantize_mxfp8(x, block=(1, 128)),
+        "random_hadamard_32": lambda x: random_hadamard(x, key=key, block=32),
+        "random_hadamard_128": lambda x: random_hadamard(x, key=key, block=128),
+        "copy_bf16": lambda x: x * 2,
+    }.items():
+        res[label] = jax_time(jax.jit(fn), a)
+    log(f"quantization {m}x{k}: {res}")
+    return res
+
+
+def layer_check(log):
+    """FP8 dense layer forward+backward (pallas vs xla numerics; time vs a bf16 layer) at GEM-like sizes."""
+    from gem_jax.quant import Fp8Recipe, fp8_matmul
+
+    res = {}
+    for t, din, dout in [(65536, 512, 1024), (16384, 4096, 4096)]:
+        kx, kw, kg = jax.random.split(jax.random.key(5), 3)
+        x = jax.random.normal(kx, (t, din), jnp.bfloat16)
+        w = jax.random.normal(kw, (din, dout), jnp.float32) / np.sqrt(din)
+        g = jax.random.normal(kg, (t, dout), jnp.bfloat16)
+
+        def bf16_loss(x, w):
+            y = jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+            return jnp.sum((y * g).astype(jnp.float32))
+
+        row = {}
+        step = jax.jit(jax.grad(bf16_loss, argnums=(0, 1)))
+        row["bf16_fwd_bwd"] = jax_time(step, x, w, iters=10, reps=3)
+        for block in (32, 128):
+            for impl in ("pallas", "xla"):
+                recipe = Fp8Recipe(block=block, implementation=impl)
+
+                def loss(x, w, recipe=recipe):
+                    return jnp.sum((fp8_matmul(x, w, None, recipe, w.dtype) * g).astype(jnp.float32))
+
+                f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+                dx, dw = f(x, w)
+                row[f"fp8_{block}_{impl}_dx"], row[f"fp8_{block}_{impl}_dw"] = dx, dw
+                if impl == "pallas":
+                    row[f"fp8_{block}_fwd_bwd"] = jax_time(f, x, w, iters=10, reps=3)
+            for part in ("dx", "dw"):
+                row[f"fp8_{block}_pallas_vs_xla_{part}_rel_err"] = rel_err(row.pop(f"fp8_{block}_pallas_{part}"), row.pop(f"fp8_{block}_xla_{part}"))
+        for block in (32, 128):
+            row[f"fp8_{block}_speedup_vs_bf16"] = row["bf16_fwd_bwd"] / row[f"fp8_{block}_fwd_bwd"]
+        res[f"{t}x{din}x{dout}"] = row
+        log(f"layer {t}x{din}x{dout}: {row}")
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in Mosaic GPU interpret mode (CPU check of this script)")
+    args = p.parse_args()
+    if args.smoke:
+        global SHAPES, SWEEP_SHAPE, CHECK_SHAPES, SMOKE, ITERS, REPS
+        SHAPES, SWEEP_SHAPE, CHECK_SHAPES = [(256, 256, 256)], (256, 256, 256), [(300, 200, 260)]
+        SMOKE, ITERS, REPS = True, 1, 1
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        plgpu.set_gpu_interpret_mode(plgpu.InterpretGPUParams())
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    device = jax.devices()[0]
+    result = {
+        "gpu": device.device_kind,
+        "jax_version": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "timing": "median of 5 x mean of 20 back-to-back calls (sweep: 3 x 10); seconds per call",
+    }
+    try:
+        import torch
+
+        result["torch_version"] = torch.__version__
+    except ImportError:
+        args.skip_torch = True
+    result["correctness"] = check_correctness(log)
+    best = sweep(log)
+    result["sweep"] = {name: table for name, (_, table) in best.items()}
+    result["chosen_configs"] = {name: repr(cfg) for name, (cfg, _) in best.items()}
+    result["shapes"] = []
+    for m, n, k in SHAPES:
+        a, b = inputs(m, n, k)
+        row = {"M": m, "N": n, "K": k, "flops": 2 * m * n * k}
+        try:
+            row.update(jax_peers(a, b, log))
+        except Exception as e:  # noqa: BLE001
+            row["jax_peers_error"] = repr(e)[:400]
+        for name, (cfg, _) in best.items():
+            try:
+                row.update(ours(a, b, name, cfg, log))
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = repr(e)[:400]
+                traceback.print_exc()
+        if not args.skip_torch:
+            try:
+                row.update(torch_peers(m, n, k, log))
+            except Exception as e:  # noqa: BLE001
+                row["torch_error"] = repr(e)[:400]
+        base = row.get("bf16_xla")
+        if base:
+            row["speedup_vs_bf16"] = {
+                key: base / v for key, v in row.items() if isinstance(v, float) and key != "bf16_xla" and "err" not in key and not key.endswith("_quant")
+            }
+        log(f"shape {m}x{n}x{k}: " + json.dumps({k_: (round(v * 1e6, 1) if isinstance(v, float) else v) for k_, v in row.items() if k_ != "speedup_vs_bf16"}))
+        if base:
+            log("  speedup vs bf16: " + json.dumps({k_: round(v, 3) for k_, v in row["speedup_vs_bf16"].items()}))
+        result["shapes"].append(row)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    if not args.smoke:
+        try:
+            result["layer"] = layer_check(log)
+        except Exception as e:  # noqa: BLE001
+            result["layer_error"] = repr(e)[:400]
+            traceback.print_exc()
+    quant_shapes = [(256, 256)] if args.smoke else [(8192, 8192), (65536, 1024)]
+    result["quantization"] = {f"{m}x{k}": quant_costs(m, k, log) for m, k in quant_shapes}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
