@@ -45,7 +45,6 @@ SHAPES = [  # (M, N, K)
     (16384, 4096, 4096),
     # GEM-like dense layers: many tokens, narrow features (embed 256/512, MLP x2/x4)
     (65536, 1024, 256),
-    (65536, 256, 1024),
     (65536, 2048, 512),
 ]
 SWEEP_SHAPE = (8192, 8192, 8192)
