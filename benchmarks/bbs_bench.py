@@ -1,0 +1,386 @@
+"""Load imbalance of base batch shuffling (BBS) against random batching and a global partition.
+
+Simulates R data-parallel ranks (8 and 64) that each take 1024 samples per step
+from one shuffled example stream, and measures per step the imbalance
+max(rank workload) / mean(rank workload) - 1 under:
+
+  random      each rank takes its 1024 consecutive samples of the stream as they come;
+  bbs_host    one loader per 8 ranks (a host of 8 GPUs) deals its own 8192
+              consecutive samples to its 8 ranks with `base_batch_shuffle`;
+              loaders never communicate;
+  bbs_global  every loader reads the lengths of the whole step's R * 1024 samples
+              and deals them to all R ranks with `base_batch_shuffle` (identical
+              on every loader, so still no communication), keeping its own batches;
+  lpt         reference that needs communication: greedy longest-processing-time
+              partition of the whole step's samples into R equal-count batches.
+
+Lengths: (a) ml-latest-small, each rating's history length = the number of
+earlier ratings of that user (by timestamp, ties in file order), capped at 200
+(FeatureSpec.max_seq_len); the stream is a reshuffled pass over the 100,836
+ratings per epoch. (b) lognormal with median 256 and sigma 1, rounded and
+clipped to [1, 4096]. Workloads: the GEM model's training FLOPs from
+`gem_jax.train.flops.flop_model` at the default `ModelConfig`, and pure
+attention (L**2).
+
+Also times the BBS function and the grain stage (samples/s, one CPU process).
+
+Run: PYTHONPATH=. .venv/bin/python benchmarks/bbs_bench.py [--steps 200] [--quick]
+Writes benchmarks/results/bbs_*.json and benchmarks/figures/bbs_*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import heapq
+import importlib.metadata
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import grain
+import jax
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from gem_jax.data.batch import FeatureSpec  # noqa: E402
+from gem_jax.data.bbs import BaseBatchShuffleIterDataset, base_batch_shuffle  # noqa: E402
+from gem_jax.data.workload import Workload, load_imbalance  # noqa: E402
+from gem_jax.model.config import ModelConfig  # noqa: E402
+from gem_jax.train.flops import TRAIN_FLOPS_PER_FORWARD, flop_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+FIGURES = REPO / "benchmarks" / "figures"
+ML_SMALL = Path(os.environ.get("GEM_SHARED_DATA", REPO.parent / "shared" / "data")) / "ml-latest-small"
+
+PER_RANK = 1024
+RANKS_PER_HOST = 8
+MINIBATCH_SIZE = 128
+MINIBATCHES_PER_BATCH = PER_RANK // MINIBATCH_SIZE
+ML_MAX_SEQ_LEN = FeatureSpec.__dataclass_fields__["max_seq_len"].default
+LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA, LONG_TAIL_MAX = 256.0, 1.0, 4096
+METHODS = ("random", "bbs_host", "bbs_global", "lpt")
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
+
+
+def ml_small_history_lengths(directory: Path) -> np.ndarray:
+    """Per rating: the number of earlier ratings by the same user (timestamp order, ties in file order)."""
+    ratings = np.loadtxt(directory / "ratings.csv", delimiter=",", skiprows=1)
+    user, timestamp = ratings[:, 0].astype(np.int64), ratings[:, 3].astype(np.int64)
+    order = np.lexsort((np.arange(user.size), timestamp, user))
+    sorted_user = user[order]
+    first = np.r_[0, np.flatnonzero(np.diff(sorted_user)) + 1]
+    run = np.diff(np.r_[first, user.size])
+    lengths = np.empty(user.size, dtype=np.int64)
+    lengths[order] = np.arange(user.size) - np.repeat(first, run)
+    return lengths
+
+
+def ml_small_feature_spec(directory: Path) -> FeatureSpec:
+    """Vocabulary sizes of ml-latest-small (the FLOP count reads num_genres only)."""
+    ratings = np.loadtxt(directory / "ratings.csv", delimiter=",", skiprows=1)
+    genres = set()
+    with open(directory / "movies.csv", encoding="utf-8") as f:
+        next(f)
+        for line in f:
+            genres.update(line.rstrip("\n").rsplit(",", 1)[1].split("|"))
+    return FeatureSpec(
+        num_items=len(np.unique(ratings[:, 1])) + 1,
+        num_users=len(np.unique(ratings[:, 0])) + 1,
+        num_actions=11,  # ten half-star ratings + PAD
+        num_time_buckets=1,  # does not enter the FLOP count
+        num_genres=len(genres),
+    )
+
+
+class Stream:
+    """Lengths in training order: reshuffled passes over a pool (ml), or i.i.d. draws (lognormal)."""
+
+    def __init__(self, rng: np.random.Generator, pool: np.ndarray | None):
+        self._rng, self._pool, self._buffer = rng, pool, np.empty(0, np.int64)
+
+    def take(self, n: int) -> np.ndarray:
+        while self._buffer.size < n:
+            if self._pool is None:
+                fresh = np.rint(self._rng.lognormal(np.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA, size=max(n, 1 << 16)))
+                fresh = np.clip(fresh, 1, LONG_TAIL_MAX).astype(np.int64)
+            else:
+                fresh = self._pool[self._rng.permutation(self._pool.size)]
+            self._buffer = np.concatenate([self._buffer, fresh])
+        out, self._buffer = self._buffer[:n], self._buffer[n:]
+        return out
+
+
+def lpt_partition(workloads: np.ndarray, parts: int) -> np.ndarray:
+    """Greedy LPT into `parts` equal-count parts: heaviest first, to the lightest part with room. Returns loads."""
+    capacity = workloads.size // parts
+    heap = [(0.0, p) for p in range(parts)]
+    loads, counts = np.zeros(parts), np.zeros(parts, np.int64)
+    for w in np.sort(workloads)[::-1]:
+        load, p = heapq.heappop(heap)
+        loads[p], counts[p] = load + w, counts[p] + 1
+        if counts[p] < capacity:
+            heapq.heappush(heap, (loads[p], p))
+    return loads
+
+
+def bbs_loads(w: np.ndarray, ranks_per_loader: int, seed) -> np.ndarray:
+    """Per-rank loads when each loader deals its own ranks_per_loader * PER_RANK consecutive samples."""
+    window = ranks_per_loader * PER_RANK
+    loads = []
+    for j, start in enumerate(range(0, w.size, window)):
+        part = w[start : start + window]
+        batches = base_batch_shuffle(
+            part, minibatch_size=MINIBATCH_SIZE, minibatches_per_batch=MINIBATCHES_PER_BATCH, seed=(*seed, j)
+        )
+        loads += [part[b].sum() for b in batches]
+    return np.array(loads)
+
+
+def simulate(lengths_stream: Stream, workload: Workload, ranks: int, steps: int, seed: int) -> dict:
+    """Per-step imbalance and per-rank load / step mean for every method."""
+    imbalance = {m: [] for m in METHODS}
+    relative = {m: [] for m in METHODS}
+    for step in range(steps):
+        w = workload(lengths_stream.take(ranks * PER_RANK))
+        loads = {
+            "random": w.reshape(ranks, PER_RANK).sum(axis=1),
+            "bbs_host": bbs_loads(w, RANKS_PER_HOST, (seed, step)),
+            "bbs_global": bbs_loads(w, ranks, (seed, step)),
+            "lpt": lpt_partition(w, ranks),
+        }
+        for m, rank_loads in loads.items():
+            assert np.isclose(rank_loads.sum(), w.sum(), rtol=1e-9), m
+            imbalance[m].append(load_imbalance(rank_loads))
+            relative[m].append(rank_loads / rank_loads.mean() - 1.0)
+    summary = {
+        m: {
+            "mean": float(np.mean(v)),
+            "median": float(np.median(v)),
+            "p95": float(np.percentile(v, 95)),
+            "max": float(np.max(v)),
+        }
+        for m, v in imbalance.items()
+    }
+    return {"imbalance": summary, "relative_rank_load": {m: np.concatenate(v) for m, v in relative.items()}}
+
+
+def time_function(ranks: int, repeats: int, rng: np.random.Generator) -> dict:
+    """Samples/s of base_batch_shuffle on one window dealt to `ranks` batches (median of repeats)."""
+    w = Workload(1.0, 1.0)(np.clip(rng.lognormal(np.log(256), 1.0, ranks * PER_RANK), 1, 4096).astype(np.int64))
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        base_batch_shuffle(w, minibatch_size=MINIBATCH_SIZE, minibatches_per_batch=MINIBATCHES_PER_BATCH, seed=r)
+        times.append(time.perf_counter() - t0)
+    median = float(np.median(times[1:]))
+    return {"window_samples": w.size, "median_s": median, "samples_per_s": w.size / median}
+
+
+class _ListIterDataset(grain.IterDataset):
+    """Yields the items of an in-memory list: a parent that costs almost nothing, to expose the stage's own time."""
+
+    def __init__(self, items: list):
+        super().__init__()
+        self._items = items
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _ListIterator(self._items)
+
+
+class _ListIterator(grain.DatasetIterator):
+    def __init__(self, items: list):
+        super().__init__()
+        self._items, self._next = items, 0
+
+    def __next__(self):
+        if self._next == len(self._items):
+            raise StopIteration
+        self._next += 1
+        return self._items[self._next - 1]
+
+    def get_state(self) -> dict:
+        return {"next": self._next}
+
+    def set_state(self, state: dict) -> None:
+        self._next = state["next"]
+
+
+def _median_pass_s(dataset, repeats: int, expected: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        seen = sum(len(x) if isinstance(x, list) else 1 for x in dataset)
+        times.append(time.perf_counter() - t0)
+        assert seen == expected
+    return float(np.median(times))
+
+
+def time_stage(num_batches: int, windows: int, repeats: int, workload: Workload, rng: np.random.Generator) -> dict:
+    """Samples/s of the grain stage, over a near-free list parent and over a grain in-memory source.
+
+    The grain source is read without prefetch threads (`ReadOptions(num_threads=0)`). Medians of
+    `repeats` passes over `windows` windows of {"id", "length"} records.
+    """
+    n = num_batches * PER_RANK * windows
+    lengths = np.clip(rng.lognormal(np.log(256), 1.0, n), 1, 4096).astype(np.int64)
+    records = [{"id": i, "length": int(x)} for i, x in enumerate(lengths)]
+    source = grain.MapDataset.source(records).to_iter_dataset(grain.ReadOptions(num_threads=0))
+    kwargs = dict(workload=workload, num_batches=num_batches, seed=0)
+    bbs_s = _median_pass_s(BaseBatchShuffleIterDataset(_ListIterDataset(records), **kwargs), repeats, n)
+    source_s = _median_pass_s(source, repeats, n)
+    source_bbs_s = _median_pass_s(BaseBatchShuffleIterDataset(source, **kwargs), repeats, n)
+    return {
+        "num_batches": num_batches,
+        "samples": n,
+        "bbs_over_list_samples_per_s": n / bbs_s,
+        "grain_source_alone_samples_per_s": n / source_s,
+        "grain_source_plus_bbs_samples_per_s": n / source_bbs_s,
+    }
+
+
+METHOD_LABELS = {
+    "random": "random",
+    "bbs_host": "BBS, 1 loader / 8 ranks",
+    "bbs_global": "BBS, global window",
+    "lpt": "global LPT (comm.)",
+}
+
+
+def plot(results: dict, workload_name: str, path: Path) -> None:
+    """Per-rank workload relative to the step mean, pooled over steps: one panel per (lengths, ranks)."""
+    cells = [c for c in results if c["workload"] == workload_name]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 9))
+    for ax, cell in zip(axes.ravel(), cells):
+        data = [100.0 * cell["relative_rank_load"][m] for m in METHODS]
+        ax.boxplot(data, whis=(0, 100), widths=0.6)
+        ax.set_xticks(range(1, len(METHODS) + 1), [METHOD_LABELS[m] for m in METHODS], rotation=30, ha="right")
+        ax.axhline(0.0, color="grey", lw=0.6)
+        means = " / ".join(f"{cell['imbalance'][m]['mean'] * 100:.2g}" for m in METHODS)
+        ax.set_title(f"{cell['lengths']}, {cell['ranks']} ranks\nmean imbalance per step, %: {means}", fontsize=9)
+        ax.set_ylabel("rank workload / step mean - 1  [%]")
+    fig.suptitle(f"Per-rank workload, {PER_RANK} samples per rank per step; workload model: {workload_name}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_lengths(lengths: dict, path: Path) -> None:
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.2))
+    for ax, (name, sample) in zip(axes, lengths.items()):
+        step = max(1, -(-(int(sample.max()) + 1) // 80))  # integer-aligned bins, no aliasing
+        ax.hist(sample, bins=np.arange(0, sample.max() + step + 1, step), log=True)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("history length L")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="simulated steps per configuration")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="10 steps, few timing repeats (smoke run)")
+    parser.add_argument("--part", choices=("all", "imbalance", "throughput"), default="all")
+    args = parser.parse_args()
+    steps = 10 if args.quick else args.steps
+    rng = np.random.default_rng(args.seed)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    FIGURES.mkdir(parents=True, exist_ok=True)
+
+    spec = ml_small_feature_spec(ML_SMALL)
+    model_config = ModelConfig()
+    fm = flop_model(model_config, spec)
+    workloads = {
+        "gem_default": Workload(
+            per_token=TRAIN_FLOPS_PER_FORWARD * fm.per_token,
+            per_token_pair=TRAIN_FLOPS_PER_FORWARD * fm.per_token_pair,
+            per_example=TRAIN_FLOPS_PER_FORWARD * fm.per_example,
+        ),
+        "attention_only": Workload(per_token=0.0, per_token_pair=1.0),
+    }
+    ml_lengths = np.minimum(ml_small_history_lengths(ML_SMALL), ML_MAX_SEQ_LEN)
+    length_sources = {
+        f"ml-latest-small (cap {ML_MAX_SEQ_LEN})": ml_lengths,
+        f"lognormal (median {LOGNORMAL_MEDIAN:g}, sigma {LOGNORMAL_SIGMA:g}, max {LONG_TAIL_MAX})": None,
+    }
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPU cores (no accelerator used)",
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "grain": importlib.metadata.version("grain"),
+        "jax": jax.__version__,
+        "per_rank_samples": PER_RANK,
+        "minibatch_size": MINIBATCH_SIZE,
+        "minibatches_per_batch": MINIBATCHES_PER_BATCH,
+        "ranks_per_host": RANKS_PER_HOST,
+        "seed": args.seed,
+        "model_config": {k: str(v) for k, v in vars(model_config).items()},
+        "workloads": {k: vars(v) for k, v in workloads.items()},
+    }
+    if args.part in ("all", "imbalance"):
+        run_imbalance(meta, workloads, length_sources, steps, args.seed)
+    if args.part in ("all", "throughput"):
+        run_throughput(meta, workloads["gem_default"], args.quick, rng)
+
+
+def run_imbalance(meta: dict, workloads: dict, length_sources: dict, steps: int, seed: int) -> None:
+    cells = []
+    for wname, workload in workloads.items():
+        for lname, pool in length_sources.items():
+            for ranks in (8, 64):
+                t0 = time.perf_counter()
+                stream = Stream(np.random.default_rng([seed, ranks, len(cells)]), pool)
+                out = simulate(stream, workload, ranks, steps, seed)
+                cells.append(dict(workload=wname, lengths=lname, ranks=ranks, steps=steps, **out))
+                line = "  ".join(f"{m} {out['imbalance'][m]['mean'] * 100:7.3f}/{out['imbalance'][m]['max'] * 100:7.3f}" for m in METHODS)
+                print(f"{wname:15s} {lname[:22]:22s} R={ranks:3d}  mean/max imbalance %: {line}  ({time.perf_counter() - t0:.1f}s)")
+
+    for wname in workloads:
+        plot(cells, wname, FIGURES / f"bbs_rank_workloads_{wname}.png")
+    samples = {name: pool if pool is not None else Stream(np.random.default_rng(seed), None).take(200_000)
+               for name, pool in length_sources.items()}
+    plot_lengths(samples, FIGURES / "bbs_lengths.png")
+    imbalance_json = dict(
+        meta,
+        imbalance_metric="max over ranks of workload / mean workload - 1, per step",
+        cells=[{k: v for k, v in c.items() if k != "relative_rank_load"} for c in cells],
+    )
+    (RESULTS / "bbs_imbalance.json").write_text(json.dumps(imbalance_json, indent=2) + "\n")
+
+
+def run_throughput(meta: dict, workload: Workload, quick: bool, rng: np.random.Generator) -> None:
+    repeats = 3 if quick else 20
+    load_before = os.getloadavg()
+    timing = {
+        "function": [time_function(r, repeats, rng) for r in (8, 64)],
+        "grain_stage": [time_stage(8, 2 if quick else 8, 1 if quick else 5, workload, rng)],
+    }
+    timing["load_average_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
+    for row in timing["function"]:
+        print(f"base_batch_shuffle window {row['window_samples']}: {row['samples_per_s'] / 1e6:.2f} M samples/s")
+    for row in timing["grain_stage"]:
+        print(
+            f"grain stage k={row['num_batches']}: over a list {row['bbs_over_list_samples_per_s'] / 1e6:.2f} M/s; "
+            f"grain source alone {row['grain_source_alone_samples_per_s'] / 1e6:.3f} M/s, "
+            f"source + BBS {row['grain_source_plus_bbs_samples_per_s'] / 1e6:.3f} M/s"
+        )
+
+    (RESULTS / "bbs_throughput.json").write_text(json.dumps(dict(meta, **timing), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
