@@ -1,0 +1,265 @@
+"""Mosaic GPU building blocks shared by the JFA forward, dQ and dK/dV kernels.
+
+All three kernels are persistent: `C` CTAs each walk their share of the sorted
+work list (see `schedule`) with three warpgroups, two computing on 64 rows each
+and one issuing TMA copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import config as jax_config
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.jagged_flash_attention import schedule
+from pallas_kernels.jagged_flash_attention.config import NUM_STAGES, ROW_ALIGN, TILE_ROWS, WG_ROWS
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def interpreting() -> bool:
+    """True while tracing under `plgpu.force_gpu_interpret_mode`."""
+    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+def swizzled_smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """SMEM laid out for wgmma / 128-byte-swizzled TMA (last dim a multiple of 64 bf16)."""
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
+    """`a @ b` on the tensor cores into a fresh f32 accumulator (waits for it)."""
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def matmul_acc(acc: jax.Array, a: jax.Array, b, staging) -> jax.Array:
+    """`acc + a @ b` with `a` in registers (wgmma's register A operand); waits for it.
+
+    The Mosaic GPU interpreter multiplies only SMEM operands into zeroed
+    accumulators, so under interpretation `a` goes through `staging` (a
+    swizzled SMEM buffer of its shape) and the sum is formed in registers.
+    """
+    if staging is None:
+        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
+    staging[...] = a
+    plgpu.commit_smem()
+    return acc + matmul(staging, b, acc.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One work item: one head of one tile record (int32 scalars; see `schedule`)."""
+
+    head: jax.Array
+    row0: jax.Array
+    base: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    keys: jax.Array
+    tile: jax.Array
+    canon: jax.Array
+    first: jax.Array
+
+    @classmethod
+    def read(cls, table_ref, p, heads: int) -> Item:
+        """Item `p` of the sorted list: record `p // heads`, head `p % heads`."""
+        t = lax.div(p, jnp.int32(heads))
+        field = lambda f: table_ref[t, f]
+        return cls(
+            head=lax.rem(p, jnp.int32(heads)),
+            row0=pl.multiple_of(field(schedule.F_ROW0), ROW_ALIGN),
+            base=pl.multiple_of(field(schedule.F_BASE), ROW_ALIGN),
+            lo=field(schedule.F_LO),
+            hi=field(schedule.F_HI),
+            keys=field(schedule.F_KEYS),
+            tile=field(schedule.F_TILE),
+            canon=field(schedule.F_CANON),
+            first=field(schedule.F_FIRST),
+        )
+
+    def wg_rows(self, wg) -> tuple[jax.Array, jax.Array]:
+        """Range `[lo, hi)` (within 0..64) of the rows owned by compute warpgroup `wg`."""
+        pos = self.tile * TILE_ROWS + wg * WG_ROWS
+        return jnp.clip(self.lo - pos, 0, WG_ROWS), jnp.clip(self.hi - pos, 0, WG_ROWS)
+
+
+def zigzag_rounds(n_items, num_ctas: int, cta) -> jax.Array:
+    """How many items CTA `cta` takes from a list of `n_items` dealt in a zigzag."""
+    c = jnp.int32(num_ctas)
+    full, rem = lax.div(n_items, c), lax.rem(n_items, c)
+    position = jnp.where(lax.rem(full, 2) == 0, cta, c - 1 - cta)
+    return full + (position < rem).astype(jnp.int32)
+
+
+def zigzag_item(r, num_ctas: int, cta) -> jax.Array:
+    """Index of the item CTA `cta` takes in round `r`."""
+    c = jnp.int32(num_ctas)
+    return r * c + jnp.where(lax.rem(r, 2) == 0, cta, c - 1 - cta)
+
+
+def copy_rows_in(src_ref, tail_ref, row, rows: int, head, end, dst, barrier) -> None:
+    """TMA `rows` packed rows of one head, from `row` (a multiple of 8), into `dst`.
+
+    A window that crosses `end` (the first slack row) is read from the
+    zero-padded tail copy instead, so no slack row and no row past the buffer
+    is ever loaded. Windows that start at or past `end` are never requested.
+    """
+    crosses = row + rows > end
+
+    @pl.when(crosses)
+    def _():
+        tail_row = pl.multiple_of(row - schedule.tail_base(end), ROW_ALIGN)
+        plgpu.copy_gmem_to_smem(tail_ref.at[pl.ds(tail_row, rows), head], dst, barrier)
+
+    @pl.when(jnp.logical_not(crosses))
+    def _():
+        plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(pl.multiple_of(row, ROW_ALIGN), rows), head], dst, barrier)
+
+
+def staging_smem(head_dim: int, dtype) -> plgpu.RefUnion:
+    """One warpgroup's output staging buffer: `[64, D]` swizzled, aliased with `[64, D]` plain."""
+    return plgpu.RefUnion(swizzled_smem((WG_ROWS, head_dim), dtype), plgpu.SMEM((WG_ROWS, head_dim), dtype))
+
+
+def store_rows_out(value: jax.Array, staging, wg, dst_ref, row, head, lo, hi) -> None:
+    """Stores rows `[lo, hi)` of a `[64, D]` value (dst dtype) to `dst_ref[row+lo:row+hi, head]`.
+
+    `staging` holds one `staging_smem` per compute warpgroup; `wg` picks this
+    warpgroup's. A full slice goes out in one TMA store from the swizzled view.
+    A partial one goes through the plain view and a ladder of TMA stores of 32,
+    16, ..., 1 rows, so no row outside the item is touched (TMA boxes have
+    static sizes, and the neighbouring sequences' rows sit right next to this
+    one's). The caller waits for the stores (`plgpu.wait_smem_to_gmem`).
+    """
+    for w, (swizzled_ref, linear_ref) in enumerate(staging):
+
+        @pl.when(wg == w)
+        def _():
+            _store_rows(value, swizzled_ref, linear_ref, dst_ref, row, head, lo, hi)
+
+
+def _store_rows(value, swizzled_ref, linear_ref, dst_ref, row, head, lo, hi) -> None:
+    n = hi - lo
+
+    @pl.when(n == WG_ROWS)
+    def _():
+        swizzled_ref[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(swizzled_ref, dst_ref.at[pl.ds(pl.multiple_of(row, ROW_ALIGN), WG_ROWS), head])
+
+    @pl.when((n > 0) & (n < WG_ROWS))
+    def _():
+        linear_ref[...] = value
+        plgpu.commit_smem()
+        done = lo
+        size = WG_ROWS // 2
+        while size:
+            chunk = size
+
+            @pl.when(lax.bitwise_and(n, jnp.int32(chunk)) != 0)
+            def _():
+                plgpu.copy_smem_to_gmem(
+                    linear_ref.at[pl.ds(done, chunk)], dst_ref.at[pl.ds(row + done, chunk), head]
+                )
+
+            done = done + lax.bitwise_and(n, jnp.int32(chunk))
+            size //= 2
+
+
+def row_vector(value: float, n: int) -> jax.Array:
+    """A `[n]` f32 vector in the layout of one value per wgmma accumulator row."""
+    return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+
+def zeros_tile(rows: int, cols: int) -> jax.Array:
+    return plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def iota(shape: tuple[int, int], dim: int) -> jax.Array:
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def visible(q_pos: jax.Array, k_pos: jax.Array, item: Item, causal: bool, *, inside: str = "keys") -> jax.Array:
+    """Which (query, key) window positions attend: `inside` ("keys" or "queries")
+    the sequence, and causal.
+
+    The other side is left unmasked: its rows are never stored.
+    """
+    pos = k_pos if inside == "keys" else q_pos
+    mask = (pos >= item.lo) & (pos < item.hi)
+    if causal:
+        mask = mask & (k_pos <= q_pos)
+    return mask
+
+
+def step_segments(n, head_masked, tail_masked) -> tuple[jax.Array, jax.Array]:
+    """Splits steps `[0, n)` into masked `[0, a)`, plain `[a, b)`, masked `[b, n)`."""
+    a = jnp.minimum(head_masked, n)
+    b = jnp.maximum(a, n - tail_masked)
+    return a, b
+
+
+def skip_steps(gstep, n, ready, free) -> None:
+    """Steps `[0, n)` of a warpgroup with no rows in its item: keeps the ring in step.
+
+    Waits on each slot's `ready` barriers and releases it through `free`, so the
+    barrier phases of both compute warpgroups stay in lockstep.
+    """
+
+    def body(i, carry):
+        slot = lax.rem(gstep + i, NUM_STAGES)
+        for r in ready:
+            plgpu.barrier_wait(r.at[slot])
+        for f in free:
+            plgpu.barrier_arrive(f.at[slot])
+        return carry
+
+    lax.fori_loop(0, n, body, None)
+
+
+def copy_vector_in(src_ref, head, start, size: int, dst, barrier) -> None:
+    """TMA `src_ref[head, start:start+size]` (f32, tile space) into `dst`."""
+    plgpu.copy_gmem_to_smem(src_ref.at[head, pl.ds(start, size)], dst, barrier)
+
+
+def load_row_vector(ref) -> jax.Array:
+    """A `[64]` f32 SMEM vector, one value per accumulator row."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def load_col_vector(ref) -> jax.Array:
+    """A `[64]` f32 SMEM vector, one value per accumulator column."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def drain(barriers, first, count, num_slots: int) -> None:
+    """Waits for the completions of uses `[first, count)` of a ring of `num_slots` barriers.
+
+    The producer waits for a slot's release only before reusing it; at the end
+    it consumes the releases it never waited for, so every barrier phase is
+    observed before the shared memory goes away.
+    """
+
+    def body(g, carry):
+        plgpu.barrier_wait(barriers if num_slots == 1 else barriers.at[lax.rem(g, num_slots)])
+        return carry
+
+    loop(jnp.maximum(first, 0), count, body, None)
+
+
+def loop(lo, hi, body, carry):
+    """`lax.fori_loop` over a dynamic range (possibly empty)."""
+    return lax.fori_loop(lo, jnp.maximum(lo, hi), body, carry)

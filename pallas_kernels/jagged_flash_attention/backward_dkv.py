@@ -1,0 +1,230 @@
+"""JFA backward, dK/dV kernel (Pallas Mosaic GPU, Hopper).
+
+Equivalent jnp, per sequence b with rows s and head h (x the scaled scores of
+the forward, lse its log-sum-exp, delta = rowsum(dout * out))::
+
+    p  = exp(x - lse)                               # causal entries are 0
+    dv[s, h] = p.T @ dout[s, h]
+    dk[s, h] = scale * (p * (dout[s, h] @ v[s, h].T - delta)).T @ q[s, h]
+
+Each work item is one head of one 128-row key tile of one sequence; two
+compute warpgroups own 64 key rows each and walk the sequence's queries in
+blocks of 64 (with their lse and delta) that a third warpgroup streams through
+a two-slot TMA ring. Under causal masking a key tile j starts at query block
+2j. Only the first query block(s) (rows of the previous sequence inside the
+aligned window, the causal diagonal) and the last one are masked, in
+registers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.jagged_flash_attention import _mgpu, schedule
+from pallas_kernels.jagged_flash_attention.config import (
+    BWD_BLOCK,
+    COMPUTE_REGISTERS,
+    MEMORY_REGISTERS,
+    NUM_COMPUTE_WGS,
+    NUM_STAGES,
+    TILE_ROWS,
+    WG_ROWS,
+)
+
+_BLOCKS_PER_TILE = TILE_ROWS // BWD_BLOCK
+
+
+def dkv_steps(item: _mgpu.Item, causal: bool):
+    """First query block a key tile visits, and how many blocks it visits."""
+    blocks = (item.hi + BWD_BLOCK - 1) // BWD_BLOCK
+    first = item.tile * _BLOCKS_PER_TILE if causal else jnp.int32(0)
+    return first, jnp.maximum(blocks - first, 0) * item.keys
+
+
+def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool, scale: float, num_ctas: int):
+    """Runs the dK/dV kernel.
+
+    Args:
+      q, k, v, dout: `[T, H, D]` bf16 or f16.
+      lse: `[H, NT * 128]` f32, the forward's base-2 log-sum-exp in tile space.
+      delta: `[H, NT * 128]` f32, `rowsum(dout * out)` in tile space.
+      plan: the batch's work list (`kv_table` order).
+      causal, scale, num_ctas: as for the forward.
+
+    Returns:
+      `(dk, dv)`, each `[T, H, D]` in q.dtype; slack rows are 0.
+    """
+    capacity, heads, head_dim = q.shape
+    dtype = q.dtype
+    end = plan.meta[schedule.META_END]
+    tails = [schedule.tail_rows(x, end) for x in (q, k, v, dout)]
+    interpret = _mgpu.interpreting()
+    c2 = scale * _mgpu.LOG2E
+
+    def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               qt_ref, kt_ref, vt_ref, dot_ref, dk_ref, dv_ref, scratch):
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_staging, dv_staging, stage, bars = scratch
+        k_bar, v_bar, item_free, q_bar, do_bar, lse_bar, delta_bar, ring_free = bars
+        cta = lax.axis_index("cta")
+        wg = lax.axis_index("wg")
+        n_items = meta_ref[schedule.META_LIVE_TILES] * heads
+        end_row = meta_ref[schedule.META_END]
+        rounds = _mgpu.zigzag_rounds(n_items, num_ctas, cta)
+
+        @pl.when(wg == NUM_COMPUTE_WGS)
+        def _memory_wg():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            def item_body(r, gstep):
+                item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
+                first, n = dkv_steps(item, causal)
+
+                @pl.when(r >= 1)
+                def _():
+                    plgpu.barrier_wait(item_free)
+
+                for w in range(NUM_COMPUTE_WGS):
+                    lo_w, hi_w = item.wg_rows(w)
+
+                    @pl.when((hi_w > lo_w) & (n > 0))
+                    def _():
+                        row = item.row0 + w * WG_ROWS
+                        _mgpu.copy_rows_in(k_ref, kt_ref, row, WG_ROWS, item.head, end_row, k_smem.at[w], k_bar.at[w])
+                        _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
+
+                def step(i, carry):
+                    g = gstep + i
+                    slot = lax.rem(g, NUM_STAGES)
+                    block = first + i
+                    row = item.base + block * BWD_BLOCK
+                    col = item.first * TILE_ROWS + block * BWD_BLOCK
+
+                    @pl.when(g >= NUM_STAGES)
+                    def _():
+                        plgpu.barrier_wait(ring_free.at[slot])
+
+                    _mgpu.copy_rows_in(q_ref, qt_ref, row, BWD_BLOCK, item.head, end_row, q_smem.at[slot], q_bar.at[slot])
+                    _mgpu.copy_vector_in(lse_ref, item.head, col, BWD_BLOCK, lse_smem.at[slot], lse_bar.at[slot])
+                    _mgpu.copy_rows_in(do_ref, dot_ref, row, BWD_BLOCK, item.head, end_row, do_smem.at[slot], do_bar.at[slot])
+                    _mgpu.copy_vector_in(delta_ref, item.head, col, BWD_BLOCK, delta_smem.at[slot], delta_bar.at[slot])
+                    return carry
+
+                lax.fori_loop(0, n, step, None)
+                return gstep + n
+
+            steps = lax.fori_loop(0, rounds, item_body, jnp.int32(0))
+            _mgpu.drain(item_free, rounds - 1, rounds, 1)
+            _mgpu.drain(ring_free, steps - NUM_STAGES, steps, NUM_STAGES)
+
+        @pl.when(wg < NUM_COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            a_stage = None if stage is None else stage.at[wg]
+
+            def item_body(r, gstep):
+                item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
+                first, n = dkv_steps(item, causal)
+                lo_w, hi_w = item.wg_rows(wg)
+                k_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
+
+                @pl.when(hi_w > lo_w)
+                def _work():
+                    @pl.when(n > 0)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[wg])
+                        plgpu.barrier_wait(v_bar.at[wg])
+
+                    def step(i, carry, masked: bool):
+                        dk, dv = carry
+                        slot = lax.rem(gstep + i, NUM_STAGES)
+                        shape = (WG_ROWS, BWD_BLOCK)  # key rows x query columns
+                        plgpu.barrier_wait(q_bar.at[slot])
+                        s_t = _mgpu.matmul(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), shape)
+                        plgpu.barrier_wait(lse_bar.at[slot])
+                        lse = _mgpu.load_col_vector(lse_smem.at[slot])
+                        p_t = jnp.exp2(s_t * c2 - lax.broadcast_in_dim(lse, shape, [1]))
+                        if masked:
+                            mask = _mgpu.visible(
+                                (first + i) * BWD_BLOCK + _mgpu.iota(shape, 1), k_pos0 + _mgpu.iota(shape, 0),
+                                item, causal, inside="queries",
+                            )
+                            p_t = jnp.where(mask, p_t, 0.0)
+                        plgpu.barrier_wait(do_bar.at[slot])
+                        dv = _mgpu.matmul_acc(dv, p_t.astype(dtype), do_smem.at[slot], a_stage)
+                        dp_t = _mgpu.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), shape)
+                        plgpu.barrier_wait(delta_bar.at[slot])
+                        delta = _mgpu.load_col_vector(delta_smem.at[slot])
+                        ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+                        if masked:
+                            ds_t = jnp.where(mask, ds_t, 0.0)
+                        dk = _mgpu.matmul_acc(dk, ds_t.astype(dtype), q_smem.at[slot], a_stage)
+                        plgpu.barrier_arrive(ring_free.at[slot])
+                        return dk, dv
+
+                    head = 2 if causal else (item.lo > 0).astype(jnp.int32)
+                    plain_lo, plain_hi = _mgpu.step_segments(n, head, 1)
+                    carry = (_mgpu.zeros_tile(WG_ROWS, head_dim), _mgpu.zeros_tile(WG_ROWS, head_dim))
+                    carry = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), carry)
+                    carry = _mgpu.loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
+                    dk, dv = _mgpu.loop(plain_hi, n, functools.partial(step, masked=True), carry)
+                    plgpu.barrier_arrive(item_free)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
+                    row = item.row0 + wg * WG_ROWS
+                    _mgpu.store_rows_out((dk * scale).astype(dtype), dk_staging, wg, dk_ref, row, item.head, lo_w, hi_w)
+                    _mgpu.store_rows_out(dv.astype(dtype), dv_staging, wg, dv_ref, row, item.head, lo_w, hi_w)
+
+                @pl.when(hi_w <= lo_w)
+                def _idle():
+                    _mgpu.skip_steps(gstep, n, (q_bar, lse_bar, do_bar, delta_bar), (ring_free,))
+                    plgpu.barrier_arrive(item_free)
+
+                return gstep + n
+
+            lax.fori_loop(0, rounds, item_body, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+
+    def entry(*refs):
+        per_wg_rows = _mgpu.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype)
+        ring_rows = _mgpu.swizzled_smem((NUM_STAGES, BWD_BLOCK, head_dim), dtype)
+        ring_vector = plgpu.SMEM((NUM_STAGES, BWD_BLOCK), jnp.float32)
+        item_barrier = plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
+        ring_barrier = plgpu.Barrier(num_barriers=NUM_STAGES)
+        scratch = (
+            per_wg_rows,
+            per_wg_rows,
+            ring_rows,
+            ring_rows,
+            ring_vector,
+            ring_vector,
+            tuple(_mgpu.staging_smem(head_dim, dtype) for _ in range(NUM_COMPUTE_WGS)),
+            tuple(_mgpu.staging_smem(head_dim, dtype) for _ in range(NUM_COMPUTE_WGS)),
+            _mgpu.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, BWD_BLOCK), dtype) if interpret else None,
+            (
+                item_barrier,
+                item_barrier,
+                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+                ring_barrier,
+                ring_barrier,
+                ring_barrier,
+                ring_barrier,
+                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
+            ),
+        )
+        pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
+
+    out_type = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)
+    return plgpu.kernel(
+        entry,
+        out_type=(out_type, out_type),
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+    )(plan.kv_table, plan.meta, q, k, v, dout, lse, delta, *tails)

@@ -1,0 +1,243 @@
+"""JFA forward kernel (Pallas Mosaic GPU, Hopper): jagged softmax attention + log-sum-exp.
+
+Equivalent jnp, per sequence b with rows s = offsets[b]:offsets[b+1] and head h::
+
+    x = (q[s, h] @ k[s, h].T) * scale        # float32, causal: -inf above the diagonal
+    out[s, h] = softmax(x) @ v[s, h]
+    lse[s, h] = logsumexp(x, axis=-1) / ln 2  # kept per tile, for the backward
+
+Each work item is one head of one 128-row query tile of one sequence; two
+compute warpgroups own 64 query rows each and walk the sequence's keys in
+blocks of 128 with an online softmax (FlashAttention-2, Dao 2023) while a third
+warpgroup streams K/V blocks through a two-slot TMA ring (FlashAttention-3
+warp specialisation, Shah et al. 2024). The kernel is persistent: CTA c takes
+items c, 2C-1-c, 2C+c, ... of the work list sorted by work (`schedule`).
+
+Boundary handling (GEM's JFA zero-fills rows past a sequence with per-sequence
+TMA descriptors and subtracts the extra exp(0 - m) terms; Pallas builds TMA
+descriptors on the host over the whole packed buffer, so a block that runs past
+a sequence end holds the next sequence's rows, not zeros): only the last key
+block of an item is masked, in registers, with -inf before the row max. Blocks
+that cross the end of the real data are read from a zero-padded tail copy so
+slack rows never reach P @ V. Outputs are written only for the item's own rows
+(`_mgpu.store_rows_out`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.jagged_flash_attention import _mgpu, schedule
+from pallas_kernels.jagged_flash_attention.config import (
+    COMPUTE_REGISTERS,
+    FWD_BLOCK_KV,
+    MEMORY_REGISTERS,
+    NUM_COMPUTE_WGS,
+    NUM_STAGES,
+    TILE_ROWS,
+    WG_ROWS,
+)
+
+
+def forward_steps(item: _mgpu.Item, causal: bool):
+    """Number of key blocks an item visits: all of its window, or up to its diagonal."""
+    blocks = (item.hi + FWD_BLOCK_KV - 1) // FWD_BLOCK_KV
+    if causal:
+        blocks = jnp.minimum(blocks, item.tile + 1)
+    return blocks * item.keys
+
+
+def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_ctas: int, save_lse: bool):
+    """Runs the forward kernel.
+
+    Args:
+      q, k, v: `[T, H, D]` bf16 or f16, D in {64, 128}.
+      plan: the batch's work list (`schedule.build_plan`).
+      causal, scale: as in `jagged_flash_attention`.
+      num_ctas: persistent CTAs to launch (the GPU's SM count).
+      save_lse: also return the log-sum-exp.
+
+    Returns:
+      `(out [T, H, D] q.dtype, lse [H, NT * 128] float32 or None)`; lse is in
+      base 2 and in canonical tile order (`schedule.to_tile_space`); entries of
+      rows outside a tile are unspecified.
+    """
+    capacity, heads, head_dim = q.shape
+    dtype = q.dtype
+    slots = plan.q_table.shape[0]
+    end = plan.meta[schedule.META_END]
+    tails = [schedule.tail_rows(x, end) for x in (q, k, v)]
+    interpret = _mgpu.interpreting()
+    c2 = scale * _mgpu.LOG2E
+
+    def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, qt_ref, kt_ref, vt_ref, out_ref, lse_ref, scratch):
+        q_smem, k_smem, v_smem, lse_smem, staging, stage, bars = scratch
+        q_bar, q_free, k_bar, v_bar, k_free, v_free = bars
+        cta = lax.axis_index("cta")
+        wg = lax.axis_index("wg")
+        n_items = meta_ref[schedule.META_LIVE_TILES] * heads
+        end_row = meta_ref[schedule.META_END]
+        rounds = _mgpu.zigzag_rounds(n_items, num_ctas, cta)
+
+        @pl.when(wg == NUM_COMPUTE_WGS)
+        def _memory_wg():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            def item_body(r, gstep):
+                item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
+                n = forward_steps(item, causal)
+
+                @pl.when(r >= 1)
+                def _():
+                    plgpu.barrier_wait(q_free)
+
+                for w in range(NUM_COMPUTE_WGS):
+                    lo_w, hi_w = item.wg_rows(w)
+
+                    @pl.when((hi_w > lo_w) & (n > 0))
+                    def _():
+                        _mgpu.copy_rows_in(
+                            q_ref, qt_ref, item.row0 + w * WG_ROWS, WG_ROWS, item.head, end_row,
+                            q_smem.at[w], q_bar.at[w],
+                        )
+
+                def step(i, carry):
+                    g = gstep + i
+                    slot = lax.rem(g, NUM_STAGES)
+                    row = item.base + i * FWD_BLOCK_KV
+
+                    @pl.when(g >= NUM_STAGES)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+
+                    _mgpu.copy_rows_in(k_ref, kt_ref, row, FWD_BLOCK_KV, item.head, end_row, k_smem.at[slot], k_bar.at[slot])
+
+                    @pl.when(g >= NUM_STAGES)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    _mgpu.copy_rows_in(v_ref, vt_ref, row, FWD_BLOCK_KV, item.head, end_row, v_smem.at[slot], v_bar.at[slot])
+                    return carry
+
+                lax.fori_loop(0, n, step, None)
+                return gstep + n
+
+            steps = lax.fori_loop(0, rounds, item_body, jnp.int32(0))
+            _mgpu.drain(q_free, rounds - 1, rounds, 1)
+            _mgpu.drain(k_free, steps - NUM_STAGES, steps, NUM_STAGES)
+            _mgpu.drain(v_free, steps - NUM_STAGES, steps, NUM_STAGES)
+
+        @pl.when(wg < NUM_COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            p_stage = None if stage is None else stage.at[wg]
+            q_ref_wg = q_smem.at[wg]
+
+            def item_body(r, gstep):
+                item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
+                n = forward_steps(item, causal)
+                lo_w, hi_w = item.wg_rows(wg)
+                q_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
+
+                @pl.when(hi_w > lo_w)
+                def _work():
+                    @pl.when(n > 0)
+                    def _():
+                        plgpu.barrier_wait(q_bar.at[wg])
+
+                    def step(i, carry, masked: bool):
+                        acc, m_i, l_i = carry
+                        slot = lax.rem(gstep + i, NUM_STAGES)
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        s = _mgpu.matmul(q_ref_wg, k_smem.at[slot].transpose((1, 0)), (WG_ROWS, FWD_BLOCK_KV))
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        if masked:
+                            shape = (WG_ROWS, FWD_BLOCK_KV)
+                            mask = _mgpu.visible(
+                                q_pos0 + _mgpu.iota(shape, 0), i * FWD_BLOCK_KV + _mgpu.iota(shape, 1), item, causal
+                            )
+                            s = jnp.where(mask, s, -jnp.inf)
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * c2)
+                        alpha = jnp.exp2(m_i - m_new)
+                        p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        l_i = l_i * alpha + p.sum(axis=1)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        acc = _mgpu.matmul_acc(acc, p.astype(dtype), v_smem.at[slot], p_stage)
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        return acc, m_new, l_i
+
+                    carry = (
+                        _mgpu.zeros_tile(WG_ROWS, head_dim),
+                        _mgpu.row_vector(-jnp.inf, WG_ROWS),
+                        _mgpu.row_vector(0.0, WG_ROWS),
+                    )
+                    plain_lo, plain_hi = _mgpu.step_segments(n, (item.lo > 0).astype(jnp.int32), 1)
+                    carry = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), carry)
+                    carry = _mgpu.loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
+                    acc, m_i, l_i = _mgpu.loop(plain_hi, n, functools.partial(step, masked=True), carry)
+                    plgpu.barrier_arrive(q_free)
+
+                    has_keys = l_i > 0
+                    inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l_i, 1.0), 0.0)
+                    out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
+                    _mgpu.store_rows_out(out, staging, wg, out_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w)
+                    if save_lse:
+                        lse_smem.at[wg][...] = jnp.where(
+                            has_keys, m_i + jnp.log(jnp.where(has_keys, l_i, 1.0)) * (1.0 / _mgpu.LN2), -jnp.inf
+                        )
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            lse_smem.at[wg], lse_ref.at[item.head, pl.ds(item.canon * TILE_ROWS + wg * WG_ROWS, WG_ROWS)]
+                        )
+
+                @pl.when(hi_w <= lo_w)
+                def _idle():
+                    _mgpu.skip_steps(gstep, n, (k_bar, v_bar), (k_free, v_free))
+                    plgpu.barrier_arrive(q_free)
+
+                return gstep + n
+
+            lax.fori_loop(0, rounds, item_body, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+
+    def entry(*refs):
+        scratch = (
+            _mgpu.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype),
+            _mgpu.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
+            _mgpu.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
+            plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.float32),
+            tuple(_mgpu.staging_smem(head_dim, dtype) for _ in range(NUM_COMPUTE_WGS)),
+            _mgpu.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, FWD_BLOCK_KV), dtype) if interpret else None,
+            (
+                plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+                plgpu.Barrier(num_barriers=NUM_STAGES),
+                plgpu.Barrier(num_barriers=NUM_STAGES),
+                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
+                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
+            ),
+        )
+        pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
+
+    out_type = (
+        jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((heads, slots * TILE_ROWS), jnp.float32),
+    )
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+    )(plan.q_table, plan.meta, q, k, v, *tails)
+    return out, (lse if save_lse else None)
