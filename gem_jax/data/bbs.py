@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grain
 import numpy as np
-
-T = TypeVar("T")
 
 _NO_PARTNER = -1
 
