@@ -10,7 +10,7 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
-from gem_jax.data.pipeline import DataConfig
+from gem_jax.data.config import DataConfig
 from gem_jax.model.config import ModelConfig
 from gem_jax.parallel.mesh import Topology
 from gem_jax.parallel.rules import DATA_PARALLEL_RULES, Rules

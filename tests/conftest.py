@@ -22,3 +22,8 @@ def repo_root() -> Path:
 def shared_data() -> Path:
     """`../shared/data` beside the repo (override with GEM_SHARED_DATA)."""
     return Path(os.environ.get("GEM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+# Compiled executables are cached across the suite's processes and runs: the end-to-end
+# tests compile the same tiny train step several times.
+jax.config.update("jax_compilation_cache_dir", str(Path(os.environ.get("GEM_TEST_JAX_CACHE", "/tmp/gem-jax-test-cache"))))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
