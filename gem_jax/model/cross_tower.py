@@ -3,9 +3,11 @@
 DHEN (Zhang et al., "DHEN: A Deep and Hierarchical Ensemble Network for Large-Scale
 Click-Through Rate Prediction", 2022): each layer runs an ensemble of heterogeneous
 experts on the same input and combines their outputs. Ours has three expert kinds:
-an MLP, a DCN-v2 cross network (Wang et al., 2021) and a DLRM-style dot-product
-compression (Naumov et al., 2019). Token attention is GEM's GDPA with per-example
-token sets (short, equal Q and KV).
+a group of MLP experts (summed), a DCN-v2 cross network (Wang et al., 2021) and a
+DLRM-style dot-product compression (Naumov et al., 2019). The MLP experts are stacked
+so that expert parallelism (`gem_jax.parallel.experts`) can spread them over the GPUs
+of a node. Token attention is GEM's GDPA with per-example token sets (short, equal Q
+and KV).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.model.config import ModelConfig
-from gem_jax.model.layers import MLP, dense, rms_norm
+from gem_jax.model.layers import dense, rms_norm
+from gem_jax.parallel.experts import expert_parallel
+
+MLP_EXPERTS = 4  # MLP experts per DHEN layer; expert parallelism needs experts_per_node to divide it
 
 
 def uniform_offsets(batch: int, tokens: int) -> jax.Array:
@@ -83,14 +88,47 @@ class DotCompressionExpert(nnx.Module):
         return self.proj(gram[:, rows, cols])
 
 
+class MLPExperts(nnx.Module):
+    """`num_experts` MLP experts `width -> hidden / num_experts -> width`, outputs summed.
+
+    The sum of the experts is the same function class and cost as one MLP of width
+    `hidden`; keeping the experts as a stacked `[num_experts, ...]` parameter (logical
+    axis `expert`) lets the rules place them on the expert slots of a node.
+
+    Raises:
+      ValueError: `hidden` is not a multiple of `num_experts`.
+    """
+
+    def __init__(self, num_experts: int, width: int, hidden: int, *, rngs: nnx.Rngs):
+        if hidden % num_experts:
+            raise ValueError(f"MLP expert width {hidden} is not a multiple of {num_experts} experts")
+        h = hidden // num_experts
+        self.num_experts = num_experts
+        kernel = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+        zeros = nnx.initializers.zeros_init()
+        self.up_kernel = nnx.Param(nnx.with_partitioning(kernel, ("expert", "embed", "mlp"))(rngs.params(), (num_experts, width, h)))
+        self.up_bias = nnx.Param(nnx.with_partitioning(zeros, ("expert", "mlp"))(rngs.params(), (num_experts, h)))
+        self.down_kernel = nnx.Param(nnx.with_partitioning(kernel, ("expert", "mlp", "embed"))(rngs.params(), (num_experts, h, width)))
+        self.down_bias = nnx.Param(nnx.with_partitioning(zeros, ("expert", "embed"))(rngs.params(), (num_experts, width)))
+
+    def _local_sum(self, x: jax.Array) -> jax.Array:
+        """Sum of this device's experts on `x [rows, width]`."""
+        hidden = jax.nn.gelu(jnp.einsum("bw,kwh->kbh", x, self.up_kernel[...]) + self.up_bias[...][:, None, :])
+        return jnp.einsum("kbh,khw->bw", hidden, self.down_kernel[...]) + self.down_bias[...].sum(0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """`[b, width] -> [b, width]`: the sum over every expert (across the expert axis when sharded)."""
+        return expert_parallel(self._local_sum, x, local_experts=self.up_kernel.shape[0], num_experts=self.num_experts)
+
+
 class DHENLayer(nnx.Module):
     """One DHEN layer on `[B, F, d]` tokens: experts in parallel, concatenated, mixed, residual."""
 
-    def __init__(self, num_tokens: int, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, num_tokens: int, config: ModelConfig, *, rngs: nnx.Rngs, num_mlp_experts: int = MLP_EXPERTS):
         width = num_tokens * config.embed_dim
         self.num_tokens = num_tokens
         self.norm = rms_norm(width, rngs=rngs)
-        self.mlp_expert = MLP(width, config.mlp_ratio * config.embed_dim, width, rngs=rngs)
+        self.mlp_expert = MLPExperts(num_mlp_experts, width, config.mlp_ratio * config.embed_dim, rngs=rngs)
         self.cross_expert = CrossExpert(width, rngs=rngs)
         self.dot_expert = DotCompressionExpert(num_tokens, config.embed_dim, rngs=rngs)
         self.mix = dense(3 * width, width, ("mlp", "embed"), rngs=rngs)

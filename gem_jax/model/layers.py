@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gem_jax.parallel import embeddings
+
 EMBEDDING_PARAM = "embedding"  # name of every embedding-table parameter (the sparse optimizer's partition key)
 
 
@@ -26,19 +28,30 @@ def dense(in_features: int, out_features: int, axes: tuple[str | None, str | Non
 
 
 class EmbeddingTable(nnx.Module):
-    """An embedding table `[num_rows, dim]` (rows are ids; row 0 is padding).
+    """An embedding table for ids `[0, num_rows)` (row 0 is padding).
 
-    Lookups must get ids already validated in `[0, num_rows)`
-    (`gem_jax.data.batch.validate_ids`): an XLA gather clamps out-of-range ids.
+    The parameter has `padded_table_rows(num_rows)` rows (a mesh-independent padding
+    so that rows divide over the owners; padding rows are never read). Lookups go
+    through `gem_jax.parallel.embeddings.lookup`: a plain gather on one device, the
+    sharded all-to-all exchange inside a sharded step once `placement` is set
+    (`gem_jax.parallel.embeddings.bind_tables`). Out-of-range ids are never clamped:
+    they get a zero row (or are hashed, per the table's `OutOfRange` policy) and are
+    counted.
+
+    Attributes:
+      num_rows: vocabulary size.
+      placement: the table's resolved sharding, or None (local lookup).
     """
 
     def __init__(self, num_rows: int, dim: int, *, rngs: nnx.Rngs):
+        self.num_rows = num_rows
+        self.placement: embeddings.TablePlacement | None = None
         init = nnx.with_partitioning(nnx.initializers.normal(stddev=dim**-0.5), ("table_rows", "table_dim"))
-        setattr(self, EMBEDDING_PARAM, nnx.Param(init(rngs.params(), (num_rows, dim))))
+        setattr(self, EMBEDDING_PARAM, nnx.Param(init(rngs.params(), (embeddings.padded_table_rows(num_rows), dim))))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        """int `[...]` -> float32 `[..., dim]`."""
-        return getattr(self, EMBEDDING_PARAM)[...][ids]
+        """int `[...]` -> `[..., dim]` in the parameter's dtype (float32)."""
+        return embeddings.lookup(getattr(self, EMBEDDING_PARAM)[...], ids, self.num_rows, self.placement)
 
 
 def rms_norm(dim: int, *, rngs: nnx.Rngs) -> nnx.RMSNorm:

@@ -1,58 +1,198 @@
-"""Logical-axis rules: how the model's logical axis names map to mesh axes.
+"""Logical-axis rules: how the model's logical axis names map to mesh axes, per config.
 
-Model code names axes by role (`batch`, `embed`, `mlp`, `heads`, `table_rows`, ...);
-a rules table per config turns those into `PartitionSpec`s over the mesh axes of
-`gem_jax.parallel.mesh`.
+Model code names parameter axes by role (`embed`, `mlp`, `heads`, `expert`, `norm`,
+`table_rows`, `table_dim`); a `ShardingRules` turns those into `PartitionSpec`s over the
+axes of `gem_jax.parallel.mesh`, and picks each embedding table's generation
+(`gem_jax.parallel.embeddings`). Two presets:
+
+- `DATA_PARALLEL_RULES`: dense weights replicated (their gradients all-reduced),
+  tables row-sharded over every device (gen 1).
+- `HSDP_RULES`: dense weights FSDP-sharded over the GPUs of a zone and replicated
+  across zones (GEM's HSDP; MaxText's `ici_fsdp` x `dcn_data`), the DHEN expert group
+  spread over the expert axis of each node and FSDP-sharded across the node's other
+  GPUs and the zone's nodes, tables model-parallel inside the zone (gen 2).
+
+The batch is always split over every device (`gem_jax.parallel.batch`). A dimension
+takes the longest prefix of its rule's axes whose size product divides it (so no rule
+fails on an odd width) and an axis serves at most one dimension of a parameter.
+`ShardingPlan.table_rows` lists every parameter's spec and bytes per device; the
+golden-table test guards that no large parameter stays replicated.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gem_jax.parallel.mesh import GPU, NODE, ZONE
+from gem_jax.model.layers import EMBEDDING_PARAM, EmbeddingTable
+from gem_jax.parallel.embeddings import Generation, TablePlacement, TableSharding, place_table
+from gem_jax.parallel.mesh import EXPERT, GROUP_AXES
 
-Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+Axes = tuple[str, ...]
 
-# Data parallel over every device; embedding rows sharded over every device (gen 1);
-# dense weights replicated.
-DATA_PARALLEL_RULES: Rules = (
-    ("batch", (ZONE, NODE, GPU)),
-    ("table_rows", (ZONE, NODE, GPU)),
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """A config's sharding choices.
+
+    Attributes:
+      logical: `(logical axis name, mesh axes)` pairs; names without a pair stay
+        replicated.
+      tables: `(table path, TableSharding)` per table ("embed/item", "embed/user/0").
+      default_table: the sharding of tables not in `tables`.
+    """
+
+    logical: tuple[tuple[str, Axes], ...] = ()
+    tables: tuple[tuple[str, TableSharding], ...] = ()
+    default_table: TableSharding = TableSharding()
+
+    def table(self, name: str) -> TableSharding:
+        return dict(self.tables).get(name, self.default_table)
+
+
+Rules = ShardingRules
+
+DATA_PARALLEL_RULES = ShardingRules(default_table=TableSharding(Generation.GLOBAL))
+
+HSDP_RULES = ShardingRules(
+    logical=(
+        ("expert", (EXPERT,)),
+        ("embed", GROUP_AXES),
+        ("mlp", GROUP_AXES),
+        ("heads", GROUP_AXES),
+    ),
+    default_table=TableSharding(Generation.GROUP),
 )
 
 
-def logical_to_spec(logical: tuple[str | None, ...] | PartitionSpec, rules: Rules) -> PartitionSpec:
-    """Maps logical axis names to a mesh `PartitionSpec`; names without a rule stay replicated.
+def logical_to_spec(
+    logical: tuple[str | None, ...] | PartitionSpec,
+    rules: ShardingRules,
+    shape: tuple[int, ...] | None = None,
+    axis_sizes: dict[str, int] | None = None,
+) -> PartitionSpec:
+    """Maps logical axis names to a mesh `PartitionSpec`.
 
-    A mesh axis is used at most once per spec (the first dimension that claims it wins).
+    Args:
+      logical: one logical name (or None) per dimension.
+      rules: the rules.
+      shape, axis_sizes: when given, axes of size 1 are dropped and a dimension keeps
+        the longest prefix of its axes whose product divides its size.
+
+    Returns:
+      A spec with one entry per dimension; a mesh axis appears at most once (the
+      first dimension that can use it wins).
     """
-    table = dict(rules)
+    table = dict(rules.logical)
     used: set[str] = set()
     out = []
-    for name in logical:
-        axes = table.get(name) if name is not None else None
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes = tuple(a for a in axes if a not in used)
+    for dim, name in enumerate(logical):
+        axes = tuple(a for a in (table.get(name, ()) if name is not None else ()) if a not in used)
+        if axis_sizes is not None:
+            axes = tuple(a for a in axes if axis_sizes[a] > 1)
+        if shape is not None and axis_sizes is not None:
+            while axes and shape[dim] % math.prod(axis_sizes[a] for a in axes):
+                axes = axes[:-1]
         used.update(axes)
         out.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*out)
 
 
-def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules):
-    """`NamedSharding` tree for an (abstract) nnx parameter state, from its logical axes."""
-    specs = nnx.get_partition_spec(abstract_state)
-    return jax.tree.map(
-        lambda spec: NamedSharding(mesh, logical_to_spec(spec, rules)),
-        specs,
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
+def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    out = []
+    for entry in spec:
+        out += [entry] if isinstance(entry, str) else list(entry or ())
+    return tuple(out)
 
 
-def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
-    """Sharding of an array whose leading axis is the batch."""
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+def spec_from_axes(axes: Axes, ndim: int, dim: int = 0) -> PartitionSpec:
+    """A spec sharding dimension `dim` over `axes` (outermost first), the others replicated."""
+    entry = axes[0] if len(axes) == 1 else (axes or None)
+    return PartitionSpec(*(entry if d == dim else None for d in range(ndim)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Every parameter's sharding on one mesh.
+
+    Attributes:
+      specs: pure-dict tree (as `nnx.to_pure_dict`) of mesh `PartitionSpec`s.
+      logical: the same tree of logical-name `PartitionSpec`s.
+      tables: the embedding tables' placements, by module path.
+      axis_sizes: the mesh's axis sizes.
+    """
+
+    specs: dict
+    logical: dict
+    tables: dict[str, TablePlacement]
+    axis_sizes: dict[str, int]
+
+    def shardings(self, mesh: Mesh) -> dict:
+        """The `NamedSharding` tree of `specs` on `mesh`."""
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def table_rows(self, abstract_params: dict) -> list[dict]:
+        """One record per parameter: path, shape, dtype, logical axes, spec, bytes per device."""
+        rows = []
+        leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
+        specs = jax.tree.leaves(self.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        logical = jax.tree.leaves(self.logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        for (path, leaf), spec, names in zip(leaves, specs, logical):
+            shards = math.prod(self.axis_sizes[a] for a in _spec_axes(spec))
+            nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
+            rows.append(
+                {
+                    "path": "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path),
+                    "shape": list(leaf.shape),
+                    "dtype": str(leaf.dtype),
+                    "logical": [n for n in names],
+                    "spec": [list(e) if isinstance(e, tuple) else e for e in spec],
+                    "bytes": nbytes,
+                    "bytes_per_device": nbytes // shards,
+                }
+            )
+        return rows
+
+
+def _path_key(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules: ShardingRules) -> ShardingPlan:
+    """Resolves `rules` for every parameter of `abstract_model` (from `nnx.eval_shape`) on a mesh.
+
+    Embedding tables (`EmbeddingTable`) are row-sharded by their table's generation;
+    every other parameter by its logical axis names.
+
+    Args:
+      abstract_model: the model, abstract (no arrays needed).
+      axis_sizes: mesh axis sizes (`Mesh.shape` or `Topology.axis_sizes`).
+      rules: the config's rules.
+    """
+    _, abstract_params = nnx.split(abstract_model)
+    placements: dict[str, TablePlacement] = {}
+    for path, module in nnx.iter_modules(abstract_model):
+        if isinstance(module, EmbeddingTable):
+            name = "/".join(str(p) for p in path)
+            padded = getattr(module, EMBEDDING_PARAM).shape[0]
+            placements[name] = place_table(name, module.num_rows, padded, rules.table(name), axis_sizes)
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+    shapes = nnx.to_pure_dict(abstract_params)
+
+    def spec_of(path, names, leaf):
+        keys = _path_key(path)
+        if keys and keys[-1] == EMBEDDING_PARAM:
+            placement = placements["/".join(str(k) for k in keys[:-1])]
+            return spec_from_axes(placement.row_axes, len(leaf.shape))
+        names = tuple(names) if isinstance(names, PartitionSpec) else (None,) * len(leaf.shape)
+        return logical_to_spec(names, rules, leaf.shape, axis_sizes)
+
+    specs = jax.tree_util.tree_map_with_path(spec_of, logical, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return ShardingPlan(specs=specs, logical=logical, tables=placements, axis_sizes=dict(axis_sizes))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

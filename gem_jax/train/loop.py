@@ -16,7 +16,7 @@ from gem_jax.config import TrainConfig
 from gem_jax.data.batch import Batch, validate_ids
 from gem_jax.data.pipeline import Dataset, load_dataset
 from gem_jax.model.gem import GEMModel
-from gem_jax.parallel import rules as rules_lib
+from gem_jax.parallel.batch import BatchPlacement
 from gem_jax.parallel.mesh import make_mesh
 from gem_jax.train import flops as flops_lib
 from gem_jax.train.baseline import item_mean_label_auc
@@ -32,16 +32,16 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss or gradient norm became NaN or Inf."""
 
 
-def batch_shardings(batch: Batch, mesh, rules) -> Batch:
-    """Where each batch leaf lives: the jagged history and per-example arrays replicated (one data shard)."""
-    return jax.tree.map(lambda _: rules_lib.replicated(mesh), batch)
+def batch_shardings(batch: Batch, mesh, rules) -> BatchPlacement:
+    """Where batches go: one local jagged batch per device, stacked (`gem_jax.parallel.batch`)."""
+    return BatchPlacement(mesh)
 
 
 def evaluate(eval_step, params, dataset: Dataset, sharding) -> dict[str, float]:
     """Runs the model over every eval example once; per-task AUC, NE and BCE."""
     acc = EvalAccumulator(dataset.task_names)
     for batch in dataset.eval_batches():
-        logits = eval_step(params, jax.device_put(batch, sharding))
+        logits = eval_step(params, sharding.put(batch))
         acc.add(logits, batch.labels, batch.weights)
     return acc.result()
 
@@ -68,7 +68,12 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
     mesh = make_mesh(config.topology)
     optimizer = make_optimizer(config.optim)
     state, setup = create_train_state(
-        lambda rngs: GEMModel(spec, config.model, rngs=rngs), optimizer, mesh, config.rules, config.loop.seed
+        lambda rngs: GEMModel(spec, config.model, rngs=rngs),
+        optimizer,
+        mesh,
+        config.rules,
+        config.loop.seed,
+        compute_dtype=config.model.compute_dtype,
     )
     train_iter = dataset.train_iterator()
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
@@ -97,7 +102,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
         lengths = np.diff(np.asarray(batch.history.offsets))[real]
         window_flops += flop_model.train(lengths)
         window_examples += int(real.sum())
-        state, step_metrics = train_step(state, jax.device_put(batch, sharding))
+        state, step_metrics = train_step(state, sharding.put(batch))
         window_metrics.append(step_metrics)
         done = step + 1
         if done % config.loop.log_every == 0 or done == last_step:

@@ -18,6 +18,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from gem_jax.parallel import rules as rules_lib
+from gem_jax.parallel.spmd import ShardedModel
 
 
 @struct.dataclass
@@ -44,11 +45,44 @@ class StateSetup:
       shardings: a `TrainState` of `NamedSharding`s.
       abstract: a `TrainState` of `jax.ShapeDtypeStruct`s carrying those shardings
         (the restore target for checkpoints).
+      mesh: the device mesh.
+      plan: every parameter's sharding and the tables' placements.
+      compute_dtype: dtype dense weights are cast to before use in a step.
     """
 
     graphdef: nnx.GraphDef
     shardings: TrainState
     abstract: TrainState
+    mesh: Mesh
+    plan: rules_lib.ShardingPlan
+    compute_dtype: str = "float32"
+
+    def sharded_model(self) -> ShardedModel:
+        """The model's sharded forward pass and loss (`gem_jax.parallel.spmd`)."""
+        return ShardedModel(self.graphdef, self.plan, self.mesh, self.compute_dtype)
+
+
+def _path_keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+def mirror_param_shardings(opt_state, params, param_shardings, default):
+    """Shardings for an optimizer state: a leaf whose key path ends with a parameter's
+    path and has its shape (Adam moments, Adagrad accumulators) takes that parameter's
+    sharding; every other leaf (step counts, masked placeholders) gets `default`."""
+    by_path = {}
+    for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings)):
+        by_path[_path_keys(path)] = (leaf.shape, sharding)
+
+    def pick(path, leaf):
+        keys = _path_keys(path)
+        for start in range(len(keys)):
+            match = by_path.get(keys[start:])
+            if match and match[0] == leaf.shape:
+                return match[1]
+        return default
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
 
 
 def create_train_state(
@@ -57,6 +91,8 @@ def create_train_state(
     mesh: Mesh,
     rules: rules_lib.Rules,
     seed: int,
+    *,
+    compute_dtype: str = "float32",
 ) -> tuple[TrainState, StateSetup]:
     """Initialises the model and optimizer state sharded over `mesh`.
 
@@ -64,13 +100,16 @@ def create_train_state(
       model_factory: builds the model from `nnx.Rngs` (parameters must carry
         logical axis names, see `gem_jax.model.layers`).
       optimizer: the optax transformation.
-      mesh, rules: where each logical axis goes.
+      mesh, rules: where each logical axis goes (`gem_jax.parallel.rules`).
       seed: parameter-init seed; the same seed gives the same parameters on any mesh.
+      compute_dtype: the model's compute dtype; dense weights are cast to it on
+        their shard before the FSDP all-gather.
     """
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(seed)))
-    graphdef, abstract_params = nnx.split(abstract_model)
-    param_shardings = nnx.to_pure_dict(rules_lib.param_shardings(abstract_params, mesh, rules))
+    graphdef, _ = nnx.split(abstract_model)
+    plan = rules_lib.plan_sharding(abstract_model, dict(mesh.shape), rules)
+    param_shardings = plan.shardings(mesh)
 
     def init() -> TrainState:
         with nnx.use_eager_sharding(False):
@@ -79,15 +118,9 @@ def create_train_state(
 
     abstract = jax.eval_shape(init)
     replicated = rules_lib.replicated(mesh)
-    opt_shardings = optax.tree_map_params(
-        optimizer,
-        lambda _, sharding: sharding,
-        abstract.opt_state,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
-    )
+    opt_shardings = mirror_param_shardings(abstract.opt_state, abstract.params, param_shardings, replicated)
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
     state = jax.jit(init, out_shardings=shardings)()
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return state, StateSetup(graphdef=graphdef, shardings=shardings, abstract=abstract)
+    setup = StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype)
+    return state, setup

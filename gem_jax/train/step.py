@@ -1,4 +1,4 @@
-"""The jitted train and eval steps."""
+"""The jitted train and eval steps over stacked per-device batches (`gem_jax.parallel`)."""
 
 from __future__ import annotations
 
@@ -7,46 +7,46 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from gem_jax.data.batch import Batch
+from gem_jax.parallel.batch import BatchPlacement
 from gem_jax.train import metrics
 from gem_jax.train.state import StateSetup, TrainState
 
 
-def make_train_step(setup: StateSetup, optimizer: optax.GradientTransformation, batch_sharding) -> Callable:
+def make_train_step(setup: StateSetup, optimizer: optax.GradientTransformation, placement: BatchPlacement) -> Callable:
     """`train_step(state, batch) -> (state, metrics)`, jitted with donation of `state`.
 
-    The loss is the sum over tasks of the weighted mean BCE. Metrics (all float32
-    scalars or `[K]`): loss, per-task BCE and NE against the batch's base rate, and the
-    global gradient norm.
+    `batch` is a stacked per-device batch (`placement.put(host_batch)`). The loss is
+    the sum over tasks of the weighted mean BCE over the global batch. Metrics (float32
+    scalars or `[K]`): loss, per-task BCE and NE against the batch's base rate, the
+    global gradient norm; int32 lookup counters `<table>/out_of_range` and
+    `<table>/overflow` (check them with `gem_jax.parallel.embeddings.check_lookup_stats`).
     """
-
-    def loss_fn(params, batch: Batch):
-        logits = nnx.merge(setup.graphdef, params)(batch)
-        bce = metrics.weighted_bce(logits, batch.labels, batch.weights)
-        return bce.sum(), bce
+    model = setup.sharded_model()
 
     def train_step(state: TrainState, batch: Batch):
-        (loss, bce), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        (loss, (bce, stats)), grads = jax.value_and_grad(model.loss, has_aux=True)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        base_rate = (batch.weights[:, None] * batch.labels).sum(0) / jnp.maximum(batch.weights.sum(), 1.0)
+        labels, weights = batch.labels.reshape(-1, batch.labels.shape[-1]), batch.weights.reshape(-1)
+        base_rate = (weights[:, None] * labels).sum(0) / jnp.maximum(weights.sum(), 1.0)
         out = {
             "loss": loss,
             "bce": bce,
             "ne": metrics.normalized_entropy(bce, base_rate),
             "grad_norm": optax.global_norm(grads),
+            **stats,
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), out
 
-    return jax.jit(train_step, in_shardings=(setup.shardings, batch_sharding), out_shardings=(setup.shardings, None), donate_argnums=0)
+    return jax.jit(
+        train_step, in_shardings=(setup.shardings, placement.sharding), out_shardings=(setup.shardings, None), donate_argnums=0
+    )
 
 
-def make_eval_step(setup: StateSetup, batch_sharding) -> Callable:
-    """`eval_step(params, batch) -> logits [B, K]` (float32), jitted."""
-
-    def eval_step(params, batch: Batch):
-        return nnx.merge(setup.graphdef, params)(batch)
-
-    return jax.jit(eval_step, in_shardings=(setup.shardings.params, batch_sharding))
+def make_eval_step(setup: StateSetup, placement: BatchPlacement) -> Callable:
+    """`eval_step(params, batch) -> logits [B, K]` (float32, replicated, global example order), jitted."""
+    model = setup.sharded_model()
+    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(model.logits, in_shardings=(setup.shardings.params, placement.sharding), out_shardings=replicated)

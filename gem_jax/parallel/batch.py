@@ -1,0 +1,111 @@
+"""Data parallelism over jagged batches: one local jagged batch per device, stacked.
+
+A global `Batch` of B examples is cut into D contiguous per-device batches of B/D
+examples. Each keeps only its own history rows with offsets starting at 0 (local to the
+device), packed into a common static capacity `T_local` (the smallest of the capacity
+buckets of a B/D batch that holds the fullest device). Every leaf then gets a leading
+device axis `[D, ...]` sharded over all mesh axes, and the model runs on one slice per
+device under `shard_map` (`gem_jax.parallel.spmd`). Example order is kept: device d
+holds global examples `d*B/D ... (d+1)*B/D - 1`, so a balanced per-device order from the
+data pipeline (BBS) maps to devices as it was dealt.
+
+Multi-host: every process builds the same global batch (the pipeline is deterministic)
+and materialises only the slices of its own devices
+(`jax.make_array_from_callback`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from gem_jax.data.batch import Batch
+from gem_jax.data.collate import capacity_buckets, pick_capacity
+from gem_jax.jagged import Jagged
+from gem_jax.parallel.mesh import MESH_AXES
+from gem_jax.parallel.rules import spec_from_axes
+
+
+def stack_batch(batch: Batch, num_shards: int, capacities: tuple[int, ...] | None = None) -> Batch:
+    """Splits a host (numpy) batch into `num_shards` per-device jagged batches, stacked.
+
+    Args:
+      batch: B examples; history values `[T_cap, F]`, offsets `[B+1]`.
+      num_shards: devices D; must divide B.
+      capacities: allowed `T_local` values (default: `capacity_buckets(B/D,
+        max_seq_len)`).
+
+    Returns:
+      A `Batch` whose leaves have a leading `[D]` axis: history values
+      `[D, T_local, F]` (slack rows zero), offsets `[D, B/D + 1]` starting at 0,
+      per-example arrays `[D, B/D, ...]`.
+
+    Raises:
+      ValueError: D does not divide B.
+      JaggedError: a device's rows exceed every capacity.
+    """
+    b = batch.batch_size
+    if num_shards < 1 or b % num_shards:
+        raise ValueError(f"batch size {b} is not divisible by {num_shards} devices")
+    per = b // num_shards
+    history = batch.history
+    offsets = np.asarray(history.offsets)
+    values = np.asarray(history.values)
+    starts = offsets[: b + 1 : per]  # [D+1]: first row of each device's examples
+    if capacities is None:
+        capacities = capacity_buckets(per, history.max_seq_len)
+    capacity = pick_capacity(int(np.diff(starts).max(initial=0)), capacities)
+    local_values = np.zeros((num_shards, capacity) + values.shape[1:], values.dtype)
+    local_offsets = np.empty((num_shards, per + 1), np.int32)
+    for d in range(num_shards):
+        lo, hi = int(starts[d]), int(starts[d + 1])
+        local_values[d, : hi - lo] = values[lo:hi]
+        local_offsets[d] = offsets[d * per : (d + 1) * per + 1] - lo
+
+    def split(x):
+        x = np.asarray(x)
+        return x.reshape((num_shards, per) + x.shape[1:])
+
+    return Batch(
+        history=Jagged(local_values, local_offsets, history.max_seq_len),
+        user=split(batch.user),
+        candidate_item=split(batch.candidate_item),
+        candidate_genres=split(batch.candidate_genres),
+        labels=split(batch.labels),
+        weights=split(batch.weights),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlacement:
+    """Puts host batches on a mesh in the stacked per-device layout.
+
+    Attributes:
+      mesh: the device mesh; the batch is split over all of its devices.
+    """
+
+    mesh: Mesh
+
+    @property
+    def num_shards(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """The sharding of every stacked-batch leaf (a prefix for the whole `Batch`)."""
+        axes = tuple(a for a in MESH_AXES if self.mesh.shape[a] > 1)
+        return NamedSharding(self.mesh, spec_from_axes(axes, 1))
+
+    def put(self, batch: Batch) -> Batch:
+        """Host `Batch` (global) -> stacked `Batch` of global `jax.Array`s on the mesh.
+
+        Each process materialises only its addressable devices' slices.
+        """
+        stacked = stack_batch(batch, self.num_shards)
+        sharding = self.sharding
+        return jax.tree.map(
+            lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index]), stacked
+        )

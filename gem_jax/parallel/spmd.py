@@ -1,0 +1,173 @@
+"""The model under one `shard_map`: per-device jagged batches, HSDP weights, sharded tables and experts.
+
+Every device runs the unchanged model on its own jagged batch (offsets local to it;
+`gem_jax.parallel.batch` builds the stacked per-device layout). Before the forward
+pass, each dense parameter is cast to the compute dtype on its shard and all-gathered
+over the axes that shard it (FSDP); it is first marked as varying over the axes that
+replicate it. Reverse-mode differentiation turns these into GEM's HSDP gradient path:
+the all-gather's transpose is a reduce-scatter inside the zone and the replication's
+transpose an all-reduce across zones, on the reduce-scattered shard (MaxText's
+hierarchical FSDP, done here explicitly). The DHEN expert group keeps its `expert`
+dimension sharded (`gem_jax.parallel.experts`) and embedding tables stay as shards for
+the sharded lookup (`gem_jax.parallel.embeddings`).
+
+The loss is the weighted mean BCE over the *global* batch: each device's weighted sum
+and weight total are summed over all devices before the division, so the loss and its
+gradients equal the single-device result on the same examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from gem_jax.data.batch import Batch
+from gem_jax.model.layers import EMBEDDING_PARAM
+from gem_jax.parallel import context, embeddings
+from gem_jax.parallel.mesh import MESH_AXES
+from gem_jax.parallel.rules import ShardingPlan, spec_from_axes
+from gem_jax.train import metrics
+
+
+class Role(enum.Enum):
+    """How the sharded step treats a parameter."""
+
+    DENSE = "dense"  # all-gathered (FSDP) before use
+    EXPERT = "expert"  # all-gathered except its `expert` dimension
+    TABLE = "table"  # used as a shard by the sharded lookup
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def param_roles(plan: ShardingPlan) -> dict:
+    """Pure-dict tree of `Role`s, parallel to `plan.specs`."""
+
+    def role(path, names):
+        if getattr(path[-1], "key", None) == EMBEDDING_PARAM:
+            return Role.TABLE
+        return Role.EXPERT if "expert" in tuple(names) else Role.DENSE
+
+    return jax.tree_util.tree_map_with_path(role, plan.logical, is_leaf=_is_spec)
+
+
+def live_axes(axis_sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes of size > 1, outermost first."""
+    return tuple(a for a in MESH_AXES if axis_sizes[a] > 1)
+
+
+def _psum(x, axes):
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def gather_param(x: jax.Array, spec: PartitionSpec, names: PartitionSpec, role: Role, axis_sizes: dict[str, int], dtype) -> jax.Array:
+    """One parameter shard -> the array the model uses on this device (inside `shard_map`).
+
+    DENSE and EXPERT: cast to `dtype` (a float compute dtype, or None to keep) on the
+    shard, mark varying over the live axes the spec does not mention, all-gather every
+    sharded dimension (EXPERT: except the `expert` one). TABLE: unchanged.
+    """
+    if role is Role.TABLE:
+        return x
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(dtype)
+    mentioned = {a for entry in spec for a in _entry_axes(entry)}
+    unmentioned = tuple(a for a in live_axes(axis_sizes) if a not in mentioned)
+    if unmentioned:
+        x = jax.lax.pcast(x, unmentioned, to="varying")
+    names = tuple(names) + (None,) * (x.ndim - len(tuple(names)))
+    for dim, entry in enumerate(spec):
+        axes = _entry_axes(entry)
+        if axes and not (role is Role.EXPERT and names[dim] == "expert"):
+            x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+    """The model's forward pass and loss over a stacked per-device batch.
+
+    Attributes:
+      graphdef: the model's structure (`nnx.split`).
+      plan: every parameter's sharding (`gem_jax.parallel.rules.plan_sharding`).
+      mesh: the device mesh.
+      compute_dtype: dense weights are cast to it on their shard before the
+        all-gather ("float32" keeps them).
+    """
+
+    graphdef: nnx.GraphDef
+    plan: ShardingPlan
+    mesh: Mesh
+    compute_dtype: str = "float32"
+
+    @property
+    def batch_spec(self) -> PartitionSpec:
+        """Spec of every stacked-batch leaf: leading device axis over every live mesh axis."""
+        return spec_from_axes(live_axes(self.plan.axis_sizes), 1)
+
+    def _forward(self, params: dict, batch: Batch):
+        """Per device: (logits [b, K], stats, the local batch)."""
+        sizes = self.plan.axis_sizes
+        local = jax.tree.map(lambda x: x[0], batch)
+        roles = param_roles(self.plan)
+        dtype = jnp.dtype(self.compute_dtype)
+        full = jax.tree.map(
+            lambda x, spec, names, role: gather_param(x, spec, names, role, sizes, dtype),
+            params,
+            self.plan.specs,
+            self.plan.logical,
+            roles,
+            is_leaf=lambda x: _is_spec(x) or isinstance(x, Role),
+        )
+        with context.shard_context(sizes) as ctx:
+            model = nnx.merge(self.graphdef, full)
+            embeddings.bind_tables(model, self.plan.tables)
+            logits = model(local)
+        return logits, dict(ctx.stats), local
+
+    def _shard_map(self, body, out_specs):
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.plan.specs, self.batch_spec), out_specs=out_specs)
+
+    def loss(self, params: dict, batch: Batch):
+        """`(loss, (bce [K], stats))` over the global batch; differentiable in `params`.
+
+        Args:
+          params: the parameter tree, sharded as `plan.specs`.
+          batch: the stacked per-device batch (`gem_jax.parallel.batch.stack_batch`).
+
+        Returns:
+          loss: float32 scalar, the sum over tasks of the weighted mean BCE.
+          bce: float32 `[K]` per task.
+          stats: int32 counters summed over devices (`<table>/out_of_range`,
+            `<table>/overflow`).
+        """
+        axes = live_axes(self.plan.axis_sizes)
+
+        def body(params, batch):
+            logits, stats, local = self._forward(params, batch)
+            weight = local.weights.sum()
+            total = metrics.weighted_bce(logits, local.labels, local.weights) * jnp.maximum(weight, 1.0)
+            total, weight = _psum((total, weight), axes)
+            bce = total / jnp.maximum(weight, 1.0)
+            return bce.sum(), (bce, _psum(stats, axes))
+
+        return self._shard_map(body, (PartitionSpec(), (PartitionSpec(), PartitionSpec())))(params, batch)
+
+    def logits(self, params: dict, batch: Batch) -> jax.Array:
+        """float32 `[B, K]` logits of the stacked batch, examples in global order."""
+
+        def body(params, batch):
+            return self._forward(params, batch)[0][None]
+
+        stacked = self._shard_map(body, spec_from_axes(live_axes(self.plan.axis_sizes), 3))(params, batch)
+        return stacked.reshape(-1, stacked.shape[-1])
