@@ -9,6 +9,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Tests run tiny shapes: compile time dominates, so compile with few optimizations.
+jax.config.update("jax_disable_most_optimizations", True)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
