@@ -117,15 +117,16 @@ def ours_fns(name, config):
     return jax.jit(gemm), jax.jit(quant), jax.jit(total)
 
 
-def check_correctness(log):
+def check_correctness(log, configs=None):
     """Pallas kernel vs the jnp reference on unaligned and aligned shapes."""
     out = {}
     for name, (ab, bb) in BLOCKS.items():
+        config = (configs or {}).get(name)
         for m, n, k in CHECK_SHAPES:
             a, b = inputs(m, n, k, seed=1)
             a8, sa = quantize_mxfp8(a, block=ab)
             b8, sb = quantize_mxfp8(b, block=bb)
-            got = mxfp8_matmul(a8, sa, b8, sb, out_dtype=jnp.float32, implementation="pallas")
+            got = mxfp8_matmul(a8, sa, b8, sb, out_dtype=jnp.float32, implementation="pallas", config=config)
             ref = mxfp8_matmul(a8, sa, b8, sb, out_dtype=jnp.float32, implementation="xla")
             exact = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision="highest")
             key = f"{name}_{m}x{n}x{k}"
@@ -222,14 +223,22 @@ def jax_peers(a, b, log):
     return res
 
 
-def ours(a, b, name, config, log):
+def ours(a, b, name, config, log, gemm_only=False):
     gemm, quant, total = ours_fns(name, config)
     (a8, sa), (b8, sb) = quant(a, b)
+    if gemm_only:
+        return {f"{name}_gemm": jax_time(gemm, a8, sa, b8, sb)}
     return {
         f"{name}_gemm": jax_time(gemm, a8, sa, b8, sb),
         f"{name}_quant": jax_time(quant, a, b),
         f"{name}_total": jax_time(total, a, b),
     }
+
+
+SWEEP = {  # (tile_n, k_blocks_per_step, cluster, max_concurrent_steps)
+    "ours_32x32": [(128, 1, "n", 8), (128, 2, "n", 4), (128, 2, "m", 4), (128, 2, None, 4), (64, 4, "n", 3)],
+    "ours_128": [(128, 1, "n", 4), (128, 2, "n", 2), (128, 2, "n", 3), (128, 2, "m", 3)],
+}
 
 
 def sweep(log):
@@ -240,25 +249,20 @@ def sweep(log):
     for name, (ab, bb) in BLOCKS.items():
         a8, sa = quantize_mxfp8(a, block=ab)
         b8, sb = quantize_mxfp8(b, block=bb)
-        kb = ab[1]
         table = []
-        for cluster in (None, "n", "m"):
-            for steps in ((8,) if kb == 32 else (4,)):
-                cfg = kernel_matmul.TuningConfig(tile_n=128, max_concurrent_steps=steps, cluster=cluster)
-                try:
-                    f = jax.jit(lambda *t, c=cfg: mxfp8_matmul(*t, implementation="pallas", config=c))
-                    t = jax_time(f, a8, sa, b8, sb, iters=10, reps=3)
-                    table.append({"cluster": cluster, "steps": steps, "seconds": t, "tflops": 2 * m * n * k / t / 1e12})
-                except Exception as e:  # noqa: BLE001
-                    table.append({"cluster": cluster, "steps": steps, "error": repr(e)[:400]})
-                log(f"sweep {name} {table[-1]}")
+        for tile_n, per_step, cluster, steps in SWEEP[name]:
+            cfg = kernel_matmul.TuningConfig(tile_n=tile_n, k_blocks_per_step=per_step, cluster=cluster, max_concurrent_steps=steps)
+            row = {"tile_n": tile_n, "k_blocks_per_step": per_step, "cluster": cluster, "steps": steps}
+            try:
+                f = jax.jit(lambda *t, c=cfg: mxfp8_matmul(*t, implementation="pallas", config=c))
+                t = jax_time(f, a8, sa, b8, sb, iters=10, reps=3)
+                row.update(seconds=t, tflops=2 * m * n * k / t / 1e12, config=cfg)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:400]
+            table.append(row)
+            log(f"sweep {name} {row}")
         ok = [r for r in table if "seconds" in r]
-        cfg = (
-            kernel_matmul.TuningConfig(tile_n=128, max_concurrent_steps=min(ok, key=lambda r: r["seconds"])["steps"],
-                                       cluster=min(ok, key=lambda r: r["seconds"])["cluster"])
-            if ok
-            else kernel_matmul.default_config(kb)
-        )
+        cfg = min(ok, key=lambda r: r["seconds"])["config"] if ok else kernel_matmul.default_config(ab[1])
         best[name] = (cfg, table)
     return best
 
@@ -280,12 +284,12 @@ def quant_costs(m, k, log):
     return res
 
 
-def layer_check(log):
+def layer_check(log, best, sizes=None):
     """FP8 dense layer forward+backward (pallas vs xla numerics; time vs a bf16 layer) at GEM-like sizes."""
     from gem_jax.quant import Fp8Recipe, fp8_matmul
 
     res = {}
-    for t, din, dout in [(65536, 512, 1024), (16384, 4096, 4096)]:
+    for t, din, dout in sizes or [(65536, 512, 1024), (16384, 4096, 4096)]:
         kx, kw, kg = jax.random.split(jax.random.key(5), 3)
         x = jax.random.normal(kx, (t, din), jnp.bfloat16)
         w = jax.random.normal(kw, (din, dout), jnp.float32) / np.sqrt(din)
@@ -300,7 +304,7 @@ def layer_check(log):
         row["bf16_fwd_bwd"] = jax_time(step, x, w, iters=10, reps=3)
         for block in (32, 128):
             for impl in ("pallas", "xla"):
-                recipe = Fp8Recipe(block=block, implementation=impl)
+                recipe = Fp8Recipe(block=block, implementation=impl, config=best[f"ours_{block}" if block == 128 else "ours_32x32"][0])
 
                 def loss(x, w, recipe=recipe):
                     return jnp.sum((fp8_matmul(x, w, None, recipe, w.dtype) * g).astype(jnp.float32))
@@ -323,6 +327,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--ours-only", action="store_true", help="only bf16 XLA (the reference peer) and our kernels")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in Mosaic GPU interpret mode (CPU check of this script)")
     args = p.parse_args()
     if args.smoke:
@@ -351,21 +356,28 @@ def main():
         result["torch_version"] = torch.__version__
     except ImportError:
         args.skip_torch = True
-    result["correctness"] = check_correctness(log)
     best = sweep(log)
     result["sweep"] = {name: table for name, (_, table) in best.items()}
     result["chosen_configs"] = {name: repr(cfg) for name, (cfg, _) in best.items()}
+    result["correctness"] = check_correctness(log, {name: cfg for name, (cfg, _) in best.items()})
+    if args.ours_only:
+        args.skip_torch = True
     result["shapes"] = []
     for m, n, k in SHAPES:
         a, b = inputs(m, n, k)
         row = {"M": m, "N": n, "K": k, "flops": 2 * m * n * k}
         try:
-            row.update(jax_peers(a, b, log))
+            if args.ours_only:
+                dims = (((1,), (1,)), ((), ()))
+                bf16 = jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.bfloat16))
+                row["bf16_xla"] = jax_time(bf16, a, b)
+            else:
+                row.update(jax_peers(a, b, log))
         except Exception as e:  # noqa: BLE001
             row["jax_peers_error"] = repr(e)[:400]
         for name, (cfg, _) in best.items():
             try:
-                row.update(ours(a, b, name, cfg, log))
+                row.update(ours(a, b, name, cfg, log, gemm_only=args.ours_only))
             except Exception as e:  # noqa: BLE001
                 row[f"{name}_error"] = repr(e)[:400]
                 traceback.print_exc()
@@ -387,12 +399,13 @@ def main():
             json.dump(result, f, indent=1, default=str)
     if not args.smoke:
         try:
-            result["layer"] = layer_check(log)
+            result["layer"] = layer_check(log, best, sizes=[(16384, 4096, 4096)] if args.ours_only else None)
         except Exception as e:  # noqa: BLE001
             result["layer_error"] = repr(e)[:400]
             traceback.print_exc()
-    quant_shapes = [(256, 256)] if args.smoke else [(8192, 8192), (65536, 1024)]
-    result["quantization"] = {f"{m}x{k}": quant_costs(m, k, log) for m, k in quant_shapes}
+    if not args.ours_only:
+        quant_shapes = [(256, 256)] if args.smoke else [(8192, 8192), (65536, 1024)]
+        result["quantization"] = {f"{m}x{k}": quant_costs(m, k, log) for m, k in quant_shapes}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, default=str)
     log(f"wrote {args.out}")

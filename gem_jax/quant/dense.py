@@ -48,6 +48,8 @@ class Fp8Recipe:
         quantized on each shard and the 8-bit data all-gathered (`quantize_gathered`).
       fsdp_dim: the sharded dimension of the kernel `[in, out]`.
       implementation: for `mxfp8_matmul`: "xla", "pallas" or None (pallas on Hopper).
+      config: `pallas_kernels.mxfp8.kernel_matmul.TuningConfig` for the Pallas GEMMs, or
+        None for the default of the block size.
     """
 
     block: int = 32
@@ -55,6 +57,7 @@ class Fp8Recipe:
     fsdp_axis: str | None = None
     fsdp_dim: int = 0
     implementation: str | None = None
+    config: Any = None
 
     def __post_init__(self):
         if self.block not in (32, 128):
@@ -106,14 +109,14 @@ def _fp8_matmul_fwd(x, w, key, recipe, w_dtype):
     del w_dtype
     xq, sx = quantize_mxfp8(x, block=recipe.act_block)
     wq, sw = quantize_weight(w, recipe)
-    y = mxfp8_matmul(xq, sx, wq.T, sw.T, out_dtype=x.dtype, implementation=recipe.implementation)
+    y = mxfp8_matmul(xq, sx, wq.T, sw.T, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config)
     return y, (xq, sx, wq, sw, key)
 
 
 def _fp8_matmul_bwd(recipe, w_dtype, residuals, dy):
     xq, sx, wq, sw, key = residuals
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key)
-    dx = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation)
+    dx = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
     dw = jnp.dot(x16.T, dy.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     return dx, dw.astype(w_dtype), None

@@ -49,18 +49,25 @@ class TuningConfig:
       cluster: None, "m" (2 CTAs on adjacent row tiles share one multicast B tile) or
         "n" (2 CTAs on adjacent column tiles share the A tile): halves that operand's
         L2 -> SMEM traffic.
+      k_blocks_per_step: K blocks per pipeline step, each MMA'd into its own float32
+        accumulator; all are issued at once and block j is promoted while blocks > j
+        still run on the tensor cores (`k_blocks_per_step + 1` accumulators of
+        `64 x tile_n` per warpgroup must fit in the registers: 2 at tile_n=128).
     """
 
     tile_n: int = 128
     max_concurrent_steps: int = 6
     grid_tile_width: int = 8
     cluster: str | None = None
+    k_blocks_per_step: int = 1
 
     def __post_init__(self):
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 32 in [32, 256], got {self.tile_n}")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+        if self.k_blocks_per_step < 1:
+            raise ValueError(f"k_blocks_per_step must be >= 1, got {self.k_blocks_per_step}")
         if self.cluster not in (None, "m", "n"):
             raise ValueError(f'cluster must be None, "m" or "n", got {self.cluster!r}')
 
@@ -68,6 +75,10 @@ class TuningConfig:
     def m_multiple(self) -> int:
         """M must be a multiple of this."""
         return _CTA_M * (2 if self.cluster == "m" else 1)
+
+    def k_multiple(self, block_k: int) -> int:
+        """K must be a multiple of this."""
+        return block_k * self.k_blocks_per_step
 
     @property
     def n_multiple(self) -> int:
@@ -124,41 +135,40 @@ def scaled_matmul(
     tile_n = config.tile_n
     if block_k not in (32, 128) or col_group not in (32, 128) or tile_n % col_group:
         raise ValueError(f"block_k={block_k} and col_group={col_group} must be 32 or 128 and divide tile_n={tile_n}")
-    if k != k2 or k % block_k or m % config.m_multiple or n % config.n_multiple:
+    if k != k2 or k % config.k_multiple(block_k) or m % config.m_multiple or n % config.n_multiple:
         raise ValueError(f"unsupported shapes a={a.shape}, b={b.shape} for block_k={block_k}, {config}")
     if row_scales.shape != (k // block_k, m) or col_scales.shape != (k // block_k, n):
         raise ValueError(f"scale shapes {row_scales.shape}, {col_scales.shape} do not match a={a.shape}, b={b.shape}")
-    k_iters = k // block_k
+    per_step = config.k_blocks_per_step
+    k_steps = k // (block_k * per_step)
     cl_m = 2 if config.cluster == "m" else 1
     cl_n = 2 if config.cluster == "n" else 1
     m_iters, n_iters = m // (_CTA_M * cl_m), n // (tile_n * cl_n)
-    steps = min(config.max_concurrent_steps, k_iters)
+    steps = min(config.max_concurrent_steps, k_steps)
     fp8_transforms = (plgpu.TilingTransform((8, block_k)), plgpu.SwizzleTransform(block_k))  # one K row = block_k bytes
     out_swizzle = plgpu.find_swizzle(tile_n * jnp.dtype(out_dtype).itemsize * 8)
     out_elems = out_swizzle // jnp.dtype(out_dtype).itemsize
     out_transforms = (plgpu.TilingTransform((8, out_elems)), plgpu.SwizzleTransform(out_swizzle))
     n_groups = tile_n // col_group
 
+    def fp8_spec(rows, j, shared):
+        return plgpu.BlockSpec(
+            (rows, block_k),
+            lambda s: (0, s * per_step + j),
+            transforms=fp8_transforms,
+            collective_axes=("cluster",) if shared else (),
+        )
+
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_iters,),
+            grid=(k_steps,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec(
-                    (_CTA_M, block_k),
-                    lambda kb: (0, kb),
-                    transforms=fp8_transforms,
-                    collective_axes=("cluster",) if config.cluster == "n" else (),
-                ),
-                plgpu.BlockSpec(
-                    (tile_n, block_k),
-                    lambda kb: (0, kb),
-                    transforms=fp8_transforms,
-                    collective_axes=("cluster",) if config.cluster == "m" else (),
-                ),
-                plgpu.BlockSpec((1, _CTA_M), lambda kb: (kb, 0)),
-                plgpu.BlockSpec((1, tile_n), lambda kb: (kb, 0)),
+                *(fp8_spec(_CTA_M, j, config.cluster == "n") for j in range(per_step)),
+                *(fp8_spec(tile_n, j, config.cluster == "m") for j in range(per_step)),
+                plgpu.BlockSpec((per_step, _CTA_M), lambda s: (s, 0)),
+                plgpu.BlockSpec((per_step, tile_n), lambda s: (s, 0)),
             ],
             wg_axis="wg",
             num_compute_wgs=_NUM_COMPUTE_WGS,
@@ -168,10 +178,11 @@ def scaled_matmul(
 
     def kernel(a_gmem, b_gmem, rs_gmem, cs_gmem, out_gmem):
         ignore = lambda *_, **__: None
+        gmem_refs = (*(a_gmem,) * per_step, *(b_gmem,) * per_step, rs_gmem, cs_gmem)
 
         @functools.partial(
             pl.run_scoped,
-            allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, rs_gmem, cs_gmem),
+            allocs=get_pipeline(ignore, ignore).get_allocations(*gmem_refs),
             out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, _WG_M, tile_n), out_dtype, transforms=out_transforms),
             collective_axes="wg",
         )
@@ -190,32 +201,51 @@ def scaled_matmul(
                 m_sl = pl.ds(mi * _CTA_M, _CTA_M)
                 n_sl = pl.ds(ni * tile_n, tile_n)
                 wg_rows = pl.ds(wg * _WG_M, _WG_M)
+                zero = lambda: plgpu.layout_cast(jnp.zeros((_WG_M, tile_n), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
 
-                def compute_context(run_pipeline):
-                    zero = plgpu.layout_cast(jnp.zeros((_WG_M, tile_n), jnp.float32), plgpu.Layout.WGMMA)
-                    acc = run_pipeline(zero)
+                def block_scale(rs_smem, cs_smem, j):
+                    """Per-thread compact scales of K block j of this step: rows x column-group scalars."""
+                    rows = plgpu.load(rs_smem.at[j, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    return tuple(rows * cs_smem[j, g * col_group] for g in range(n_groups))
+
+                def promote(acc, part, scale):
+                    """`acc + part * scale(row) * scale(column group)`: one FFMA per element."""
+                    full = jnp.concatenate([lax.broadcast_in_dim(v, (_WG_M, col_group), [0]) for v in scale], axis=1)
+                    return acc + part * full
+
+                def store(acc):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     out_smem[wg] = acc.astype(out_dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[m_sl, n_sl].at[wg_rows])
 
-                def body(_, a_smem, b_smem, rs_smem, cs_smem, acc):
-                    def mma(part_ref):
-                        plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.T)
-                        return part_ref[...]
+                def body(_, *refs):
+                    a_refs, b_refs = refs[:per_step], refs[per_step : 2 * per_step]
+                    rs_smem, cs_smem, acc = refs[2 * per_step :]
 
-                    # The FP8 MMA of this K block into a fresh float32 accumulator ...
-                    part = pl.run_scoped(mma, plgpu.ACC((_WG_M, tile_n), jnp.float32))
-                    # ... promoted with scale(row) * scale(column group): one FFMA per element.
-                    rows = plgpu.load(rs_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    scale = jnp.concatenate(
-                        [lax.broadcast_in_dim(rows * cs_smem[0, g * col_group], (_WG_M, col_group), [0]) for g in range(n_groups)],
-                        axis=1,
-                    )
-                    return acc + part * scale
+                    def mma(*parts):
+                        # The FP8 MMAs of this step's K blocks, each into a fresh float32 accumulator,
+                        # all in flight at once; each block is promoted as soon as its MMA is done,
+                        # while the later ones still run on the tensor cores.
+                        for part, a_smem, b_smem in zip(parts, a_refs, b_refs):
+                            plgpu.wgmma(part, a_smem.at[wg_rows], b_smem.T)
+                        out = acc
+                        for j, part in enumerate(parts):
+                            done = plgpu.wgmma_accumulator_load(part, wait_n=per_step - 1 - j)
+                            out = promote(out, done, block_scale(rs_smem, cs_smem, j))
+                        return out
 
-                get_pipeline(body, compute_context)(
-                    a_gmem.at[m_sl], b_gmem.at[n_sl], rs_gmem.at[:, m_sl], cs_gmem.at[:, n_sl], allocations=allocs
+                    return pl.run_scoped(mma, *[plgpu.ACC((_WG_M, tile_n), jnp.float32)] * per_step)
+
+                def context(run_pipeline):
+                    store(run_pipeline(zero()))
+
+                get_pipeline(body, context)(
+                    *(a_gmem.at[m_sl],) * per_step,
+                    *(b_gmem.at[n_sl],) * per_step,
+                    rs_gmem.at[:, m_sl],
+                    cs_gmem.at[:, n_sl],
+                    allocations=allocs,
                 )
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

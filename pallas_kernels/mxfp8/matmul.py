@@ -109,7 +109,7 @@ def _pallas_matmul(a, a_scales, b, b_scales, a_block, b_block, out_dtype, config
     config = config or kernel_matmul.default_config(kb)
     mp = math.ceil(m / config.m_multiple) * config.m_multiple
     np_ = math.ceil(n / config.n_multiple) * config.n_multiple
-    kp = math.ceil(k / kb) * kb
+    kp = math.ceil(k / config.k_multiple(kb)) * config.k_multiple(kb)
     a8 = _pad_to(a, (mp, kp), 0)
     b8 = _pad_to(b, (np_, kp), 0)
     # Per-row / per-column float32 scales [K/kb, rows]; padding rows get scale 1 (their data is 0).
