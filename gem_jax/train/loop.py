@@ -113,7 +113,10 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
                 raise NonFiniteLossError(f"non-finite loss or gradient norm in steps {done - len(fetched) + 1}..{done}")
             logger.log(done, "train", record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
-            train_seconds, train_flops, train_examples = train_seconds + elapsed, train_flops + window_flops, train_examples + window_examples
+            if done - len(fetched) > start:  # the run's first window holds the compile: not steady state
+                train_seconds += elapsed
+                train_flops += window_flops
+                train_examples += window_examples
             window_metrics, window_flops, window_examples = [], 0.0, 0
             window_start = time.perf_counter()
         checkpointer.save(done, state, train_iter)
@@ -134,7 +137,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
         summary.update(evaluate(eval_step, state.params, dataset, sharding))
         summary.update(item_mean_label_auc(dataset))
         logger.log(final_step, "eval", summary)
-    if train_seconds:
+    if train_seconds:  # steady state: every log window after the first
         summary["train_examples_per_s"] = train_examples / train_seconds
         summary["train_tflops_per_s"] = train_flops / train_seconds / 1e12
         if peak:
