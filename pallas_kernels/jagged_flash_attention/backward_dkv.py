@@ -70,7 +70,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
     def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                qt_ref, kt_ref, vt_ref, dot_ref, dk_ref, dv_ref, scratch):
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_staging, dv_staging, stage, bars = scratch
-        k_bar, v_bar, item_free, q_bar, do_bar, lse_bar, delta_bar, ring_free = bars
+        k_bar, v_bar, item_free, q_bar, do_bar, lse_bar, delta_bar, ring_free, item_go = bars
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
         n_items = meta_ref[schedule.META_LIVE_TILES] * heads
@@ -97,6 +97,8 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                         row = item.row0 + w * WG_ROWS
                         _mgpu.copy_rows_in(k_ref, kt_ref, row, WG_ROWS, item.head, end_row, k_smem.at[w], k_bar.at[w])
                         _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
+
+                plgpu.barrier_arrive(item_go)  # the item's loads are issued
 
                 def step(i, carry):
                     g = gstep + i
@@ -131,6 +133,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                 item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
                 first, n = dkv_steps(item, causal)
                 lo_w, hi_w = item.wg_rows(wg)
+                plgpu.barrier_wait(item_go)
                 k_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
 
                 @pl.when(hi_w > lo_w)
@@ -214,6 +217,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                 ring_barrier,
                 ring_barrier,
                 plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
+                plgpu.Barrier(num_arrivals=1),
             ),
         )
         pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")

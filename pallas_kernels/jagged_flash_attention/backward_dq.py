@@ -68,7 +68,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
     def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                qt_ref, kt_ref, vt_ref, dot_ref, dq_ref, scratch):
         q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, staging, stage, bars = scratch
-        q_bar, do_bar, lse_bar, delta_bar, item_free, k_bar, v_bar, k_free, v_free = bars
+        q_bar, do_bar, lse_bar, delta_bar, item_free, k_bar, v_bar, k_free, v_free, item_go = bars
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
         n_items = meta_ref[schedule.META_LIVE_TILES] * heads
@@ -98,6 +98,8 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                         _mgpu.copy_rows_in(do_ref, dot_ref, row, WG_ROWS, item.head, end_row, do_smem.at[w], do_bar.at[w])
                         _mgpu.copy_vector_in(lse_ref, item.head, col, WG_ROWS, lse_smem.at[w], lse_bar.at[w])
                         _mgpu.copy_vector_in(delta_ref, item.head, col, WG_ROWS, delta_smem.at[w], delta_bar.at[w])
+
+                plgpu.barrier_arrive(item_go)  # the item's loads are issued
 
                 def step(i, carry):
                     g = gstep + i
@@ -134,6 +136,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                 item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
                 n = dq_steps(item, causal)
                 lo_w, hi_w = item.wg_rows(wg)
+                plgpu.barrier_wait(item_go)
                 q_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
 
                 @pl.when(hi_w > lo_w)
@@ -213,6 +216,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                 ring_barrier,
                 free_barrier,
                 free_barrier,
+                plgpu.Barrier(num_arrivals=1),
             ),
         )
         pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")

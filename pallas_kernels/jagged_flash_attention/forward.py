@@ -78,7 +78,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
 
     def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, qt_ref, kt_ref, vt_ref, out_ref, lse_ref, scratch):
         q_smem, k_smem, v_smem, lse_smem, staging, stage, bars = scratch
-        q_bar, q_free, k_bar, v_bar, k_free, v_free = bars
+        q_bar, q_free, k_bar, v_bar, k_free, v_free, item_go = bars
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
         n_items = meta_ref[schedule.META_LIVE_TILES] * heads
@@ -106,6 +106,8 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                             q_ref, qt_ref, item.row0 + w * WG_ROWS, WG_ROWS, item.head, end_row,
                             q_smem.at[w], q_bar.at[w],
                         )
+
+                plgpu.barrier_arrive(item_go)  # the item's loads are issued
 
                 def step(i, carry):
                     g = gstep + i
@@ -143,6 +145,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                 item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
                 n = forward_steps(item, causal)
                 lo_w, hi_w = item.wg_rows(wg)
+                plgpu.barrier_wait(item_go)
                 q_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
 
                 @pl.when(hi_w > lo_w)
@@ -223,6 +226,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                 plgpu.Barrier(num_barriers=NUM_STAGES),
                 plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
                 plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
+                plgpu.Barrier(num_arrivals=1),
             ),
         )
         pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")

@@ -18,7 +18,7 @@ from pallas_kernels.jagged_flash_attention.backward_dq import backward_dq
 from pallas_kernels.jagged_flash_attention.config import H100_H200_SM_COUNT, ROW_ALIGN, SUPPORTED_HEAD_DIMS
 from pallas_kernels.jagged_flash_attention.forward import forward
 
-_INTERPRET_CTAS = 2  # persistent CTAs simulated by the CPU interpreter
+_INTERPRET_CTAS = 1  # persistent CTAs simulated by the CPU interpreter
 
 
 def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool = False, scale: float | None = None,

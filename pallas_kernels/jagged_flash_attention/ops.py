@@ -6,6 +6,12 @@ import jax
 
 from pallas_kernels import _dispatch
 from pallas_kernels.jagged_flash_attention import reference
+from pallas_kernels.jagged_flash_attention.config import SUPPORTED_HEAD_DIMS
+
+
+def kernel_supports(q: jax.Array) -> bool:
+    """Whether the Mosaic GPU kernels take queries (and same-typed keys/values) like `q`."""
+    return q.dtype in (jax.numpy.bfloat16, jax.numpy.float16) and q.shape[-1] in SUPPORTED_HEAD_DIMS
 
 
 def jagged_flash_attention(
@@ -37,19 +43,23 @@ def jagged_flash_attention(
       causal: mask keys after the query position within each sequence.
       scale: multiplies the scores; default `1/sqrt(D)`.
       implementation: "xla" (the jnp reference), "pallas" (Mosaic GPU kernels,
-        Hopper only) or None (pallas on a Hopper GPU, else xla).
+        Hopper only; bf16/f16, D in {64, 128}) or None (pallas on a Hopper GPU
+        when the kernels take these inputs, else xla).
 
     Returns:
       `[T, H, D]` in q.dtype.
 
     Raises:
       ValueError: mismatched shapes or an unknown implementation.
+      NotImplementedError: "pallas" asked for inputs the kernels do not take.
     """
     if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one [T, H, D] shape; got {q.shape}, {k.shape}, {v.shape}")
     if offsets.ndim != 1:
         raise ValueError(f"offsets must be int32 [B+1]; got shape {offsets.shape}")
     impl = _dispatch.resolve(implementation)
+    if implementation is None and not kernel_supports(q):
+        impl = _dispatch.Implementation.XLA
     if impl is _dispatch.Implementation.XLA:
         return reference.jagged_flash_attention(q, k, v, offsets, max_seq_len=max_seq_len, causal=causal, scale=scale)
     from pallas_kernels.jagged_flash_attention import kernel  # Mosaic GPU; imported only when used

@@ -1,0 +1,258 @@
+"""Jagged flash attention: the jnp reference against a per-sequence loop, the work
+list, and the Mosaic GPU kernels (CPU interpret mode) against the reference,
+forward and dQ/dK/dV."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.jagged_flash_attention import _mgpu, ops, schedule
+from pallas_kernels.jagged_flash_attention.config import TILE_ROWS
+
+# Budget on max |kernel - reference| / max |reference|, per tensor, by input dtype.
+BUDGET = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.float32): 1e-5}
+
+
+def _offsets(lengths):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def _inputs(lengths, capacity, heads, dim, dtype, seed, poison=True):
+    """q, k, v, dout `[capacity, H, D]`; rows past the real data hold NaN when `poison`."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    end = int(sum(lengths))
+    xs = []
+    for key in keys:
+        x = jax.random.normal(key, (capacity, heads, dim), jnp.float32).astype(dtype)
+        xs.append(x.at[end:].set(jnp.nan) if poison else x)
+    return xs
+
+
+def _naive(q, k, v, lengths, causal, scale):
+    """float64 softmax attention, one sequence and one head at a time."""
+    q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
+    out = np.zeros_like(q)
+    start = 0
+    for n in lengths:
+        s = slice(start, start + n)
+        for h in range(q.shape[1]):
+            x = q[s, h] @ k[s, h].T * scale
+            if causal:
+                x = np.where(np.tril(np.ones((n, n), bool)), x, -np.inf)
+            p = np.exp(x - x.max(axis=-1, keepdims=True)) if n else x
+            out[s, h] = (p / p.sum(axis=-1, keepdims=True)) @ v[s, h] if n else 0.0
+        start += n
+    return out
+
+
+def _value_and_grads(impl, q, k, v, dout, offsets, *, max_seq_len, causal):
+    fn = functools.partial(
+        ops.jagged_flash_attention, offsets=offsets, max_seq_len=max_seq_len, causal=causal, implementation=impl
+    )
+    out, vjp = jax.vjp(fn, q, k, v)
+    return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(dout))]
+
+
+def _assert_close(actual, expected, dtype, name):
+    assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
+    if not actual.size:
+        return
+    scale = max(float(np.max(np.abs(expected))), 1e-6)
+    err = float(np.max(np.abs(actual - expected)))
+    assert err <= BUDGET[jnp.dtype(dtype)] * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+# --- the "xla" path: the reference itself --------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_matches_per_sequence_loop(causal):
+    lengths = [0, 1, 7, 16, 0, 23]
+    capacity, heads, dim = 56, 2, 8
+    q, k, v, _ = _inputs(lengths, capacity, heads, dim, jnp.float32, seed=np.random.randint(1 << 30))
+    out = ops.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=23, causal=causal, implementation="xla")
+    expected = _naive(q, k, v, lengths, causal, dim**-0.5)
+    end = sum(lengths)
+    np.testing.assert_allclose(np.asarray(out)[:end], expected[:end], atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(out)[end:] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_gradients_match_per_sequence_loop(causal):
+    lengths = [5, 0, 12]
+    capacity, heads, dim = 20, 1, 4
+    q, k, v, dout = _inputs(lengths, capacity, heads, dim, jnp.float32, seed=np.random.randint(1 << 30), poison=False)
+    offsets, end = _offsets(lengths), sum(lengths)
+    grads = jax.grad(
+        lambda *x: jnp.sum(ops.jagged_flash_attention(*x, offsets, max_seq_len=12, causal=causal, implementation="xla") * dout),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+
+    def naive_loss(x):
+        return float(np.sum(_naive(*np.split(x, 3), lengths, causal, dim**-0.5) * np.asarray(dout, np.float64)))
+
+    x0 = np.concatenate([np.asarray(t, np.float64) for t in (q, k, v)])
+    rng = np.random.default_rng(0)
+    for _ in range(6):  # directional derivatives by central differences
+        d = rng.normal(size=x0.shape)
+        d[np.tile(np.arange(capacity) >= end, 3)] = 0.0
+        numeric = (naive_loss(x0 + 1e-3 * d) - naive_loss(x0 - 1e-3 * d)) / 2e-3
+        analytic = sum(float(np.sum(np.asarray(g, np.float64) * dd)) for g, dd in zip(grads, np.split(d, 3)))
+        assert analytic == pytest.approx(numeric, rel=2e-3, abs=2e-3)
+    for g in grads:
+        assert np.all(np.asarray(g)[end:] == 0)
+
+
+def test_reference_ignores_nan_slack_rows():
+    lengths = [3, 9]
+    q, k, v, _ = _inputs(lengths, 16, 2, 8, jnp.float32, seed=3)
+    clean = [x.at[12:].set(0.0) for x in (q, k, v)]
+    a = ops.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=9, implementation="xla")
+    b = ops.jagged_flash_attention(*clean, _offsets(lengths), max_seq_len=9, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_input_errors_name_the_problem():
+    q = jnp.zeros((8, 2, 64), jnp.float32)
+    offsets = _offsets([8])
+    with pytest.raises(ValueError, match="q, k, v"):
+        ops.jagged_flash_attention(q, q[:4], q, offsets, max_seq_len=8)
+    with pytest.raises(ValueError, match="offsets"):
+        ops.jagged_flash_attention(q, q, q, offsets[None], max_seq_len=8)
+    with pytest.raises(ValueError, match="implementation"):
+        ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=8, implementation="triton")
+    with pytest.raises(NotImplementedError, match="bf16 or f16"):
+        ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=8, implementation="pallas")
+    q96 = jnp.zeros((8, 2, 96), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="head dim"):
+        ops.jagged_flash_attention(q96, q96, q96, offsets, max_seq_len=8, implementation="pallas")
+
+
+def test_default_implementation_on_cpu_is_the_reference():
+    lengths = [4, 6]
+    q, k, v, _ = _inputs(lengths, 10, 2, 64, jnp.bfloat16, seed=5, poison=False)
+    a = ops.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=6)
+    b = ops.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=6, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+# --- the work list --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_work_list_owns_every_row_once_and_is_sorted(causal):
+    rng = np.random.default_rng()
+    lengths = rng.choice([0, 1, 7, 63, 64, 65, 128, 129, 300], size=17)
+    capacity = int(lengths.sum()) + int(rng.integers(0, 200))
+    plan = jax.jit(schedule.build_plan, static_argnums=1, static_argnames="causal")(
+        _offsets(lengths), capacity, causal=causal
+    )
+    live = int(plan.meta[schedule.META_LIVE_TILES])
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    length_at = {int(s): int(n) for s, n in zip(starts, lengths) if n}
+    for table in (plan.q_table, plan.kv_table):
+        t = np.asarray(table)[:live]
+        owner = np.zeros(capacity, int)
+        for rec in t:
+            lo = max(rec[schedule.F_LO] - TILE_ROWS * rec[schedule.F_TILE], 0)
+            hi = min(rec[schedule.F_HI] - TILE_ROWS * rec[schedule.F_TILE], TILE_ROWS)
+            assert rec[schedule.F_ROW0] % 8 == 0 and rec[schedule.F_BASE] % 8 == 0 and hi > lo
+            owner[rec[schedule.F_ROW0] + lo : rec[schedule.F_ROW0] + hi] += 1
+            first_row = rec[schedule.F_BASE] + rec[schedule.F_LO]
+            if rec[schedule.F_KEYS]:
+                assert rec[schedule.F_HI] - rec[schedule.F_LO] == length_at[int(first_row)]
+            else:
+                assert first_row == starts[-1]
+        assert np.all(owner == 1)
+        tiles = np.ceil(t[:, schedule.F_HI] / TILE_ROWS)
+        j = t[:, schedule.F_TILE]
+        work = np.where(t[:, schedule.F_KEYS] == 1, (j + 1 if table is plan.q_table else tiles - j) if causal else tiles, 0)
+        assert np.all(np.diff(work) <= 0)
+
+
+def test_work_list_bound_holds_for_adversarial_lengths():
+    # Length-1 sequences starting at rows = 7 mod 8 each need their own tile.
+    lengths = np.array([7] + [1, 7] * 40)
+    capacity = int(lengths.sum())
+    plan = schedule.build_plan(_offsets(lengths), capacity, causal=False)
+    live = int(plan.meta[schedule.META_LIVE_TILES])
+    assert live == int(np.count_nonzero(lengths)) <= plan.q_table.shape[0]
+
+
+@pytest.mark.parametrize("n_items,num_ctas", [(0, 3), (5, 3), (6, 3), (17, 4), (132, 132), (1000, 132)])
+def test_zigzag_deals_each_item_once(n_items, num_ctas):
+    seen = []
+    for cta in range(num_ctas):
+        rounds = int(_mgpu.zigzag_rounds(jnp.int32(n_items), num_ctas, jnp.int32(cta)))
+        items = [int(_mgpu.zigzag_item(jnp.int32(r), num_ctas, jnp.int32(cta))) for r in range(rounds)]
+        if len(items) > 1:
+            assert items[1] == 2 * num_ctas - 1 - cta  # the snake turns back
+        seen += items
+    assert sorted(seen) == list(range(n_items))
+
+
+def test_tail_rows_zero_outside_real_data():
+    x = jnp.arange(40 * 2, dtype=jnp.float32).reshape(40, 2) + 1
+    tail = np.asarray(schedule.tail_rows(x, jnp.int32(21)))
+    rows = int(schedule.tail_base(jnp.int32(21))) + np.arange(tail.shape[0])
+    expected = np.where(((rows >= 0) & (rows < 21))[:, None], np.asarray(x)[np.clip(rows, 0, 39)], 0)
+    np.testing.assert_array_equal(tail, expected)
+
+
+# --- the Mosaic GPU kernels, interpreted on the CPU ---------------------------------------
+# The interpreter compiles one program per simulated warpgroup and kernel shape, so
+# these tests share one static shape (capacity, batch, heads, head dim) and differ in
+# the lengths, which the kernels only see at run time.
+
+CAPACITY, BATCH, HEADS, DIM = 272, 8, 2, 64
+
+
+def _check_kernel(lengths, causal, inputs=None, dtype=jnp.bfloat16, capacity=CAPACITY, heads=HEADS, dim=DIM):
+    lengths = list(lengths) + [0] * (BATCH - len(lengths))
+    q, k, v, dout = inputs or _inputs(lengths, capacity, heads, dim, dtype, np.random.randint(1 << 30))
+    offsets, end = _offsets(lengths), int(sum(lengths))
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        got = _value_and_grads("pallas", q, k, v, dout, offsets, max_seq_len=130, causal=causal)
+    want = _value_and_grads("xla", q, k, v, dout, offsets, max_seq_len=max(max(lengths), 1), causal=causal)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        _assert_close(a[:end], b[:end], dtype, name)
+        assert np.all(a[end:] == 0), f"{name}: slack rows must be 0"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernels_match_reference_edge_lengths(causal):
+    # Zero, one, around one and two 64-row warpgroup slices and 128-row tiles, the
+    # maximum (130), unaligned starts; slack rows and their output cotangents hold NaN.
+    _check_kernel([0, 1, 63, 64, 0, 7, 130], causal)
+    _check_kernel([65, 130, 0, 1, 2, 64], causal)
+
+
+def test_kernels_all_zero_length_batch():
+    _check_kernel([0] * BATCH, causal=False)
+
+
+@pytest.mark.parametrize("logit", [-12.0, -20.0])
+def test_kernels_strongly_negative_logits_half_filled_tile(logit):
+    # Every real score sits near `logit`; both sequences end in a half-filled tile
+    # (64 of 128 rows), where zero-filled keys would score 0 and dominate.
+    lengths = [64, 192]
+    keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 5)
+    u = jax.random.normal(keys[0], (DIM,))
+    u = u / jnp.linalg.norm(u)
+    a = np.sqrt(-logit * np.sqrt(DIM))
+    shape = (CAPACITY, HEADS, DIM)
+    q = a * u + jax.random.normal(keys[1], shape)
+    k = -a * u + jax.random.normal(keys[2], shape)
+    v, dout = jax.random.normal(keys[3], shape), jax.random.normal(keys[4], shape)
+    scores = jnp.einsum("thd,shd->hts", q[:64], k[:64]) * DIM**-0.5
+    assert abs(float(jnp.median(scores)) - logit) < 1.0, float(jnp.median(scores))
+    inputs = [x.astype(jnp.bfloat16).at[256:].set(jnp.nan) for x in (q, k, v, dout)]
+    _check_kernel(lengths, causal=False, inputs=inputs)
+
+
+def test_kernels_head_dim_128_unaligned_capacity():
+    _check_kernel([70, 1, 129], causal=True, capacity=203, heads=1, dim=128)
