@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from gem_jax.data.bbs import check_shard_split
 from gem_jax.data.rows import OnBadRow
+from gem_jax.data.workload import Workload
 
 
 class Source(enum.Enum):
@@ -51,6 +53,39 @@ class SyntheticConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BBSConfig:
+    """Base batch shuffling of the train batches (`gem_jax.data.bbs.balance_shards`).
+
+    Each global batch is reordered so that the `num_shards` contiguous chunks
+    that data parallelism gives the devices carry equal workload.
+
+    Attributes:
+      num_shards: D, the devices a global batch is split over; it must divide
+        `batch_size` with an even quotient (or be 1: BBS is then off). None:
+        all devices of the training mesh (the trainer fills it in with
+        `Dataset.resolve_bbs`).
+      minibatch_size: BBS minibatch size, a positive even int (GEM: 128).
+      workload: the per-sample workload model. None: the model's training FLOPs
+        (`Workload.from_flop_model` of `gem_jax.train.flops.flop_model`; the
+        trainer fills it in).
+    """
+
+    num_shards: int | None = None
+    minibatch_size: int = 128
+    workload: Workload | None = None
+
+    def __post_init__(self):
+        if self.num_shards is not None and (
+            isinstance(self.num_shards, bool) or not isinstance(self.num_shards, int) or self.num_shards < 1
+        ):
+            raise ValueError(f"BBSConfig.num_shards must be a positive int or None, got {self.num_shards!r}")
+        if isinstance(self.minibatch_size, bool) or not isinstance(self.minibatch_size, int) or self.minibatch_size < 2 or self.minibatch_size % 2:
+            raise ValueError(f"BBSConfig.minibatch_size must be a positive even int, got {self.minibatch_size!r}")
+        if self.workload is not None and not isinstance(self.workload, Workload):
+            raise TypeError(f"BBSConfig.workload must be a Workload or None, got {type(self.workload).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Everything `load_dataset` needs.
 
@@ -69,6 +104,7 @@ class DataConfig:
         a batch takes the smallest that holds its history rows.
       prefetch_batches: batches built ahead in a background thread (0: none).
       synthetic: shape of the synthetic source.
+      bbs: base batch shuffling of the train batches; None: off.
     """
 
     source: Source = Source.ML_LATEST_SMALL
@@ -82,6 +118,7 @@ class DataConfig:
     capacity_fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 0.75, 1.0)
     prefetch_batches: int = 2
     synthetic: SyntheticConfig = SyntheticConfig()
+    bbs: BBSConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.source, Source):
@@ -100,3 +137,8 @@ class DataConfig:
             raise ValueError(f"prefetch_batches must be >= 0, got {self.prefetch_batches}")
         if 1.0 not in self.capacity_fractions or not all(0.0 < f <= 1.0 for f in self.capacity_fractions):
             raise ValueError(f"capacity_fractions must be in (0, 1] and include 1, got {self.capacity_fractions}")
+        if self.bbs is not None:
+            if not isinstance(self.bbs, BBSConfig):
+                raise TypeError(f"bbs must be a BBSConfig or None, got {self.bbs!r}")
+            if self.bbs.num_shards is not None:
+                check_shard_split(self.batch_size, self.bbs.num_shards, "DataConfig.bbs")

@@ -4,12 +4,16 @@ For a file-backed source: read the event log, split it by time per user,
 build the train and eval examples (index arrays), and wrap them in grain
 datasets:
 
-    train: ShuffledBatchIndices(E_train, B, seed, epochs).map(batch_builder)
+    train: ShuffledBatchIndices(E_train, B, seed, epochs)[.map_with_index(BalancedBatchOrder)].map(batch_builder)
     eval:  ShuffledBatchIndices(E_eval, B, None, 1).map(batch_builder)
 
 Shuffling is a seeded permutation per epoch; each epoch is batched on its own,
 and its last, partial batch is filled with weight-0 padding examples, so every
-example is seen once per epoch and nothing is dropped. The train iterator is
+example is seen once per epoch and nothing is dropped. With `DataConfig.bbs`,
+base batch shuffling reorders each full train batch so that the contiguous
+per-device chunks of data parallelism carry equal workload
+(`gem_jax.data.bbs.balance_shards`); it is a pure function of the batch index,
+so the stream does not depend on the number of grain workers. The train iterator is
 grain's `DatasetIterator`: its `get_state()` / `set_state()` restore the exact
 position, so a resumed run yields exactly the remaining batches.
 
@@ -35,8 +39,9 @@ import numpy as np
 
 from gem_jax.data.amazon_beauty import read_amazon_beauty
 from gem_jax.data.batch import Batch, FeatureSpec, Task
+from gem_jax.data.bbs import BalancedBatchOrder, check_shard_split
 from gem_jax.data.collate import BatchBuilder, capacity_buckets
-from gem_jax.data.config import DataConfig, Source, SyntheticConfig
+from gem_jax.data.config import BBSConfig, DataConfig, Source, SyntheticConfig
 from gem_jax.data.events import EventLog
 from gem_jax.data.examples import Examples, next_item_examples, rating_examples
 from gem_jax.data.movielens_100k import read_ml_100k
@@ -50,10 +55,12 @@ from gem_jax.data.synthetic import (
     TRAIN_STREAM,
     SyntheticBatchBuilder,
     synthetic_item_mean_labels,
+    synthetic_lengths,
     synthetic_spec,
 )
+from gem_jax.data.workload import Workload
 
-__all__ = ["DataConfig", "Dataset", "DatasetInfo", "OnBadRow", "Source", "SyntheticConfig", "load_dataset"]
+__all__ = ["BBSConfig", "DataConfig", "Dataset", "DatasetInfo", "OnBadRow", "Source", "SyntheticConfig", "load_dataset"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +123,9 @@ class Dataset:
       item_mean_labels: float32 `[num_items, 2]`: mean train label of each
         candidate item (the train mean where an item is never a train
         candidate); the item-popularity baseline scores `[candidate_item]`.
+      train_lengths: maps int64 train example indices `[n]` to their history
+        lengths `[n]` (what `train_batch` packs; BBS weighs examples by it).
+      bbs: base batch shuffling of the train batches (`DataConfig.bbs`); None: off.
     """
 
     spec: FeatureSpec
@@ -127,6 +137,8 @@ class Dataset:
     train_batch: Callable[[Sequence[int]], Batch]
     eval_batch: Callable[[Sequence[int]], Batch]
     item_mean_labels: np.ndarray
+    train_lengths: Callable[[np.ndarray], np.ndarray]
+    bbs: BBSConfig | None = None
 
     @property
     def task_names(self) -> tuple[str, str]:
@@ -146,15 +158,77 @@ class Dataset:
         threads = 1 if self.prefetch_batches else 0
         return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=self.prefetch_batches)
 
+    def resolve_bbs(self, *, num_shards: int, workload: Workload) -> Dataset:
+        """This data set with the BBS settings its config left open filled in.
+
+        The trainer calls it with its mesh's device count and the model's
+        training workload (`Workload.from_flop_model`); `BBSConfig.num_shards`
+        and `BBSConfig.workload` that are None take these values, explicit
+        ones are kept. Without BBS, returns `self`.
+
+        Args:
+          num_shards: D, the devices each global batch is split over.
+          workload: the per-sample workload model.
+
+        Raises:
+          ValueError: an explicit `num_shards` differs from `num_shards` (the
+            chunks BBS balances would not be the devices' chunks), or B does
+            not split into D even chunks.
+        """
+        if self.bbs is None:
+            return self
+        if self.bbs.num_shards is not None and self.bbs.num_shards != num_shards:
+            raise ValueError(
+                f"DataConfig.bbs.num_shards is {self.bbs.num_shards} but batches are split over {num_shards} devices; "
+                "set it to None or to the device count"
+            )
+        check_shard_split(self.batch_size, num_shards, "DataConfig.bbs")
+        bbs = dataclasses.replace(self.bbs, num_shards=num_shards, workload=workload if self.bbs.workload is None else self.bbs.workload)
+        return dataclasses.replace(self, bbs=bbs)
+
+    def train_indices(self, seed: int | None = None, num_epochs: int | None = None) -> grain.MapDataset:
+        """grain `MapDataset` of the example indices (int64 `[<= B]`) of each train batch.
+
+        Epoch after epoch, each shuffled; with BBS on, each full batch is
+        reordered by `BalancedBatchOrder` (seeded with the shuffle seed and the
+        batch index), a permutation of the plain batch.
+
+        Args:
+          seed: shuffle seed (default `self.seed`).
+          num_epochs: None repeats forever.
+
+        Raises:
+          ValueError: BBS is on with `num_shards` or `workload` still None
+            (call `resolve_bbs` first).
+        """
+        seed = self.seed if seed is None else seed
+        batches = ShuffledBatchIndices(self.info.num_train_examples, self.batch_size, seed, num_epochs)
+        bbs = self.bbs
+        if bbs is None:
+            return batches
+        if bbs.num_shards is None or bbs.workload is None:
+            unset = "num_shards" if bbs.num_shards is None else "workload"
+            raise ValueError(f"DataConfig.bbs.{unset} is None: call Dataset.resolve_bbs(num_shards=..., workload=...) first")
+        if bbs.num_shards == 1:
+            return batches
+        order = BalancedBatchOrder(
+            lengths=self.train_lengths,
+            workload=bbs.workload,
+            num_shards=bbs.num_shards,
+            batch_size=self.batch_size,
+            minibatch_size=bbs.minibatch_size,
+            seed=seed,
+        )
+        return batches.map_with_index(order)
+
     def train_dataset(self, seed: int | None = None, num_epochs: int | None = None) -> grain.MapDataset:
-        """grain `MapDataset` of train `Batch`es: epoch after epoch, each shuffled.
+        """grain `MapDataset` of train `Batch`es: `train_indices(seed, num_epochs)` built into batches.
 
         Args:
           seed: shuffle seed (default `self.seed`).
           num_epochs: None repeats forever.
         """
-        seed = self.seed if seed is None else seed
-        return ShuffledBatchIndices(self.info.num_train_examples, self.batch_size, seed, num_epochs).map(self.train_batch)
+        return self.train_indices(seed, num_epochs).map(self.train_batch)
 
     def train_iterator(self, seed: int | None = None, num_epochs: int | None = None) -> grain.DatasetIterator:
         """Checkpointable iterator over train `Batch`es (numpy leaves).
@@ -271,6 +345,8 @@ def _load_file_source(config: DataConfig, capacities: tuple[int, ...]) -> Datase
         train_batch=BatchBuilder(log, train, spec, config.batch_size, capacities),
         eval_batch=BatchBuilder(log, evals, spec, config.batch_size, capacities),
         item_mean_labels=item_mean_labels(train, log.num_items),
+        train_lengths=functools.partial(np.take, train.history_length),
+        bbs=config.bbs,
     )
 
 
@@ -301,6 +377,10 @@ def _load_synthetic(config: DataConfig, capacities: tuple[int, ...]) -> Dataset:
         train_batch=build(TRAIN_STREAM),
         eval_batch=build(EVAL_STREAM),
         item_mean_labels=table,
+        train_lengths=functools.partial(
+            synthetic_lengths, config.seed, TRAIN_STREAM, config=syn, max_seq_len=config.max_seq_len
+        ),
+        bbs=config.bbs,
     )
 
 

@@ -6,7 +6,8 @@ examples (`numpy.random.default_rng([seed, e]).permutation`), cut into
 batches of B; the last batch of an epoch is short (the batch builder pads
 it with weight-0 examples), so every example appears exactly once per epoch
 and no batch mixes epochs. Because element i depends only on (seed, i), a
-grain iterator over it is restored exactly by `set_state`.
+grain iterator over it is restored exactly by `set_state`, and grain worker
+processes (`mp_prefetch`) yield the same batches for any worker count.
 
 A whole-epoch numpy permutation replaces `MapDataset.shuffle`, whose
 per-element index shuffle costs about 40 us an element in Python (10 ms per
@@ -51,6 +52,17 @@ class ShuffledBatchIndices(grain.MapDataset):
         self.steps_per_epoch = -(-num_examples // batch_size)
         self._lock = threading.Lock()
         self._cached: tuple[int, np.ndarray] | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickled for grain worker processes without the lock and the cached epoch."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_cached"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return sys.maxsize if self.num_epochs is None else self.num_epochs * self.steps_per_epoch

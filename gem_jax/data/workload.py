@@ -15,14 +15,13 @@ HSTU balancer); GEM's base batch shuffling sorts samples by such a workload
 (GEM engineering description, Meta 2025).
 
 The three terms are those of `gem_jax.train.flops.FlopModel`, which counts the
-forward pass only: `Workload(3 * per_token, 3 * per_token_pair, 3 * per_example)`
-of a `FlopModel` is the training workload of that model.
+forward pass only: `Workload.from_flop_model` takes 3x each term, the training
+workload of that model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -60,61 +59,26 @@ class Workload:
                 raise ValueError(f"Workload.{name} must be finite and >= 0, got {value!r}")
 
     @classmethod
-    def for_transformer(
-        cls,
-        *,
-        d_model: int,
-        n_layers: int,
-        n_heads: int,
-        head_dim: int,
-        mlp_width: int,
-        mlp_matrices: int = 2,
-        causal: bool = True,
-        per_example: float = 0.0,
-    ) -> Workload:
-        """The workload of a stack of pre-norm transformer blocks over the history.
-
-        Per layer and token the dense layers touch
-            P = d_model * 3 * n_heads * head_dim      (Q, K, V projections)
-              + n_heads * head_dim * d_model          (output projection)
-              + mlp_matrices * d_model * mlp_width    (MLP; 3 matrices if gated)
-        parameters, each one multiply-add (2 FLOPs) forward, so
-            a = 2 * P * n_layers * 3.
-        Attention costs 2 * n_heads * head_dim FLOPs for Q K^T and as much for
-        P V per (query, key) pair and layer forward, so per pair
-            c_pair = 4 * n_heads * head_dim * n_layers * 3.
-        Full attention has L**2 pairs: b = c_pair. Causal attention has
-        L (L + 1) / 2 pairs: b = c_pair / 2 and a gains c_pair / 2.
-        Norms, RoPE, softmax and embedding lookups are elementwise and not
-        counted (the usual MFU convention).
+    def from_flop_model(cls, flop_model) -> Workload:
+        """The training workload of a model from its forward FLOP counter.
 
         Args:
-          d_model, n_layers, n_heads, head_dim, mlp_width: positive ints.
-          mlp_matrices: weight matrices of the MLP (2 plain, 3 gated), >= 1.
-          causal: whether attention is causal over the history.
-          per_example: FLOPs independent of L, >= 0.
+          flop_model: forward FLOPs per example with attributes `per_example`,
+            `per_token` and `per_token_pair` (`gem_jax.train.flops.FlopModel`,
+            which counts the GEM model's matmuls, causal attention over the
+            lower triangle).
+
+        Returns:
+          `FWD_BWD_FACTOR` (3) times each term: forward plus backward.
 
         Raises:
-          ValueError: naming the first dimension that is not a positive int.
+          ValueError: a term is negative or not finite.
         """
-        dims = dict(
-            d_model=d_model,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            head_dim=head_dim,
-            mlp_width=mlp_width,
-            mlp_matrices=mlp_matrices,
+        return cls(
+            per_token=FWD_BWD_FACTOR * flop_model.per_token,
+            per_token_pair=FWD_BWD_FACTOR * flop_model.per_token_pair,
+            per_example=FWD_BWD_FACTOR * flop_model.per_example,
         )
-        for name, value in dims.items():
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"Workload.for_transformer: {name} must be a positive int, got {value!r}")
-        inner = n_heads * head_dim
-        params_per_token = n_layers * (4 * d_model * inner + mlp_matrices * d_model * mlp_width)
-        per_token = 2.0 * params_per_token * FWD_BWD_FACTOR
-        per_pair = 4.0 * inner * n_layers * FWD_BWD_FACTOR
-        if causal:
-            return cls(per_token=per_token + per_pair / 2, per_token_pair=per_pair / 2, per_example=per_example)
-        return cls(per_token=per_token, per_token_pair=per_pair, per_example=per_example)
 
     def __call__(self, lengths) -> np.ndarray:
         """FLOPs of each sample.
@@ -139,18 +103,29 @@ class Workload:
         return self.per_example + self.per_token * length + self.per_token_pair * length * length
 
 
-def rank_workloads(workload: Workload, lengths_per_rank: Sequence[np.ndarray]) -> np.ndarray:
-    """Total workload of each rank's batch.
+def shard_loads(workloads, num_shards: int) -> np.ndarray:
+    """Total workload of each device's chunk of a global batch.
+
+    Data parallelism gives device d the contiguous examples
+    `d * B / D ... (d + 1) * B / D - 1` of a batch of B (`gem_jax.parallel.batch`).
 
     Args:
-      workload: the per-sample model.
-      lengths_per_rank: R int arrays, the real samples' history lengths of each
-        rank's batch (padding samples excluded).
+      workloads: float array-like `[B]`, each example's workload (0 for the
+        padding examples that do no real work).
+      num_shards: D, a positive int dividing B.
 
     Returns:
-      float64 `[R]`, FLOPs per rank.
+      float64 `[D]`, the sum of each chunk.
+
+    Raises:
+      ValueError: `workloads` is not 1-D, or D is not positive or does not divide B.
     """
-    return np.array([workload(lengths).sum() for lengths in lengths_per_rank], dtype=np.float64)
+    w = np.asarray(workloads, dtype=np.float64)
+    if w.ndim != 1:
+        raise ValueError(f"shard_loads: workloads must be 1-D, got shape {w.shape}")
+    if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1 or w.size % num_shards:
+        raise ValueError(f"shard_loads: num_shards must be a positive int dividing the batch of {w.size}, got {num_shards!r}")
+    return w.reshape(num_shards, -1).sum(axis=1)
 
 
 def load_imbalance(rank_loads) -> float:
@@ -162,7 +137,7 @@ def load_imbalance(rank_loads) -> float:
 
     Args:
       rank_loads: float array-like `[R]`, R >= 1, each >= 0 (e.g. from
-        `rank_workloads`).
+        `shard_loads`).
 
     Returns:
       The imbalance, >= 0; 0.0 when every rank has zero load.

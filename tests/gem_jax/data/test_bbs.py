@@ -1,14 +1,10 @@
-"""Tests of base batch shuffling: the window algorithm and the grain stage."""
+"""Tests of base batch shuffling: the window algorithm and the per-device ordering of a global batch."""
 
-import json
-
-import grain
-from absl import flags
 import numpy as np
 import pytest
 
-from gem_jax.data.bbs import BaseBatchShuffleIterDataset, base_batch_shuffle
-from gem_jax.data.workload import Workload, load_imbalance
+from gem_jax.data.bbs import BalancedBatchOrder, balance_shards, base_batch_shuffle
+from gem_jax.data.workload import Workload, load_imbalance, shard_loads
 
 WORKLOAD = Workload(per_token=1000.0, per_token_pair=3.0, per_example=50.0)
 
@@ -126,122 +122,61 @@ def test_imbalance_is_far_below_random_batching():
     assert np.mean(bbs) < 0.01 < 0.04 < np.mean(random)
 
 
-# ---- the grain stage -------------------------------------------------------------------------------
-
-M, N, K = 4, 2, 3  # minibatch_size, minibatches_per_batch, num_batches: windows of 24 examples
+# ---- one global batch over data-parallel shards ---------------------------------------------------
 
 
-def _examples(num, epochs=1, shuffle_seed=5):
-    """A shuffled list of records {"id", "length"} with long-tailed lengths (picklable by value for workers)."""
-    lengths = np.minimum(np.random.default_rng(num).lognormal(np.log(40.0), 1.0, size=num), 4096).astype(int)
-    records = [{"id": i, "length": int(n)} for i, n in enumerate(lengths)]
-    return grain.MapDataset.source(records).shuffle(seed=shuffle_seed).repeat(epochs)
+def test_balance_shards_deals_like_base_batch_shuffle():
+    rng = np.random.default_rng()
+    for _ in range(6):
+        d = int(rng.integers(2, 9))
+        per = 2 * int(rng.integers(1, 40))
+        m = 2 * int(rng.integers(1, 20))  # need not divide N
+        w = _long_tail_workloads(rng, d * per)
+        seed = (int(rng.integers(2**31)), 7)
+        order = balance_shards(w, d, minibatch_size=m, seed=seed)
+        want = _reference_bbs(w, m, 1, seed, num_batches=d)
+        assert order.dtype == np.int64
+        np.testing.assert_array_equal(order, np.concatenate(want))
+        assert [len(b) for b in want] == [per] * d
+        np.testing.assert_array_equal(np.sort(order), np.arange(d * per))
+    np.testing.assert_array_equal(balance_shards(w, 1, minibatch_size=m), np.arange(w.size))
 
 
-def _stage(parent, **kwargs):
-    kwargs = dict(dict(workload=WORKLOAD, num_batches=K, minibatch_size=M, minibatches_per_batch=N, seed=9), **kwargs)
-    return BaseBatchShuffleIterDataset(parent, **kwargs)
+def test_balance_shards_balances_a_global_batch():
+    rng = np.random.default_rng()
+    d, per = 8, 1024
+    plain, balanced = [], []
+    for _ in range(8):
+        w = _long_tail_workloads(rng, d * per)
+        plain.append(load_imbalance(shard_loads(w, d)))
+        balanced.append(load_imbalance(shard_loads(w[balance_shards(w, d)], d)))
+    assert np.mean(balanced) < 0.01 < 0.04 < np.mean(plain)
 
 
-def _ids(stream):
-    return [[e["id"] for e in batch] for batch in stream]
+def test_balance_shards_rejects_bad_splits():
+    with pytest.raises(ValueError, match="a batch of 30 samples does not split into 4 equal shards"):
+        balance_shards(np.ones(30), 4)
+    with pytest.raises(ValueError, match="shard size 30 / 2 = 15 is odd"):
+        balance_shards(np.ones(30), 2)
+    with pytest.raises(ValueError, match="num_shards must be a positive int, got 0"):
+        balance_shards(np.ones(30), 0)
+    with pytest.raises(ValueError, match="balance_shards: minibatch_size must be even"):
+        balance_shards(np.ones(32), 2, minibatch_size=5)
+    with pytest.raises(ValueError, match="balance_shards: workload inf at index 2"):
+        balance_shards(np.where(np.arange(32) == 2, np.inf, 1.0), 2)
 
 
-def test_stage_deals_each_window_with_base_batch_shuffle():
-    num = 24 * 3 + 11
-    examples = list(_examples(num))
-    out = _ids(_stage(_examples(num).to_iter_dataset()))
-    assert len(out) == 4 * K
-    for w, start in enumerate(range(0, num, 24)):
-        window = examples[start : start + 24]
-        lengths = np.array([e["length"] for e in window])
-        want = base_batch_shuffle(WORKLOAD(lengths), minibatch_size=M, minibatches_per_batch=N, seed=(9, w), num_batches=K)
-        assert out[w * K : (w + 1) * K] == [[window[i]["id"] for i in b] for b in want]
-    assert [len(b) for b in out[: 3 * K]] == [M * N] * 3 * K
-    assert sum(len(b) for b in out[3 * K :]) == 11  # the short last window: short batches, nothing dropped
-
-
-def test_stage_output_is_a_permutation_across_epochs():
-    num, epochs = 50, 3
-    out = _ids(_stage(_examples(num, epochs).to_iter_dataset()))
-    counts = np.bincount(np.concatenate(out), minlength=num)
-    np.testing.assert_array_equal(counts, np.full(num, epochs))
-
-
-@pytest.mark.parametrize("cut", [0, 1, K - 1, K, 2 * K + 1, 6 * K + 1, 7 * K])
-def test_resume_gives_the_same_stream(cut):
-    num = 24 * 6 + 5  # 7 windows, the last one short
-    full = _ids(_stage(_examples(num).to_iter_dataset()))
-    it = iter(_stage(_examples(num).to_iter_dataset()))
-    head = _ids(next(it) for _ in range(cut))
-    state = json.loads(json.dumps(it.get_state()))  # as a checkpoint stores it
-    resumed = iter(_stage(_examples(num).to_iter_dataset()))  # a fresh iterator
-    resumed.set_state(state)
-    assert head + _ids(resumed) == full
-    assert head + _ids(it) == full
-
-
-def _parse_absl_flags():
-    """mp_prefetch reads grain's absl flags; a training entry point parses them, pytest does not."""
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-
-
-def _prefetched_pipeline(num, workers):
-    options = grain.MultiprocessingOptions(num_workers=workers)
-    return _stage(_examples(num).to_iter_dataset().mp_prefetch(options))
-
-
-def test_same_stream_for_any_worker_count():
-    _parse_absl_flags()
-    num = 24 * 4 + 7
-    streams = []
-    for workers in (0, 2):
-        it = iter(_prefetched_pipeline(num, workers))
-        streams.append(_ids(it))
-        it.close()
-    assert streams[0] == streams[1]
-    assert sorted(np.concatenate(streams[1]).tolist()) == list(range(num))
-
-
-@pytest.mark.slow
-def test_resume_behind_worker_processes():
-    _parse_absl_flags()
-    num, cut = 24 * 4 + 7, 2 * K + 1
-    full = _ids(_prefetched_pipeline(num, 0))
-    it = iter(_prefetched_pipeline(num, 2))
-    head = _ids(next(it) for _ in range(cut))
-    state = json.loads(json.dumps(it.get_state()))
-    it.close()
-    resumed = iter(_prefetched_pipeline(num, 2))  # fresh worker processes
-    resumed.set_state(state)
-    assert head + _ids(resumed) == full
-    resumed.close()
-
-
-def test_keep_batches_splits_the_window_between_loaders():
-    num = 24 * 2
-    full = _ids(_stage(_examples(num).to_iter_dataset()))
-    loader_a = _ids(_stage(_examples(num).to_iter_dataset(), keep_batches=[0, 2]))
-    loader_b = _ids(_stage(_examples(num).to_iter_dataset(), keep_batches=[1]))
-    assert loader_a == [full[0], full[2], full[3], full[5]]
-    assert loader_b == [full[1], full[4]]
-
-
-def test_stage_rejects_bad_arguments_and_state():
-    parent = _examples(10).to_iter_dataset()
-    with pytest.raises(TypeError, match=r"must be a grain.IterDataset, got \w*MapDataset"):
-        _stage(_examples(10))
-    with pytest.raises(ValueError, match="keep_batches must be distinct ids in"):
-        _stage(parent, keep_batches=[0, 0])
-    with pytest.raises(ValueError, match="keep_batches must be distinct ids in"):
-        _stage(parent, keep_batches=[K])
-    with pytest.raises(ValueError, match="minibatch_size must be even"):
-        _stage(parent, minibatch_size=3)
-    with pytest.raises(ValueError, match="BaseBatchShuffleIterDataset: num_batches must be a positive int, got 0"):
-        _stage(parent, num_batches=0)
-    it = iter(_stage(parent))
-    with pytest.raises(ValueError, match="state lacks"):
-        it.set_state({"parent": it.get_state()["parent"]})
-    with pytest.raises(ValueError, match="position 4 is outside"):
-        it.set_state(dict(it.get_state(), position=K + 1))
+def test_balanced_batch_order_reorders_full_batches_only():
+    rng = np.random.default_rng()
+    lengths = np.clip(rng.lognormal(np.log(40.0), 1.0, size=500), 0, 4096).astype(np.int64)
+    order = BalancedBatchOrder(lengths=lengths.take, workload=WORKLOAD, num_shards=4, batch_size=64, minibatch_size=16, seed=3)
+    batch = rng.permutation(500)[:64]
+    got = order(11, batch)
+    np.testing.assert_array_equal(got, batch[balance_shards(WORKLOAD(lengths[batch]), 4, minibatch_size=16, seed=(3, 11))])
+    np.testing.assert_array_equal(order(11, batch), got)  # a pure function of (index, indices)
+    short = batch[:40]
+    np.testing.assert_array_equal(order(12, short), short)
+    with pytest.raises(ValueError, match="batch 2 has 65 examples, more than B = 64"):
+        order(2, np.arange(65))
+    with pytest.raises(ValueError, match="BalancedBatchOrder: the shard size 64 / 64 = 1 is odd"):
+        BalancedBatchOrder(lengths=lengths.take, workload=WORKLOAD, num_shards=64, batch_size=64)
