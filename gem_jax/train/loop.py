@@ -15,6 +15,7 @@ from tqdm import tqdm
 from gem_jax.config import TrainConfig
 from gem_jax.data.batch import Batch, validate_ids
 from gem_jax.data.pipeline import Dataset, load_dataset
+from gem_jax.data.workload import Workload, load_imbalance, padding_waste, shard_loads
 from gem_jax.model.gem import GEMModel
 from gem_jax.parallel.batch import BatchPlacement
 from gem_jax.parallel.mesh import make_mesh
@@ -75,6 +76,10 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
         config.loop.seed,
         compute_dtype=config.model.compute_dtype,
     )
+    flop_model = flops_lib.flop_model(config.model, spec)
+    workload = Workload.from_flop_model(flop_model)
+    num_shards = mesh.devices.size
+    dataset = dataset.resolve_bbs(num_shards=num_shards, workload=workload)
     train_iter = dataset.train_iterator()
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
     start = checkpointer.latest_step() or 0
@@ -82,7 +87,6 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
         state = checkpointer.restore(start, setup.abstract, train_iter)
 
     logger = MetricLogger(workdir)
-    flop_model = flops_lib.flop_model(config.model, spec)
     peak = flops_lib.peak_flops()
     first = next(iter(dataset.eval_batches()))
     sharding = batch_shardings(first, mesh, config.rules)
@@ -91,7 +95,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
 
     num_steps = config.loop.num_steps
     last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
-    window_metrics, window_flops, window_examples = [], 0.0, 0
+    window_metrics, window_flops, window_examples, window_imbalance, window_waste = [], 0.0, 0, [], []
     window_start, train_seconds, train_flops, train_examples = time.perf_counter(), 0.0, 0.0, 0
     record: dict = {}
     progress = tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
@@ -99,16 +103,26 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
         batch = next(train_iter)
         validate_ids(batch, spec, where=f"train batch {step}")
         real = np.asarray(batch.weights) > 0
-        lengths = np.diff(np.asarray(batch.history.offsets))[real]
+        all_lengths = np.diff(np.asarray(batch.history.offsets))
+        lengths = all_lengths[real]
         window_flops += flop_model.train(lengths)
         window_examples += int(real.sum())
-        state, step_metrics = train_step(state, sharding.put(batch))
+        # Balance across the devices' contiguous chunks; padding against the placed token slots.
+        window_imbalance.append(load_imbalance(shard_loads(workload(all_lengths) * real, num_shards)))
+        placed = sharding.put(batch)
+        window_waste.append(padding_waste(lengths, math.prod(placed.history.values.shape[:-1])))
+        state, step_metrics = train_step(state, placed)
         window_metrics.append(step_metrics)
         done = step + 1
         if done % config.loop.log_every == 0 or done == last_step:
             fetched = jax.device_get(window_metrics)
             elapsed = time.perf_counter() - window_start
             record = _train_record(fetched, dataset.task_names, elapsed, window_flops, window_examples, peak)
+            record.update(
+                load_imbalance_mean=float(np.mean(window_imbalance)),
+                load_imbalance_max=float(np.max(window_imbalance)),
+                padding_waste=float(np.mean(window_waste)),
+            )
             if not all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in fetched):
                 raise NonFiniteLossError(f"non-finite loss or gradient norm in steps {done - len(fetched) + 1}..{done}")
             logger.log(done, "train", record)
@@ -117,7 +131,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
                 train_seconds += elapsed
                 train_flops += window_flops
                 train_examples += window_examples
-            window_metrics, window_flops, window_examples = [], 0.0, 0
+            window_metrics, window_flops, window_examples, window_imbalance, window_waste = [], 0.0, 0, [], []
             window_start = time.perf_counter()
         checkpointer.save(done, state, train_iter)
         if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
