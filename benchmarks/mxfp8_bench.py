@@ -201,7 +201,7 @@ def jax_peers(a, b, log):
 
     f = jax.jit(fp8_tensor)
     hlo = f.lower(a8, b8, sa, sb).compile().as_text()
-    res["fp8_tensor_xla_uses_cublaslt_f8"] = "f8" in hlo and "cublas$lt$matmul" in hlo
+    res["fp8_tensor_xla_uses_cublaslt_f8"] = "__cublas$lt$matmul$f8" in hlo
     res["fp8_tensor_xla"] = jax_time(f, a8, b8, sa, sb)
     try:
         a32, sa32 = quantize_mxfp8(a, block=(1, 32))

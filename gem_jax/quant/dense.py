@@ -62,7 +62,8 @@ class Fp8Recipe:
     def __post_init__(self):
         if self.block not in (32, 128):
             raise ValueError(f"Fp8Recipe.block must be 32 or 128, got {self.block}")
-        Rounding(self.grad_rounding)  # raises ValueError on unknown names
+        if self.grad_rounding not in tuple(Rounding):
+            raise ValueError(f"Fp8Recipe.grad_rounding must be one of {[r.value for r in Rounding]}, got {self.grad_rounding!r}")
         if self.fsdp_dim not in (0, 1):
             raise ValueError(f"Fp8Recipe.fsdp_dim must be 0 or 1, got {self.fsdp_dim}")
 
@@ -110,16 +111,23 @@ def _fp8_matmul_fwd(x, w, key, recipe, w_dtype):
     xq, sx = quantize_mxfp8(x, block=recipe.act_block)
     wq, sw = quantize_weight(w, recipe)
     y = mxfp8_matmul(xq, sx, wq.T, sw.T, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config)
-    return y, (xq, sx, wq, sw, key)
+    # `w` (the master weight, alive anyway) only lends its sharding to the weight gradient.
+    return y, (xq, sx, wq, sw, key, w)
+
+
+def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` resharded to `like`'s sharding type under an explicit mesh (a no-op otherwise)."""
+    want = jax.typeof(like).sharding.spec
+    return x if jax.typeof(x).sharding.spec == want else jax.sharding.reshard(x, want)
 
 
 def _fp8_matmul_bwd(recipe, w_dtype, residuals, dy):
-    xq, sx, wq, sw, key = residuals
+    xq, sx, wq, sw, key, w = residuals
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key)
     dx = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
     dw = jnp.dot(x16.T, dy.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    return dx, dw.astype(w_dtype), None
+    return _with_sharding_of(dx, xq), _with_sharding_of(dw.astype(w_dtype), w), None
 
 
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -12,7 +12,7 @@ from pallas_kernels.mxfp8 import quantize_mxfp8
 
 def _gather_bytes(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
     """All-gather an 8-bit float array as uint8 (no reliance on FP8 collectives) and bitcast back."""
-    gathered = lax.all_gather(lax.bitcast_convert_type(x, jnp.uint8), axis_name, axis=dim, tiled=True)
+    gathered = lax.all_gather(lax.bitcast_convert_type(x, jnp.uint8), axis_name, axis=dim, tiled=True, to="invarying")
     return lax.bitcast_convert_type(gathered, x.dtype)
 
 

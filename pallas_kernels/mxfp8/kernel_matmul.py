@@ -87,8 +87,15 @@ class TuningConfig:
 
 
 def default_config(block_k: int) -> TuningConfig:
-    """The default tiles for K blocks of `block_k` (32: more, smaller pipeline stages)."""
-    return TuningConfig(tile_n=128, max_concurrent_steps=8 if block_k == 32 else 4, cluster="n")
+    """The tiles measured best on an H200 (benchmarks/results/mxfp8_h200_tuned.json).
+
+    32-wide K blocks: two blocks per step (the promotion of one overlaps the MMA of the
+    other), 4 stages of two; 128-wide: one block per step, 4 stages. Both in clusters of
+    two CTAs sharing (multicasting) the A tile.
+    """
+    if block_k == 32:
+        return TuningConfig(tile_n=128, max_concurrent_steps=4, cluster="n", k_blocks_per_step=2)
+    return TuningConfig(tile_n=128, max_concurrent_steps=4, cluster="n", k_blocks_per_step=1)
 
 
 _WG_M = 64  # rows per compute warpgroup: one wgmma row group

@@ -1,0 +1,120 @@
+"""FP8 dense layer: forward and gradients against bf16/f32 references, nnx.Linear compatibility."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gem_jax.quant import Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight
+from pallas_kernels.mxfp8 import dequantize_mxfp8, kernel_matmul, quantize_mxfp8
+
+
+def _rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _data(t, din, dout, seed):
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (t, din))
+    w = jax.random.normal(kw, (din, dout)) / np.sqrt(din)
+    g = jax.random.normal(kg, (t, dout))
+    return x, w, g
+
+
+def _grads(fn, x, w, g):
+    return jax.grad(lambda x, w: jnp.sum(fn(x, w) * g), argnums=(0, 1))(x, w)
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_forward_and_gradients_against_float_reference(block):
+    recipe = Fp8Recipe(block=block, implementation="xla")
+    x, w, g = _data(96, 256, 160, seed=block)
+    y = fp8_matmul(x, w, None, recipe, w.dtype)
+    dx, dw = _grads(lambda x, w: fp8_matmul(x, w, None, recipe, w.dtype), x, w, g)
+    # bf16 reference layer (the layer the FP8 one replaces), f32 accumulation.
+    bf16 = lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)  # noqa: E731
+    rx, rw = _grads(bf16, x, w, g)
+    assert _rel(y, bf16(x, w)) < 0.06  # E4M3 on both operands: ~3.7% expected
+    assert _rel(dx, rx) < 0.06 and _rel(dw, rw) < 0.04  # wgrad: FP8 x only
+
+    # Exactly the documented formulas: FP8 forward and dgrad, bf16 wgrad from the saved FP8 input.
+    ab, wb = recipe.act_block, recipe.weight_block
+    xq = dequantize_mxfp8(*quantize_mxfp8(x, block=ab), block=ab)
+    wq = dequantize_mxfp8(*quantize_mxfp8(w, block=wb), block=wb)
+    gq = dequantize_mxfp8(*quantize_mxfp8(g, block=ab), block=ab)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(xq @ wq), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(gq @ wq.T), rtol=1e-5, atol=1e-5)
+    dw_ref = jnp.dot(xq.astype(jnp.bfloat16).T, g.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_pallas_kernels_match_xla_path_forward_and_backward(block):
+    x, w, g = _data(72, 128, 160, seed=10 + block)  # tokens not a multiple of the tiles
+    small = kernel_matmul.TuningConfig(max_concurrent_steps=2, cluster=None)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        recipe = Fp8Recipe(block=block, implementation=impl, config=small)
+        f = jax.jit(lambda x, w, r=recipe: (fp8_matmul(x, w, None, r, w.dtype), *_grads(lambda a, b: fp8_matmul(a, b, None, r, b.dtype), x, w, g)))
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            outs[impl] = f(x, w)
+    for got, ref in zip(outs["pallas"], outs["xla"]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_square_weight_quantization_is_reused_by_the_backward():
+    w = jax.random.normal(jax.random.key(2), (96, 64))
+    wq, sw = quantize_weight(w, Fp8Recipe())
+    wq_t, sw_t = quantize_mxfp8(w.T)
+    np.testing.assert_array_equal(np.asarray(wq.T).view(np.uint8), np.asarray(wq_t).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(sw.T).view(np.uint8), np.asarray(sw_t).view(np.uint8))
+
+
+def test_stochastic_gradient_rounding_is_unbiased_over_keys():
+    recipe = Fp8Recipe(grad_rounding="stochastic", implementation="xla")
+    x, w, g = _data(64, 64, 64, seed=4)
+    keys = jax.random.split(jax.random.key(0), 256)
+    dx = jax.vmap(lambda k: jax.grad(lambda x: jnp.sum(fp8_matmul(x, w, k, recipe, w.dtype) * g))(x))(keys)
+    wq = dequantize_mxfp8(*quantize_mxfp8(w))
+    exact = g @ wq.T  # dgrad with an unrounded gradient
+    assert _rel(dx[0], exact) < 0.08  # one draw: SR error
+    assert _rel(dx.mean(0), exact) < 0.01  # the mean over draws converges to the unrounded dgrad
+
+
+def test_layer_is_a_drop_in_for_nnx_linear():
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    with nnx.use_eager_sharding(False):
+        fp8 = Fp8Linear(64, 96, kernel_init=init, rngs=nnx.Rngs(0), recipe=Fp8Recipe(implementation="xla"))
+        ref = nnx.Linear(64, 96, kernel_init=init, rngs=nnx.Rngs(0))
+    s_fp8, s_ref = nnx.state(fp8, nnx.Param), nnx.state(ref, nnx.Param)
+    assert jax.tree.map(jnp.shape, s_fp8) == jax.tree.map(jnp.shape, s_ref)
+    np.testing.assert_array_equal(np.asarray(fp8.kernel[...]), np.asarray(ref.kernel[...]))
+    assert nnx.get_partition_spec(s_fp8)["kernel"].get_value() == nnx.get_partition_spec(s_ref)["kernel"].get_value()
+    x = jax.random.normal(jax.random.key(1), (3, 7, 64))
+    y = fp8(x)
+    assert y.shape == (3, 7, 96) and y.dtype == jnp.float32
+    assert _rel(y, ref(x)) < 0.06
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(fp8)
+    ref_grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(ref)
+    assert _rel(grads["bias"][...], ref_grads["bias"][...]) < 0.08
+    assert _rel(grads["kernel"][...], ref_grads["kernel"][...]) < 0.08
+    assert Fp8Linear(64, 96, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))(x).dtype == jnp.bfloat16
+
+
+def test_zero_tokens_and_errors():
+    layer = Fp8Linear(64, 32, rngs=nnx.Rngs(0), recipe=Fp8Recipe(implementation="xla"))
+    x = jnp.zeros((0, 64))
+    assert layer(x).shape == (0, 32)
+    grads = nnx.grad(lambda m: jnp.sum(m(x)))(layer)
+    assert not np.any(np.asarray(grads["kernel"][...]))
+    with pytest.raises(ValueError, match="in_features"):
+        layer(jnp.ones((2, 63)))
+    with pytest.raises(ValueError, match="key"):
+        Fp8Linear(64, 32, rngs=nnx.Rngs(0), recipe=Fp8Recipe(grad_rounding="stochastic"))(jnp.ones((2, 64)))
+    with pytest.raises(ValueError, match="block"):
+        Fp8Recipe(block=64)
+    with pytest.raises(ValueError, match="rounding"):
+        Fp8Recipe(grad_rounding="up")
