@@ -19,7 +19,9 @@ expanded from the block scales), column scales float32 `[K // block_k, N]` (one 
 column, constant over each `col_group` columns). Two compute warpgroups each own 64
 rows of a 128 x `tile_n` CTA tile and share the B tile; a third warpgroup issues the
 TMA copies. The grid is persistent (one CTA per SM), optionally in clusters of two CTAs
-that multicast the shared operand.
+that multicast the shared operand. A pipeline step may carry several K blocks, each MMA'd
+into its own accumulator, so that promoting one block overlaps the MMA of the next (the
+32-wide kernel is latency-bound per block otherwise; see benchmarks/mxfp8.md).
 """
 
 from __future__ import annotations
@@ -42,9 +44,8 @@ class TuningConfig:
 
     Attributes:
       tile_n: columns of the CTA tile (a multiple of the column-scale group, <= 256).
-        Each of the two compute warpgroups owns 64 rows, so the CTA tile is 128 x tile_n
-        and every warpgroup holds two float32 `64 x tile_n` accumulators in registers.
-      max_concurrent_steps: depth of the TMA pipeline (K blocks in flight).
+        Each of the two compute warpgroups owns 64 rows, so the CTA tile is 128 x tile_n.
+      max_concurrent_steps: depth of the TMA pipeline (pipeline steps in flight).
       grid_tile_width: width of the tile swizzle of the persistent grid (L2 reuse).
       cluster: None, "m" (2 CTAs on adjacent row tiles share one multicast B tile) or
         "n" (2 CTAs on adjacent column tiles share the A tile): halves that operand's
@@ -103,6 +104,7 @@ _CTA_M = _NUM_COMPUTE_WGS * _WG_M
 
 
 def _num_sms() -> int:
+    """Persistent-grid size: the SM count on a GPU; a few simulated SMs in CPU interpret mode."""
     device = jax.devices()[0]
     return device.core_count if device.platform == "gpu" else 4
 
