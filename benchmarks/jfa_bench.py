@@ -162,7 +162,7 @@ def fwd_bwd(f):
 # --- correctness on the GPU ---------------------------------------------------------------------
 
 
-def check_case(lengths, capacity, dim, causal, logit=None, seed=0):
+def check_case(lengths, capacity, dim, causal, logit=None, seed=0, num_ctas=None):
     lengths = np.asarray(lengths, np.int32)
     offsets = jnp.asarray(offsets_of(lengths))
     end = int(lengths.sum())
@@ -181,7 +181,10 @@ def check_case(lengths, capacity, dim, causal, logit=None, seed=0):
     n = max(int(lengths.max()), 1)
     results = {}
     for impl in ("pallas", "xla"):
-        fn = jfa_kernel.jagged_flash_attention if impl == "pallas" else reference.jagged_flash_attention
+        if impl == "pallas":
+            fn = functools.partial(jfa_kernel.jagged_flash_attention, num_ctas=num_ctas)
+        else:
+            fn = reference.jagged_flash_attention
         f = functools.partial(fn, offsets=offsets, max_seq_len=n, causal=causal)
 
         @jax.jit
@@ -206,21 +209,35 @@ def check_case(lengths, capacity, dim, causal, logit=None, seed=0):
 
 
 CHECKS = [
-    # (lengths, capacity, dim, causal, logit)
-    ([0, 1, 63, 64, 65, 0, 7, 130, 1000, 3], 1400, 64, False, None),
-    ([0, 1, 63, 64, 65, 0, 7, 130, 1000, 3], 1403, 128, True, None),
-    ([0, 0, 0], 64, 128, True, None),
-    ([64, 192], 264, 128, False, -12.0),
-    ([64, 192], 264, 128, True, -20.0),
+    # (lengths, capacity, dim, causal, logit, num_ctas); num_ctas=None is the SM count.
+    ([0, 1, 63, 64, 65, 0, 7, 130, 1000, 3], 1400, 64, False, None, None),
+    ([0, 1, 63, 64, 65, 0, 7, 130, 1000, 3], 1403, 128, True, None, None),
+    ([0, 0, 0], 64, 128, True, None, None),
+    ([64, 192], 264, 128, False, -12.0, None),
+    ([64, 192], 264, 128, True, -20.0, None),
+    # Few persistent CTAs: each walks many items (ring and hand-off barriers over rounds).
+    ([0, 1, 63, 64, 65, 0, 7, 130, 1000, 3], 1400, 64, False, None, 5),
+    ([0, 1, 63, 64, 65, 0, 7, 130, 1000, 3], 1403, 128, True, None, 5),
+    # The long-tailed benchmark case itself (several items per CTA).
+    ("long_tailed_b64", None, 128, False, None, None),
+    ("long_tailed_b64", None, 128, True, None, None),
 ]
 
 
-def run_checks(record):
+def run_checks(record, selected):
     all_ok = True
-    for lengths, capacity, dim, causal, logit in CHECKS:
-        name = f"L={lengths} T={capacity} D={dim} causal={causal} logit={logit}"
+    for index, (lengths, capacity, dim, causal, logit, num_ctas) in enumerate(CHECKS):
+        if index not in selected:
+            continue
+        if isinstance(lengths, str):
+            name = f"{lengths} D={dim} causal={causal}"
+            lengths = CASES[lengths][0]()
+            capacity = -(-int(np.sum(lengths)) // 8) * 8
+        else:
+            name = f"L={lengths} T={capacity} D={dim} causal={causal} logit={logit} ctas={num_ctas}"
         try:
-            ok, report = check_case(lengths, capacity, dim, causal, logit, seed=int(time.time()) % 1000)
+            seed = int(time.time()) % 1000
+            ok, report = check_case(lengths, capacity, dim, causal, logit, seed=seed, num_ctas=num_ctas)
         except Exception as e:
             traceback.print_exc()
             ok, report = False, {"error": f"{type(e).__name__}: {e}"[:2000]}
@@ -234,7 +251,7 @@ def run_checks(record):
 # --- benchmark ----------------------------------------------------------------------------------
 
 
-def bench_case(name, causal, iters, record, skip_xla):
+def bench_case(name, causal, iters, record, impls):
     make_lengths, n = CASES[name]
     lengths = make_lengths()
     capacity = -(-int(lengths.sum()) // 8) * 8
@@ -258,7 +275,7 @@ def bench_case(name, causal, iters, record, skip_xla):
         "impls": {},
     }
     for impl, (layout, f) in make_impls(lengths, n, causal).items():
-        if impl in skip_xla:
+        if impl not in impls:
             continue
         args = packed if layout == "packed" else padded
         res = {}
@@ -317,9 +334,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--causal", default="0,1")
-    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--cases", default=",".join(f"{c}:{m}" for c in CASES for m in (0, 1)), help="name:causal,...")
+    parser.add_argument("--impls", default="jfa_pallas,cudnn_lengths,cudnn_padded,xla_padded_masked,jfa_xla")
+    parser.add_argument("--checks", default=",".join(str(i) for i in range(len(CHECKS))), help="indices into CHECKS; '' for none")
     parser.add_argument("--time-budget", type=float, default=1e9, help="seconds; later cases are skipped")
     args = parser.parse_args()
     dev = jax.devices()[0]
@@ -339,20 +356,23 @@ def main():
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1))
 
-    if not args.skip_checks:
-        record["checks_ok"] = run_checks(record)
+    selected = {int(i) for i in args.checks.split(",") if i}
+    if selected:
+        record["checks_ok"] = run_checks(record, selected)
         save()
     start = time.perf_counter()
-    for name in args.cases.split(","):
-        for causal in (bool(int(c)) for c in args.causal.split(",")):
-            if time.perf_counter() - start > args.time_budget:
-                print(f"time budget spent: skipping {name} causal={causal}", flush=True)
-                record.setdefault("skipped", []).append(f"{name} causal={causal}")
-                continue
-            # XLA paths of the 1024-sequence case take long and tell nothing new.
-            skip = {"xla_padded_masked", "jfa_xla"} if name == "gem_like_b1024" else set()
-            bench_case(name, causal, args.iters, record, skip)
-            save()
+    impls = set(args.impls.split(","))
+    for spec in args.cases.split(","):
+        name, causal = spec.split(":")
+        causal = bool(int(causal))
+        if time.perf_counter() - start > args.time_budget:
+            print(f"time budget spent: skipping {spec}", flush=True)
+            record.setdefault("skipped", []).append(spec)
+            continue
+        # The XLA paths of the 1024-sequence case take long and tell nothing new.
+        case_impls = impls - {"xla_padded_masked", "jfa_xla"} if name == "gem_like_b1024" else impls
+        bench_case(name, causal, args.iters, record, case_impls)
+        save()
     save()
 
 

@@ -153,9 +153,11 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                         slot = lax.rem(gstep + i, NUM_STAGES)
                         shape = (WG_ROWS, BWD_BLOCK)
                         plgpu.barrier_wait(k_bar.at[slot])
-                        s = _mgpu.matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), shape)
                         plgpu.barrier_wait(v_bar.at[slot])
-                        dp = _mgpu.matmul(do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), shape)
+                        s, dp = _mgpu.matmul_pair(
+                            q_smem.at[wg], k_smem.at[slot].transpose((1, 0)),
+                            do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), shape,
+                        )
                         plgpu.barrier_arrive(v_free.at[slot])
                         p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse_i, shape, [0]))
                         ds = p * (dp - lax.broadcast_in_dim(delta_i, shape, [0]))

@@ -106,7 +106,10 @@ def build_plan(offsets: jax.Array, capacity: int, *, causal: bool) -> Plan:
 
     slots = num_tile_slots(capacity, offsets.shape[0] - 1)
     t = jnp.arange(slots, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(last_tile, t, side="right"), starts.shape[0] - 1).astype(jnp.int32)
+    # Window of tile t: the last window whose first tile is <= t (a scatter and a
+    # cumsum; a binary search costs one small kernel per step on the GPU).
+    marks = jnp.zeros((slots + 1,), jnp.int32).at[jnp.minimum(first_tile, slots)].add(1)
+    seq = jnp.clip(jnp.cumsum(marks)[:slots] - 1, 0, starts.shape[0] - 1)
     live = t < last_tile[-1]
     j = t - first_tile[seq]
     base = starts[seq] - lo_seq[seq]
