@@ -9,8 +9,10 @@ max(rank workload) / mean(rank workload) - 1 under:
               consecutive samples to its 8 ranks with `base_batch_shuffle`;
               loaders never communicate;
   bbs_global  every loader reads the lengths of the whole step's R * 1024 samples
-              and deals them to all R ranks with `base_batch_shuffle` (identical
-              on every loader, so still no communication), keeping its own batches;
+              and deals them to all R ranks with `balance_shards` (identical on
+              every loader, so still no communication), keeping its own batches;
+              this is what the train pipeline does (`DataConfig.bbs`): every
+              process builds the same global batch;
   lpt         reference that needs communication: greedy longest-processing-time
               partition of the whole step's samples into R equal-count batches.
 
@@ -22,7 +24,8 @@ clipped to [1, 4096]. Workloads: the GEM model's training FLOPs from
 `gem_jax.train.flops.flop_model` at the default `ModelConfig`, and pure
 attention (L**2).
 
-Also times the BBS function and the grain stage (samples/s, one CPU process).
+Also times `balance_shards` on one global batch (samples/s, one CPU process);
+`benchmarks/loader_bench.py` times the whole train pipeline.
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/bbs_bench.py [--steps 200] [--quick]
 Writes benchmarks/results/bbs_*.json and benchmarks/figures/bbs_*.png.
@@ -33,14 +36,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import heapq
-import importlib.metadata
 import json
 import os
 import platform
 import time
 from pathlib import Path
 
-import grain
 import jax
 import matplotlib
 import numpy as np
@@ -49,10 +50,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from gem_jax.data.batch import FeatureSpec  # noqa: E402
-from gem_jax.data.bbs import BaseBatchShuffleIterDataset, base_batch_shuffle  # noqa: E402
+from gem_jax.data.bbs import balance_shards, base_batch_shuffle  # noqa: E402
 from gem_jax.data.workload import Workload, load_imbalance  # noqa: E402
 from gem_jax.model.config import ModelConfig  # noqa: E402
-from gem_jax.train.flops import TRAIN_FLOPS_PER_FORWARD, flop_model  # noqa: E402
+from gem_jax.train.flops import flop_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -134,7 +135,7 @@ def lpt_partition(workloads: np.ndarray, parts: int) -> np.ndarray:
     return loads
 
 
-def bbs_loads(w: np.ndarray, ranks_per_loader: int, seed) -> np.ndarray:
+def bbs_host_loads(w: np.ndarray, ranks_per_loader: int, seed) -> np.ndarray:
     """Per-rank loads when each loader deals its own ranks_per_loader * PER_RANK consecutive samples."""
     window = ranks_per_loader * PER_RANK
     loads = []
@@ -155,8 +156,10 @@ def simulate(lengths_stream: Stream, workload: Workload, ranks: int, steps: int,
         w = workload(lengths_stream.take(ranks * PER_RANK))
         loads = {
             "random": w.reshape(ranks, PER_RANK).sum(axis=1),
-            "bbs_host": bbs_loads(w, RANKS_PER_HOST, (seed, step)),
-            "bbs_global": bbs_loads(w, ranks, (seed, step)),
+            "bbs_host": bbs_host_loads(w, RANKS_PER_HOST, (seed, step)),
+            "bbs_global": w[balance_shards(w, ranks, minibatch_size=MINIBATCH_SIZE, seed=(seed, step, 0))]
+            .reshape(ranks, PER_RANK)
+            .sum(axis=1),
             "lpt": lpt_partition(w, ranks),
         }
         for m, rank_loads in loads.items():
@@ -175,78 +178,16 @@ def simulate(lengths_stream: Stream, workload: Workload, ranks: int, steps: int,
     return {"imbalance": summary, "relative_rank_load": {m: np.concatenate(v) for m, v in relative.items()}}
 
 
-def time_function(ranks: int, repeats: int, rng: np.random.Generator) -> dict:
-    """Samples/s of base_batch_shuffle on one window dealt to `ranks` batches (median of repeats)."""
+def time_balance_shards(ranks: int, repeats: int, rng: np.random.Generator) -> dict:
+    """Samples/s of `balance_shards` on one global batch of ranks * PER_RANK samples (median of repeats)."""
     w = Workload(1.0, 1.0)(np.clip(rng.lognormal(np.log(256), 1.0, ranks * PER_RANK), 1, 4096).astype(np.int64))
     times = []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
-        base_batch_shuffle(w, minibatch_size=MINIBATCH_SIZE, minibatches_per_batch=MINIBATCHES_PER_BATCH, seed=r)
+        balance_shards(w, ranks, minibatch_size=MINIBATCH_SIZE, seed=r)
         times.append(time.perf_counter() - t0)
     median = float(np.median(times[1:]))
-    return {"window_samples": w.size, "median_s": median, "samples_per_s": w.size / median}
-
-
-class _ListIterDataset(grain.IterDataset):
-    """Yields the items of an in-memory list: a parent that costs almost nothing, to expose the stage's own time."""
-
-    def __init__(self, items: list):
-        super().__init__()
-        self._items = items
-
-    def __iter__(self) -> grain.DatasetIterator:
-        return _ListIterator(self._items)
-
-
-class _ListIterator(grain.DatasetIterator):
-    def __init__(self, items: list):
-        super().__init__()
-        self._items, self._next = items, 0
-
-    def __next__(self):
-        if self._next == len(self._items):
-            raise StopIteration
-        self._next += 1
-        return self._items[self._next - 1]
-
-    def get_state(self) -> dict:
-        return {"next": self._next}
-
-    def set_state(self, state: dict) -> None:
-        self._next = state["next"]
-
-
-def _median_pass_s(dataset, repeats: int, expected: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        seen = sum(len(x) if isinstance(x, list) else 1 for x in dataset)
-        times.append(time.perf_counter() - t0)
-        assert seen == expected
-    return float(np.median(times))
-
-
-def time_stage(num_batches: int, windows: int, repeats: int, workload: Workload, rng: np.random.Generator) -> dict:
-    """Samples/s of the grain stage, over a near-free list parent and over a grain in-memory source.
-
-    The grain source is read without prefetch threads (`ReadOptions(num_threads=0)`). Medians of
-    `repeats` passes over `windows` windows of {"id", "length"} records.
-    """
-    n = num_batches * PER_RANK * windows
-    lengths = np.clip(rng.lognormal(np.log(256), 1.0, n), 1, 4096).astype(np.int64)
-    records = [{"id": i, "length": int(x)} for i, x in enumerate(lengths)]
-    source = grain.MapDataset.source(records).to_iter_dataset(grain.ReadOptions(num_threads=0))
-    kwargs = dict(workload=workload, num_batches=num_batches, seed=0)
-    bbs_s = _median_pass_s(BaseBatchShuffleIterDataset(_ListIterDataset(records), **kwargs), repeats, n)
-    source_s = _median_pass_s(source, repeats, n)
-    source_bbs_s = _median_pass_s(BaseBatchShuffleIterDataset(source, **kwargs), repeats, n)
-    return {
-        "num_batches": num_batches,
-        "samples": n,
-        "bbs_over_list_samples_per_s": n / bbs_s,
-        "grain_source_alone_samples_per_s": n / source_s,
-        "grain_source_plus_bbs_samples_per_s": n / source_bbs_s,
-    }
+    return {"ranks": ranks, "batch_samples": w.size, "median_s": median, "samples_per_s": w.size / median}
 
 
 METHOD_LABELS = {
@@ -303,11 +244,7 @@ def main():
     model_config = ModelConfig()
     fm = flop_model(model_config, spec)
     workloads = {
-        "gem_default": Workload(
-            per_token=TRAIN_FLOPS_PER_FORWARD * fm.per_token,
-            per_token_pair=TRAIN_FLOPS_PER_FORWARD * fm.per_token_pair,
-            per_example=TRAIN_FLOPS_PER_FORWARD * fm.per_example,
-        ),
+        "gem_default": Workload.from_flop_model(fm),
         "attention_only": Workload(per_token=0.0, per_token_pair=1.0),
     }
     ml_lengths = np.minimum(ml_small_history_lengths(ML_SMALL), ML_MAX_SEQ_LEN)
@@ -321,7 +258,6 @@ def main():
         "machine": f"{cpu_model()}, {os.cpu_count()} CPU cores (no accelerator used)",
         "python": platform.python_version(),
         "numpy": np.__version__,
-        "grain": importlib.metadata.version("grain"),
         "jax": jax.__version__,
         "per_rank_samples": PER_RANK,
         "minibatch_size": MINIBATCH_SIZE,
@@ -334,7 +270,7 @@ def main():
     if args.part in ("all", "imbalance"):
         run_imbalance(meta, workloads, length_sources, steps, args.seed)
     if args.part in ("all", "throughput"):
-        run_throughput(meta, workloads["gem_default"], args.quick, rng)
+        run_throughput(meta, args.quick, rng)
 
 
 def run_imbalance(meta: dict, workloads: dict, length_sources: dict, steps: int, seed: int) -> None:
@@ -362,23 +298,13 @@ def run_imbalance(meta: dict, workloads: dict, length_sources: dict, steps: int,
     (RESULTS / "bbs_imbalance.json").write_text(json.dumps(imbalance_json, indent=2) + "\n")
 
 
-def run_throughput(meta: dict, workload: Workload, quick: bool, rng: np.random.Generator) -> None:
+def run_throughput(meta: dict, quick: bool, rng: np.random.Generator) -> None:
     repeats = 3 if quick else 20
     load_before = os.getloadavg()
-    timing = {
-        "function": [time_function(r, repeats, rng) for r in (8, 64)],
-        "grain_stage": [time_stage(8, 2 if quick else 8, 1 if quick else 5, workload, rng)],
-    }
+    timing = {"balance_shards": [time_balance_shards(r, repeats, rng) for r in (8, 32, 64)]}
     timing["load_average_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
-    for row in timing["function"]:
-        print(f"base_batch_shuffle window {row['window_samples']}: {row['samples_per_s'] / 1e6:.2f} M samples/s")
-    for row in timing["grain_stage"]:
-        print(
-            f"grain stage k={row['num_batches']}: over a list {row['bbs_over_list_samples_per_s'] / 1e6:.2f} M/s; "
-            f"grain source alone {row['grain_source_alone_samples_per_s'] / 1e6:.3f} M/s, "
-            f"source + BBS {row['grain_source_plus_bbs_samples_per_s'] / 1e6:.3f} M/s"
-        )
-
+    for row in timing["balance_shards"]:
+        print(f"balance_shards, {row['ranks']} ranks x {PER_RANK}: {row['samples_per_s'] / 1e6:.2f} M samples/s")
     (RESULTS / "bbs_throughput.json").write_text(json.dumps(dict(meta, **timing), indent=2) + "\n")
 
 

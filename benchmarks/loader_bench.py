@@ -1,0 +1,223 @@
+"""Train-loader throughput on the CPU: samples/s per process of the grain pipeline with BBS on.
+
+Cases (each a config file's data and model, BBS over D devices):
+  ml_demo      configs/movielens.py (ml-latest-small, B = 256, max_seq_len 128), D = 8
+               (one 8-GPU host);
+  gem_sharded  configs/gem_sharded.py (synthetic long-tailed histories, B = 32768,
+               max_seq_len 1024), D = its topology's 32 devices; or, if that file is
+               absent, Source.SYNTHETIC with B = 1024, max_seq_len 1024 and D = 8.
+
+For each case, one process, timed over max(4, ceil(`--samples` / B)) batches after `--warmup`:
+  - pipeline_bbs:    `Dataset.train_iterator()` (grain, the config's prefetch thread) yielding
+                     `Batch`es, BBS on: what the trainer pulls per step;
+  - pipeline_plain:  the same without BBS;
+  - index_stage_bbs: `Dataset.train_indices()` alone (shuffled index batches + BBS order):
+                     the metadata work every process must do for the global batch;
+  - host_split:      `gem_jax.parallel.batch.stack_batch(batch, D)`, the host-side split into
+                     per-device jagged batches that the trainer runs on its main thread
+                     before the transfer (not part of the loader, reported beside it);
+  - balance_bbs / balance_plain: mean per-device load imbalance and padding waste of the
+                     stacked layout (as the trainer logs them) over the first batches.
+Samples are real examples (weight > 0). Each rate is given per wall second and per CPU
+second of the process (all its threads): on a shared machine the second is the steadier
+figure, the rate of one core of its own. The 1-minute load average before and after each
+case is recorded.
+
+If `benchmarks/results/train_*.json` holds H200 training throughput (examples/s), the ratio
+loader / step consumption is computed; the goal is >= 10x.
+
+Run: PYTHONPATH=. .venv/bin/python benchmarks/loader_bench.py [--samples 100000] [--warmup 2]
+Writes benchmarks/results/loader_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import importlib.metadata
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from gem_jax.config import TrainConfig, load_config
+from gem_jax.data.config import BBSConfig, DataConfig, Source
+from gem_jax.data.pipeline import Dataset, load_dataset
+from gem_jax.data.workload import Workload, load_imbalance, padding_waste, shard_loads
+from gem_jax.model.config import ModelConfig
+from gem_jax.parallel.batch import stack_batch
+from gem_jax.train.flops import flop_model
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+ML_DEMO_SHARDS = 8
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
+
+
+def cases() -> list[tuple[str, str, TrainConfig, int]]:
+    """(name, config source, config, D) of every case."""
+    demo = load_config(REPO / "configs" / "movielens.py")
+    out = [("ml_demo", "configs/movielens.py", demo, ML_DEMO_SHARDS)]
+    sharded = REPO / "configs" / "gem_sharded.py"
+    if sharded.is_file():
+        config = load_config(sharded)
+        out.append(("gem_sharded", "configs/gem_sharded.py", config, config.topology.num_devices))
+    else:
+        data = DataConfig(source=Source.SYNTHETIC, batch_size=1024, max_seq_len=1024)
+        out.append(("gem_sharded", "Source.SYNTHETIC, B=1024, max_seq_len=1024", TrainConfig(data=data, model=ModelConfig()), 8))
+    return out
+
+
+def _rates(samples: int, seconds: float, cpu_seconds: float) -> dict:
+    return {
+        "samples": samples,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "samples_per_s": samples / seconds,
+        "samples_per_cpu_s": samples / cpu_seconds,
+    }
+
+
+def _timed(make_iter, warmup: int, batches: int, count) -> dict:
+    """Wall and process CPU time of `batches` items after `warmup`; `count(item)` real samples each."""
+    it = make_iter()
+    for _ in range(warmup):
+        next(it)
+    samples = 0
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(batches):
+        samples += count(next(it))
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+    return {"batches": batches, **_rates(samples, seconds, cpu_seconds)}
+
+
+def _real(batch) -> int:
+    return int((np.asarray(batch.weights) > 0).sum())
+
+
+def measure(dataset: Dataset, num_shards: int, warmup: int, batches: int) -> dict:
+    plain = dataclasses.replace(dataset, bbs=None)
+    row = {
+        "pipeline_bbs": _timed(dataset.train_iterator, warmup, batches, _real),
+        "pipeline_plain": _timed(plain.train_iterator, warmup, batches, _real),
+    }
+    indices = dataset.train_indices()
+    row["index_stage_bbs"] = _timed(lambda: (indices[i] for i in range(10**9)), warmup, batches, len)
+    it = dataset.train_iterator()
+    host_batches = [next(it) for _ in range(min(batches, 4))]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for batch in host_batches:
+        stack_batch(batch, num_shards)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    samples = sum(_real(b) for b in host_batches)
+    row["host_split"] = {"batches": len(host_batches), **_rates(samples, seconds, cpu_seconds)}
+    lengths = np.concatenate([np.diff(np.asarray(b.history.offsets))[np.asarray(b.weights) > 0] for b in host_batches])
+    row["mean_history_length"] = float(lengths.mean())
+    it = plain.train_iterator()
+    for name, sample in (("bbs", host_batches), ("plain", [next(it) for _ in host_batches])):
+        row[f"balance_{name}"] = balance(sample, num_shards, dataset.bbs.workload)
+    return row
+
+
+def balance(batches: list, num_shards: int, workload: Workload) -> dict:
+    """Mean per-device load imbalance and padding waste (of the stacked per-device layout) of `batches`."""
+    imbalance, waste = [], []
+    for batch in batches:
+        lengths = np.diff(np.asarray(batch.history.offsets))
+        real = np.asarray(batch.weights) > 0
+        imbalance.append(load_imbalance(shard_loads(workload(lengths) * real, num_shards)))
+        capacity = int(np.prod(stack_batch(batch, num_shards).history.values.shape[:-1]))
+        waste.append(padding_waste(lengths[real], capacity))
+    return {"batches": len(batches), "load_imbalance_mean": float(np.mean(imbalance)), "padding_waste_mean": float(np.mean(waste))}
+
+
+def train_results() -> list[dict]:
+    """Training throughput rows of `benchmarks/train_bench.py` results (benchmarks/results/train_*.json)."""
+    rows = []
+    for path in sorted(glob.glob(str(RESULTS / "train_*.json"))):
+        data = json.loads(Path(path).read_text())
+        for run in data.get("runs", []):
+            if "examples_per_s" in run and "num_devices" in run:
+                rows.append(
+                    {
+                        "file": Path(path).name,
+                        "device": data.get("device_kind"),
+                        "max_seq_len": data.get("max_seq_len"),
+                        "attention_implementation": data.get("attention_implementation"),
+                        "num_devices": run["num_devices"],
+                        "global_batch": run.get("global_batch"),
+                        "examples_per_s": run["examples_per_s"],
+                        "examples_per_s_per_device": run["examples_per_s"] / run["num_devices"],
+                    }
+                )
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=100_000, help="timed samples per measurement (at least 4 batches)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--only", choices=("ml_demo", "gem_sharded"), default=None)
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPU cores (no accelerator used)",
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "grain": importlib.metadata.version("grain"),
+        "jax": jax.__version__,
+        "cases": [],
+    }
+    for name, source, config, num_shards in cases():
+        if args.only and name != args.only:
+            continue
+        load_before = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        dataset = load_dataset(dataclasses.replace(config.data, bbs=BBSConfig()))
+        load_seconds = time.perf_counter() - t0
+        workload = Workload.from_flop_model(flop_model(config.model, dataset.spec))
+        dataset = dataset.resolve_bbs(num_shards=num_shards, workload=workload)
+        batches = max(4, -(-args.samples // dataset.batch_size))
+        row = measure(dataset, num_shards, args.warmup, batches)
+        case = {
+            "name": name,
+            "config": source,
+            "batch_size": dataset.batch_size,
+            "max_seq_len": dataset.spec.max_seq_len,
+            "num_shards": num_shards,
+            "prefetch_batches": dataset.prefetch_batches,
+            "workload": dataclasses.asdict(workload),
+            "load_dataset_seconds": load_seconds,
+            **row,
+            "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
+        }
+        out["cases"].append(case)
+        print(
+            f"{name}: B={case['batch_size']} D={num_shards} mean L={case['mean_history_length']:.0f}: "
+            + ", ".join(
+                f"{k} {case[k]['samples_per_s']:,.0f}/s ({case[k]['samples_per_cpu_s']:,.0f}/cpu-s)"
+                for k in ("pipeline_bbs", "pipeline_plain", "index_stage_bbs", "host_split")
+            )
+        )
+    out["train_results"] = train_results()
+    path = RESULTS / ("loader_throughput.json" if args.only is None else f"loader_throughput_{args.only}.json")
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
