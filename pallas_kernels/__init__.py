@@ -6,5 +6,15 @@ Standalone: this package never imports `gem_jax`.
 from pallas_kernels._dispatch import Implementation
 from pallas_kernels.gdpa import gdpa
 from pallas_kernels.jagged_flash_attention import jagged_flash_attention
+from pallas_kernels.mxfp8 import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
 
-__all__ = ["Implementation", "gdpa", "jagged_flash_attention"]
+__all__ = [
+    "Implementation",
+    "dequantize_mxfp8",
+    "gdpa",
+    "jagged_flash_attention",
+    "mxfp8_matmul",
+    "quantize_mxfp8",
+    "random_hadamard",
+    "rmsnorm_quantize_mxfp8",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from gem_jax.quant.dense import Fp8Recipe
 from pallas_kernels import Implementation
 
 
@@ -22,7 +23,9 @@ class ModelConfig:
       rope_base: RoPE wavelength base (Su et al., 2021).
       attention_implementation: "xla", "pallas" or None (pallas on Hopper GPUs).
       compute_dtype: activations' dtype ("float32" on CPU, "bfloat16" on GPU).
-      fp8: run the dense layers of the towers through MXFP8 matmuls.
+      fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
+        the feature projections and the task heads stay in higher precision.
+      fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).
     """
 
     embed_dim: int = 64
@@ -36,6 +39,7 @@ class ModelConfig:
     attention_implementation: Implementation | None = None
     compute_dtype: str = "float32"
     fp8: bool = False
+    fp8_block: int = 32
 
     def __post_init__(self):
         if self.embed_dim % self.num_heads:
@@ -46,3 +50,8 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """The towers' FP8 recipe, or None for plain dense layers."""
+        return Fp8Recipe(block=self.fp8_block) if self.fp8 else None

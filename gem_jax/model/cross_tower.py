@@ -37,10 +37,10 @@ class TokenAttention(nnx.Module):
         d = config.embed_dim
         self.config = config
         self.norm = rms_norm(d, rngs=rngs)
-        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
         self.q_norm = rms_norm(config.head_dim, rngs=rngs)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
@@ -131,7 +131,7 @@ class DHENLayer(nnx.Module):
         self.mlp_expert = MLPExperts(num_mlp_experts, width, config.mlp_ratio * config.embed_dim, rngs=rngs)
         self.cross_expert = CrossExpert(width, rngs=rngs)
         self.dot_expert = DotCompressionExpert(num_tokens, config.embed_dim, rngs=rngs)
-        self.mix = dense(3 * width, width, ("mlp", "embed"), rngs=rngs)
+        self.mix = dense(3 * width, width, ("mlp", "embed"), rngs=rngs, fp8=config.fp8_recipe)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         b, f, d = tokens.shape

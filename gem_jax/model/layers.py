@@ -6,18 +6,33 @@ Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `table_rows
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.parallel import embeddings
+from gem_jax.quant.dense import Fp8Linear, Fp8Recipe
 
 EMBEDDING_PARAM = "embedding"  # name of every embedding-table parameter (the sparse optimizer's partition key)
 
 
-def dense(in_features: int, out_features: int, axes: tuple[str | None, str | None], *, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
-    """`nnx.Linear` whose kernel `[in, out]` carries the logical axis names `axes`."""
-    return nnx.Linear(
+def dense(
+    in_features: int,
+    out_features: int,
+    axes: tuple[str | None, str | None],
+    *,
+    rngs: nnx.Rngs,
+    use_bias: bool = True,
+    fp8: Fp8Recipe | None = None,
+) -> nnx.Linear | Fp8Linear:
+    """A dense layer whose kernel `[in, out]` carries the logical axis names `axes`.
+
+    `nnx.Linear`, or with an `fp8` recipe the drop-in `Fp8Linear` (same parameters).
+    """
+    layer = nnx.Linear if fp8 is None else functools.partial(Fp8Linear, recipe=fp8)
+    return layer(
         in_features,
         out_features,
         use_bias=use_bias,
@@ -61,9 +76,9 @@ def rms_norm(dim: int, *, rngs: nnx.Rngs) -> nnx.RMSNorm:
 class MLP(nnx.Module):
     """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`)."""
 
-    def __init__(self, dim: int, hidden: int, out: int | None = None, *, rngs: nnx.Rngs):
-        self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs)
-        self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs)
+    def __init__(self, dim: int, hidden: int, out: int | None = None, *, rngs: nnx.Rngs, fp8: Fp8Recipe | None = None):
+        self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs, fp8=fp8)
+        self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs, fp8=fp8)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.up(x)))

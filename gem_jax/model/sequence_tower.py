@@ -25,12 +25,12 @@ class SelfAttentionBlock(nnx.Module):
         d, h, hd = config.embed_dim, config.num_heads, config.head_dim
         self.config = config
         self.norm_attn = rms_norm(d, rngs=rngs)
-        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
         self.q_norm = rms_norm(hd, rngs=rngs)
         self.k_norm = rms_norm(hd, rngs=rngs)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe)
         self.norm_mlp = rms_norm(d, rngs=rngs)
-        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs)
+        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe)
 
     def __call__(self, x: jax.Array, history: Jagged, positions: jax.Array) -> jax.Array:
         """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence."""
@@ -68,7 +68,7 @@ class PooledAttention(nnx.Module):
             )
         )
         self.norm = rms_norm(d, rngs=rngs)
-        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs)
 

@@ -105,3 +105,28 @@ def test_rope_preserves_norm_and_relative_positions():
     d1 = jnp.sum(rot(q, 7) * rot(k, 3))
     d2 = jnp.sum(rot(q, 14) * rot(k, 10))
     np.testing.assert_allclose(d1, d2, rtol=1e-5)
+
+
+def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
+    """`ModelConfig(fp8=True)`: the towers' dense layers become FP8 layers holding the same parameters."""
+    import dataclasses
+
+    from gem_jax.model.sequence_tower import SelfAttentionBlock
+    from gem_jax.quant.dense import Fp8Linear
+
+    fp8_config = dataclasses.replace(CONFIG, fp8=True)
+    with nnx.use_eager_sharding(False):
+        _, fp8_params = nnx.split(GEMModel(SPEC, fp8_config, rngs=nnx.Rngs(0)))
+        ref_block = SelfAttentionBlock(CONFIG, rngs=nnx.Rngs(1))
+        fp8_block = SelfAttentionBlock(fp8_config, rngs=nnx.Rngs(1))
+    _, params = split_model
+    assert jax.tree.structure(nnx.to_pure_dict(fp8_params)) == jax.tree.structure(nnx.to_pure_dict(params))
+    assert isinstance(fp8_block.qkv, Fp8Linear) and isinstance(fp8_block.mlp.up, Fp8Linear)
+
+    batch = make_batch(np.random.default_rng(), [0, 5, 12, 3], capacity=32)
+    x = jnp.asarray(np.random.default_rng().normal(size=(32, CONFIG.embed_dim)), jnp.float32)
+    history, positions = batch.history, batch.history.positions()
+    ref = np.asarray(ref_block(x, history, positions))[:20]
+    out = np.asarray(fp8_block(x, history, positions))[:20]
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert 0 < rel < 0.05  # E4M3 keeps 3 mantissa bits: a few percent per block, and not zero
