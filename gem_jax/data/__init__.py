@@ -16,6 +16,8 @@ Modules (each one job):
   collate.py          static-shape batches with bucketed token capacity
   sampling.py         grain source of per-epoch shuffled example batches
   synthetic.py        synthetic long-tailed batches for benchmarks
+  bbs.py              base batch shuffling: balanced per-device chunks of a global batch
+  workload.py         the attention-aware per-example workload model and balance metrics
   config.py           `DataConfig`, `Source`, `SyntheticConfig`
   paths.py            default data folders (`GEM_SHARED_DATA`)
   pipeline.py         `load_dataset` and `Dataset`: the grain train / eval iterators
