@@ -35,6 +35,8 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_seq_len: int, fill_valu
     pos = jnp.arange(max_seq_len, dtype=jnp.int32)
     rows = offsets[:-1, None] + pos[None, :]
     valid = pos[None, :] < (offsets[1:] - offsets[:-1])[:, None]
+    if values.shape[0] == 0:  # zero capacity: every sequence is empty
+        return jnp.full((batch, max_seq_len) + values.shape[1:], fill_value, values.dtype)
     safe_rows = jnp.where(valid, rows, 0)
     gathered = values[safe_rows.reshape(-1)].reshape((batch, max_seq_len) + values.shape[1:])
     mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))

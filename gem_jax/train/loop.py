@@ -127,6 +127,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
                 raise NonFiniteLossError(f"non-finite loss or gradient norm in steps {done - len(fetched) + 1}..{done}")
             logger.log(done, "train", record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
+            tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4g}" for k, v in record.items()))
             if done - len(fetched) > start:  # the run's first window holds the compile: not steady state
                 train_seconds += elapsed
                 train_flops += window_flops

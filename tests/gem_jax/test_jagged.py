@@ -144,3 +144,11 @@ def test_nan_in_padding_stays_out_of_from_padded():
     back = np.asarray(jagged.from_padded(jnp.asarray(padded), offsets, values.shape[0], fill_value=0.0))
     np.testing.assert_array_equal(back[:total], values[:total])
     np.testing.assert_array_equal(back[total:], 0.0)
+
+
+def test_zero_capacity_pads_every_sequence():
+    from gem_jax.jagged import to_padded
+
+    offsets = jnp.zeros((4,), jnp.int32)
+    padded = to_padded(jnp.zeros((0, 2), jnp.float32), offsets, 5, fill_value=-1.0)
+    assert padded.shape == (3, 5, 2) and float(padded.max()) == -1.0
