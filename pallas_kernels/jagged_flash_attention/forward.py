@@ -16,11 +16,13 @@ items c, 2C-1-c, 2C+c, ... of the work list sorted by work (`schedule`).
 Boundary handling (GEM's JFA zero-fills rows past a sequence with per-sequence
 TMA descriptors and subtracts the extra exp(0 - m) terms; Pallas builds TMA
 descriptors on the host over the whole packed buffer, so a block that runs past
-a sequence end holds the next sequence's rows, not zeros): only the last key
-block of an item is masked, in registers, with -inf before the row max. Blocks
-that cross the end of the real data are read from a zero-padded tail copy so
-slack rows never reach P @ V. Outputs are written only for the item's own rows
-(`_mgpu.store_rows_out`).
+a sequence end holds the next sequence's rows, not zeros, and the subtraction
+loses all precision for scores near -16 and below): each sequence is read
+through an 8-aligned window (`schedule`), and only the first key block (when
+the window starts before the sequence) and the last one are masked, in
+registers, with -inf before the row max. Blocks that cross the end of the real
+data are read from a zero-padded tail copy so slack rows never reach P @ V.
+Outputs are written only for the item's own rows (`_mgpu.store_rows_out`).
 """
 
 from __future__ import annotations

@@ -167,16 +167,3 @@ def to_tile_space(values: jax.Array, plan: Plan) -> jax.Array:
     gathered = jnp.where(valid[..., None], gathered, jnp.zeros((), values.dtype))
     return gathered.reshape(-1, values.shape[1]).T
 
-
-def from_tile_space(values: jax.Array, plan: Plan, capacity: int) -> jax.Array:
-    """Inverse of `to_tile_space` for the rows of real sequences: `[H, NT*128]` -> `[T, H]`.
-
-    Rows no tile owns come out as 0.
-    """
-    heads = values.shape[0]
-    r = jnp.arange(TILE_ROWS, dtype=jnp.int32)
-    rows = plan.row0[:, None] + r[None, :]
-    valid = (r[None, :] >= plan.lo[:, None]) & (r[None, :] < plan.hi[:, None])
-    rows = jnp.where(valid, rows, capacity).reshape(-1)
-    flat = values.T.reshape(-1, heads)
-    return jnp.zeros((capacity + 1, heads), values.dtype).at[rows].set(flat)[:capacity]
