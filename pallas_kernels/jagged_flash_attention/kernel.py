@@ -36,6 +36,11 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
 
     with keys after the query masked when `causal`; slack rows are 0.
 
+    Slack rows may hold anything (NaN included): they never reach a product.
+    Boundary blocks do read the neighbouring sequences' real rows (masked to
+    probability 0), so a non-finite value in one sequence's real rows can turn
+    a neighbour's output into NaN (0 * inf), which the jnp reference would not.
+
     Args:
       q, k, v: `[T, H, D]` bf16 or f16, D in {64, 128}.
       offsets: int32 `[B+1]`, non-decreasing, `offsets[0] = 0`, `offsets[B] <= T`.
