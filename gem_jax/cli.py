@@ -8,7 +8,12 @@ import jax
 
 
 def train_main(argv: list[str] | None = None) -> None:
-    """`gem-train --config configs/movielens.py --workdir runs/demo [--stop-after-steps N]`."""
+    """`gem-train --config configs/movielens.py --workdir runs/demo [--stop-after-steps N]`.
+
+    Multi-host: one process per GPU; `jax.distributed` is initialised from SLURM or the
+    `GEM_COORDINATOR_ADDRESS` / `GEM_NUM_PROCESSES` / `GEM_PROCESS_ID` variables
+    (`gem_jax.parallel.distributed`), see scripts/launch_slurm.sh.
+    """
     parser = argparse.ArgumentParser(prog="gem-train", description="Train a GEM-style model; resumes from the workdir's latest checkpoint.")
     parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard logs")
@@ -16,9 +21,12 @@ def train_main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from gem_jax.config import load_config
+    from gem_jax.parallel import distributed
     from gem_jax.train.loop import train_and_evaluate
 
+    layout = distributed.initialize()
     config = load_config(args.config)
     devices = jax.devices()
-    print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    where = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
+    print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}")
     train_and_evaluate(config, args.workdir, stop_after_steps=args.stop_after_steps)

@@ -23,10 +23,13 @@ import jax.numpy as jnp
 class ShardContext:
     """Attributes:
     axis_sizes: size of every mesh axis, outermost first.
+    exchange_dtype: dtype in which activations cross the network (embedding rows);
+      None keeps theirs.
     stats: int32 scalar counters recorded during the trace, by name (summed per name).
     """
 
     axis_sizes: dict[str, int]
+    exchange_dtype: jnp.dtype | None = None
     stats: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
 
     def size(self, axes: Sequence[str]) -> int:
@@ -47,9 +50,9 @@ _ACTIVE: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar("g
 
 
 @contextlib.contextmanager
-def shard_context(axis_sizes: dict[str, int]) -> Iterator[ShardContext]:
+def shard_context(axis_sizes: dict[str, int], exchange_dtype=None) -> Iterator[ShardContext]:
     """Makes a fresh `ShardContext` the active one inside the `with` block."""
-    ctx = ShardContext(dict(axis_sizes))
+    ctx = ShardContext(dict(axis_sizes), None if exchange_dtype is None else jnp.dtype(exchange_dtype))
     token = _ACTIVE.set(ctx)
     try:
         yield ctx

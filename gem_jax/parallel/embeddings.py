@@ -265,18 +265,18 @@ def _receive(back: jax.Array, owner: jax.Array, pos: jax.Array, fits: jax.Array)
     return jnp.where(fits[:, None], back[o, p], 0)
 
 
-def _flat_exchange(table, ids, valid, placement: TablePlacement, capacity: int):
+def _flat_exchange(table, ids, valid, placement: TablePlacement, capacity: int, dtype):
     """Gen 1 / gen 2: one all-to-all over the row axes each way. Returns `(rows [n, d], overflow)`."""
     axes, owners, r = placement.row_axes, placement.num_shards, placement.rows_per_shard
     owner = jnp.where(valid, ids // r, owners)
     pos, fits, overflow = _buckets(owner, owners, capacity)
     send = _send_buffer(ids - jnp.minimum(owner, owners - 1) * r, owner, pos, fits, owners, capacity)
     recv = jax.lax.all_to_all(send, axes, 0, 0)
-    back = jax.lax.all_to_all(_owner_rows(table, recv, placement.sync_axes), axes, 0, 0)
+    back = jax.lax.all_to_all(_owner_rows(table, recv, placement.sync_axes).astype(dtype), axes, 0, 0)
     return _receive(back, owner, pos, fits), overflow
 
 
-def _node_exchange(table, ids, valid, placement: TablePlacement, capacity: int):
+def _node_exchange(table, ids, valid, placement: TablePlacement, capacity: int, dtype):
     """Gen 3: all-to-all between nodes, all-gather / reduce-scatter inside the owning node."""
     node_axes = placement.live((NODE,))
     intra = placement.live(INTRA_NODE_AXES)
@@ -290,7 +290,7 @@ def _node_exchange(table, ids, valid, placement: TablePlacement, capacity: int):
     gathered = jax.lax.all_gather(recv, intra) if intra else recv[None]  # [per_node, nodes, C]
     local = gathered - (jax.lax.axis_index(intra) if intra else 0) * r
     mine = (gathered >= 0) & (local >= 0) & (local < r)
-    rows = _owner_rows(table, jnp.where(mine, local, -1), placement.sync_axes)  # zero where not mine
+    rows = _owner_rows(table, jnp.where(mine, local, -1), placement.sync_axes).astype(dtype)  # zero where not mine
     part = jax.lax.psum_scatter(rows, intra) if intra else rows[0]  # [nodes, C, d]
     back = jax.lax.all_to_all(part, node_axes, 0, 0) if node_axes else part
     return _receive(back, owner, pos, fits), overflow
@@ -321,7 +321,8 @@ def lookup(table: jax.Array, ids: jax.Array, num_rows: int, placement: TablePlac
       name: counter prefix when `placement` is None.
 
     Returns:
-      `[..., d]` in table.dtype; zero rows for ids the policy rejects.
+      `[..., d]` in table.dtype, or in the step's exchange dtype when rows cross the
+      network; zero rows for ids the policy rejects.
 
     Raises:
       ValueError: a sharded placement used outside a sharded step.
@@ -341,12 +342,11 @@ def lookup(table: jax.Array, ids: jax.Array, num_rows: int, placement: TablePlac
     owners = ctx.size(placement.live((NODE,))) if placement.generation is Generation.NODE_SPLIT else placement.num_shards
     n = flat.shape[0]
     capacity = _capacity(n, owners, placement.capacity_factor)
-    rows, overflow = exchange(table, flat, valid, placement, capacity)
+    dtype = table.dtype if ctx.exchange_dtype is None else ctx.exchange_dtype
+    rows, overflow = exchange(table, flat, valid, placement, capacity, dtype)
     if capacity < n:
         any_overflow = jax.lax.psum(overflow, ctx.live(MESH_AXES)) > 0
-        rows = jax.lax.cond(
-            any_overflow, lambda: exchange(table, flat, valid, placement, n)[0], lambda: rows
-        )
+        rows = jax.lax.cond(any_overflow, lambda: exchange(table, flat, valid, placement, n, dtype)[0], lambda: rows)
     context.record(f"{name}/overflow", overflow)
     return rows.reshape(*ids.shape, d)
 

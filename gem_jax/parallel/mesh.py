@@ -75,35 +75,48 @@ def _node_key(device: jax.Device) -> tuple[int, int, int]:
     return (getattr(device, "slice_index", 0) or 0, device.process_index, device.id)
 
 
-def make_mesh(topology: Topology, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `Mesh` over `MESH_AXES` with shape `topology.shape`.
+def device_grid(topology: Topology, devices: Sequence) -> np.ndarray:
+    """The devices as an object array of shape `topology.shape` (see `make_mesh`).
 
     Devices are ordered by (slice index, process index, device id), so that the
     innermost axes (`expert`, `gpu`) hold the GPUs of one host and `node` steps from
-    host to host. Multi-host GPU jobs get one slice per NVLink domain from
-    `jax.distributed.initialize`; without slice ids, processes must be numbered
-    node-major (SLURM's default block distribution does this).
+    host to host.
+
+    Raises:
+      ValueError: the device count differs from the topology's, or a host (slice or
+        process) would straddle two mesh nodes.
+    """
+    devices = sorted(devices, key=_node_key)
+    if len(devices) != topology.num_devices:
+        raise ValueError(
+            f"topology {topology.zones} zones x {topology.nodes_per_zone} nodes x {topology.gpus_per_node} GPUs "
+            f"needs {topology.num_devices} devices, but {len(devices)} were given"
+        )
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = devices
+    grid = grid.reshape(topology.shape)
+    _check_hosts(grid, topology)
+    return grid
+
+
+def make_mesh(topology: Topology, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `Mesh` over `MESH_AXES` with shape `topology.shape`.
+
+    Multi-host GPU jobs get one slice per NVLink domain from `jax.distributed.initialize`;
+    without slice ids, processes must be numbered node-major (SLURM's default block
+    distribution does this).
 
     Args:
       topology: zones, nodes per zone, GPUs per node, expert slots per node.
       devices: the devices to use (default: `jax.devices()`).
 
     Returns:
-      A `jax.sharding.Mesh` with `Auto` axis types.
+      A `jax.sharding.Mesh` with `Auto` axis types over `device_grid(topology, devices)`.
 
     Raises:
-      ValueError: the device count differs from the topology's, or a host (slice or
-        process) would straddle two mesh nodes.
+      ValueError: as `device_grid`.
     """
-    devices = sorted(jax.devices() if devices is None else devices, key=_node_key)
-    if len(devices) != topology.num_devices:
-        raise ValueError(
-            f"topology {topology.zones} zones x {topology.nodes_per_zone} nodes x {topology.gpus_per_node} GPUs "
-            f"needs {topology.num_devices} devices, but {len(devices)} were given"
-        )
-    grid = np.asarray(devices, dtype=object).reshape(topology.shape)
-    _check_hosts(grid, topology)
-    return Mesh(grid, MESH_AXES)
+    return Mesh(device_grid(topology, jax.devices() if devices is None else devices), MESH_AXES)
 
 
 def _check_hosts(grid: np.ndarray, topology: Topology) -> None:

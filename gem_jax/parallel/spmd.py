@@ -102,7 +102,8 @@ class ShardedModel:
       plan: every parameter's sharding (`gem_jax.parallel.rules.plan_sharding`).
       mesh: the device mesh.
       compute_dtype: dense weights are cast to it on their shard before the
-        all-gather ("float32" keeps them).
+        all-gather, and embedding rows cross the network in it ("float32" keeps
+        them).
     """
 
     graphdef: nnx.GraphDef
@@ -129,7 +130,7 @@ class ShardedModel:
             roles,
             is_leaf=lambda x: _is_spec(x) or isinstance(x, Role),
         )
-        with context.shard_context(sizes) as ctx:
+        with context.shard_context(sizes, dtype) as ctx:
             model = nnx.merge(self.graphdef, full)
             embeddings.bind_tables(model, self.plan.tables)
             logits = model(local)
@@ -139,7 +140,7 @@ class ShardedModel:
         return jax.shard_map(body, mesh=self.mesh, in_specs=(self.plan.specs, self.batch_spec), out_specs=out_specs)
 
     def loss(self, params: dict, batch: Batch):
-        """`(loss, (bce [K], stats))` over the global batch; differentiable in `params`.
+        """`(loss, (bce [K], stats, logits [B, K]))` over the global batch; differentiable in `params`.
 
         Args:
           params: the parameter tree, sharded as `plan.specs`.
@@ -150,6 +151,7 @@ class ShardedModel:
           bce: float32 `[K]` per task.
           stats: int32 counters summed over devices (`<table>/out_of_range`,
             `<table>/overflow`).
+          logits: float32, examples in global order.
         """
         axes = live_axes(self.plan.axis_sizes)
 
@@ -159,9 +161,11 @@ class ShardedModel:
             total = metrics.weighted_bce(logits, local.labels, local.weights) * jnp.maximum(weight, 1.0)
             total, weight = _psum((total, weight), axes)
             bce = total / jnp.maximum(weight, 1.0)
-            return bce.sum(), (bce, _psum(stats, axes))
+            return bce.sum(), (bce, _psum(stats, axes), logits[None])
 
-        return self._shard_map(body, (PartitionSpec(), (PartitionSpec(), PartitionSpec())))(params, batch)
+        out_specs = (PartitionSpec(), (PartitionSpec(), PartitionSpec(), spec_from_axes(axes, 3)))
+        loss, (bce, stats, logits) = self._shard_map(body, out_specs)(params, batch)
+        return loss, (bce, stats, logits.reshape(-1, logits.shape[-1]))
 
     def logits(self, params: dict, batch: Batch) -> jax.Array:
         """float32 `[B, K]` logits of the stacked batch, examples in global order."""

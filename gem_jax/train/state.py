@@ -85,6 +85,41 @@ def mirror_param_shardings(opt_state, params, param_shardings, default):
     return jax.tree_util.tree_map_with_path(pick, opt_state)
 
 
+def _init_fn(model_factory: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int):
+    def init() -> TrainState:
+        with nnx.use_eager_sharding(False):
+            params = nnx.to_pure_dict(nnx.split(model_factory(nnx.Rngs(seed)))[1])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    return init
+
+
+def state_setup(
+    model_factory: Callable[[nnx.Rngs], nnx.Module],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: rules_lib.Rules,
+    *,
+    compute_dtype: str = "float32",
+) -> StateSetup:
+    """The shapes and shardings of a train state on `mesh`, without allocating it.
+
+    Enough to restore a checkpoint onto `mesh` (`setup.abstract` is the target) or to
+    place existing parameters (`setup.shardings`). Arguments as `create_train_state`.
+    """
+    with nnx.use_eager_sharding(False):
+        abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract_model)
+    plan = rules_lib.plan_sharding(abstract_model, dict(mesh.shape), rules)
+    param_shardings = plan.shardings(mesh)
+    abstract = jax.eval_shape(_init_fn(model_factory, optimizer, 0))
+    replicated = rules_lib.replicated(mesh)
+    opt_shardings = mirror_param_shardings(abstract.opt_state, abstract.params, param_shardings, replicated)
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype)
+
+
 def create_train_state(
     model_factory: Callable[[nnx.Rngs], nnx.Module],
     optimizer: optax.GradientTransformation,
@@ -105,22 +140,6 @@ def create_train_state(
       compute_dtype: the model's compute dtype; dense weights are cast to it on
         their shard before the FSDP all-gather.
     """
-    with nnx.use_eager_sharding(False):
-        abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(seed)))
-    graphdef, _ = nnx.split(abstract_model)
-    plan = rules_lib.plan_sharding(abstract_model, dict(mesh.shape), rules)
-    param_shardings = plan.shardings(mesh)
-
-    def init() -> TrainState:
-        with nnx.use_eager_sharding(False):
-            params = nnx.to_pure_dict(nnx.split(model_factory(nnx.Rngs(seed)))[1])
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
-
-    abstract = jax.eval_shape(init)
-    replicated = rules_lib.replicated(mesh)
-    opt_shardings = mirror_param_shardings(abstract.opt_state, abstract.params, param_shardings, replicated)
-    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
-    state = jax.jit(init, out_shardings=shardings)()
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    setup = StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype)
+    setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype)
+    state = jax.jit(_init_fn(model_factory, optimizer, seed), out_shardings=setup.shardings)()
     return state, setup

@@ -26,7 +26,7 @@ def make_train_step(setup: StateSetup, optimizer: optax.GradientTransformation, 
     model = setup.sharded_model()
 
     def train_step(state: TrainState, batch: Batch):
-        (loss, (bce, stats)), grads = jax.value_and_grad(model.loss, has_aux=True)(state.params, batch)
+        (loss, (bce, stats, _)), grads = jax.value_and_grad(model.loss, has_aux=True)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         labels, weights = batch.labels.reshape(-1, batch.labels.shape[-1]), batch.weights.reshape(-1)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Multi-host training under SLURM: one process per GPU, jax.distributed from SLURM's variables.
+#
+#   sbatch --nodes=4 --gpus-per-node=8 --ntasks-per-node=8 scripts/launch_slurm.sh configs/gem_sharded.py runs/gem
+#
+# SLURM's default block distribution numbers the tasks node-major, which is what
+# gem_jax.parallel.mesh.make_mesh expects. Every task sees its node's GPUs; JAX's SLURM
+# detection gives task SLURM_LOCALID the GPU of that index. The config's
+# Topology must match the allocation (zones x nodes_per_zone = nodes, gpus_per_node = 8).
+set -euo pipefail
+CONFIG=${1:?usage: launch_slurm.sh CONFIG WORKDIR [gem-train args]}
+WORKDIR=${2:?usage: launch_slurm.sh CONFIG WORKDIR [gem-train args]}
+shift 2
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+eval "$(python3 "$REPO/scripts/xla_flags.py" --env)"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+srun --kill-on-bad-exit=1 \
+  python3 -c 'from gem_jax.cli import train_main; train_main()' --config "$CONFIG" --workdir "$WORKDIR" "$@"

@@ -1,0 +1,98 @@
+"""Logical-axis rules: shape-aware specs, table placements, and the golden sharding table of configs/gem_sharded.py.
+
+Regenerate the golden table after an intended change with
+`GEM_UPDATE_GOLDEN=1 pytest tests/gem_jax/parallel/test_parallel_rules.py`.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from gem_jax.config import load_config
+from gem_jax.data.synthetic import synthetic_spec
+from gem_jax.model.gem import GEMModel
+from gem_jax.parallel.embeddings import Generation, TableSharding, padded_table_rows, place_table
+from gem_jax.parallel.mesh import EXPERT, GPU, NODE, ZONE
+from gem_jax.parallel.rules import DATA_PARALLEL_RULES, HSDP_RULES, ShardingRules, logical_to_spec, plan_sharding
+
+GOLDEN = Path(__file__).parent / "golden" / "gem_sharded_params.json"
+SIZES = {ZONE: 2, NODE: 2, EXPERT: 2, GPU: 4}
+LARGE_BYTES = 1 << 20  # a replicated parameter above 1 MiB is a mistake
+
+
+def test_logical_to_spec_takes_divisible_prefixes_and_uses_each_axis_once():
+    rules = HSDP_RULES
+    assert logical_to_spec(("embed", "mlp"), rules, (64, 128), SIZES) == P((NODE, EXPERT, GPU), None)
+    # 12 is not a multiple of 16: the longest dividing prefix (node, expert) = 4; gpu goes to the next dim.
+    assert logical_to_spec(("embed", "mlp"), rules, (12, 128), SIZES) == P((NODE, EXPERT), GPU)
+    assert logical_to_spec(("expert", "embed", "mlp"), rules, (4, 64, 32), SIZES) == P(EXPERT, (NODE, GPU), None)
+    assert logical_to_spec(("norm",), rules, (64,), SIZES) == P(None)
+    assert logical_to_spec(("embed",), rules, (3,), SIZES) == P(None)
+    assert logical_to_spec(("embed", "mlp"), rules, (64, 128), {ZONE: 1, NODE: 1, EXPERT: 1, GPU: 1}) == P(None, None)
+
+
+def test_padded_rows_and_placement_fallbacks():
+    assert [padded_table_rows(n) for n in (1, 3, 11, 1024, 1025, 9743)] == [1, 4, 16, 1024, 2048, 10240]
+    gen2 = place_table("t", 11, 16, TableSharding(Generation.GROUP), SIZES)
+    assert gen2.row_axes == (NODE, EXPERT, GPU) and gen2.sync_axes == (ZONE,) and gen2.rows_per_shard == 1
+    assert place_table("t", 20, 32, TableSharding(Generation.GLOBAL), SIZES).generation is Generation.GLOBAL
+    assert place_table("t", 11, 16, TableSharding(Generation.GLOBAL), SIZES).generation is Generation.REPLICATED
+    small = place_table("t", 3, 4, TableSharding(Generation.GROUP), SIZES)
+    assert small.generation is Generation.REPLICATED and small.row_axes == ()  # 4 rows do not divide over 16 owners
+    one = place_table("t", 100, 128, TableSharding(Generation.GLOBAL), {ZONE: 1, NODE: 1, EXPERT: 1, GPU: 1})
+    assert one.generation is Generation.REPLICATED
+
+
+@pytest.fixture(scope="module")
+def gem_sharded(repo_root):
+    config = load_config(repo_root / "configs" / "gem_sharded.py")
+    spec = synthetic_spec(config.data.synthetic, config.data.max_seq_len, config.data.num_time_buckets)
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: GEMModel(spec, config.model, rngs=nnx.Rngs(0)))
+    return config, model
+
+
+def test_golden_parameter_shardings_of_the_default_sharded_config(gem_sharded):
+    config, model = gem_sharded
+    plan = plan_sharding(model, config.topology.axis_sizes, config.rules)
+    rows = plan.table_rows(nnx.to_pure_dict(nnx.split(model)[1]))
+    got = {
+        "config": "configs/gem_sharded.py",
+        "mesh": config.topology.axis_sizes,
+        "tables": {k: p.generation.name for k, p in sorted(plan.tables.items())},
+        "params": rows,
+    }
+    if os.environ.get("GEM_UPDATE_GOLDEN"):
+        header = {k: v for k, v in got.items() if k != "params"}
+        lines = ",\n".join("  " + json.dumps(r) for r in rows)
+        GOLDEN.write_text(json.dumps(header, indent=1)[:-2] + ',\n "params": [\n' + lines + "\n ]\n}\n")
+    assert got == json.loads(GOLDEN.read_text())
+
+
+def test_no_large_parameter_is_replicated_and_hsdp_shards_inside_a_zone(gem_sharded):
+    config, model = gem_sharded
+    plan = plan_sharding(model, config.topology.axis_sizes, config.rules)
+    rows = plan.table_rows(nnx.to_pure_dict(nnx.split(model)[1]))
+    replicated = [r["path"] for r in rows if r["bytes"] >= LARGE_BYTES and r["bytes_per_device"] == r["bytes"]]
+    assert replicated == []
+    for r in rows:
+        axes = [a for e in r["spec"] if e for a in ([e] if isinstance(e, str) else e)]
+        assert ZONE not in axes or r["path"].endswith("embedding"), r  # dense weights replicate across zones (HSDP)
+    experts = [r for r in rows if "mlp_expert" in r["path"]]
+    assert experts and all(r["spec"][0] == EXPERT for r in experts)
+    item = next(r for r in rows if r["path"] == "embed/item/embedding")
+    assert item["spec"][0] == [NODE, EXPERT, GPU] and plan.tables["embed/item"].generation is Generation.NODE_SPLIT
+
+
+def test_data_parallel_rules_replicate_dense_and_shard_tables_globally(gem_sharded):
+    config, model = gem_sharded
+    plan = plan_sharding(model, config.topology.axis_sizes, DATA_PARALLEL_RULES)
+    rows = {r["path"]: r for r in plan.table_rows(nnx.to_pure_dict(nnx.split(model)[1]))}
+    assert rows["embed/item/embedding"]["spec"][0] == [ZONE, NODE, EXPERT, GPU]
+    assert all(e is None for e in rows["cross_tower/dhen/0/mix/kernel"]["spec"])
+    custom = ShardingRules(default_table=TableSharding(Generation.REPLICATED))
+    assert plan_sharding(model, config.topology.axis_sizes, custom).tables["embed/item"].row_axes == ()
