@@ -13,6 +13,9 @@ sharding; each table picks one (`TableSharding.generation`):
   only; inside the owning node the ids are all-gathered over its GPUs, each GPU
   looks up the rows of its slice of the node's shard, and a reduce-scatter returns the
   rows to the GPU that received the ids (TorchRec's table-row-wise `TwRw` pattern).
+  The cross-node exchange has one peer per node instead of one per GPU; the price is
+  NVLink traffic: the reduce-scatter carries `gpus_per_node` times the rows (the
+  non-owners contribute zeros).
 - `Generation.REPLICATED`: a data-parallel copy on every device (small tables); its
   gradient is all-reduced.
 
@@ -352,8 +355,8 @@ def lookup(table: jax.Array, ids: jax.Array, num_rows: int, placement: TablePlac
 
 
 def bind_tables(model: nnx.Module, placements: dict[str, TablePlacement]) -> None:
-    """Gives every embedding table of `model` (modules with a `placement` attribute and an
-    `embedding` parameter) its placement, by module path ("embed/item", "embed/user/0")."""
+    """Sets `placement` on the embedding tables of `model` named by `placements` (module
+    paths such as "embed/item", "embed/user/0"), so that their lookups run sharded."""
     for path, module in nnx.iter_modules(model):
         key = "/".join(str(p) for p in path)
         if key in placements:

@@ -40,7 +40,7 @@ from gem_jax.model.gem import GEMModel  # noqa: E402
 from gem_jax.parallel import context  # noqa: E402
 from gem_jax.parallel.batch import BatchPlacement  # noqa: E402
 from gem_jax.parallel.embeddings import Generation, OutOfRange, TableSharding, lookup, place_table  # noqa: E402
-from gem_jax.parallel.mesh import MESH_AXES, Topology, make_mesh  # noqa: E402
+from gem_jax.parallel.mesh import Topology, make_mesh  # noqa: E402
 from gem_jax.parallel.rules import HSDP_RULES, ShardingRules, plan_sharding, spec_from_axes  # noqa: E402
 from gem_jax.parallel.spmd import gather_param, live_axes, param_roles  # noqa: E402
 from gem_jax.train import metrics  # noqa: E402
