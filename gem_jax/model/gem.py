@@ -61,6 +61,12 @@ class GEMModel(nnx.Module):
         self.spec = spec
         self.num_tokens = NUM_BASE_TOKENS + config.num_pooled_queries
         self.embed = FeatureEmbeddings(spec, d, rngs=rngs)
+        # A learned embedding per feature-token slot: tells the tokens apart, and keeps a token
+        # whose features are empty (no genres, an empty history's pooled output) away from the
+        # zero vector, where RMSNorm's gradient is 1/sqrt(eps).
+        self.token_type = nnx.Param(
+            nnx.with_partitioning(nnx.initializers.normal(1.0), (None, "embed"))(rngs.params(), (self.num_tokens, d))
+        )
         self.history_context = CrossAttention(config, rngs=rngs)
         self.sequence_tower = SequenceTower(config, rngs=rngs)
         self.feature_to_history = CrossAttention(config, rngs=rngs)
@@ -73,13 +79,14 @@ class GEMModel(nnx.Module):
         dtype = jnp.dtype(self.config.compute_dtype)
         history = batch.history
         b, base = batch.batch_size, NUM_BASE_TOKENS
-        tokens = self.embed.feature_tokens(batch).astype(dtype)
+        token_type = self.token_type[...].astype(dtype)
+        tokens = self.embed.feature_tokens(batch).astype(dtype) + token_type[:base]
         x = self.embed.history(history.values).astype(dtype)
         x = self.history_context(
             x, history.offsets, history.max_seq_len, tokens.reshape(b * base, -1), uniform_offsets(b, base), base
         )
         x, pooled = self.sequence_tower(x, history.replace_values(x))
-        tokens = jnp.concatenate([tokens, pooled.astype(dtype)], axis=1)
+        tokens = jnp.concatenate([tokens, pooled.astype(dtype) + token_type[base:]], axis=1)
         f = self.num_tokens
         tokens = self.feature_to_history(
             tokens.reshape(b * f, -1), uniform_offsets(b, f), f, x, history.offsets, history.max_seq_len

@@ -130,3 +130,17 @@ def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
     out = np.asarray(fp8_block(x, history, positions))[:20]
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert 0 < rel < 0.05  # E4M3 keeps 3 mantissa bits: a few percent per block, and not zero
+
+
+def test_gradient_norms_bounded_at_init_with_empty_features(split_model):
+    """No genres and empty histories give no zero feature token (RMSNorm's 1/sqrt(eps) gradient)."""
+    graphdef, params = split_model
+    batch = make_batch(np.random.default_rng(), [0, 0, 7], capacity=16)
+    batch = Batch(
+        history=batch.history, user=batch.user, candidate_item=batch.candidate_item,
+        candidate_genres=jnp.zeros_like(batch.candidate_genres), labels=batch.labels, weights=batch.weights,
+    )
+    grads = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(batch).sum()))(params)
+    norms = {jax.tree_util.keystr(path): float(jnp.linalg.norm(g)) for path, g in jax.tree_util.tree_leaves_with_path(grads)}
+    worst = max(norms, key=norms.get)
+    assert norms[worst] < 100.0, (worst, norms[worst])
