@@ -20,6 +20,9 @@ from pallas_kernels.jagged_layout import from_padded, to_padded
 class Activation(enum.StrEnum):
     GELU = "gelu"  # tanh approximation (Hendrycks & Gimpel, 2016)
     GELU_ERF = "gelu_erf"  # exact erf form
+    # Degree-6 Maclaurin polynomial of gelu_erf; matches GELU only for small |x|
+    # (see `pallas_kernels.gdpa.activations`).
+    GELU_POLY6 = "gelu_poly6"
     SILU = "silu"
     RELU = "relu"
     NONE = "none"  # linear attention
@@ -38,10 +41,18 @@ def activation_fn(activation: str | Activation):
     return {
         Activation.GELU: lambda x: jax.nn.gelu(x, approximate=True),
         Activation.GELU_ERF: lambda x: jax.nn.gelu(x, approximate=False),
+        Activation.GELU_POLY6: _gelu_poly6,
         Activation.SILU: jax.nn.silu,
         Activation.RELU: jax.nn.relu,
         Activation.NONE: lambda x: x,
     }[activation]
+
+
+def _gelu_poly6(x):
+    """x/2 + x^2 (c2 + x^2 (c4 + x^2 c6)): the degree-6 Maclaurin polynomial of erf GELU."""
+    c2 = 1.0 / math.sqrt(2.0 * math.pi)
+    x2 = x * x
+    return 0.5 * x + x2 * (c2 + x2 * (-c2 / 6.0 + x2 * (c2 / 40.0)))
 
 
 def gdpa_padded(q, k, v, q_lengths, kv_lengths, *, activation, scale: float):

@@ -1,0 +1,287 @@
+"""GDPA on Hopper: the Mosaic GPU forward and backward passes behind one `jax.custom_vjp`.
+
+`gdpa` here has the semantics of `pallas_kernels.gdpa.reference.gdpa` (see
+`pallas_kernels.gdpa.ops.gdpa` for the full contract). Each pass is an
+instance of the tile engine (`engine.py`) over a work list built on the device
+(`schedule.py`); the residuals are just the inputs (no softmax statistics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gdpa import backward, config, engine, forward, schedule
+from pallas_kernels.gdpa.reference import Activation
+
+INTERPRET_NUM_CTAS = 3  # persistent CTAs under the CPU simulator (exercises the zigzag)
+DEFAULT_NUM_CTAS = 132  # H100 / H200 SXM
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """The static arguments of one GDPA call."""
+
+    max_seq_len_q: int
+    max_seq_len_kv: int
+    activation: Activation
+    scale: float
+    broadcast_q: bool
+
+
+def gdpa(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offsets: jax.Array | None,
+    kv_offsets: jax.Array,
+    *,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+    activation: str | Activation = Activation.GELU,
+    scale: float | None = None,
+    broadcast_q: bool = False,
+) -> jax.Array:
+    """`act((Q_b K_b^T) * scale) V_b` per sequence with the Mosaic GPU kernels (differentiable).
+
+    Same arguments and result as `pallas_kernels.gdpa.ops.gdpa`. Sequence lengths
+    must not exceed `max_seq_len_q` / `max_seq_len_kv` (keys past the maximum are
+    ignored). Rows of neighbouring sequences may be read by boundary tiles and
+    are masked out, so they must be finite; slack rows past `offsets[-1]` may
+    hold anything.
+
+    Raises:
+      ValueError: dtype other than bfloat16/float16, head dim not a multiple of 64,
+        or mismatched shapes.
+    """
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"pallas GDPA needs bfloat16 or float16 q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    head_dim = q.shape[-1]
+    if head_dim % 64:
+        raise ValueError(f"pallas GDPA needs a head dim that is a multiple of 64; got {head_dim}")
+    if max_seq_len_q < 1 or max_seq_len_kv < 1:
+        raise ValueError(f"max_seq_len_q and max_seq_len_kv must be positive; got {max_seq_len_q}, {max_seq_len_kv}")
+    static = Static(
+        max_seq_len_q=int(q.shape[0]) if broadcast_q else int(max_seq_len_q),
+        max_seq_len_kv=int(max_seq_len_kv),
+        activation=Activation(activation),
+        scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
+        broadcast_q=bool(broadcast_q),
+    )
+    kv_offsets = kv_offsets.astype(jnp.int32)
+    q_offsets = jnp.zeros((1,), jnp.int32) if broadcast_q else q_offsets.astype(jnp.int32)
+    return _gdpa(q, k, v, q_offsets, kv_offsets, static)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gdpa(q, k, v, q_offsets, kv_offsets, static: Static):
+    return _forward(q, k, v, q_offsets, kv_offsets, static)
+
+
+def _gdpa_fwd(q, k, v, q_offsets, kv_offsets, static: Static):
+    return _forward(q, k, v, q_offsets, kv_offsets, static), (q, k, v, q_offsets, kv_offsets)
+
+
+def _gdpa_bwd(static: Static, residuals, d_out):
+    q, k, v, q_offsets, kv_offsets = residuals
+    d_out = d_out.astype(q.dtype)
+    dq = _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static)
+    dk, dv = _backward_dkv(q, k, v, d_out, q_offsets, kv_offsets, static)
+    return dq, dk, dv, None, None
+
+
+_gdpa.defvjp(_gdpa_fwd, _gdpa_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sequences:
+    """Per-sequence rows of the query and output sides, and of the key side (int32 [B])."""
+
+    q_start: jax.Array  # first row of the sequence in q (0 for broadcast queries)
+    q_len: jax.Array
+    q_end: jax.Array  # first slack row of q
+    out_start: jax.Array  # first row of the sequence in the output (and in its cotangent)
+    out_end: jax.Array  # first slack row of the output
+    out_rows: int  # static rows of the output
+    kv_start: jax.Array
+    kv_len: jax.Array
+    kv_end: jax.Array
+
+    @classmethod
+    def of(cls, q, q_offsets, kv_offsets, static: Static) -> _Sequences:
+        batch = kv_offsets.shape[0] - 1
+        kv_start = kv_offsets[:-1]
+        kv_len = jnp.maximum(kv_offsets[1:] - kv_start, 0)
+        if static.broadcast_q:
+            lq = q.shape[0]
+            out_start = jnp.arange(batch, dtype=jnp.int32) * lq
+            return cls(
+                q_start=jnp.zeros((batch,), jnp.int32),
+                q_len=jnp.full((batch,), lq, jnp.int32),
+                q_end=jnp.int32(lq),
+                out_start=out_start,
+                out_end=jnp.int32(batch * lq),
+                out_rows=batch * lq,
+                kv_start=kv_start,
+                kv_len=kv_len,
+                kv_end=kv_offsets[-1],
+            )
+        q_start = q_offsets[:-1]
+        return cls(
+            q_start=q_start,
+            q_len=jnp.maximum(q_offsets[1:] - q_start, 0),
+            q_end=q_offsets[-1],
+            out_start=q_start,
+            out_end=q_offsets[-1],
+            out_rows=q.shape[0],
+            kv_start=kv_start,
+            kv_len=kv_len,
+            kv_end=kv_offsets[-1],
+        )
+
+
+def _num_ctas() -> int:
+    if engine.interpreting():
+        return INTERPRET_NUM_CTAS
+    return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_NUM_CTAS)
+
+
+def _append(per_seq: jax.Array, slack) -> jax.Array:
+    return jnp.concatenate([per_seq.astype(jnp.int32), jnp.asarray(slack, jnp.int32).reshape(1)])
+
+
+def _at_least_rows(x: jax.Array, rows: int) -> jax.Array:
+    """`x` with zero rows appended up to `rows` (TMA windows have static sizes)."""
+    if x.shape[0] >= rows:
+        return x
+    return jnp.concatenate([x, jnp.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)])
+
+
+def _run(
+    spec: engine.EngineSpec,
+    *,
+    rows: list[jax.Array],
+    row_starts: list[jax.Array],
+    row_len: jax.Array,
+    row_end: jax.Array,
+    cols: list[jax.Array],
+    col_starts: list[jax.Array],
+    col_ends: list[jax.Array],
+    col_len: jax.Array,
+    out_start: jax.Array,
+    out_rows: int,
+    max_rows: int,
+    max_cols: int,
+) -> list[jax.Array]:
+    """Builds the work list and runs one engine pass; returns outputs `[out_rows, H, D]`.
+
+    `row_end` is the first output row past the real data; rows `[row_end, out_rows)`
+    form the slack pseudo-sequence, which gets zeros.
+    """
+    _, heads, head_dim = rows[0].shape
+    cfg = config.choose(
+        max_rows=max_rows,
+        max_cols=max_cols,
+        head_dim=head_dim,
+        itemsize=rows[0].dtype.itemsize,
+        n_row_inputs=len(rows),
+        n_col_inputs=len(cols),
+        num_ctas=_num_ctas(),
+    )
+    block = cfg.block_cols
+    padded_out_rows = max(out_rows, cfg.rows_per_tile)
+    starts = [_append(s, row_end) for s in row_starts]
+    starts += [_append(s, 0) for s in col_starts]
+    starts.append(_append(out_start, row_end))
+    starts += [jnp.full((out_start.shape[0] + 1,), e, jnp.int32) for e in col_ends]
+    plan = schedule.build(
+        _append(row_len, out_rows - row_end),
+        _append(jnp.minimum(col_len, max_cols), 0),
+        jnp.stack(starts, axis=1),
+        out_rows=padded_out_rows,
+        heads=heads,
+        rows_per_tile=cfg.rows_per_tile,
+        tiles_per_item=cfg.row_tiles_per_item,
+        block_cols=block,
+        num_ctas=cfg.num_ctas,
+    )
+    outs = engine.run(
+        spec,
+        cfg,
+        plan,
+        [_at_least_rows(x, cfg.rows_per_tile) for x in rows],
+        [_at_least_rows(x, block) for x in cols],
+        [schedule.tail_window(x, e, block) for x, e in zip(cols, col_ends)],
+        out_rows=padded_out_rows,
+    )
+    if cfg.split is config.Split.COLS:
+        outs = [(o[0].astype(jnp.float32) + o[1].astype(jnp.float32)).astype(o.dtype) for o in outs]
+    return [o[:out_rows] for o in outs]
+
+
+def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
+    seqs = _Sequences.of(q, q_offsets, kv_offsets, static)
+    (out,) = _run(
+        forward.spec(static.activation, static.scale, q.dtype),
+        rows=[q],
+        row_starts=[seqs.q_start],
+        row_len=seqs.q_len,
+        row_end=seqs.out_end,
+        cols=[k, v],
+        col_starts=[seqs.kv_start, seqs.kv_start],
+        col_ends=[seqs.kv_end, seqs.kv_end],
+        col_len=seqs.kv_len,
+        out_start=seqs.out_start,
+        out_rows=seqs.out_rows,
+        max_rows=static.max_seq_len_q,
+        max_cols=static.max_seq_len_kv,
+    )
+    return out
+
+
+def _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
+    seqs = _Sequences.of(q, q_offsets, kv_offsets, static)
+    (dq,) = _run(
+        backward.dq_spec(static.activation, static.scale, q.dtype),
+        rows=[q, d_out],
+        row_starts=[seqs.q_start, seqs.out_start],
+        row_len=seqs.q_len,
+        row_end=seqs.out_end,
+        cols=[k, v],
+        col_starts=[seqs.kv_start, seqs.kv_start],
+        col_ends=[seqs.kv_end, seqs.kv_end],
+        col_len=seqs.kv_len,
+        out_start=seqs.out_start,
+        out_rows=seqs.out_rows,
+        max_rows=static.max_seq_len_q,
+        max_cols=static.max_seq_len_kv,
+    )
+    if static.broadcast_q:
+        # One partial dQ per sequence (rows b * Lq ...): the shared queries get their sum.
+        batch = kv_offsets.shape[0] - 1
+        dq = dq.reshape((batch,) + q.shape).astype(jnp.float32).sum(axis=0).astype(q.dtype)
+    return dq
+
+
+def _backward_dkv(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
+    seqs = _Sequences.of(q, q_offsets, kv_offsets, static)
+    dk, dv = _run(
+        backward.dkv_spec(static.activation, static.scale, q.dtype),
+        rows=[k, v],
+        row_starts=[seqs.kv_start, seqs.kv_start],
+        row_len=seqs.kv_len,
+        row_end=seqs.kv_end,
+        cols=[q, d_out],
+        col_starts=[seqs.q_start, seqs.out_start],
+        col_ends=[seqs.q_end, seqs.out_end],
+        col_len=seqs.q_len,
+        out_start=seqs.kv_start,
+        out_rows=k.shape[0],
+        max_rows=static.max_seq_len_kv,
+        max_cols=static.max_seq_len_q,
+    )
+    return dk, dv

@@ -1,0 +1,134 @@
+"""GDPA work list, built on the device: non-empty items only, sorted by work, dealt in a zigzag.
+
+A work item is `(sequence b, head h, row tiles [t0, t1))` of one engine call
+(row tiles of `rows_per_tile` rows aligned to the sequence start, at most
+`row_tiles_per_item` per item, so resident columns are loaded once per item).
+Sequences without rows give no item. Output rows past the real data (slack)
+form one extra pseudo-sequence with no columns, whose items write zeros, so
+every output row is written exactly once.
+
+The list has a static bound, so no host sync is needed under jit:
+
+    items per head <= sum_b ceil(L_b / (R K)) <= (T + (B + 1) (R K - 1)) // (R K)
+
+with T the output rows, R the rows per tile and K the tiles per item. Items are
+sorted by `row tiles x (column steps + 1)`, heaviest first (ties keep sequence
+order), and dealt to the persistent CTAs in a zigzag: round r gives sorted item
+`r C + c` to CTA c when r is even and to CTA `C - 1 - c` when r is odd, so every
+CTA gets one of the heaviest and one of the lightest items of each pair of
+rounds. Unused slots hold an empty item (t0 = t1).
+
+Source: GEM engineering description (Meta, 2025), GDPA tile scheduling; the
+sorted zigzag dealing follows `precompute_for_varline_load_balancing` in
+facebookresearch/ads_model_kernel_library (gdpa/src/interface.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Columns of a schedule record.
+F_SEQ, F_HEAD, F_T0, F_T1 = range(4)
+NUM_FIELDS = 4
+# Columns of the per-sequence table; operand start rows follow.
+S_ROW_LEN, S_COL_LEN = 0, 1
+S_STARTS = 2
+
+
+class Plan(NamedTuple):
+    """Device-side work list of one engine call (all int32).
+
+    sched: `[C, S, NUM_FIELDS]` the items of CTA c, in the order it runs them.
+    seqs:  `[B + 1, S_STARTS + n_starts]` per sequence (the last is the slack):
+      row length, column length, then the start row of each operand.
+    """
+
+    sched: jax.Array
+    seqs: jax.Array
+
+
+def items_per_head_bound(out_rows: int, batch: int, rows_per_item: int) -> int:
+    """Static bound on the items of one head (see the module docstring)."""
+    return max(1, (out_rows + (batch + 1) * (rows_per_item - 1)) // rows_per_item)
+
+
+def build(
+    row_lens: jax.Array,
+    col_lens: jax.Array,
+    starts: jax.Array,
+    *,
+    out_rows: int,
+    heads: int,
+    rows_per_tile: int,
+    tiles_per_item: int,
+    block_cols: int,
+    num_ctas: int,
+) -> Plan:
+    """Sorted, zigzag-dealt work list.
+
+    Args:
+      row_lens, col_lens: int32 `[B + 1]` rows and columns of each sequence; the
+        last entry is the slack pseudo-sequence (its rows, no columns).
+      starts: int32 `[B + 1, n]` start row of each operand in each sequence.
+      out_rows: static T, the sum of `row_lens` at most (output capacity).
+      heads: H.
+      rows_per_tile, tiles_per_item, block_cols: tile geometry.
+      num_ctas: persistent CTAs C.
+
+    Returns:
+      A `Plan`.
+    """
+    row_lens = row_lens.astype(jnp.int32)
+    col_lens = col_lens.astype(jnp.int32)
+    n_seq = row_lens.shape[0]
+    rows_per_item = rows_per_tile * tiles_per_item
+    per_head = items_per_head_bound(out_rows, n_seq - 1, rows_per_item)
+
+    tiles = -(-row_lens // rows_per_tile)
+    items = -(-tiles // tiles_per_item)
+    last = jnp.cumsum(items)  # inclusive
+    total = last[-1]
+    i = jnp.arange(per_head, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(last, i, side="right"), 0, n_seq - 1).astype(jnp.int32)
+    t0 = (i - (last[seq] - items[seq])) * tiles_per_item
+    t1 = jnp.minimum(t0 + tiles_per_item, tiles[seq])
+    live = i < total
+    t0 = jnp.where(live, t0, 0)
+    t1 = jnp.where(live, t1, 0)
+    col_steps = -(-col_lens[seq] // block_cols)
+    work = jnp.where(live, (t1 - t0) * (col_steps + 1), -1)
+
+    # Items of all heads: item (i, h) -> index i * H + h.
+    n_items = per_head * heads
+    head = jnp.tile(jnp.arange(heads, dtype=jnp.int32), per_head)
+    rep = lambda x: jnp.repeat(x, heads)
+    records = jnp.stack([rep(seq), head, rep(t0), rep(t1)], axis=1)
+    order = jnp.argsort(-rep(work), stable=True)
+
+    slots = -(-n_items // num_ctas)
+    r = jnp.arange(slots, dtype=jnp.int32)[None, :]
+    c = jnp.arange(num_ctas, dtype=jnp.int32)[:, None]
+    position = r * num_ctas + jnp.where(r % 2 == 0, c, num_ctas - 1 - c)
+    in_list = position < n_items
+    picked = records[order[jnp.minimum(position, n_items - 1)]]
+    sched = jnp.where(in_list[..., None], picked, 0)
+
+    seqs = jnp.concatenate([row_lens[:, None], col_lens[:, None], starts.astype(jnp.int32)], axis=1)
+    return Plan(sched=sched.astype(jnp.int32), seqs=seqs)
+
+
+def tail_window(x: jax.Array, end: jax.Array, block: int) -> jax.Array:
+    """Rows `[end - block, end + block)` of `x [T, ...]`, zero outside `[0, end)`.
+
+    A column window of `block` rows that starts before `end` (the first slack
+    row) and runs past it is read from this copy, so slack rows (which may hold
+    anything, NaN included) never enter a matrix product.
+    """
+    rows = end - block + jnp.arange(2 * block, dtype=jnp.int32)
+    valid = (rows >= 0) & (rows < end)
+    gathered = x[jnp.clip(rows, 0, x.shape[0] - 1)]
+    mask = valid.reshape((2 * block,) + (1,) * (x.ndim - 1))
+    return jnp.where(mask, gathered, jnp.zeros((), x.dtype))

@@ -1,0 +1,226 @@
+"""GDPA Mosaic GPU kernels vs the jnp reference, in the Mosaic GPU interpreter on CPU.
+
+Every test draws fresh random inputs, poisons slack rows (and the output
+cotangent's slack rows) with NaN, and checks forward and gradients on the real
+rows, zeros on the slack rows, and no NaN anywhere.
+"""
+
+import math
+import os
+
+# The interpreter blocks XLA:CPU intra-op threads in its barrier callbacks; with
+# the default pool (one thread per core) a 2-core machine can run out of threads
+# and hang. The pool size is read when the CPU client is created.
+os.environ.setdefault("PJRT_NPROC", "8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gdpa import activations, config, kernel, ops, reference, schedule
+from pallas_kernels.gdpa.reference import Activation
+
+HEAD_DIM = 64
+
+
+@pytest.fixture(autouse=True)
+def gpu_interpreter():
+    """Runs the kernels in the Mosaic GPU interpreter."""
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        yield
+
+
+def _offsets(lengths):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def _rows(key, lengths, slack, heads):
+    """bf16 `[sum + slack, H, D]` normal rows, slack rows NaN."""
+    total = int(sum(lengths))
+    x = jax.random.normal(key, (total + slack, heads, HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
+    return x.at[total:].set(jnp.nan)
+
+
+def _batch(seed, q_lens, kv_lens, *, heads=2, q_slack=5, kv_slack=3, lq=None):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    q = _rows(kq, [lq] if lq else q_lens, 0 if lq else q_slack, heads)
+    k = _rows(kk, kv_lens, kv_slack, heads)
+    v = _rows(kv, kv_lens, kv_slack, heads)
+    out_lens = [lq] * len(kv_lens) if lq else q_lens
+    d_out = _rows(kd, out_lens, 0 if lq else q_slack, heads)
+    return q, k, v, d_out
+
+
+def _forward_and_grads(impl, q, k, v, d_out, q_offsets, kv_offsets, **kw):
+    def f(q, k, v):
+        return ops.gdpa(q, k, v, q_offsets, kv_offsets, implementation=impl, **kw)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out, *vjp(d_out))
+
+
+def _check(name, got, want, real_rows):
+    got = np.asarray(got.astype(jnp.float32))
+    want = np.asarray(want.astype(jnp.float32))
+    assert not np.isnan(got).any(), f"{name}: NaN in kernel result"
+    scale = max(1.0, float(np.abs(want[:real_rows]).max(initial=0.0)))
+    np.testing.assert_allclose(got[:real_rows], want[:real_rows], atol=2e-2 * scale, rtol=2e-2, err_msg=name)
+    np.testing.assert_array_equal(got[real_rows:], 0.0, err_msg=f"{name}: slack rows not zero")
+
+
+def _compare(q, k, v, d_out, q_lens, kv_lens, *, broadcast_q=False, **kw):
+    q_offsets = None if broadcast_q else _offsets(q_lens)
+    kv_offsets = _offsets(kv_lens)
+    args = (q, k, v, d_out, q_offsets, kv_offsets)
+    got = jax.jit(lambda *a: _forward_and_grads("pallas", *a, broadcast_q=broadcast_q, **kw))(*args)
+    want = _forward_and_grads("xla", *args, broadcast_q=broadcast_q, **kw)
+    out_rows = len(kv_lens) * q.shape[0] if broadcast_q else sum(q_lens)
+    q_rows = q.shape[0] if broadcast_q else sum(q_lens)
+    for name, g, w, n in zip(("out", "dq", "dk", "dv"), got, want, (out_rows, q_rows, sum(kv_lens), sum(kv_lens))):
+        _check(name, g, w, n)
+    return got
+
+
+# Lengths: empty query and empty key sequences, lengths off the tile sizes, a
+# query sequence over one 128-row tile, Lq != Lkv throughout.
+Q_LENS = [70, 0, 130, 5, 64, 9]
+KV_LENS = [40, 17, 0, 64, 33, 1]
+
+
+@pytest.mark.parametrize("activation", [a.value for a in Activation])
+def test_forward_and_gradients_match_reference(activation):
+    seed = 1 + [a.value for a in Activation].index(activation)
+    q, k, v, d_out = _batch(seed, Q_LENS, KV_LENS)
+    scale = 0.05 if activation == Activation.GELU_POLY6 else None  # keeps |x| in the polynomial's range
+    _compare(q, k, v, d_out, Q_LENS, KV_LENS, max_seq_len_q=160, max_seq_len_kv=64, activation=activation, scale=scale)
+
+
+def test_streamed_long_keys_and_resident_queries(monkeypatch):
+    """Keys longer than the column ring (streamed per row tile) and a short-query dK/dV pass."""
+    real_choose = config.choose
+    monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**kw, block_cols=64))
+    q_lens, kv_lens = [150, 3, 0, 47], [200, 0, 131, 64]
+    q, k, v, d_out = _batch(11, q_lens, kv_lens, heads=1)
+    _compare(q, k, v, d_out, q_lens, kv_lens, max_seq_len_q=160, max_seq_len_kv=320, activation="silu", scale=0.1)
+
+
+def test_broadcast_queries_pooled_attention(monkeypatch):
+    """Dense learned queries shared by every sequence (pooled attention); dQ sums over sequences.
+
+    32 queries split the key steps between the two warpgroups; 64-key blocks
+    make the keys stream.
+    """
+    real_choose = config.choose
+    monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**kw, block_cols=64))
+    kv_lens = [100, 0, 7, 64, 300]
+    q, k, v, d_out = _batch(21, None, kv_lens, lq=32)
+    _compare(q, k, v, d_out, None, kv_lens, broadcast_q=True, max_seq_len_q=32, max_seq_len_kv=320, activation="gelu")
+
+
+def test_zero_length_sequences_give_zero_output_and_gradients():
+    q_lens, kv_lens = [0, 30, 0, 12], [5, 0, 0, 0]  # every query sequence has no keys, or no queries
+    q, k, v, d_out = _batch(31, q_lens, kv_lens, heads=1)
+    out, dq, dk, dv = _compare(q, k, v, d_out, q_lens, kv_lens, max_seq_len_q=64, max_seq_len_kv=64)
+    for x in (out, dq, dk, dv):
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), 0.0)
+
+
+def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
+    row_lens = jnp.array([300, 0, 5, 129, 7], jnp.int32)  # last entry: slack rows
+    col_lens = jnp.array([10, 40, 0, 200, 0], jnp.int32)
+    starts = jnp.zeros((5, 1), jnp.int32)
+    plan = schedule.build(
+        row_lens,
+        col_lens,
+        starts,
+        out_rows=441,
+        heads=2,
+        rows_per_tile=128,
+        tiles_per_item=2,
+        block_cols=64,
+        num_ctas=3,
+    )
+    sched = np.asarray(plan.sched)
+    items = [tuple(r) for r in sched.reshape(-1, 4) if r[3] > r[2]]
+    # Sequence 0: 3 tiles in items of <= 2; sequence 2: 1; sequence 3: 2; slack: 1; per head.
+    expected = {(s, h, t0, t1) for h in (0, 1) for s, t0, t1 in [(0, 0, 2), (0, 2, 3), (2, 0, 1), (3, 0, 2), (4, 0, 1)]}
+    assert sorted(items) == sorted(expected)
+    work = lambda r: (r[3] - r[2]) * (-(-int(col_lens[r[0]]) // 64) + 1)
+    # Round r of the deal is sorted item r*C + c; odd rounds run backwards over the CTAs.
+    dealt = [sched[c if r % 2 == 0 else 2 - c, r] for r in range(sched.shape[1]) for c in range(3)]
+    live = [work(r) for r in dealt if r[3] > r[2]]
+    assert live == sorted(live, reverse=True)
+    assert all(r[3] == r[2] for r in dealt[len(live) :])
+
+
+def test_tail_window_zeroes_rows_past_the_end():
+    x = jnp.arange(10, dtype=jnp.float32)[:, None] + 1
+    x = x.at[6:].set(jnp.nan)
+    tail = np.asarray(schedule.tail_window(x, jnp.int32(6), 4))[:, 0]
+    np.testing.assert_array_equal(tail, [3, 4, 5, 6, 0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("at, max_error", [(1.0, 1.2e-3), (1.5, 2.6e-2), (2.0, 0.23)])
+def test_poly6_gelu_error_against_exact_gelu(at, max_error):
+    x = jnp.linspace(-at, at, 4001, dtype=jnp.float32)
+    err = jnp.abs(activations.value(Activation.GELU_POLY6, x) - jax.nn.gelu(x, approximate=False))
+    assert float(err.max()) <= max_error
+    assert float(err.max()) >= 0.5 * max_error  # the bound is tight: the error grows with |x|
+    np.testing.assert_allclose(activations.value(Activation.GELU_POLY6, x), reference.activation_fn("gelu_poly6")(x), rtol=1e-6, atol=1e-6)
+
+
+def test_qk_norm_bound_of_the_scores():
+    d, scale = 128, 1.0 / 128
+    q = jax.random.normal(jax.random.key(0), (256, d))
+    k = jax.random.normal(jax.random.key(1), (256, d))
+    rms = lambda x: x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+    scores = scale * rms(q) @ rms(k).T
+    bound = activations.qk_norm_score_bound(d, scale)
+    assert bound == pytest.approx(1.0)
+    assert float(jnp.abs(scores).max()) <= bound
+    assert float(jnp.abs(scale * rms(q) @ rms(q).T).max()) == pytest.approx(bound, rel=1e-4)  # reached by q.q
+    assert bound <= activations.POLY6_INPUT_BOUND
+    assert activations.qk_norm_score_bound(d, 1.0 / math.sqrt(d)) > activations.POLY6_INPUT_BOUND
+
+
+def test_activation_derivatives_match_autodiff():
+    x = jnp.linspace(-4.0, 4.0, 801, dtype=jnp.float32)
+    g = jax.random.normal(jax.random.key(3), x.shape)
+    for activation in Activation:
+        value, vjp = activations.value_and_vjp(activation, x, g)
+        want_value, want_vjp = jax.vjp(reference.activation_fn(activation), x)
+        np.testing.assert_allclose(value, want_value, rtol=1e-5, atol=1e-6, err_msg=activation)
+        np.testing.assert_allclose(vjp, want_vjp(g)[0], rtol=1e-4, atol=1e-5, err_msg=activation)
+
+
+def test_bad_inputs_raise_clear_errors():
+    offsets = _offsets([4])
+    x = jnp.zeros((4, 1, HEAD_DIM), jnp.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        kernel.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
+    y = jnp.zeros((4, 1, 96), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kernel.gdpa(y, y, y, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
+    with pytest.raises(ValueError, match="unknown activation"):
+        ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4, activation="tanh", implementation="pallas")
+
+
+def test_kernels_lower_for_hopper():
+    """All three passes lower through Mosaic GPU (layouts, TMA shapes) at benchmark-like shapes."""
+    batch, lq, lkv, heads, d = 2, 256, 64, 4, 128
+    q_offsets = jnp.arange(batch + 1, dtype=jnp.int32) * lq
+    kv_offsets = jnp.arange(batch + 1, dtype=jnp.int32) * lkv
+    q = jax.ShapeDtypeStruct((batch * lq, heads, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch * lkv, heads, d), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v):
+        f = lambda q, k, v: kernel.gdpa(q, k, v, q_offsets, kv_offsets, max_seq_len_q=lq, max_seq_len_kv=lkv)
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(out)
+
+    with plgpu.force_gpu_interpret_mode(None):
+        lowered = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("mosaic_gpu") >= 3
