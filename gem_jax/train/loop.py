@@ -18,6 +18,7 @@ from gem_jax.data.pipeline import Dataset, load_dataset
 from gem_jax.data.workload import Workload, load_imbalance, padding_waste, shard_loads
 from gem_jax.model.gem import GEMModel
 from gem_jax.parallel.batch import BatchPlacement
+from gem_jax.parallel.embeddings import check_lookup_stats
 from gem_jax.parallel.mesh import make_mesh
 from gem_jax.train import flops as flops_lib
 from gem_jax.train.baseline import item_mean_label_auc
@@ -125,6 +126,9 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
             )
             if not all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in fetched):
                 raise NonFiniteLossError(f"non-finite loss or gradient norm in steps {done - len(fetched) + 1}..{done}")
+            for offset, step_metrics in enumerate(fetched):
+                check_lookup_stats(step_metrics, setup.plan.tables, where=f"train step {done - len(fetched) + offset + 1}")
+            record.update(_lookup_counters(fetched))
             logger.log(done, "train", record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
             tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4g}" for k, v in record.items()))
@@ -164,8 +168,14 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
     return summary
 
 
+def _lookup_counters(window: list[dict]) -> dict[str, int]:
+    """The embedding lookups' `<table>/overflow` and `<table>/out_of_range` counts, summed over the window."""
+    keys = [k for k in window[0] if k.endswith(("/overflow", "/out_of_range"))]
+    return {k: int(sum(int(m[k]) for m in window)) for k in keys}
+
+
 def _train_record(window: list[dict], task_names, elapsed: float, flops: float, examples: int, peak: float | None) -> dict:
-    mean = {k: np.mean([np.asarray(m[k]) for m in window], axis=0) for k in window[0]}
+    mean = {k: np.mean([np.asarray(m[k]) for m in window], axis=0) for k in ("loss", "grad_norm", "bce", "ne")}
     record = {"loss": float(mean["loss"]), "grad_norm": float(mean["grad_norm"])}
     for k, name in enumerate(task_names):
         record[f"bce_{name}"] = float(mean["bce"][k])

@@ -35,7 +35,7 @@ def make_train_step(setup: StateSetup, optimizer: optax.GradientTransformation, 
             "loss": loss,
             "bce": bce,
             "ne": metrics.normalized_entropy(bce, base_rate),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             **stats,
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), out
