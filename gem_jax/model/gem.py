@@ -65,7 +65,7 @@ class GEMModel(nnx.Module):
         # whose features are empty (no genres, an empty history's pooled output) away from the
         # zero vector, where RMSNorm's gradient is 1/sqrt(eps).
         self.token_type = nnx.Param(
-            nnx.with_partitioning(nnx.initializers.normal(1.0), (None, "embed"))(rngs.params(), (self.num_tokens, d))
+            nnx.with_partitioning(nnx.initializers.normal(d**-0.5), (None, "embed"))(rngs.params(), (self.num_tokens, d))
         )
         self.history_context = CrossAttention(config, rngs=rngs)
         self.sequence_tower = SequenceTower(config, rngs=rngs)
