@@ -1,0 +1,297 @@
+"""GDPA on one GPU: the Mosaic GPU kernels beside XLA's compiled jnp GDPA and cuDNN softmax attention.
+
+Shapes (H = 4, D = 128, bf16): the three of ../shared/BASELINES.md (cross
+256x1024x64, pooled 256x32x1024 with shared learned queries, self 128x512x512)
+and a jagged production-like batch (B = 1024, query lengths uniform in
+[0, 1000] so about half of a padded batch is empty, 256 keys per sequence).
+
+Reports forward, forward+backward and (their difference) backward times, in
+TFLOP/s of real work (forward 4 * sum_b Lq_b Lkv_b * H * D; backward 2.5x, for
+its five products against the forward's two) and as a fraction of a bf16 GEMM
+(8192^3 jnp.dot) timed in the same run. Also checks the kernels against the
+float32 reference on every shape and on a small jagged batch with NaN slack.
+
+    PYTHONPATH=. python3 benchmarks/gdpa_bench.py --out benchmarks/results/gdpa_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gdpa import config, ops
+
+H, D = 4, 128
+DTYPE = jnp.bfloat16
+
+
+def timed(f, *args, iters: int = 5, reps: int = 3) -> float:
+    """Median seconds per call (after a compile-and-warm-up call)."""
+    jax.block_until_ready(f(*args))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def gemm_ceiling() -> dict:
+    n = 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), DTYPE)
+    b = jax.random.normal(jax.random.key(1), (n, n), DTYPE)
+    t = timed(jax.jit(lambda a, b: a @ b), a, b)
+    return {"shape": [n, n, n], "seconds": t, "tflops": 2 * n**3 / t / 1e12}
+
+
+def make_case(name: str, rng: np.random.Generator) -> dict:
+    """Inputs of one benchmark shape: jagged q/k/v, offsets, padded copies for cuDNN."""
+    if name == "cross":
+        q_lens, kv_lens, broadcast = np.full(256, 1024), np.full(256, 64), False
+    elif name == "pooled":
+        q_lens, kv_lens, broadcast = np.full(256, 32), np.full(256, 1024), True
+    elif name == "self":
+        q_lens, kv_lens, broadcast = np.full(128, 512), np.full(128, 512), False
+    elif name == "jagged":
+        q_lens, kv_lens, broadcast = rng.integers(0, 1001, 1024), np.full(1024, 256), False
+    else:
+        raise ValueError(name)
+    batch = len(kv_lens)
+    max_q, max_kv = (1000 if name == "jagged" else int(q_lens.max())), int(kv_lens.max())
+    keys = jax.random.split(jax.random.key(len(name)), 4)
+    tq = int(q_lens[0]) if broadcast else int(q_lens.sum())
+    q = jax.random.normal(keys[0], (tq, H, D), DTYPE)
+    k = jax.random.normal(keys[1], (int(kv_lens.sum()), H, D), DTYPE)
+    v = jax.random.normal(keys[2], (int(kv_lens.sum()), H, D), DTYPE)
+    out_rows = batch * int(q_lens[0]) if broadcast else tq
+    d_out = jax.random.normal(keys[3], (out_rows, H, D), DTYPE)
+    offsets = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    return dict(
+        name=name,
+        q=q,
+        k=k,
+        v=v,
+        d_out=d_out,
+        q_offsets=None if broadcast else offsets(q_lens),
+        kv_offsets=offsets(kv_lens),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        kw=dict(max_seq_len_q=max_q, max_seq_len_kv=max_kv, broadcast_q=broadcast),
+        fwd_flops=4.0 * float(np.sum(q_lens.astype(np.float64) * kv_lens)) * H * D,
+    )
+
+
+def gdpa_fns(case: dict, impl: str):
+    kw = dict(case["kw"], activation="gelu", implementation=impl)
+    qo, ko = case["q_offsets"], case["kv_offsets"]
+
+    def fwd(q, k, v):
+        return ops.gdpa(q, k, v, qo, ko, **kw)
+
+    def fwd_bwd(q, k, v, d_out):
+        out, vjp = jax.vjp(fwd, q, k, v)
+        return out, vjp(d_out)
+
+    return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def cudnn_fns(case: dict):
+    """cuDNN flash attention (softmax) on the padded `[B, L, H, D]` version of the same batch."""
+    batch = len(case["kv_lens"])
+    max_q = case["kw"]["max_seq_len_q"]
+    max_kv = case["kw"]["max_seq_len_kv"]
+    rng = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(rng[0], (batch, max_q, H, D), DTYPE)
+    k = jax.random.normal(rng[1], (batch, max_kv, H, D), DTYPE)
+    v = jax.random.normal(rng[2], (batch, max_kv, H, D), DTYPE)
+    d_out = jax.random.normal(rng[3], q.shape, DTYPE)
+    q_len = jnp.asarray(case["q_lens"], jnp.int32)
+    kv_len = jnp.asarray(case["kv_lens"], jnp.int32)
+    jagged = case["name"] == "jagged"
+
+    def fwd(q, k, v):
+        lens = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len) if jagged else {}
+        return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **lens)
+
+    def fwd_bwd(q, k, v, d_out):
+        out, vjp = jax.vjp(fwd, q, k, v)
+        return out, vjp(d_out)
+
+    return (jax.jit(fwd), jax.jit(fwd_bwd)), (q, k, v, d_out)
+
+
+def relative_error(got, want) -> float:
+    got = jnp.asarray(got, jnp.float32)
+    want = jnp.asarray(want, jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-6))
+
+
+def check(case: dict, ours, ref) -> dict:
+    names = ("out", "dq", "dk", "dv")
+    ours = (ours[0], *ours[1])
+    ref = (ref[0], *ref[1])
+    return {
+        n: {"rel_max_err": relative_error(a, b), "nan": bool(jnp.isnan(jnp.asarray(a, jnp.float32)).any())}
+        for n, a, b in zip(names, ours, ref)
+    }
+
+
+def run_case(case: dict, gemm_tflops: float) -> dict:
+    result = {"shape": case["name"], "batch": len(case["kv_lens"]), "heads": H, "head_dim": D}
+    result.update({k: v for k, v in case["kw"].items()})
+    result["real_q_rows"] = int(case["q_lens"].sum()) if not case["kw"]["broadcast_q"] else int(case["q_lens"].sum())
+    result["fwd_gflop"] = case["fwd_flops"] / 1e9
+    args = (case["q"], case["k"], case["v"])
+    flops = {"fwd": case["fwd_flops"], "fwd_bwd": 3.5 * case["fwd_flops"], "bwd": 2.5 * case["fwd_flops"]}
+    impls = {}
+    for impl in ("pallas", "xla"):
+        fwd, fwd_bwd = gdpa_fns(case, impl)
+        impls[impl] = (fwd, fwd_bwd)
+    (cf, cfb), cargs = cudnn_fns(case)
+    runs = {
+        "pallas": (impls["pallas"], args),
+        "xla_gelu": (impls["xla"], args),
+        "cudnn_softmax": ((cf, cfb), cargs[:3]),
+    }
+    for name, ((fwd, fwd_bwd), a) in runs.items():
+        entry = {}
+        try:
+            d_out = case["d_out"] if name != "cudnn_softmax" else cargs[3]
+            entry["fwd_ms"] = timed(fwd, *a) * 1e3
+            entry["fwd_bwd_ms"] = timed(fwd_bwd, *a, d_out) * 1e3
+            entry["bwd_ms"] = entry["fwd_bwd_ms"] - entry["fwd_ms"]
+            for part in ("fwd", "fwd_bwd", "bwd"):
+                if entry[f"{part}_ms"] <= 0:
+                    continue
+                tf = flops[part] / (entry[f"{part}_ms"] * 1e-3) / 1e12
+                entry[f"{part}_tflops"] = tf
+                entry[f"{part}_of_gemm"] = tf / gemm_tflops
+        except Exception as e:  # keep the other implementations' numbers
+            entry["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            traceback.print_exc()
+        result[name] = entry
+        print(f"  {case['name']:7s} {name:14s} {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})}", flush=True)
+    try:
+        ours = impls["pallas"][1](*args, case["d_out"])
+        ref = impls["xla"][1](*args, case["d_out"])
+        result["check_vs_reference"] = check(case, ours, ref)
+    except Exception as e:
+        result["check_vs_reference"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    print(f"  {case['name']:7s} check {result['check_vs_reference']}", flush=True)
+    for part in ("fwd", "bwd"):
+        try:
+            result[f"{part}_speedup_vs_xla"] = result["xla_gelu"][f"{part}_ms"] / result["pallas"][f"{part}_ms"]
+            result[f"{part}_speedup_vs_cudnn_softmax"] = result["cudnn_softmax"][f"{part}_ms"] / result["pallas"][f"{part}_ms"]
+        except (KeyError, ZeroDivisionError):
+            pass
+    return result
+
+
+def small_jagged_check() -> dict:
+    """Jagged batch with empty sequences, odd lengths, keys past the column ring and NaN slack rows."""
+    q_lens, kv_lens = [70, 0, 130, 5, 64, 9, 300], [40, 17, 0, 64, 33, 1, 200]
+    keys = jax.random.split(jax.random.key(3), 4)
+    tq, tkv = sum(q_lens), sum(kv_lens)
+    q = jax.random.normal(keys[0], (tq + 5, H, D), DTYPE).at[tq:].set(jnp.nan)
+    k = jax.random.normal(keys[1], (tkv + 3, H, D), DTYPE).at[tkv:].set(jnp.nan)
+    v = jax.random.normal(keys[2], (tkv + 3, H, D), DTYPE).at[tkv:].set(jnp.nan)
+    d_out = jax.random.normal(keys[3], (tq + 5, H, D), DTYPE).at[tq:].set(jnp.nan)
+    qo = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    ko = jnp.asarray(np.concatenate([[0], np.cumsum(kv_lens)]), jnp.int32)
+    results = {}
+    for act in ("gelu",):
+        got = {}
+        for impl in ("pallas", "xla"):
+            f = lambda q, k, v: ops.gdpa(q, k, v, qo, ko, max_seq_len_q=320, max_seq_len_kv=256, activation=act, implementation=impl)
+            out, vjp = jax.vjp(f, q, k, v)
+            got[impl] = (out, *vjp(d_out))
+        rows = (tq, tq, tkv, tkv)
+        results[act] = {
+            n: {
+                "rel_max_err": relative_error(a[:r], b[:r]),
+                "slack_zero": bool(jnp.all(jnp.asarray(a[r:], jnp.float32) == 0)),
+                "nan": bool(jnp.isnan(jnp.asarray(a, jnp.float32)).any()),
+            }
+            for n, a, b, r in zip(("out", "dq", "dk", "dv"), got["pallas"], got["xla"], rows)
+        }
+        print(f"  small jagged {act}: {results[act]}", flush=True)
+    return results
+
+
+def with_smem_fallback(fn):
+    """Runs `fn`; if the kernels do not fit in shared memory, retries once with a smaller budget."""
+    try:
+        return fn()
+    except Exception as e:
+        if "shared memory" not in str(e).lower() and "smem" not in str(e).lower():
+            raise
+        print(f"shared memory overflow at budget {config.SMEM_BUDGET}; retrying at 192 KiB", flush=True)
+        config.SMEM_BUDGET = 192 * 1024
+        return fn()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", default="cross,pooled,self,jagged")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="start no new shape after this many seconds")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    report = {
+        "benchmark": "gdpa",
+        "gpu": device.device_kind,
+        "sm_count": getattr(device, "core_count", None),
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "dtype": "bfloat16",
+        "activation": "gelu (tanh) for GDPA; softmax for cuDNN",
+        "timing": "median of 3 repetitions of 5 back-to-back calls, after a warm-up call",
+        "flops": "fwd = 4 sum_b Lq_b Lkv_b H D (real work only); bwd = 2.5 fwd; fwd_bwd = 3.5 fwd",
+        "smem_budget_bytes": config.SMEM_BUDGET,
+        "cases": [],
+    }
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    report["gemm_bf16"] = gemm_ceiling()
+    gemm = report["gemm_bf16"]["tflops"]
+    print(f"bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s", flush=True)
+    save()
+    try:
+        report["small_jagged_check"] = with_smem_fallback(small_jagged_check)
+        report["smem_budget_bytes"] = config.SMEM_BUDGET
+    except Exception as e:
+        report["small_jagged_check"] = {"error": f"{type(e).__name__}: {str(e)[:3000]}"}
+        traceback.print_exc()
+        save()
+        sys.exit("the kernels fail on a small batch; not benchmarking")
+    save()
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    for name in args.shapes.split(","):
+        if time.perf_counter() - start > args.budget_s:
+            print(f"skipping {name}: over the time budget", flush=True)
+            continue
+        case = make_case(name, rng)
+        print(f"{name}: fwd {case['fwd_flops'] / 1e9:.1f} GFLOP", flush=True)
+        report["cases"].append(run_case(case, gemm))
+        save()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
