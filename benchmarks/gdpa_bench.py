@@ -71,7 +71,8 @@ def make_case(name: str, rng: np.random.Generator) -> dict:
     batch = len(kv_lens)
     max_q, max_kv = (1000 if name == "jagged" else int(q_lens.max())), int(kv_lens.max())
     keys = jax.random.split(jax.random.key(len(name)), 4)
-    tq = int(q_lens[0]) if broadcast else int(q_lens.sum())
+    # A jagged batch lives in a fixed-capacity buffer: the real rows, then slack up to a multiple of 128.
+    tq = int(q_lens[0]) if broadcast else -(-int(q_lens.sum()) // 128) * 128
     q = jax.random.normal(keys[0], (tq, H, D), DTYPE)
     k = jax.random.normal(keys[1], (int(kv_lens.sum()), H, D), DTYPE)
     v = jax.random.normal(keys[2], (int(kv_lens.sum()), H, D), DTYPE)

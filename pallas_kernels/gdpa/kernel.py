@@ -18,6 +18,10 @@ import jax.numpy as jnp
 from pallas_kernels.gdpa import backward, config, engine, forward, schedule
 from pallas_kernels.gdpa.reference import Activation
 
+ROW_ALIGN = 8  # TMA row-dimension granularity (see `_tma_rows`)
+# dK/dV hold two [64, D] float32 accumulators per warpgroup; 64-column steps keep
+# the two [64, 64] score tiles beside them within the 232 registers per thread.
+DKV_BLOCK_COLS = 64
 INTERPRET_NUM_CTAS = 3  # persistent CTAs under the CPU simulator (exercises the zigzag)
 DEFAULT_NUM_CTAS = 132  # H100 / H200 SXM
 
@@ -154,9 +158,19 @@ def _append(per_seq: jax.Array, slack) -> jax.Array:
     return jnp.concatenate([per_seq.astype(jnp.int32), jnp.asarray(slack, jnp.int32).reshape(1)])
 
 
-def _at_least_rows(x: jax.Array, rows: int) -> jax.Array:
-    """`x` with zero rows appended up to `rows` (TMA windows have static sizes)."""
-    if x.shape[0] >= rows:
+def _tma_rows(rows: int, minimum: int) -> int:
+    """Rows of a TMA-addressed buffer: at least one tile, and a multiple of 8.
+
+    Mosaic GPU tiles the whole GMEM row dimension by the 8-row SMEM tiling, so
+    its size must be a multiple of 8.
+    """
+    return max(minimum, -(-rows // ROW_ALIGN) * ROW_ALIGN)
+
+
+def _padded_rows(x: jax.Array, minimum: int) -> jax.Array:
+    """`x` with zero rows appended up to `_tma_rows` (a copy only when rows are added)."""
+    rows = _tma_rows(x.shape[0], minimum)
+    if x.shape[0] == rows:
         return x
     return jnp.concatenate([x, jnp.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)])
 
@@ -176,6 +190,7 @@ def _run(
     out_rows: int,
     max_rows: int,
     max_cols: int,
+    block_cols: int | None = None,
 ) -> list[jax.Array]:
     """Builds the work list and runs one engine pass; returns outputs `[out_rows, H, D]`.
 
@@ -191,9 +206,10 @@ def _run(
         n_row_inputs=len(rows),
         n_col_inputs=len(cols),
         num_ctas=_num_ctas(),
+        block_cols=block_cols,
     )
     block = cfg.block_cols
-    padded_out_rows = max(out_rows, cfg.rows_per_tile)
+    padded_out_rows = _tma_rows(out_rows, cfg.rows_per_tile)
     starts = [_append(s, row_end) for s in row_starts]
     starts += [_append(s, 0) for s in col_starts]
     starts.append(_append(out_start, row_end))
@@ -213,14 +229,14 @@ def _run(
         spec,
         cfg,
         plan,
-        [_at_least_rows(x, cfg.rows_per_tile) for x in rows],
-        [_at_least_rows(x, block) for x in cols],
+        [_padded_rows(x, cfg.rows_per_tile) for x in rows],
+        [_padded_rows(x, block) for x in cols],
         [schedule.tail_window(x, e, block) for x, e in zip(cols, col_ends)],
         out_rows=padded_out_rows,
     )
     if cfg.split is config.Split.COLS:
         outs = [(o[0].astype(jnp.float32) + o[1].astype(jnp.float32)).astype(o.dtype) for o in outs]
-    return [o[:out_rows] for o in outs]
+    return [o if o.shape[0] == out_rows else o[:out_rows] for o in outs]
 
 
 def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
@@ -283,5 +299,6 @@ def _backward_dkv(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
         out_rows=k.shape[0],
         max_rows=static.max_seq_len_kv,
         max_cols=static.max_seq_len_q,
+        block_cols=DKV_BLOCK_COLS,
     )
     return dk, dv

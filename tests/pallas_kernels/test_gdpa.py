@@ -100,7 +100,7 @@ def test_forward_and_gradients_match_reference(activation):
 def test_streamed_long_keys_and_resident_queries(monkeypatch):
     """Keys longer than the column ring (streamed per row tile) and a short-query dK/dV pass."""
     real_choose = config.choose
-    monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**kw, block_cols=64))
+    monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**{**kw, "block_cols": 64}))
     q_lens, kv_lens = [150, 3, 0, 47], [200, 0, 131, 64]
     q, k, v, d_out = _batch(11, q_lens, kv_lens, heads=1)
     _compare(q, k, v, d_out, q_lens, kv_lens, max_seq_len_q=160, max_seq_len_kv=320, activation="silu", scale=0.1)
@@ -113,7 +113,7 @@ def test_broadcast_queries_pooled_attention(monkeypatch):
     make the keys stream.
     """
     real_choose = config.choose
-    monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**kw, block_cols=64))
+    monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**{**kw, "block_cols": 64}))
     kv_lens = [100, 0, 7, 64, 300]
     q, k, v, d_out = _batch(21, None, kv_lens, lq=32)
     _compare(q, k, v, d_out, None, kv_lens, broadcast_q=True, max_seq_len_q=32, max_seq_len_kv=320, activation="gelu")
