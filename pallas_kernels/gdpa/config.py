@@ -21,6 +21,7 @@ import dataclasses
 import enum
 
 WG_ROWS = 64  # rows per compute warpgroup: the wgmma M
+ALIGN = 8  # rows: TMA copies of swizzled SMEM tiles start at multiples of this
 NUM_COMPUTE_WGS = 2
 # Opt-in dynamic shared memory per block on H100/H200 (227 KiB), less a margin
 # for barriers and Mosaic's own scratch (`reduction_scratch_bytes`).
@@ -42,8 +43,9 @@ class TileConfig:
       block_cols: columns per step (64 or 128), the N of the score wgmma.
       col_slots: SMEM slots of the column ring.
       row_slots: SMEM slots for row tiles (2 lets the next tile load during compute).
-      max_col_tiles: static bound on column steps per sequence; when it fits in
-        `col_slots` the columns of a work item stay resident across its row tiles.
+      max_col_tiles: static bound on column steps per sequence (its columns start
+        up to 7 rows into their first 8-aligned tile); when it fits in `col_slots`
+        the columns of a work item stay resident across its row tiles.
       row_tiles_per_item: row tiles grouped into one work item (resident columns
         are loaded once per item).
       num_ctas: persistent CTAs (the GPU's SM count).
@@ -114,7 +116,7 @@ def choose(
                 block_cols=bc,
                 col_slots=slots,
                 row_slots=2,
-                max_col_tiles=max(1, -(-max_cols // bc)),
+                max_col_tiles=-(-(max_cols + ALIGN - 1) // bc),
                 row_tiles_per_item=row_tiles_per_item,
                 num_ctas=num_ctas,
             )

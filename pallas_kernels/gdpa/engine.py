@@ -73,14 +73,15 @@ class StepContext:
     rows: SMEM refs `[64, D]` of the row operands (this warpgroup's rows).
     cols: SMEM refs `[block_cols, D]` of the column operands.
     accs: wgmma accumulator refs `[64, D]` float32.
-    col_limit: int32 scalar; columns at or past it are outside the sequence.
+    col_lo, col_hi: int32 scalars; the columns of the sequence are [col_lo, col_hi).
     lhs_staging: per register operand, an SMEM tile (interpreter only) or None.
     """
 
     rows: Sequence
     cols: Sequence
     accs: Sequence
-    col_limit: jax.Array
+    col_lo: jax.Array
+    col_hi: jax.Array
     lhs_staging: Sequence
 
     def scores(self, pairs: Sequence[tuple]) -> list[jax.Array]:
@@ -97,7 +98,8 @@ class StepContext:
     def valid(self) -> jax.Array:
         """bool `[64, block_cols]`: the column is inside the sequence."""
         shape = (WG_ROWS, self.cols[0].shape[0])
-        return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) < self.col_limit
+        col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        return (col >= self.col_lo) & (col < self.col_hi)
 
     def lhs(self, index: int, value: jax.Array):
         """A register tile as the left operand of a wgmma.
@@ -149,10 +151,12 @@ def run(
     Args:
       spec: the pass.
       cfg: tiling; `cfg.num_ctas` CTAs.
-      plan: work list; `plan.seqs` columns after the lengths are the start rows of
-        the row operands, the column operands and the outputs, then the end of the
-        real data of each column operand.
-      rows, cols: `[T, H, D]` operands (bf16 or f16), each at least one tile long.
+      plan: work list; `plan.seqs` holds per sequence the lengths and alignment
+        deltas, the 8-aligned start rows of the row operands, the column operands
+        and the outputs, then per column operand the end of its real data and the
+        first row of its tail window (see `schedule`).
+      rows, cols: `[T, H, D]` operands (bf16 or f16), each at least one tile long,
+        T a multiple of 8.
       tails: per column operand, `schedule.tail_window(col, end, block_cols)`.
       out_rows: rows of each output.
 
@@ -173,6 +177,7 @@ def run(
     col_start_at = schedule.S_STARTS + nr
     out_start_at = col_start_at + nc
     col_end_at = out_start_at + 1
+    tail_base_at = col_end_at + nc
     interpret = interpreting()
 
     def owns(parity_index, w):
@@ -208,7 +213,9 @@ def run(
             return seqs_ref[b, f]
 
         def n_col_steps(b):
-            return lax.div(seq_field(b, schedule.S_COL_LEN) + (C - 1), jnp.int32(C))
+            col_len = seq_field(b, schedule.S_COL_LEN)
+            steps = lax.div(col_len + seq_field(b, schedule.S_COL_DELTA) + (C - 1), jnp.int32(C))
+            return jnp.where(col_len > 0, steps, 0)
 
         @pl.when(wg == NUM_COMPUTE_WGS)
         def _memory():
@@ -217,15 +224,14 @@ def run(
             def load_cols(b, h, j, slot):
                 for c in range(nc):
                     start = seq_field(b, col_start_at + c) + j * C
-                    end = seq_field(b, col_end_at + c)
-                    crosses = start + C > end
+                    crosses = start + C > seq_field(b, col_end_at + c)
+                    tail_start = start - seq_field(b, tail_base_at + c)
                     dst = col_smem[c].at[slot]
                     bar = col_loaded.at[slot]
 
                     @pl.when(crosses)
-                    def _(c=c, start=start, end=end, dst=dst, bar=bar):
-                        src = tail_refs[c].at[pl.ds(start - (end - C), C), h]
-                        plgpu.copy_gmem_to_smem(src, dst, bar)
+                    def _(c=c, tail_start=tail_start, dst=dst, bar=bar):
+                        plgpu.copy_gmem_to_smem(tail_refs[c].at[pl.ds(tail_start, C), h], dst, bar)
 
                     @pl.when(jnp.logical_not(crosses))
                     def _(c=c, start=start, dst=dst, bar=bar):
@@ -310,17 +316,22 @@ def run(
             def out_ref(o):
                 return out_refs[o] if split_rows else out_refs[o].at[w]
 
-            def store(values, row, n, h):
+            def store(values, row, first, last, h):
                 for o, value in enumerate(values):
                     value = value.astype(dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    _store_rows(value, swz_stage.at[w], lin_stage.at[w], out_ref(o), row, n, h)
+                    _store_rows(value, swz_stage.at[w], lin_stage.at[w], out_ref(o), row, first, last, h)
 
             def item_body(it, carry):
                 row_cnt, col_cnt, k = carry
                 b, h, t0, t1 = item(it)
+                # Sequence rows sit at [row_delta, row_delta + row_len) of the tile
+                # grid that starts at the 8-aligned row before the sequence start;
+                # columns likewise.
                 row_len = seq_field(b, schedule.S_ROW_LEN)
-                col_len = seq_field(b, schedule.S_COL_LEN)
+                row_delta = seq_field(b, schedule.S_ROW_DELTA)
+                col_lo = seq_field(b, schedule.S_COL_DELTA)
+                col_hi = col_lo + seq_field(b, schedule.S_COL_LEN)
                 n_col = n_col_steps(b)
                 active = t1 > t0
                 base = lax.rem(k, jnp.int32(groups)) * NCM if resident else None
@@ -336,7 +347,8 @@ def run(
                     slot = lax.rem(row_cnt, jnp.int32(RS))
                     plgpu.barrier_wait(row_loaded.at[slot])
                     row_base = t * RT + (w * R if split_rows else 0)
-                    n_rows = row_len - row_base
+                    first = jnp.minimum(jnp.maximum(row_delta - row_base, 0), R)
+                    last = jnp.minimum(jnp.maximum(row_delta + row_len - row_base, 0), R)
                     rows_here = [row_smem[r].at[slot, w if split_rows else 0] for r in range(nr)]
 
                     def scope(*acc_refs):
@@ -347,14 +359,15 @@ def run(
                                 if not resident:
                                     plgpu.barrier_wait(col_loaded.at[cslot])
 
-                                @pl.when(n_rows > 0)
+                                @pl.when(last > first)
                                 def _():
                                     spec.step(
                                         StepContext(
                                             rows=rows_here,
                                             cols=[col_smem[c].at[cslot] for c in range(nc)],
                                             accs=acc_refs,
-                                            col_limit=col_len - j * C,
+                                            col_lo=col_lo - j * C,
+                                            col_hi=col_hi - j * C,
                                             lhs_staging=lhs_tiles,
                                         )
                                     )
@@ -374,7 +387,7 @@ def run(
                     )
                     plgpu.barrier_arrive(row_consumed.at[slot])
                     out_row = seq_field(b, out_start_at) + row_base
-                    store(spec.finalize(accs), out_row, jnp.minimum(jnp.maximum(n_rows, 0), R), h)
+                    store(spec.finalize(accs), out_row, first, last, h)
                     return row_cnt + 1, col_cnt
 
                 row_cnt, col_cnt = lax.fori_loop(t0, t1, row_body, (row_cnt, col_cnt))
@@ -432,25 +445,28 @@ def _when(cond, f) -> None:
         pl.when(cond)(f)
 
 
-def _store_rows(value, swizzled_ref, linear_ref, dst_ref, row, n, head) -> None:
-    """Stores rows `[0, n)` (n in 0..64) of a `[64, D]` value to `dst_ref[row:row+n, head]`.
+def _store_rows(value, swizzled_ref, linear_ref, dst_ref, row, first, last, head) -> None:
+    """Stores rows `[first, last)` (0 <= first <= last <= 64) of a `[64, D]` value to `dst_ref[row + i, head]`.
 
-    Full tiles leave in one TMA store from swizzled SMEM; partial ones through
-    unswizzled SMEM as TMA stores of 32, 16, ..., 1 rows, so no row past `n` is
-    written. The caller waits for the stores before reusing the SMEM.
+    `row` (the GMEM row of value row 0) is a multiple of 8. A full tile leaves in
+    one TMA store from swizzled SMEM; a partial one through unswizzled SMEM as TMA
+    stores of 32, 16, ..., 1 rows, so no row outside `[first, last)` is written.
+    The caller waits for the stores before reusing the SMEM.
     """
+    full = (first == 0) & (last == WG_ROWS)
 
-    @pl.when(n == WG_ROWS)
+    @pl.when(full)
     def _():
         swizzled_ref[...] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(swizzled_ref, dst_ref.at[pl.ds(row, WG_ROWS), head])
 
-    @pl.when((n > 0) & (n < WG_ROWS))
+    @pl.when(jnp.logical_not(full) & (last > first))
     def _():
         linear_ref[...] = value
         plgpu.commit_smem()
-        done = 0  # a static first offset: Mosaic slices need ir values or Python ints
+        n = last - first
+        done = first
         size = WG_ROWS // 2
         while size:
 

@@ -93,6 +93,8 @@ def _gdpa_fwd(q, k, v, q_offsets, kv_offsets, static: Static):
 def _gdpa_bwd(static: Static, residuals, d_out):
     q, k, v, q_offsets, kv_offsets = residuals
     d_out = d_out.astype(q.dtype)
+    if static.broadcast_q:
+        d_out = _broadcast_rows(d_out, kv_offsets.shape[0] - 1, q.shape[0], pad=True)
     dq = _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static)
     dk, dv = _backward_dkv(q, k, v, d_out, q_offsets, kv_offsets, static)
     return dq, dk, dv, None, None
@@ -121,15 +123,18 @@ class _Sequences:
         kv_start = kv_offsets[:-1]
         kv_len = jnp.maximum(kv_offsets[1:] - kv_start, 0)
         if static.broadcast_q:
+            # Sequence b's outputs (and output cotangents) sit at rows b * Lq8, Lq8
+            # = Lq rounded up to 8, so they share the queries' alignment (row 0).
             lq = q.shape[0]
-            out_start = jnp.arange(batch, dtype=jnp.int32) * lq
+            lq8 = _round_up(lq, ROW_ALIGN)
+            out_start = jnp.arange(batch, dtype=jnp.int32) * lq8
             return cls(
                 q_start=jnp.zeros((batch,), jnp.int32),
                 q_len=jnp.full((batch,), lq, jnp.int32),
                 q_end=jnp.int32(lq),
                 out_start=out_start,
-                out_end=jnp.int32(batch * lq),
-                out_rows=batch * lq,
+                out_end=jnp.int32(batch * lq8),
+                out_rows=batch * lq8,
                 kv_start=kv_start,
                 kv_len=kv_len,
                 kv_end=kv_offsets[-1],
@@ -146,6 +151,23 @@ class _Sequences:
             kv_len=kv_len,
             kv_end=kv_offsets[-1],
         )
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _broadcast_rows(x: jax.Array, batch: int, lq: int, *, pad: bool) -> jax.Array:
+    """`[B * Lq, ...]` <-> `[B * Lq8, ...]` (sequence b at rows b * Lq8); a copy only when Lq % 8."""
+    lq8 = _round_up(lq, ROW_ALIGN)
+    if lq8 == lq:
+        return x
+    if pad:
+        x = x.reshape((batch, lq) + x.shape[1:])
+        x = jnp.pad(x, [(0, 0), (0, lq8 - lq)] + [(0, 0)] * (x.ndim - 2))
+    else:
+        x = x.reshape((batch, lq8) + x.shape[1:])[:, :lq]
+    return x.reshape((-1,) + x.shape[2:])
 
 
 def _num_ctas() -> int:
@@ -197,34 +219,22 @@ def _run(
     `row_end` is the first output row past the real data; rows `[row_end, out_rows)`
     form the slack pseudo-sequence, which gets zeros.
     """
-    _, heads, head_dim = rows[0].shape
-    cfg = config.choose(
+    cfg, plan, padded_out_rows = build_plan(
+        rows=rows,
+        row_starts=row_starts,
+        row_len=row_len,
+        row_end=row_end,
+        cols=cols,
+        col_starts=col_starts,
+        col_ends=col_ends,
+        col_len=col_len,
+        out_start=out_start,
+        out_rows=out_rows,
         max_rows=max_rows,
         max_cols=max_cols,
-        head_dim=head_dim,
-        itemsize=rows[0].dtype.itemsize,
-        n_row_inputs=len(rows),
-        n_col_inputs=len(cols),
-        num_ctas=_num_ctas(),
         block_cols=block_cols,
     )
     block = cfg.block_cols
-    padded_out_rows = _tma_rows(out_rows, cfg.rows_per_tile)
-    starts = [_append(s, row_end) for s in row_starts]
-    starts += [_append(s, 0) for s in col_starts]
-    starts.append(_append(out_start, row_end))
-    starts += [jnp.full((out_start.shape[0] + 1,), e, jnp.int32) for e in col_ends]
-    plan = schedule.build(
-        _append(row_len, out_rows - row_end),
-        _append(jnp.minimum(col_len, max_cols), 0),
-        jnp.stack(starts, axis=1),
-        out_rows=padded_out_rows,
-        heads=heads,
-        rows_per_tile=cfg.rows_per_tile,
-        tiles_per_item=cfg.row_tiles_per_item,
-        block_cols=block,
-        num_ctas=cfg.num_ctas,
-    )
     outs = engine.run(
         spec,
         cfg,
@@ -239,12 +249,67 @@ def _run(
     return [o if o.shape[0] == out_rows else o[:out_rows] for o in outs]
 
 
-def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
+def build_plan(
+    *,
+    rows,
+    row_starts,
+    row_len,
+    row_end,
+    cols,
+    col_starts,
+    col_ends,
+    col_len,
+    out_start,
+    out_rows,
+    max_rows,
+    max_cols,
+    block_cols=None,
+) -> tuple[config.TileConfig, schedule.Plan, int]:
+    """Tile config, work list and padded output rows of one pass (arguments as `_run`)."""
+    _, heads, head_dim = rows[0].shape
+    cfg = config.choose(
+        max_rows=max_rows,
+        max_cols=max_cols,
+        head_dim=head_dim,
+        itemsize=rows[0].dtype.itemsize,
+        n_row_inputs=len(rows),
+        n_col_inputs=len(cols),
+        num_ctas=_num_ctas(),
+        block_cols=block_cols,
+    )
+    block = cfg.block_cols
+    padded_out_rows = _tma_rows(out_rows, cfg.rows_per_tile)
+    # Every operand on one side shares its start mod 8 (`schedule`): tiles start at
+    # `start - delta`, 8-aligned.
+    align = schedule.ALIGN
+    row_delta = _append(row_starts[0], row_end) % align
+    col_delta = _append(col_starts[0], 0) % align
+    columns = [_append(s, row_end) - row_delta for s in row_starts]
+    columns += [_append(s, 0) - col_delta for s in col_starts]
+    columns.append(_append(out_start, row_end) - row_delta)
+    n_seq = out_start.shape[0] + 1
+    columns += [jnp.full((n_seq,), e, jnp.int32) for e in col_ends]
+    columns += [jnp.full((n_seq,), schedule.tail_base(e, block), jnp.int32) for e in col_ends]
+    plan = schedule.build(
+        _append(row_len, out_rows - row_end),
+        _append(jnp.minimum(col_len, max_cols), 0),
+        row_delta,
+        col_delta,
+        jnp.stack(columns, axis=1),
+        out_rows=padded_out_rows,
+        heads=heads,
+        rows_per_tile=cfg.rows_per_tile,
+        tiles_per_item=cfg.row_tiles_per_item,
+        block_cols=block,
+        num_ctas=cfg.num_ctas,
+    )
+    return cfg, plan, padded_out_rows
+
+
+def pass_arguments(name: str, q, k, v, d_out, q_offsets, kv_offsets, static: Static) -> dict:
+    """Operands and per-sequence geometry of pass `name` ("fwd", "dq" or "dkv"), as `_run` takes them."""
     seqs = _Sequences.of(q, q_offsets, kv_offsets, static)
-    (out,) = _run(
-        forward.spec(static.activation, static.scale, q.dtype),
-        rows=[q],
-        row_starts=[seqs.q_start],
+    query_side = dict(
         row_len=seqs.q_len,
         row_end=seqs.out_end,
         cols=[k, v],
@@ -256,49 +321,50 @@ def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
         max_rows=static.max_seq_len_q,
         max_cols=static.max_seq_len_kv,
     )
+    if name == "fwd":
+        return dict(query_side, rows=[q], row_starts=[seqs.q_start])
+    if name == "dq":
+        return dict(query_side, rows=[q, d_out], row_starts=[seqs.q_start, seqs.out_start])
+    if name == "dkv":
+        return dict(
+            rows=[k, v],
+            row_starts=[seqs.kv_start, seqs.kv_start],
+            row_len=seqs.kv_len,
+            row_end=seqs.kv_end,
+            cols=[q, d_out],
+            col_starts=[seqs.q_start, seqs.out_start],
+            col_ends=[seqs.q_end, seqs.out_end],
+            col_len=seqs.q_len,
+            out_start=seqs.kv_start,
+            out_rows=k.shape[0],
+            max_rows=static.max_seq_len_kv,
+            max_cols=static.max_seq_len_q,
+            block_cols=DKV_BLOCK_COLS,
+        )
+    raise ValueError(f"unknown pass {name!r}")
+
+
+def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
+    spec = forward.spec(static.activation, static.scale, q.dtype)
+    (out,) = _run(spec, **pass_arguments("fwd", q, k, v, None, q_offsets, kv_offsets, static))
+    if static.broadcast_q:
+        out = _broadcast_rows(out, kv_offsets.shape[0] - 1, q.shape[0], pad=False)
     return out
 
 
 def _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
-    seqs = _Sequences.of(q, q_offsets, kv_offsets, static)
-    (dq,) = _run(
-        backward.dq_spec(static.activation, static.scale, q.dtype),
-        rows=[q, d_out],
-        row_starts=[seqs.q_start, seqs.out_start],
-        row_len=seqs.q_len,
-        row_end=seqs.out_end,
-        cols=[k, v],
-        col_starts=[seqs.kv_start, seqs.kv_start],
-        col_ends=[seqs.kv_end, seqs.kv_end],
-        col_len=seqs.kv_len,
-        out_start=seqs.out_start,
-        out_rows=seqs.out_rows,
-        max_rows=static.max_seq_len_q,
-        max_cols=static.max_seq_len_kv,
-    )
+    spec = backward.dq_spec(static.activation, static.scale, q.dtype)
+    (dq,) = _run(spec, **pass_arguments("dq", q, k, v, d_out, q_offsets, kv_offsets, static))
     if static.broadcast_q:
-        # One partial dQ per sequence (rows b * Lq ...): the shared queries get their sum.
+        # One partial dQ per sequence (rows b * Lq8 ...): the shared queries get their sum.
         batch = kv_offsets.shape[0] - 1
-        dq = dq.reshape((batch,) + q.shape).astype(jnp.float32).sum(axis=0).astype(q.dtype)
+        lq8 = _round_up(q.shape[0], ROW_ALIGN)
+        dq = dq.reshape((batch, lq8) + q.shape[1:])[:, : q.shape[0]]
+        dq = dq.astype(jnp.float32).sum(axis=0).astype(q.dtype)
     return dq
 
 
 def _backward_dkv(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
-    seqs = _Sequences.of(q, q_offsets, kv_offsets, static)
-    dk, dv = _run(
-        backward.dkv_spec(static.activation, static.scale, q.dtype),
-        rows=[k, v],
-        row_starts=[seqs.kv_start, seqs.kv_start],
-        row_len=seqs.kv_len,
-        row_end=seqs.kv_end,
-        cols=[q, d_out],
-        col_starts=[seqs.q_start, seqs.out_start],
-        col_ends=[seqs.q_end, seqs.out_end],
-        col_len=seqs.q_len,
-        out_start=seqs.kv_start,
-        out_rows=k.shape[0],
-        max_rows=static.max_seq_len_kv,
-        max_cols=static.max_seq_len_q,
-        block_cols=DKV_BLOCK_COLS,
-    )
+    spec = backward.dkv_spec(static.activation, static.scale, q.dtype)
+    dk, dv = _run(spec, **pass_arguments("dkv", q, k, v, d_out, q_offsets, kv_offsets, static))
     return dk, dv

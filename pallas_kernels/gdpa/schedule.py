@@ -1,15 +1,21 @@
 """GDPA work list, built on the device: non-empty items only, sorted by work, dealt in a zigzag.
 
 A work item is `(sequence b, head h, row tiles [t0, t1))` of one engine call
-(row tiles of `rows_per_tile` rows aligned to the sequence start, at most
-`row_tiles_per_item` per item, so resident columns are loaded once per item).
+(at most `row_tiles_per_item` row tiles per item, so resident columns are
+loaded once per item).
+
+Tiles are aligned to 8 rows: Mosaic GPU's TMA moves whole 8-row tiles of the
+swizzled SMEM layout, so every copy starts at a multiple of 8. A sequence that
+starts at row s is cut into tiles starting at `s - delta`, `delta = s % 8`; its
+rows sit at `[delta, delta + L)` of that tile grid. All operands on one side of
+a pass share `delta` (they share offsets, or start at multiples of 8).
 Sequences without rows give no item. Output rows past the real data (slack)
 form one extra pseudo-sequence with no columns, whose items write zeros, so
 every output row is written exactly once.
 
 The list has a static bound, so no host sync is needed under jit:
 
-    items per head <= sum_b ceil(L_b / (R K)) <= (T + (B + 1) (R K - 1)) // (R K)
+    items per head <= sum_b ceil((L_b + 7) / (R K)) <= (T + (B + 1) (R K + 6)) // (R K)
 
 with T the output rows, R the rows per tile and K the tiles per item. Items are
 sorted by `row tiles x (column steps + 1)`, heaviest first (ties keep sequence
@@ -30,20 +36,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gdpa import config
+
 # Columns of a schedule record.
 F_SEQ, F_HEAD, F_T0, F_T1 = range(4)
 NUM_FIELDS = 4
-# Columns of the per-sequence table; operand start rows follow.
-S_ROW_LEN, S_COL_LEN = 0, 1
-S_STARTS = 2
+# Columns of the per-sequence table; the operands' 8-aligned start rows follow.
+S_ROW_LEN, S_COL_LEN, S_ROW_DELTA, S_COL_DELTA = 0, 1, 2, 3
+S_STARTS = 4
+ALIGN = config.ALIGN
 
 
 class Plan(NamedTuple):
     """Device-side work list of one engine call (all int32).
 
     sched: `[C, S, NUM_FIELDS]` the items of CTA c, in the order it runs them.
-    seqs:  `[B + 1, S_STARTS + n_starts]` per sequence (the last is the slack):
-      row length, column length, then the start row of each operand.
+    seqs:  `[B + 1, S_STARTS + n]` per sequence (the last is the slack): row
+      length, column length, row and column alignment deltas, then per-operand
+      columns (see `build`).
     """
 
     sched: jax.Array
@@ -52,13 +62,20 @@ class Plan(NamedTuple):
 
 def items_per_head_bound(out_rows: int, batch: int, rows_per_item: int) -> int:
     """Static bound on the items of one head (see the module docstring)."""
-    return max(1, (out_rows + (batch + 1) * (rows_per_item - 1)) // rows_per_item)
+    return max(1, (out_rows + (batch + 1) * (rows_per_item - 1 + ALIGN - 1)) // rows_per_item)
+
+
+def steps(length: jax.Array, delta: jax.Array, block: int) -> jax.Array:
+    """Tiles of `block` rows covering `[delta, delta + length)`; none for an empty sequence."""
+    return jnp.where(length > 0, (length + delta + block - 1) // block, 0)
 
 
 def build(
     row_lens: jax.Array,
     col_lens: jax.Array,
-    starts: jax.Array,
+    row_delta: jax.Array,
+    col_delta: jax.Array,
+    columns: jax.Array,
     *,
     out_rows: int,
     heads: int,
@@ -72,7 +89,9 @@ def build(
     Args:
       row_lens, col_lens: int32 `[B + 1]` rows and columns of each sequence; the
         last entry is the slack pseudo-sequence (its rows, no columns).
-      starts: int32 `[B + 1, n]` start row of each operand in each sequence.
+      row_delta, col_delta: int32 `[B + 1]` in [0, 8): sequence start mod 8.
+      columns: int32 `[B + 1, n]` further per-sequence columns (aligned operand
+        starts and the like) copied into `seqs`.
       out_rows: static T, the sum of `row_lens` at most (output capacity).
       heads: H.
       rows_per_tile, tiles_per_item, block_cols: tile geometry.
@@ -87,18 +106,19 @@ def build(
     rows_per_item = rows_per_tile * tiles_per_item
     per_head = items_per_head_bound(out_rows, n_seq - 1, rows_per_item)
 
-    tiles = -(-row_lens // rows_per_tile)
+    tiles = steps(row_lens, row_delta, rows_per_tile)
     items = -(-tiles // tiles_per_item)
     last = jnp.cumsum(items)  # inclusive
     total = last[-1]
     i = jnp.arange(per_head, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(last, i, side="right"), 0, n_seq - 1).astype(jnp.int32)
+    # One fused compare instead of a binary search (a loop on the device).
+    seq = jnp.clip(jnp.searchsorted(last, i, side="right", method="compare_all"), 0, n_seq - 1).astype(jnp.int32)
     t0 = (i - (last[seq] - items[seq])) * tiles_per_item
     t1 = jnp.minimum(t0 + tiles_per_item, tiles[seq])
     live = i < total
     t0 = jnp.where(live, t0, 0)
     t1 = jnp.where(live, t1, 0)
-    col_steps = -(-col_lens[seq] // block_cols)
+    col_steps = steps(col_lens[seq], col_delta[seq], block_cols)
     work = jnp.where(live, (t1 - t0) * (col_steps + 1), -1)
 
     # Items of all heads: item (i, h) -> index i * H + h.
@@ -116,19 +136,27 @@ def build(
     picked = records[order[jnp.minimum(position, n_items - 1)]]
     sched = jnp.where(in_list[..., None], picked, 0)
 
-    seqs = jnp.concatenate([row_lens[:, None], col_lens[:, None], starts.astype(jnp.int32)], axis=1)
+    head_cols = [row_lens, col_lens, row_delta.astype(jnp.int32), col_delta.astype(jnp.int32)]
+    seqs = jnp.concatenate([jnp.stack(head_cols, axis=1), columns.astype(jnp.int32)], axis=1)
     return Plan(sched=sched.astype(jnp.int32), seqs=seqs)
 
 
-def tail_window(x: jax.Array, end: jax.Array, block: int) -> jax.Array:
-    """Rows `[end - block, end + block)` of `x [T, ...]`, zero outside `[0, end)`.
+def tail_base(end: jax.Array, block: int) -> jax.Array:
+    """First row of the tail window: the multiple of 8 at or below `end - block`."""
+    return ((end - block) // ALIGN) * ALIGN
 
-    A column window of `block` rows that starts before `end` (the first slack
-    row) and runs past it is read from this copy, so slack rows (which may hold
-    anything, NaN included) never enter a matrix product.
+
+def tail_window(x: jax.Array, end: jax.Array, block: int) -> jax.Array:
+    """Rows `[base, base + 2 block + 8)` of `x [T, ...]` (base = `tail_base`), zero outside `[0, end)`.
+
+    A column window of `block` rows that starts (8-aligned) before `end`, the
+    first slack row, and runs past it is read from this copy, so slack rows
+    (which may hold anything, NaN included) never enter a matrix product. Such a
+    window starts above `end - block` and at most `block + 7` rows past `base`.
     """
-    rows = end - block + jnp.arange(2 * block, dtype=jnp.int32)
+    n = 2 * block + ALIGN
+    rows = tail_base(end, block) + jnp.arange(n, dtype=jnp.int32)
     valid = (rows >= 0) & (rows < end)
     gathered = x[jnp.clip(rows, 0, x.shape[0] - 1)]
-    mask = valid.reshape((2 * block,) + (1,) * (x.ndim - 1))
+    mask = valid.reshape((n,) + (1,) * (x.ndim - 1))
     return jnp.where(mask, gathered, jnp.zeros((), x.dtype))

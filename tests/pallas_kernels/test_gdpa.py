@@ -109,14 +109,14 @@ def test_streamed_long_keys_and_resident_queries(monkeypatch):
 def test_broadcast_queries_pooled_attention(monkeypatch):
     """Dense learned queries shared by every sequence (pooled attention); dQ sums over sequences.
 
-    32 queries split the key steps between the two warpgroups; 64-key blocks
+    27 queries split the key steps between the two warpgroups; 64-key blocks
     make the keys stream.
     """
     real_choose = config.choose
     monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**{**kw, "block_cols": 64}))
     kv_lens = [100, 0, 7, 64, 300]
-    q, k, v, d_out = _batch(21, None, kv_lens, lq=32)
-    _compare(q, k, v, d_out, None, kv_lens, broadcast_q=True, max_seq_len_q=32, max_seq_len_kv=320, activation="gelu")
+    q, k, v, d_out = _batch(21, None, kv_lens, lq=27)  # not a multiple of 8: outputs padded per sequence inside
+    _compare(q, k, v, d_out, None, kv_lens, broadcast_q=True, max_seq_len_q=27, max_seq_len_kv=320, activation="gelu")
 
 
 def test_zero_length_sequences_give_zero_output_and_gradients():
@@ -130,11 +130,14 @@ def test_zero_length_sequences_give_zero_output_and_gradients():
 def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
     row_lens = jnp.array([300, 0, 5, 129, 7], jnp.int32)  # last entry: slack rows
     col_lens = jnp.array([10, 40, 0, 200, 0], jnp.int32)
-    starts = jnp.zeros((5, 1), jnp.int32)
+    row_delta = jnp.array([0, 4, 4, 1, 2], jnp.int32)
+    col_delta = jnp.array([0, 3, 0, 7, 0], jnp.int32)
     plan = schedule.build(
         row_lens,
         col_lens,
-        starts,
+        row_delta,
+        col_delta,
+        jnp.zeros((5, 1), jnp.int32),
         out_rows=441,
         heads=2,
         rows_per_tile=128,
@@ -144,10 +147,11 @@ def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
     )
     sched = np.asarray(plan.sched)
     items = [tuple(r) for r in sched.reshape(-1, 4) if r[3] > r[2]]
-    # Sequence 0: 3 tiles in items of <= 2; sequence 2: 1; sequence 3: 2; slack: 1; per head.
+    # Tiles cover [delta, delta + L): sequence 0: 3 tiles in items of <= 2; 2: 1; 3: 2 (130 rows); slack: 1.
     expected = {(s, h, t0, t1) for h in (0, 1) for s, t0, t1 in [(0, 0, 2), (0, 2, 3), (2, 0, 1), (3, 0, 2), (4, 0, 1)]}
     assert sorted(items) == sorted(expected)
-    work = lambda r: (r[3] - r[2]) * (-(-int(col_lens[r[0]]) // 64) + 1)
+    col_steps = lambda s: -(-(int(col_lens[s]) + int(col_delta[s])) // 64) if col_lens[s] else 0
+    work = lambda r: (r[3] - r[2]) * (col_steps(r[0]) + 1)
     # Round r of the deal is sorted item r*C + c; odd rounds run backwards over the CTAs.
     dealt = [sched[c if r % 2 == 0 else 2 - c, r] for r in range(sched.shape[1]) for c in range(3)]
     live = [work(r) for r in dealt if r[3] > r[2]]
@@ -156,10 +160,14 @@ def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
 
 
 def test_tail_window_zeroes_rows_past_the_end():
-    x = jnp.arange(10, dtype=jnp.float32)[:, None] + 1
-    x = x.at[6:].set(jnp.nan)
-    tail = np.asarray(schedule.tail_window(x, jnp.int32(6), 4))[:, 0]
-    np.testing.assert_array_equal(tail, [3, 4, 5, 6, 0, 0, 0, 0])
+    x = jnp.arange(40, dtype=jnp.float32)[:, None] + 1
+    x = x.at[21:].set(jnp.nan)
+    block = 8
+    base = int(schedule.tail_base(jnp.int32(21), block))
+    assert base % 8 == 0 and base <= 21 - block
+    tail = np.asarray(schedule.tail_window(x, jnp.int32(21), block))[:, 0]
+    rows = base + np.arange(2 * block + 8)
+    np.testing.assert_array_equal(tail, np.where(rows < 21, rows + 1, 0))
 
 
 @pytest.mark.parametrize("at, max_error", [(1.0, 1.2e-3), (1.5, 2.6e-2), (2.0, 0.23)])
@@ -207,20 +215,49 @@ def test_bad_inputs_raise_clear_errors():
         ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4, activation="tanh", implementation="pallas")
 
 
+@pytest.mark.parametrize("broadcast_q", [False, True])
+def test_every_tma_window_starts_on_an_8_row_boundary(broadcast_q):
+    """Mosaic GPU's TMA moves whole 8-row tiles of swizzled SMEM (the interpreter does not model this)."""
+    q_lens, kv_lens = [70, 0, 13, 5, 9], [33, 17, 0, 3, 21]
+    lq = 27
+    q, k, v, d_out = _batch(41, q_lens, kv_lens, heads=1, lq=lq if broadcast_q else None)
+    static = kernel.Static(160, 64, Activation.GELU, 0.125, broadcast_q)
+    q_offsets = None if broadcast_q else _offsets(q_lens)
+    if broadcast_q:
+        d_out = kernel._broadcast_rows(d_out, len(kv_lens), lq, pad=True)
+    for name in ("fwd", "dq", "dkv"):
+        args = kernel.pass_arguments(name, q, k, v, d_out, q_offsets, _offsets(kv_lens), static)
+        _, plan, _ = kernel.build_plan(**{key: val for key, val in args.items()})
+        seqs = np.asarray(plan.seqs)
+        nr, nc = len(args["rows"]), len(args["cols"])
+        ends = schedule.S_STARTS + nr + nc + 1
+        aligned = np.concatenate([seqs[:, schedule.S_STARTS : ends], seqs[:, ends + nc :]], axis=1)
+        assert (aligned % 8 == 0).all(), (name, aligned)
+        deltas = seqs[:, [schedule.S_ROW_DELTA, schedule.S_COL_DELTA]]
+        assert ((deltas >= 0) & (deltas < 8)).all()
+
+
 def test_kernels_lower_for_hopper():
-    """All three passes lower through Mosaic GPU (layouts, TMA shapes) at benchmark-like shapes."""
-    batch, lq, lkv, heads, d = 2, 256, 64, 4, 128
-    q_offsets = jnp.arange(batch + 1, dtype=jnp.int32) * lq
-    kv_offsets = jnp.arange(batch + 1, dtype=jnp.int32) * lkv
-    q = jax.ShapeDtypeStruct((batch * lq, heads, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((batch * lkv, heads, d), jnp.bfloat16)
+    """All three passes lower through Mosaic GPU (layouts, TMA shapes) for jagged odd-sized and broadcast batches."""
+    heads, d = 4, 128
+    cases = [
+        ([70, 0, 130, 5, 301], [40, 17, 0, 64, 250], False),  # odd rows everywhere
+        ([27], [100, 3, 0, 64], True),  # shared queries, Lq not a multiple of 8
+    ]
+    for q_lens, kv_lens, broadcast_q in cases:
+        q_offsets = None if broadcast_q else _offsets(q_lens)
+        kv_offsets = _offsets(kv_lens)
+        tq = q_lens[0] if broadcast_q else sum(q_lens) + 3
+        q = jax.ShapeDtypeStruct((tq, heads, d), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((sum(kv_lens) + 5, heads, d), jnp.bfloat16)
 
-    def fwd_bwd(q, k, v):
-        f = lambda q, k, v: kernel.gdpa(q, k, v, q_offsets, kv_offsets, max_seq_len_q=lq, max_seq_len_kv=lkv)
-        out, vjp = jax.vjp(f, q, k, v)
-        return out, vjp(out)
+        def fwd_bwd(q, k, v):
+            f = lambda q, k, v: kernel.gdpa(
+                q, k, v, q_offsets, kv_offsets, max_seq_len_q=320, max_seq_len_kv=256, broadcast_q=broadcast_q
+            )
+            out, vjp = jax.vjp(f, q, k, v)
+            return out, vjp(out)
 
-    with plgpu.force_gpu_interpret_mode(None):
-        lowered = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert text.count("mosaic_gpu") >= 3
+        with plgpu.force_gpu_interpret_mode(None):
+            lowered = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("mosaic_gpu") >= 3
