@@ -21,16 +21,19 @@ load while the current item computes. Otherwise they stream once per row tile.
 Consumed barriers are armed once up front, so the memory warpgroup always waits
 before it refills a slot.
 
-Jagged edges. Column tiles are aligned to each sequence start; the last one of
-a sequence runs into the next sequence's rows, which are finite and masked out
-of the scores (`step` gets the column limit). A window that reaches past the
-end of the real data (slack, possibly NaN) is read from a zero-padded copy of
-the rows around that end instead (`schedule.tail_window`). Row tiles may read
-anything past their sequence: those rows only reach accumulator rows that are
-never stored. Stores write exactly the rows of the sequence: a full 64-row
-warpgroup tile in one TMA store from swizzled SMEM, a partial one through
-unswizzled SMEM as a ladder of 32, 16, ..., 1-row TMA stores (TMA boxes have
-static sizes).
+Jagged edges. TMA copies into swizzled SMEM move whole 8-row tiles, so every
+tile starts on an 8-row boundary: the tiles of a sequence start at the 8-aligned
+row at or before its first row, and the sequence occupies `[delta, delta + L)`
+of them (`schedule`). Column tiles therefore hold up to 7 rows of the previous
+sequence at the front and the next sequence's rows at the back; those are
+finite and masked out of the scores (`step` gets the column range). A window
+that reaches past the end of the real data (slack, possibly NaN) is read from a
+zero-padded copy of the rows around that end instead (`schedule.tail_window`).
+Row tiles may read anything outside their sequence: those rows only reach
+accumulator rows that are never stored. Stores write exactly the rows of the
+sequence: a full 64-row warpgroup tile in one TMA store from swizzled SMEM, a
+partial one through unswizzled SMEM as a ladder of 32, 16, ..., 1-row TMA
+stores (TMA boxes have static sizes).
 
 Source: GEM engineering description (Meta, 2025), GDPA; warp specialization,
 ping-ponged compute warpgroups and TMA rings as in FlashAttention-3

@@ -41,7 +41,9 @@ def gdpa(
       q_offsets: int32 `[B+1]` (ignored, may be None, with `broadcast_q`).
       kv_offsets: int32 `[B+1]`.
       max_seq_len_q, max_seq_len_kv: static bounds on the lengths.
-      activation: "gelu" (tanh form), "gelu_erf", "silu", "relu" or "none".
+      activation: "gelu" (tanh form), "gelu_erf", "silu", "relu", "none", or
+        "gelu_poly6" (a polynomial that matches GELU only for |scores| <= 1.5;
+        see `pallas_kernels.gdpa.activations`).
       scale: applied to the scores before the activation; default `1/sqrt(D)`.
       broadcast_q: pooled attention with dense learned queries.
       implementation: "xla", "pallas" (Hopper) or None (pallas on Hopper, else xla).

@@ -111,8 +111,8 @@ def build(
     last = jnp.cumsum(items)  # inclusive
     total = last[-1]
     i = jnp.arange(per_head, dtype=jnp.int32)
-    # One fused compare instead of a binary search (a loop on the device).
-    seq = jnp.clip(jnp.searchsorted(last, i, side="right", method="compare_all"), 0, n_seq - 1).astype(jnp.int32)
+    # A sort-based search: the default binary search runs on the GPU as a loop of tiny steps.
+    seq = jnp.clip(jnp.searchsorted(last, i, side="right", method="sort"), 0, n_seq - 1).astype(jnp.int32)
     t0 = (i - (last[seq] - items[seq])) * tiles_per_item
     t1 = jnp.minimum(t0 + tiles_per_item, tiles[seq])
     live = i < total
