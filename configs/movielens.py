@@ -1,7 +1,7 @@
 """GEM-style model on the embedded MovieLens latest-small (data/ml-latest-small), CPU-sized.
 
 Tasks: PRIMARY = rating >= 4 ("like"), SECONDARY = rating >= 4.5 ("love").
-About 2 epochs at B=256; a few minutes on 2 CPU cores.
+400 steps at B=256 (about one epoch of the ~91k train examples); 5 to 10 minutes on 2 CPU cores.
 """
 
 from gem_jax.config import LoopConfig, TrainConfig

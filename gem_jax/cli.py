@@ -25,7 +25,10 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.train.loop import train_and_evaluate
 
     layout = distributed.initialize()
-    config = load_config(args.config)
+    try:
+        config = load_config(args.config)
+    except (FileNotFoundError, TypeError) as error:
+        parser.error(str(error))
     devices = jax.devices()
     where = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
     print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}")

@@ -87,7 +87,6 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
     if start:
         state = checkpointer.restore(start, setup.abstract, train_iter)
 
-    logger = MetricLogger(workdir)
     peak = flops_lib.peak_flops()
     first = next(iter(dataset.eval_batches()))
     sharding = batch_shardings(first, mesh, config.rules)
@@ -96,6 +95,8 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
 
     num_steps = config.loop.num_steps
     last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
+    trains = start < last_step  # False for a finished run started again: it only re-reports
+    logger = MetricLogger(workdir) if trains else None
     window_metrics, window_flops, window_examples, window_imbalance, window_waste = [], 0.0, 0, [], []
     window_start, train_seconds, train_flops, train_examples = time.perf_counter(), 0.0, 0.0, 0
     record: dict = {}
@@ -155,15 +156,17 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
     if final_step == num_steps:
         summary.update(evaluate(eval_step, state.params, dataset, sharding))
         summary.update(item_mean_label_auc(dataset))
-        logger.log(final_step, "eval", summary)
+        if trains:
+            logger.log(final_step, "eval", summary)
     if train_seconds:  # steady state: every log window after the first
         summary["train_examples_per_s"] = train_examples / train_seconds
         summary["train_tflops_per_s"] = train_flops / train_seconds / 1e12
         if peak:
             summary["mfu"] = train_flops / train_seconds / peak
     summary.update({k: v for k, v in record.items() if k in ("loss",)})
-    logger.log(final_step, "summary", summary)
-    logger.close()
+    if trains:
+        logger.log(final_step, "summary", summary)
+        logger.close()
     print_summary(summary)
     return summary
 

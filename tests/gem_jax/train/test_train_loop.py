@@ -53,3 +53,20 @@ def test_stop_and_restart_reproduces_the_loss_sequence(tiny_config, uninterrupte
     got = [(r["step"], r["loss"]) for r in read_records(tmp_path, "train")]
     assert got == expected  # bit-exact: same parameters, optimizer state and batches
     assert resumed["auc_primary"] == read_records(workdir, "summary")[-1]["auc_primary"]
+
+
+def test_finished_run_started_again_only_reports(tiny_config, uninterrupted):
+    workdir, summary = uninterrupted
+    before = (workdir / "metrics.jsonl").read_text()
+    events = sorted((workdir / "tensorboard").iterdir())
+    again = train_and_evaluate(tiny_config, workdir)
+    assert again["auc_primary"] == summary["auc_primary"]
+    assert (workdir / "metrics.jsonl").read_text() == before
+    assert sorted((workdir / "tensorboard").iterdir()) == events
+
+
+def test_bad_config_path_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--config", str(tmp_path / "missing.py"), "--workdir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert "missing.py not found" in capsys.readouterr().err
