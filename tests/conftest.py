@@ -4,6 +4,9 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Mosaic GPU interpret mode blocks XLA:CPU intra-op threads in its barrier callbacks; with the
+# default pool (one thread per core) a 2-core machine can run out of threads and hang.
+os.environ.setdefault("PJRT_NPROC", "8")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -46,7 +46,10 @@ def gdpa(
         see `pallas_kernels.gdpa.activations`).
       scale: applied to the scores before the activation; default `1/sqrt(D)`.
       broadcast_q: pooled attention with dense learned queries.
-      implementation: "xla", "pallas" (Hopper) or None (pallas on Hopper, else xla).
+      implementation: "xla", "pallas" (Hopper; bf16/f16 inputs) or None. None resolves
+        to "xla" on every platform for now: the kernels pass the CPU interpreter on every
+        case, but their jagged path (after the 8-row TMA alignment fix) has not yet been
+        validated on a GPU (BENCHMARKS.md, known gaps).
 
     Returns:
       `[Tq, H, D]` (slack rows zero), or `[B * Lq, H, D]` with `broadcast_q`; q.dtype.
@@ -59,7 +62,7 @@ def gdpa(
     if not broadcast_q and (q_offsets is None or q_offsets.shape != kv_offsets.shape):
         raise ValueError("q_offsets and kv_offsets must both be int32 [B+1] unless broadcast_q=True")
     reference.activation_fn(activation)  # validates the name
-    impl = _dispatch.resolve(implementation)
+    impl = _dispatch.Implementation.XLA if implementation is None else _dispatch.resolve(implementation)
     kwargs = dict(
         max_seq_len_q=max_seq_len_q,
         max_seq_len_kv=max_seq_len_kv,

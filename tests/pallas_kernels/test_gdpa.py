@@ -6,12 +6,6 @@ rows, zeros on the slack rows, and no NaN anywhere.
 """
 
 import math
-import os
-
-# The interpreter blocks XLA:CPU intra-op threads in its barrier callbacks; with
-# the default pool (one thread per core) a 2-core machine can run out of threads
-# and hang. The pool size is read when the CPU client is created.
-os.environ.setdefault("PJRT_NPROC", "8")
 
 import jax
 import jax.numpy as jnp
