@@ -1,0 +1,68 @@
+"""Model-level FP8 check: eval NE of the MovieLens demo with FP8 towers against full precision.
+
+Reads the `metrics.jsonl` of finished `gem-train` runs (same config but `ModelConfig.fp8`),
+writes a JSON summary and a figure of both training curves.
+
+    gem-train --config configs/movielens.py --workdir runs/f32
+    gem-train --config configs/movielens_fp8.py --workdir runs/fp8
+    python benchmarks/fp8_movielens.py --run full=runs/f32 --run fp8_32=runs/fp8 \
+        --out benchmarks/results/fp8_movielens_cpu.json --figure benchmarks/figures/fp8_movielens_ne.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import jax
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_run(workdir: Path) -> dict[str, list[dict]]:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {kind: [r for r in records if r["kind"] == kind] for kind in ("train", "eval")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", action="append", required=True, help="name=workdir; the first is the reference")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--figure", type=Path, required=True)
+    args = parser.parse_args()
+    runs = {name: read_run(Path(path)) for name, path in (r.split("=", 1) for r in args.run)}
+    reference = next(iter(runs))
+    final = {name: run["eval"][-1] for name, run in runs.items()}
+    summary = {
+        "date": datetime.date.today().isoformat(),
+        "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
+        "jax": jax.__version__,
+        "reference": reference,
+        "final_eval": final,
+        "ne_relative_change_vs_reference": {
+            name: {task: final[name][f"ne_{task}"] / final[reference][f"ne_{task}"] - 1 for task in ("primary", "secondary")}
+            for name in runs
+        },
+        "curves": {name: {"train": run["train"], "eval": run["eval"]} for name, run in runs.items()},
+    }
+    args.out.write_text(json.dumps(summary, indent=1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, run in runs.items():
+        line = ax.plot([r["step"] for r in run["train"]], [r["ne_primary"] for r in run["train"]], label=f"{name} train NE")[0]
+        ax.plot([r["step"] for r in run["eval"]], [r["ne_primary"] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
+    ax.set_xlabel("step")
+    ax.set_ylabel("NE, primary task (rating >= 4)")
+    ax.set_title("MovieLens latest-small: FP8 towers vs full precision")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.figure, dpi=120)
+    print(json.dumps(summary["ne_relative_change_vs_reference"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
