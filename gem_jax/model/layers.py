@@ -70,6 +70,7 @@ class EmbeddingTable(nnx.Module):
 
 
 def rms_norm(dim: int, *, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    """RMSNorm (Zhang & Sennrich, 2019) over the last axis of width `dim`, scale on logical axis `norm`."""
     return nnx.RMSNorm(dim, epsilon=1e-6, scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",)), rngs=rngs)
 
 

@@ -22,7 +22,7 @@ class SelfAttentionBlock(nnx.Module):
     """Pre-norm causal self-attention + MLP over jagged tokens `[T, d]`."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        d, h, hd = config.embed_dim, config.num_heads, config.head_dim
+        d, hd = config.embed_dim, config.head_dim
         self.config = config
         self.norm_attn = rms_norm(d, rngs=rngs)
         self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)

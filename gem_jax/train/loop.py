@@ -13,7 +13,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from gem_jax.config import TrainConfig
-from gem_jax.data.batch import Batch, validate_ids
+from gem_jax.data.batch import validate_ids
 from gem_jax.data.pipeline import Dataset, load_dataset
 from gem_jax.data.workload import Workload, load_imbalance, padding_waste, shard_loads
 from gem_jax.model.gem import GEMModel
@@ -34,16 +34,11 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss or gradient norm became NaN or Inf."""
 
 
-def batch_shardings(batch: Batch, mesh, rules) -> BatchPlacement:
-    """Where batches go: one local jagged batch per device, stacked (`gem_jax.parallel.batch`)."""
-    return BatchPlacement(mesh)
-
-
-def evaluate(eval_step, params, dataset: Dataset, sharding) -> dict[str, float]:
+def evaluate(eval_step, params, dataset: Dataset, placement: BatchPlacement) -> dict[str, float]:
     """Runs the model over every eval example once; per-task AUC, NE and BCE."""
     acc = EvalAccumulator(dataset.task_names)
     for batch in dataset.eval_batches():
-        logits = eval_step(params, sharding.put(batch))
+        logits = eval_step(params, placement.put(batch))
         acc.add(logits, batch.labels, batch.weights)
     return acc.result()
 
@@ -88,8 +83,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
         state = checkpointer.restore(start, setup.abstract, train_iter)
 
     peak = flops_lib.peak_flops()
-    first = next(iter(dataset.eval_batches()))
-    sharding = batch_shardings(first, mesh, config.rules)
+    sharding = BatchPlacement(mesh)  # one local jagged batch per device, stacked (gem_jax.parallel.batch)
     train_step = make_train_step(setup, optimizer, sharding)
     eval_step = make_eval_step(setup, sharding)
 

@@ -12,6 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def bce_per_example(logits, labels):
+    """Numerically stable BCE with logits, elementwise (nats); numpy or jax arrays."""
+    xp = jnp if isinstance(logits, jax.Array) else np
+    return xp.maximum(logits, 0) - logits * labels + xp.log1p(xp.exp(-xp.abs(logits)))
+
+
 def weighted_bce(logits: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Array:
     """Per-task mean BCE over real examples.
 
@@ -22,8 +28,7 @@ def weighted_bce(logits: jax.Array, labels: jax.Array, weights: jax.Array) -> ja
     Returns:
       float32 `[K]` (nats per example).
     """
-    per_example = jnp.maximum(logits, 0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
-    return (weights[:, None] * per_example).sum(0) / jnp.maximum(weights.sum(), 1.0)
+    return (weights[:, None] * bce_per_example(logits, labels)).sum(0) / jnp.maximum(weights.sum(), 1.0)
 
 
 def binary_entropy(p):
@@ -84,7 +89,7 @@ class EvalAccumulator:
         keep = weights > 0
         logits, labels = logits[keep], labels[keep]
         out = {"eval_examples": int(keep.sum())}
-        bce = np.maximum(logits, 0) - logits * labels + np.log1p(np.exp(-np.abs(logits)))
+        bce = bce_per_example(logits, labels)
         for k, name in enumerate(self.task_names):
             out[f"auc_{name}"] = auc(logits[:, k], labels[:, k])
             out[f"ne_{name}"] = float(normalized_entropy(bce[:, k].mean(), labels[:, k].mean()))

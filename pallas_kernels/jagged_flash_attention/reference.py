@@ -6,7 +6,6 @@ a T x T matrix over the packed batch); scores and softmax run in float32.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.jagged_layout import from_padded, to_padded
