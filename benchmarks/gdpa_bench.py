@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
+import dataclasses
 import sys
 import time
 import traceback
@@ -28,30 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import _timing
 from pallas_kernels.gdpa import config, ops
 
 H, D = 4, 128
 DTYPE = jnp.bfloat16
-
-
-def timed(f, *args, iters: int = 5, reps: int = 3) -> float:
-    """Median seconds per call (after a compile-and-warm-up call)."""
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
+DEVICE_ITERS = 10
 
 
 def gemm_ceiling() -> dict:
     n = 8192
     a = jax.random.normal(jax.random.key(0), (n, n), DTYPE)
     b = jax.random.normal(jax.random.key(1), (n, n), DTYPE)
-    t = timed(jax.jit(lambda a, b: a @ b), a, b)
+    t = _timing.wall_seconds(jax.jit(lambda a, b: a @ b), a, b)
     return {"shape": [n, n, n], "seconds": t, "tflops": 2 * n**3 / t / 1e12}
 
 
@@ -169,8 +158,13 @@ def run_case(case: dict, gemm_tflops: float) -> dict:
         entry = {}
         try:
             d_out = case["d_out"] if name != "cudnn_softmax" else cargs[3]
-            entry["fwd_ms"] = timed(fwd, *a) * 1e3
-            entry["fwd_bwd_ms"] = timed(fwd_bwd, *a, d_out) * 1e3
+            entry["fwd_ms"] = _timing.wall_seconds(fwd, *a) * 1e3
+            entry["fwd_bwd_ms"] = _timing.wall_seconds(fwd_bwd, *a, d_out) * 1e3
+            entry["fwd_device_ms"] = _timing.device_ms(fwd, a, DEVICE_ITERS)
+            entry["fwd_bwd_device_ms"] = _timing.device_ms(fwd_bwd, (*a, d_out), DEVICE_ITERS)
+            if name == "pallas":
+                entry["fwd_kernels_us"] = _timing.kernel_breakdown_us(fwd, a)
+                entry["fwd_bwd_kernels_us"] = _timing.kernel_breakdown_us(fwd_bwd, (*a, d_out))
             entry["bwd_ms"] = entry["fwd_bwd_ms"] - entry["fwd_ms"]
             for part in ("fwd", "fwd_bwd", "bwd"):
                 if entry[f"{part}_ms"] <= 0:
@@ -230,6 +224,71 @@ def small_jagged_check() -> dict:
     return results
 
 
+# Forward tilings tried by --sweep (overrides of `config.choose`'s pick; the ring
+# gives up column slots when the rows need the shared memory).
+FORWARD_VARIANTS = {
+    "default": {},
+    "row_slots3": {"row_slots": 3},
+    "row_slots4": {"row_slots": 4},
+    "cols64": {"block_cols": 64},
+    "cols64_row_slots3": {"block_cols": 64, "row_slots": 3},
+    "items2": {"row_tiles_per_item": 2},
+    "items8": {"row_tiles_per_item": 8},
+    "cols64_ring4": {"block_cols": 64, "col_slots": 4},
+    "cols64_ring5": {"block_cols": 64, "col_slots": 5},
+}
+
+
+def forward_tiling(overrides: dict, chosen: list):
+    """A `config.choose` that applies `overrides` to the forward pass only (records what it picked)."""
+    real = config.choose
+
+    def choose(**kw):
+        if kw["n_row_inputs"] != 1:  # dQ and dK/dV keep their tiling
+            return real(**kw)
+        cfg = real(**{**kw, "block_cols": overrides.get("block_cols", kw.get("block_cols"))})
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if k != "block_cols"})
+
+        def fits(c):
+            smem = config.smem_bytes(c, head_dim=kw["head_dim"], itemsize=kw["itemsize"], n_row_inputs=1, n_col_inputs=2)
+            return smem <= config.SMEM_BUDGET
+
+        while not fits(cfg) and cfg.col_slots > 2:
+            cfg = dataclasses.replace(cfg, col_slots=cfg.col_slots - 1)
+        if not fits(cfg):
+            raise ValueError(f"{overrides} does not fit in shared memory")
+        chosen.append(dataclasses.asdict(cfg))
+        return cfg
+
+    return choose
+
+
+def sweep_forward(case: dict) -> dict:
+    """Forward device and wall time of each `FORWARD_VARIANTS` tiling, with its error against XLA."""
+    args = (case["q"], case["k"], case["v"])
+    want = gdpa_fns(case, "xla")[0](*args)
+    results = {}
+    real = config.choose
+    for name, overrides in FORWARD_VARIANTS.items():
+        chosen = []
+        config.choose = forward_tiling(overrides, chosen)
+        try:
+            fwd = gdpa_fns(case, "pallas")[0]
+            got = fwd(*args)
+            results[name] = {
+                "tiling": chosen[-1] if chosen else None,
+                "device_ms": _timing.device_ms(fwd, args, DEVICE_ITERS),
+                "wall_ms": _timing.wall_seconds(fwd, *args) * 1e3,
+                "rel_max_err": relative_error(got, want),
+            }
+        except Exception as e:
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        finally:
+            config.choose = real
+        print(f"  {case['name']:7s} sweep {name:18s} {results[name]}", flush=True)
+    return results
+
+
 def with_smem_fallback(fn):
     """Runs `fn`; if the kernels do not fit in shared memory, retries once with a smaller budget."""
     try:
@@ -247,6 +306,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", default="cross,pooled,self,jagged")
     parser.add_argument("--budget-s", type=float, default=600.0, help="start no new shape after this many seconds")
+    parser.add_argument("--sweep", action="store_true", help="also time the forward under each of FORWARD_VARIANTS")
     args = parser.parse_args()
     device = jax.devices()[0]
     report = {
@@ -290,6 +350,9 @@ def main() -> None:
         print(f"{name}: fwd {case['fwd_flops'] / 1e9:.1f} GFLOP", flush=True)
         report["cases"].append(run_case(case, gemm))
         save()
+        if args.sweep:
+            report["cases"][-1]["forward_sweep"] = sweep_forward(case)
+            save()
     print("done", flush=True)
 
 

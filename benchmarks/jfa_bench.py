@@ -29,7 +29,6 @@ import argparse
 import datetime
 import functools
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import _timing
 from pallas_kernels.jagged_flash_attention import kernel as jfa_kernel
 from pallas_kernels.jagged_flash_attention import reference
 
@@ -91,37 +91,8 @@ def to_padded(x, lengths, n):
 # --- timing ---------------------------------------------------------------------------------
 
 
-def cupti_ms(f, args, iters):
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, per_iter = profiler.measure(f, iterations=iters)(*args)
-        return float(statistics.median(per_iter)) if per_iter else None
-    except Exception as e:  # CUPTI may be unavailable
-        print(f"  cupti unavailable: {type(e).__name__}: {e}", flush=True)
-        return None
-
-
-def cupti_breakdown(f, args):
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, kernels = profiler.measure(f, aggregate=False)(*args)
-        return [(name[:80], round(ms * 1e3, 2)) for name, ms in kernels]
-    except Exception:
-        return None
-
-
-def wall_ms(f, args, iters, reps=5):
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            r = f(*args)
-        jax.block_until_ready(r)
-        samples.append((time.perf_counter() - t0) / iters * 1e3)
-    return float(statistics.median(samples))
+def wall_ms(f, args, iters):
+    return _timing.wall_seconds(f, *args, iters=iters, reps=5) * 1e3
 
 
 # --- implementations -------------------------------------------------------------------------
@@ -289,7 +260,7 @@ def bench_case(name, causal, iters, record, impls):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(*a))
                 n_iter = int(np.clip(0.3 / max(time.perf_counter() - t0, 1e-6), 3, iters))
-                dev = cupti_ms(fn, a, n_iter)
+                dev = _timing.device_ms(fn, a, n_iter)
                 wall = wall_ms(fn, a, n_iter)
                 work = flops * (1.0 if mode == "fwd" else 3.5)
                 res[mode] = {
@@ -300,7 +271,7 @@ def bench_case(name, causal, iters, record, impls):
                     "first_call_s": compile_s,
                 }
                 if impl == "jfa_pallas":
-                    res[mode]["kernels_us"] = cupti_breakdown(fn, a)
+                    res[mode]["kernels_us"] = _timing.kernel_breakdown_us(fn, a)
             except Exception as e:
                 traceback.print_exc()
                 res[mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}

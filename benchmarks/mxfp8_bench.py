@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch in the same process
@@ -37,6 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import _timing  # noqa: E402
 from pallas_kernels.mxfp8 import kernel_matmul, mxfp8_matmul, quantize_mxfp8, random_hadamard  # noqa: E402
 
 SHAPES = [  # (M, N, K)
@@ -58,15 +58,7 @@ ITERS, REPS = 20, 5
 def jax_time(f, *args, iters=None, reps=None) -> float:
     """Median seconds per call of the jitted `f`."""
     iters, reps = (ITERS, REPS) if SMOKE else (iters or ITERS, reps or REPS)
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / iters)
-    return statistics.median(times)
+    return _timing.wall_seconds(f, *args, iters=iters, reps=reps)
 
 
 def torch_time(f, iters=20, reps=5) -> float:

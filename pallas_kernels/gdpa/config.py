@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-WG_ROWS = 64  # rows per compute warpgroup: the wgmma M
-ALIGN = 8  # rows: TMA copies of swizzled SMEM tiles start at multiples of this
+from pallas_kernels import _mgpu_common
+
+WG_ROWS = _mgpu_common.WG_ROWS  # rows per compute warpgroup: the wgmma M
+ALIGN = _mgpu_common.ROW_ALIGN  # rows: TMA copies of swizzled SMEM tiles start at multiples of this
 NUM_COMPUTE_WGS = 2
 # Opt-in dynamic shared memory per block on H100/H200 (227 KiB), less a margin
 # for barriers and Mosaic's own scratch (`reduction_scratch_bytes`).

@@ -48,25 +48,15 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _manual_axes, _mgpu_common
 from pallas_kernels.gdpa import schedule
 from pallas_kernels.gdpa.config import NUM_COMPUTE_WGS, REDUCTION_SCRATCH_BYTES, WG_ROWS, Split, TileConfig
 
 COMPUTE_REGISTERS = 232  # per thread, compute warpgroups (setmaxnreg)
 MEMORY_REGISTERS = 40  # per thread, the TMA warpgroup
-
-
-def interpreting() -> bool:
-    """True while tracing under `plgpu.force_gpu_interpret_mode` (the CPU simulator)."""
-    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
-
-
-def swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """SMEM in the 128-byte swizzled layout wgmma and TMA use (last dim a multiple of 64)."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +171,7 @@ def run(
     out_start_at = col_start_at + nc
     col_end_at = out_start_at + 1
     tail_base_at = col_end_at + nc
-    interpret = interpreting()
+    interpret = _mgpu_common.interpreting()
 
     def owns(parity_index, w):
         """Whether compute warpgroup `w` consumes a column tile (rows split: both do).
@@ -208,12 +198,12 @@ def run(
         wg = lax.axis_index("wg")
 
         def item(it):
-            field = lambda f: sched_ref[cta, it, f]
+            field = lambda f: _read_scalar(sched_ref, cta, it, f)
             b = field(schedule.F_SEQ)
             return b, field(schedule.F_HEAD), field(schedule.F_T0), field(schedule.F_T1)
 
         def seq_field(b, f):
-            return seqs_ref[b, f]
+            return _read_scalar(seqs_ref, b, f)
 
         def n_col_steps(b):
             col_len = seq_field(b, schedule.S_COL_LEN)
@@ -307,7 +297,6 @@ def run(
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             w = wg
-            swz_stage, lin_stage = stage
             lhs_tiles = [None] * spec.n_lhs if lhs_smem is None else [lhs_smem.at[w, i] for i in range(spec.n_lhs)]
 
             # Arm the consumed barriers: every slot starts free.
@@ -323,7 +312,7 @@ def run(
                 for o, value in enumerate(values):
                     value = value.astype(dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    _store_rows(value, swz_stage.at[w], lin_stage.at[w], out_ref(o), row, first, last, h)
+                    _mgpu_common.store_rows(value, stage, w, out_ref(o), row, h, first, last)
 
             def item_body(it, carry):
                 row_cnt, col_cnt, k = carry
@@ -409,13 +398,10 @@ def run(
             plgpu.wait_smem_to_gmem(0)
 
     out_shape = (out_rows, heads, head_dim) if split_rows else (NUM_COMPUTE_WGS, out_rows, heads, head_dim)
-    row_smem = tuple(swizzled((RS, row_copies, R, head_dim), dtype) for _ in range(nr))
-    col_smem = tuple(swizzled((CS, C, head_dim), dtype) for _ in range(nc))
-    stage = plgpu.RefUnion(
-        swizzled((NUM_COMPUTE_WGS, R, head_dim), dtype),
-        plgpu.SMEM((NUM_COMPUTE_WGS, R, head_dim), dtype),
-    )
-    lhs_smem = swizzled((NUM_COMPUTE_WGS, spec.n_lhs, R, C), dtype) if interpret else None
+    row_smem = tuple(_mgpu_common.swizzled_smem((RS, row_copies, R, head_dim), dtype) for _ in range(nr))
+    col_smem = tuple(_mgpu_common.swizzled_smem((CS, C, head_dim), dtype) for _ in range(nc))
+    stage = _mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype)
+    lhs_smem = _mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, spec.n_lhs, R, C), dtype) if interpret else None
     barriers = (
         plgpu.Barrier(num_arrivals=nr * row_copies, num_barriers=RS),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=RS),
@@ -437,7 +423,18 @@ def run(
         ),
         kernel_name=spec.name,
     )
-    return list(kernel(plan.sched, plan.seqs, *rows, *cols, *tails))
+    return list(_manual_axes.call_kernel(kernel, plan.sched, plan.seqs, *rows, *cols, *tails))
+
+
+def _read_scalar(ref, *index) -> jax.Array:
+    """`ref[index]` as a scalar of the kernel's own arithmetic type.
+
+    Under `shard_map` a read from an operand ref is typed as varying over the
+    mesh axes, but the kernel is traced with those checks off, so arithmetic
+    results are not. A loop whose bounds come straight from a read would carry
+    both types and fail to trace; one arithmetic step gives every scalar the same.
+    """
+    return ref[index] + jnp.int32(0)
 
 
 def _when(cond, f) -> None:
@@ -446,36 +443,3 @@ def _when(cond, f) -> None:
         f()
     else:
         pl.when(cond)(f)
-
-
-def _store_rows(value, swizzled_ref, linear_ref, dst_ref, row, first, last, head) -> None:
-    """Stores rows `[first, last)` (0 <= first <= last <= 64) of a `[64, D]` value to `dst_ref[row + i, head]`.
-
-    `row` (the GMEM row of value row 0) is a multiple of 8. A full tile leaves in
-    one TMA store from swizzled SMEM; a partial one through unswizzled SMEM as TMA
-    stores of 32, 16, ..., 1 rows, so no row outside `[first, last)` is written.
-    The caller waits for the stores before reusing the SMEM.
-    """
-    full = (first == 0) & (last == WG_ROWS)
-
-    @pl.when(full)
-    def _():
-        swizzled_ref[...] = value
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(swizzled_ref, dst_ref.at[pl.ds(row, WG_ROWS), head])
-
-    @pl.when(jnp.logical_not(full) & (last > first))
-    def _():
-        linear_ref[...] = value
-        plgpu.commit_smem()
-        n = last - first
-        done = first
-        size = WG_ROWS // 2
-        while size:
-
-            @pl.when(lax.bitwise_and(n, jnp.int32(size)) != 0)
-            def _(size=size, done=done):
-                plgpu.copy_smem_to_gmem(linear_ref.at[pl.ds(done, size)], dst_ref.at[pl.ds(row + done, size), head])
-
-            done = done + lax.bitwise_and(n, jnp.int32(size))
-            size //= 2

@@ -15,10 +15,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _manual_axes, _mgpu_common
 from pallas_kernels.gdpa import backward, config, engine, forward, schedule
 from pallas_kernels.gdpa.reference import Activation
 
-ROW_ALIGN = 8  # TMA row-dimension granularity (see `_tma_rows`)
 # dK/dV hold two [64, D] float32 accumulators per warpgroup; 64-column steps keep
 # the two [64, 64] score tiles beside them within the 232 registers per thread.
 DKV_BLOCK_COLS = 64
@@ -78,6 +78,8 @@ def gdpa(
     )
     kv_offsets = kv_offsets.astype(jnp.int32)
     q_offsets = jnp.zeros((1,), jnp.int32) if broadcast_q else q_offsets.astype(jnp.int32)
+    axes = _manual_axes.varying_axes(q, k, v, q_offsets, kv_offsets)
+    q, k, v, q_offsets, kv_offsets = (_manual_axes.to_varying(x, axes) for x in (q, k, v, q_offsets, kv_offsets))
     return _gdpa(q, k, v, q_offsets, kv_offsets, static)
 
 
@@ -126,7 +128,7 @@ class _Sequences:
             # Sequence b's outputs (and output cotangents) sit at rows b * Lq8, Lq8
             # = Lq rounded up to 8, so they share the queries' alignment (row 0).
             lq = q.shape[0]
-            lq8 = _round_up(lq, ROW_ALIGN)
+            lq8 = _round_up(lq, config.ALIGN)
             out_start = jnp.arange(batch, dtype=jnp.int32) * lq8
             return cls(
                 q_start=jnp.zeros((batch,), jnp.int32),
@@ -159,7 +161,7 @@ def _round_up(n: int, m: int) -> int:
 
 def _broadcast_rows(x: jax.Array, batch: int, lq: int, *, pad: bool) -> jax.Array:
     """`[B * Lq, ...]` <-> `[B * Lq8, ...]` (sequence b at rows b * Lq8); a copy only when Lq % 8."""
-    lq8 = _round_up(lq, ROW_ALIGN)
+    lq8 = _round_up(lq, config.ALIGN)
     if lq8 == lq:
         return x
     if pad:
@@ -171,7 +173,7 @@ def _broadcast_rows(x: jax.Array, batch: int, lq: int, *, pad: bool) -> jax.Arra
 
 
 def _num_ctas() -> int:
-    if engine.interpreting():
+    if _mgpu_common.interpreting():
         return INTERPRET_NUM_CTAS
     return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_NUM_CTAS)
 
@@ -186,7 +188,7 @@ def _tma_rows(rows: int, minimum: int) -> int:
     Mosaic GPU tiles the whole GMEM row dimension by the 8-row SMEM tiling, so
     its size must be a multiple of 8.
     """
-    return max(minimum, -(-rows // ROW_ALIGN) * ROW_ALIGN)
+    return max(minimum, -(-rows // config.ALIGN) * config.ALIGN)
 
 
 def _padded_rows(x: jax.Array, minimum: int) -> jax.Array:
@@ -358,7 +360,7 @@ def _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
     if static.broadcast_q:
         # One partial dQ per sequence (rows b * Lq8 ...): the shared queries get their sum.
         batch = kv_offsets.shape[0] - 1
-        lq8 = _round_up(q.shape[0], ROW_ALIGN)
+        lq8 = _round_up(q.shape[0], config.ALIGN)
         dq = dq.reshape((batch, lq8) + q.shape[1:])[:, : q.shape[0]]
         dq = dq.astype(jnp.float32).sum(axis=0).astype(q.dtype)
     return dq

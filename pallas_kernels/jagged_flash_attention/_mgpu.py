@@ -13,7 +13,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -22,17 +21,6 @@ from pallas_kernels.jagged_flash_attention.config import NUM_STAGES, ROW_ALIGN, 
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-
-def interpreting() -> bool:
-    """True while tracing under `plgpu.force_gpu_interpret_mode`."""
-    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
-
-
-def swizzled_smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """SMEM laid out for wgmma / 128-byte-swizzled TMA (last dim a multiple of 64 bf16)."""
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
@@ -138,56 +126,6 @@ def copy_rows_in(src_ref, tail_ref, row, rows: int, head, end, dst, barrier) -> 
     @pl.when(jnp.logical_not(crosses))
     def _():
         plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(pl.multiple_of(row, ROW_ALIGN), rows), head], dst, barrier)
-
-
-def staging_smem(head_dim: int, dtype) -> plgpu.RefUnion:
-    """One warpgroup's output staging buffer: `[64, D]` swizzled, aliased with `[64, D]` plain."""
-    return plgpu.RefUnion(swizzled_smem((WG_ROWS, head_dim), dtype), plgpu.SMEM((WG_ROWS, head_dim), dtype))
-
-
-def store_rows_out(value: jax.Array, staging, wg, dst_ref, row, head, lo, hi) -> None:
-    """Stores rows `[lo, hi)` of a `[64, D]` value (dst dtype) to `dst_ref[row+lo:row+hi, head]`.
-
-    `staging` holds one `staging_smem` per compute warpgroup; `wg` picks this
-    warpgroup's. A full slice goes out in one TMA store from the swizzled view.
-    A partial one goes through the plain view and a ladder of TMA stores of 32,
-    16, ..., 1 rows, so no row outside the item is touched (TMA boxes have
-    static sizes, and the neighbouring sequences' rows sit right next to this
-    one's). The caller waits for the stores (`plgpu.wait_smem_to_gmem`).
-    """
-    for w, (swizzled_ref, linear_ref) in enumerate(staging):
-
-        @pl.when(wg == w)
-        def _():
-            _store_rows(value, swizzled_ref, linear_ref, dst_ref, row, head, lo, hi)
-
-
-def _store_rows(value, swizzled_ref, linear_ref, dst_ref, row, head, lo, hi) -> None:
-    n = hi - lo
-
-    @pl.when(n == WG_ROWS)
-    def _():
-        swizzled_ref[...] = value
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(swizzled_ref, dst_ref.at[pl.ds(pl.multiple_of(row, ROW_ALIGN), WG_ROWS), head])
-
-    @pl.when((n > 0) & (n < WG_ROWS))
-    def _():
-        linear_ref[...] = value
-        plgpu.commit_smem()
-        done = lo
-        size = WG_ROWS // 2
-        while size:
-            chunk = size
-
-            @pl.when(lax.bitwise_and(n, jnp.int32(chunk)) != 0)
-            def _():
-                plgpu.copy_smem_to_gmem(
-                    linear_ref.at[pl.ds(done, chunk)], dst_ref.at[pl.ds(row + done, chunk), head]
-                )
-
-            done = done + lax.bitwise_and(n, jnp.int32(chunk))
-            size //= 2
 
 
 def row_vector(value: float, n: int) -> jax.Array:

@@ -35,6 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _manual_axes
+
 _NUM_COMPUTE_WGS = 2
 
 
@@ -261,7 +263,7 @@ def scaled_matmul(
 
     cluster_size = cl_m * cl_n
     num_ctas = min(_num_sms() // cluster_size, m_iters * n_iters) * cluster_size
-    return plgpu.kernel(
+    matmul = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(num_ctas // cluster_size,),
@@ -270,4 +272,5 @@ def scaled_matmul(
         cluster_names=("cluster",),
         num_threads=_NUM_COMPUTE_WGS + 1,
         thread_name="wg",
-    )(a, b, row_scales, col_scales)
+    )
+    return _manual_axes.call_kernel(matmul, a, b, row_scales, col_scales)

@@ -1,0 +1,38 @@
+"""Mosaic GPU kernels under `jax.shard_map`: giving kernel results their operands' mesh-axis type.
+
+Inside `shard_map` (with its default `check_vma=True`) every array is typed by
+the manual mesh axes it varies over. `plgpu.kernel` traces its body with those
+checks off and returns results typed as invariant, which breaks `custom_vjp`
+(a cotangent must have its primal's type) and mixes badly with the operands.
+The kernels' wrappers therefore make all operands vary over the same axes
+(the transpose of that cast is the `psum` an invariant operand's gradient
+needs) and cast each kernel result to those axes.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def varying_axes(*xs: jax.Array | None) -> tuple[str, ...]:
+    """The manual mesh axes any of `xs` varies over (empty outside `shard_map`)."""
+    axes: set[str] = set()
+    for x in xs:
+        if x is not None:
+            axes |= set(jax.typeof(x).manual_axis_type.varying)
+    return tuple(sorted(axes))
+
+
+def to_varying(x: jax.Array | None, axes: tuple[str, ...]) -> jax.Array | None:
+    """`x` typed as varying over `axes` (a no-op for axes it already varies over)."""
+    if x is None:
+        return None
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def call_kernel(kernel, *operands):
+    """`kernel(*operands)` with every result cast to vary over the axes any operand varies over."""
+    axes = varying_axes(*operands)
+    return jax.tree.map(lambda out: to_varying(out, axes), kernel(*operands))

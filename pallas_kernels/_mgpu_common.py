@@ -1,0 +1,71 @@
+"""Mosaic GPU building blocks shared by the attention kernels (JFA and GDPA).
+
+Shared memory in the 128-byte swizzled layout that wgmma and TMA use, and the
+output path of a 64-row warpgroup tile: a staging buffer with a swizzled and a
+plain view, and a store that writes exactly a tile's rows `[lo, hi)`, so rows of
+neighbouring jagged sequences are never touched.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import config as jax_config
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WG_ROWS = 64  # rows of one compute warpgroup's tile (the wgmma M)
+ROW_ALIGN = 8  # TMA copies of swizzled SMEM tiles start at multiples of this many rows
+
+
+def interpreting() -> bool:
+    """True while tracing under `plgpu.force_gpu_interpret_mode` (the CPU simulator)."""
+    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+def swizzled_smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """SMEM laid out for wgmma / 128-byte-swizzled TMA (last dim a multiple of 64 bf16)."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def staging_smem(num_warpgroups: int, head_dim: int, dtype) -> plgpu.RefUnion:
+    """Output staging, `[num_warpgroups, 64, D]`: one swizzled view and one plain view of the same bytes."""
+    shape = (num_warpgroups, WG_ROWS, head_dim)
+    return plgpu.RefUnion(swizzled_smem(shape, dtype), plgpu.SMEM(shape, dtype))
+
+
+def store_rows(value: jax.Array, staging, wg, dst_ref, row, head, lo, hi) -> None:
+    """Stores rows `[lo, hi)` (0 <= lo <= hi <= 64) of a `[64, D]` value to `dst_ref[row + i, head]`.
+
+    `staging` is a `staging_smem`; warpgroup `wg` uses its slice. `row` (the GMEM
+    row of value row 0) is a multiple of 8. A full tile leaves in one TMA store
+    from the swizzled view; a partial one through the plain view as TMA stores
+    of 32, 16, ..., 1 rows (TMA boxes have static sizes), so no row outside
+    `[lo, hi)` is written. The caller waits for the stores
+    (`plgpu.wait_smem_to_gmem`) before it reuses the staging buffer.
+    """
+    swizzled_view, plain_view = staging
+    swizzled_ref, plain_ref = swizzled_view.at[wg], plain_view.at[wg]
+    n = hi - lo
+
+    @pl.when(n == WG_ROWS)
+    def _():
+        swizzled_ref[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(swizzled_ref, dst_ref.at[pl.ds(pl.multiple_of(row, ROW_ALIGN), WG_ROWS), head])
+
+    @pl.when((n > 0) & (n < WG_ROWS))
+    def _():
+        plain_ref[...] = value
+        plgpu.commit_smem()
+        done = lo
+        size = WG_ROWS // 2
+        while size:
+
+            @pl.when(lax.bitwise_and(n, jnp.int32(size)) != 0)
+            def _(size=size, done=done):
+                plgpu.copy_smem_to_gmem(plain_ref.at[pl.ds(done, size)], dst_ref.at[pl.ds(row + done, size), head])
+
+            done = done + lax.bitwise_and(n, jnp.int32(size))
+            size //= 2
