@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import _dispatch
 from pallas_kernels.gdpa import reference
 from pallas_kernels.gdpa.reference import Activation
+
+
+def kernel_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether the Mosaic GPU kernels take these operands: one dtype, bf16 or f16, D a multiple of 64."""
+    same = k.dtype == q.dtype and v.dtype == q.dtype
+    return same and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 64 == 0
 
 
 def gdpa(
@@ -46,10 +53,9 @@ def gdpa(
         see `pallas_kernels.gdpa.activations`).
       scale: applied to the scores before the activation; default `1/sqrt(D)`.
       broadcast_q: pooled attention with dense learned queries.
-      implementation: "xla", "pallas" (Hopper; bf16/f16 inputs) or None. None resolves
-        to "xla" on every platform for now: the kernels pass the CPU interpreter on every
-        case, but their jagged path (after the 8-row TMA alignment fix) has not yet been
-        validated on a GPU (BENCHMARKS.md, known gaps).
+      implementation: "xla" (the jnp reference), "pallas" (the Mosaic GPU kernels;
+        Hopper, bf16/f16 inputs, D a multiple of 64) or None: "pallas" on a Hopper GPU
+        when the kernels take these inputs, else "xla".
 
     Returns:
       `[Tq, H, D]` (slack rows zero), or `[B * Lq, H, D]` with `broadcast_q`; q.dtype.
@@ -62,7 +68,9 @@ def gdpa(
     if not broadcast_q and (q_offsets is None or q_offsets.shape != kv_offsets.shape):
         raise ValueError("q_offsets and kv_offsets must both be int32 [B+1] unless broadcast_q=True")
     reference.activation_fn(activation)  # validates the name
-    impl = _dispatch.Implementation.XLA if implementation is None else _dispatch.resolve(implementation)
+    impl = _dispatch.resolve(implementation)
+    if implementation is None and not kernel_supports(q, k, v):
+        impl = _dispatch.Implementation.XLA
     kwargs = dict(
         max_seq_len_q=max_seq_len_q,
         max_seq_len_kv=max_seq_len_kv,

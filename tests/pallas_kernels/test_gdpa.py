@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _dispatch
 from pallas_kernels.gdpa import activations, config, kernel, ops, reference, schedule
 from pallas_kernels.gdpa.reference import Activation
 
@@ -207,6 +208,22 @@ def test_bad_inputs_raise_clear_errors():
         kernel.gdpa(y, y, y, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
     with pytest.raises(ValueError, match="unknown activation"):
         ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4, activation="tanh", implementation="pallas")
+
+
+def test_default_implementation_takes_the_kernels_only_where_they_apply(monkeypatch):
+    """None picks the kernels on Hopper for bf16/f16 and D % 64 == 0, else the reference."""
+    bf16 = jnp.zeros((4, 1, HEAD_DIM), jnp.bfloat16)
+    assert ops.kernel_supports(bf16, bf16, bf16)
+    assert not ops.kernel_supports(bf16.astype(jnp.float32), bf16, bf16)
+    assert not ops.kernel_supports(bf16, bf16.astype(jnp.float16), bf16)
+    assert not ops.kernel_supports(jnp.zeros((4, 1, 96), jnp.bfloat16), *(jnp.zeros((4, 1, 96), jnp.bfloat16),) * 2)
+    monkeypatch.setattr(_dispatch, "is_hopper_gpu", lambda device=None: True)
+    called = []
+    monkeypatch.setattr(kernel, "gdpa", lambda *a, **kw: called.append(a[0].dtype) or a[0])
+    offsets = _offsets([4])
+    for x in (bf16, bf16.astype(jnp.float32)):
+        ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
+    assert called == [jnp.bfloat16]
 
 
 @pytest.mark.parametrize("broadcast_q", [False, True])
