@@ -5,13 +5,17 @@ Shapes (H = 4, D = 128, bf16): the three of ../shared/BASELINES.md (cross
 and a jagged production-like batch (B = 1024, query lengths uniform in
 [0, 1000] so about half of a padded batch is empty, 256 keys per sequence).
 
-Reports forward, forward+backward and (their difference) backward times, in
-TFLOP/s of real work (forward 4 * sum_b Lq_b Lkv_b * H * D; backward 2.5x, for
+Reports forward, forward+backward and (their difference) backward times, as wall
+time (median of 3 repetitions of 5 back-to-back calls: launch gaps and the XLA ops
+that build the work list included) and CUPTI device time (the kernels of one call),
+in TFLOP/s of real work (forward 4 * sum_b Lq_b Lkv_b * H * D; backward 2.5x, for
 its five products against the forward's two) and as a fraction of a bf16 GEMM
-(8192^3 jnp.dot) timed in the same run. Also checks the kernels against the
-float32 reference on every shape and on a small jagged batch with NaN slack.
+(8192^3 jnp.dot) timed in the same run, with each kernel's time for our calls.
+Also checks the kernels against the float32 reference on every shape and on a
+small jagged batch with NaN slack. `--sweep` also times the forward under each
+tiling of `FORWARD_VARIANTS`.
 
-    PYTHONPATH=. python3 benchmarks/gdpa_bench.py --out benchmarks/results/gdpa_h200.json
+    PYTHONPATH=. python3 benchmarks/gdpa_bench.py --out benchmarks/results/gdpa_h200.json [--sweep]
 """
 
 from __future__ import annotations
@@ -162,6 +166,8 @@ def run_case(case: dict, gemm_tflops: float) -> dict:
             entry["fwd_bwd_ms"] = _timing.wall_seconds(fwd_bwd, *a, d_out) * 1e3
             entry["fwd_device_ms"] = _timing.device_ms(fwd, a, DEVICE_ITERS)
             entry["fwd_bwd_device_ms"] = _timing.device_ms(fwd_bwd, (*a, d_out), DEVICE_ITERS)
+            if entry["fwd_device_ms"] and entry["fwd_bwd_device_ms"]:
+                entry["bwd_device_ms"] = entry["fwd_bwd_device_ms"] - entry["fwd_device_ms"]
             if name == "pallas":
                 entry["fwd_kernels_us"] = _timing.kernel_breakdown_us(fwd, a)
                 entry["fwd_bwd_kernels_us"] = _timing.kernel_breakdown_us(fwd_bwd, (*a, d_out))
@@ -184,12 +190,12 @@ def run_case(case: dict, gemm_tflops: float) -> dict:
     except Exception as e:
         result["check_vs_reference"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
     print(f"  {case['name']:7s} check {result['check_vs_reference']}", flush=True)
-    for part in ("fwd", "bwd"):
-        try:
-            result[f"{part}_speedup_vs_xla"] = result["xla_gelu"][f"{part}_ms"] / result["pallas"][f"{part}_ms"]
-            result[f"{part}_speedup_vs_cudnn_softmax"] = result["cudnn_softmax"][f"{part}_ms"] / result["pallas"][f"{part}_ms"]
-        except (KeyError, ZeroDivisionError):
-            pass
+    for part in ("fwd", "bwd", "fwd_device", "bwd_device"):
+        for peer in ("xla_gelu", "cudnn_softmax"):
+            try:
+                result[f"{part}_speedup_vs_{peer}"] = result[peer][f"{part}_ms"] / result["pallas"][f"{part}_ms"]
+            except (KeyError, TypeError, ZeroDivisionError):
+                pass
     return result
 
 
@@ -233,6 +239,7 @@ FORWARD_VARIANTS = {
     "cols64": {"block_cols": 64},
     "cols64_row_slots3": {"block_cols": 64, "row_slots": 3},
     "items2": {"row_tiles_per_item": 2},
+    "items4": {"row_tiles_per_item": 4},
     "items8": {"row_tiles_per_item": 8},
     "cols64_ring4": {"block_cols": 64, "col_slots": 4},
     "cols64_ring5": {"block_cols": 64, "col_slots": 5},

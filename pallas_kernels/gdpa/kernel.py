@@ -303,6 +303,7 @@ def build_plan(
         rows_per_tile=cfg.rows_per_tile,
         tiles_per_item=cfg.row_tiles_per_item,
         block_cols=block,
+        max_col_steps=cfg.max_col_tiles,
         num_ctas=cfg.num_ctas,
     )
     return cfg, plan, padded_out_rows

@@ -7,6 +7,7 @@ import pytest
 
 from gem_jax import jagged
 from gem_jax.jagged import Jagged, JaggedError, from_lengths, offsets_from_lengths
+from pallas_kernels import jagged_layout
 
 
 def _random_case(rng, batch, max_len, capacity_slack, feature_shape=(3,)):
@@ -152,3 +153,9 @@ def test_zero_capacity_pads_every_sequence():
     offsets = jnp.zeros((4,), jnp.int32)
     padded = to_padded(jnp.zeros((0, 2), jnp.float32), offsets, 5, fill_value=-1.0)
     assert padded.shape == (3, 5, 2) and float(padded.max()) == -1.0
+
+
+def test_counts_at_or_below_matches_searchsorted():
+    values = np.sort(np.random.default_rng(3).integers(0, 60, 40))  # with repeats, some past n
+    got = jagged_layout.counts_at_or_below(jnp.asarray(values, jnp.int32), 50)
+    np.testing.assert_array_equal(np.asarray(got), np.searchsorted(values, np.arange(50), side="right"))

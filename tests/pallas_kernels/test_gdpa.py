@@ -138,6 +138,7 @@ def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
         rows_per_tile=128,
         tiles_per_item=2,
         block_cols=64,
+        max_col_steps=5,
         num_ctas=3,
     )
     sched = np.asarray(plan.sched)
@@ -152,6 +153,12 @@ def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
     live = [work(r) for r in dealt if r[3] > r[2]]
     assert live == sorted(live, reverse=True)
     assert all(r[3] == r[2] for r in dealt[len(live) :])
+
+
+def test_heaviest_first_is_a_stable_descending_argsort():
+    work = jax.random.randint(jax.random.key(5), (500,), -1, 12)
+    got = schedule.heaviest_first(work, 11)
+    np.testing.assert_array_equal(got, np.argsort(-np.asarray(work), kind="stable"))
 
 
 def test_tail_window_zeroes_rows_past_the_end():
