@@ -109,7 +109,7 @@ def choose(
       ValueError: the head dimension does not fit in shared memory.
     """
     split = Split.ROWS if max_rows > WG_ROWS else Split.COLS
-    row_tiles_per_item = 8  # measured on the H200: 2-4% faster forward than 4 (benchmarks/gdpa.md)
+    row_tiles_per_item = 8  # forward within 2-4% of 2 and 4 on the H200 (benchmarks/gdpa.md, sweep)
     candidates = (block_cols,) if block_cols else ((64,) if max_cols <= 64 else (128, 64))
     for bc in candidates:
         for slots in (4, 3, 2):
