@@ -162,7 +162,6 @@ def main(argv: list[str] | None = None) -> None:
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "config": args.config,
-        "model": dataclasses.asdict(base.model),
         "per_device_batch": args.per_device_batch,
         "max_seq_len": base.data.max_seq_len,
         "synthetic": dataclasses.asdict(base.data.synthetic),
@@ -175,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     for impl in implementations:
         config = dataclasses.replace(base, model=dataclasses.replace(base.model, attention_implementation=impl))
         record["attention_implementation"] = impl or "auto (pallas on Hopper)"
+        record["model"] = dataclasses.asdict(config.model)
         record["runs"] = []
         try:
             for n in args.devices:

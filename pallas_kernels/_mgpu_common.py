@@ -15,6 +15,7 @@ from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+H100_H200_SM_COUNT = 132  # SMs of an H100 / H200 SXM: the persistent grid when the device does not say
 WG_ROWS = 64  # rows of one compute warpgroup's tile (the wgmma M)
 ROW_ALIGN = 8  # TMA copies of swizzled SMEM tiles start at multiples of this many rows
 
@@ -22,6 +23,11 @@ ROW_ALIGN = 8  # TMA copies of swizzled SMEM tiles start at multiples of this ma
 def interpreting() -> bool:
     """True while tracing under `plgpu.force_gpu_interpret_mode` (the CPU simulator)."""
     return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+def sm_count() -> int:
+    """SMs of the first device (the persistent kernels' grid size)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or H100_H200_SM_COUNT)
 
 
 def swizzled_smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:

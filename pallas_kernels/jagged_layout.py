@@ -12,13 +12,14 @@ import jax.numpy as jnp
 
 
 def counts_at_or_below(values: jax.Array, n: int) -> jax.Array:
-    """int32 `[n]`: `c[i]` = how many of the non-negative int `values` are <= i.
+    """int32 `[n]`: `c[i]` = how many of the int `values` are <= i.
 
     Equivalent to `jnp.searchsorted(jnp.sort(values), jnp.arange(n), side="right")`,
     computed as a histogram and a cumulative sum: on a GPU that is two small
     kernels, where a binary search is a loop of tiny ones and a sort several.
     """
-    histogram = jnp.zeros((n,), jnp.int32).at[values].add(1, mode="drop")
+    # Negative values count from bin 0 (an index < 0 would wrap); values >= n never count.
+    histogram = jnp.zeros((n,), jnp.int32).at[jnp.maximum(values, 0)].add(1, mode="drop")
     return jnp.cumsum(histogram, dtype=jnp.int32)
 
 

@@ -23,7 +23,6 @@ from pallas_kernels.gdpa.reference import Activation
 # the two [64, 64] score tiles beside them within the 232 registers per thread.
 DKV_BLOCK_COLS = 64
 INTERPRET_NUM_CTAS = 3  # persistent CTAs under the CPU simulator (exercises the zigzag)
-DEFAULT_NUM_CTAS = 132  # H100 / H200 SXM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,19 +55,26 @@ def gdpa(
     must not exceed `max_seq_len_q` / `max_seq_len_kv` (keys past the maximum are
     ignored). Rows of neighbouring sequences may be read by boundary tiles and
     are masked out, so they must be finite; slack rows past `offsets[-1]` may
-    hold anything.
+    hold anything. Without any key or output rows (or a zero maximum length) the
+    result is zeros and no kernel runs.
 
     Raises:
       ValueError: dtype other than bfloat16/float16, head dim not a multiple of 64,
-        or mismatched shapes.
+        a negative maximum length, or a head dim whose tiles do not fit in shared
+        memory (64 and 128 do).
     """
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"pallas GDPA needs bfloat16 or float16 q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    head_dim = q.shape[-1]
+    _, heads, head_dim = q.shape
     if head_dim % 64:
         raise ValueError(f"pallas GDPA needs a head dim that is a multiple of 64; got {head_dim}")
-    if max_seq_len_q < 1 or max_seq_len_kv < 1:
-        raise ValueError(f"max_seq_len_q and max_seq_len_kv must be positive; got {max_seq_len_q}, {max_seq_len_kv}")
+    if max_seq_len_q < 0 or max_seq_len_kv < 0:
+        raise ValueError(f"max_seq_len_q and max_seq_len_kv must be >= 0; got {max_seq_len_q}, {max_seq_len_kv}")
+    out_rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    no_queries = out_rows == 0 or (max_seq_len_q == 0 and not broadcast_q)
+    if no_queries or k.shape[0] == 0 or max_seq_len_kv == 0:
+        axes = _manual_axes.varying_axes(q, k, v, q_offsets, kv_offsets)
+        return _manual_axes.to_varying(jnp.zeros((out_rows, heads, head_dim), q.dtype), axes)
     static = Static(
         max_seq_len_q=int(q.shape[0]) if broadcast_q else int(max_seq_len_q),
         max_seq_len_kv=int(max_seq_len_kv),
@@ -175,7 +181,7 @@ def _broadcast_rows(x: jax.Array, batch: int, lq: int, *, pad: bool) -> jax.Arra
 def _num_ctas() -> int:
     if _mgpu_common.interpreting():
         return INTERPRET_NUM_CTAS
-    return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_NUM_CTAS)
+    return _mgpu_common.sm_count()
 
 
 def _append(per_seq: jax.Array, slack) -> jax.Array:

@@ -10,10 +10,13 @@ from pallas_kernels.gdpa import reference
 from pallas_kernels.gdpa.reference import Activation
 
 
+SUPPORTED_HEAD_DIMS = (64, 128)  # what the kernels' tiles fit in shared memory with
+
+
 def kernel_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-    """Whether the Mosaic GPU kernels take these operands: one dtype, bf16 or f16, D a multiple of 64."""
+    """Whether the Mosaic GPU kernels take these operands: one dtype, bf16 or f16, D in {64, 128}."""
     same = k.dtype == q.dtype and v.dtype == q.dtype
-    return same and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 64 == 0
+    return same and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in SUPPORTED_HEAD_DIMS
 
 
 def gdpa(
@@ -54,14 +57,15 @@ def gdpa(
       scale: applied to the scores before the activation; default `1/sqrt(D)`.
       broadcast_q: pooled attention with dense learned queries.
       implementation: "xla" (the jnp reference), "pallas" (the Mosaic GPU kernels;
-        Hopper, bf16/f16 inputs, D a multiple of 64) or None: "pallas" on a Hopper GPU
+        Hopper, bf16/f16 inputs, D in {64, 128}) or None: "pallas" on a Hopper GPU
         when the kernels take these inputs, else "xla".
 
     Returns:
       `[Tq, H, D]` (slack rows zero), or `[B * Lq, H, D]` with `broadcast_q`; q.dtype.
 
     Raises:
-      ValueError: mismatched shapes, unknown activation or implementation.
+      ValueError: mismatched shapes, unknown activation or implementation; with
+        "pallas", inputs the kernels do not take (dtype, head dim).
     """
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[1:] != k.shape[1:]:
         raise ValueError(f"q [Tq, H, D] and k, v [Tkv, H, D] must share H and D; got {q.shape}, {k.shape}, {v.shape}")

@@ -18,7 +18,8 @@ The list has a static bound, so no host sync is needed under jit:
     items per head <= sum_b ceil((L_b + 7) / (R K)) <= (T + (B + 1) (R K + 6)) // (R K)
 
 with T the output rows, R the rows per tile and K the tiles per item. Items are
-sorted by `row tiles x (column steps + 1)`, heaviest first (ties keep sequence
+sorted by `row tiles x (column steps + 1)` (column steps capped at the static
+bound, work quantized past `MAX_WORK_LEVELS` levels), heaviest first (ties keep sequence
 order), and dealt to the persistent CTAs in a zigzag: round r gives sorted item
 `r C + c` to CTA c when r is even and to CTA `C - 1 - c` when r is odd, so every
 CTA gets one of the heaviest and one of the lightest items of each pair of
@@ -46,6 +47,7 @@ NUM_FIELDS = 4
 S_ROW_LEN, S_COL_LEN, S_ROW_DELTA, S_COL_DELTA = 0, 1, 2, 3
 S_STARTS = 4
 ALIGN = config.ALIGN
+MAX_WORK_LEVELS = 128  # work values the heaviest-first order tells apart
 
 
 class Plan(NamedTuple):
@@ -148,13 +150,20 @@ def heaviest_first(work: jax.Array, max_work: int) -> jax.Array:
     """int32 `[n]`: the indices of `work` ordered heaviest first, ties in index order.
 
     Equivalent to `jnp.argsort(-work, stable=True)` for int `work` in
-    `[-1, max_work]` (-1: an empty item). A counting sort over the `max_work + 2`
-    values: on a GPU a handful of small fusions, where XLA's sort of a few
-    thousand keys costs 10-30 us in several launches.
+    `[-1, max_work]` (-1: an empty item) when `max_work <= MAX_WORK_LEVELS`;
+    above that, work is first quantized to `MAX_WORK_LEVELS` levels
+    (`work * levels // max_work`), so the order is heaviest first to within
+    one level and the scratch stays `[n, levels + 2]`. A counting sort: on a
+    GPU a handful of small fusions, where XLA's sort of a few thousand keys
+    costs 10-30 us in several launches.
     """
     n = work.shape[0]
-    key = max_work - jnp.clip(work, -1, max_work)  # 0 (heaviest) .. max_work + 1 (empty)
-    one_hot = (key[:, None] == jnp.arange(max_work + 2, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+    levels = min(max_work, MAX_WORK_LEVELS)
+    work = jnp.clip(work, -1, max_work)
+    if levels < max_work:
+        work = jnp.where(work >= 0, work * levels // max_work, -1)
+    key = levels - work  # 0 (heaviest) .. levels + 1 (empty)
+    one_hot = (key[:, None] == jnp.arange(levels + 2, dtype=jnp.int32)[None, :]).astype(jnp.int32)
     equal_before = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot  # [n, K]
     counts = one_hot.sum(axis=0)
     bucket_start = jnp.cumsum(counts) - counts

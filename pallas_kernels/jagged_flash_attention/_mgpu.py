@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.jagged_flash_attention import schedule
-from pallas_kernels.jagged_flash_attention.config import NUM_STAGES, ROW_ALIGN, TILE_ROWS, WG_ROWS
+from pallas_kernels.jagged_flash_attention.config import NUM_COMPUTE_WGS, NUM_STAGES, ROW_ALIGN, TILE_ROWS, WG_ROWS
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -93,6 +93,13 @@ class Item:
         """Range `[lo, hi)` (within 0..64) of the rows owned by compute warpgroup `wg`."""
         pos = self.tile * TILE_ROWS + wg * WG_ROWS
         return jnp.clip(self.lo - pos, 0, WG_ROWS), jnp.clip(self.hi - pos, 0, WG_ROWS)
+
+
+def walk_start(meta_ref, heads: int, num_ctas: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`(cta, wg, rounds, end_row)`: this thread's CTA and warpgroup, its CTA's item count, the first slack row."""
+    cta = lax.axis_index("cta")
+    n_items = meta_ref[schedule.META_LIVE_TILES] * heads
+    return cta, lax.axis_index("wg"), zigzag_rounds(n_items, num_ctas, cta), meta_ref[schedule.META_END]
 
 
 def zigzag_rounds(n_items, num_ctas: int, cta) -> jax.Array:
@@ -179,6 +186,66 @@ def skip_steps(gstep, n, ready, free) -> None:
     lax.fori_loop(0, n, body, None)
 
 
+def issue_items(table_ref, heads: int, num_ctas: int, cta, rounds, steps, load_rows, stream, item_free, item_go):
+    """The memory warpgroup's walk over its CTA's work items; returns the ring steps issued.
+
+    For round r's item: wait until the compute warpgroups release the previous
+    item's per-warpgroup buffers (`item_free`); `load_rows(item, w)` for each
+    warpgroup w that has rows, when the item has steps; signal `item_go`; then
+    `stream(item, gstep, n)` issues the item's `n = steps(item)` ring steps from
+    global step `gstep`. At the end the last `item_free` release is taken.
+    """
+
+    def item_body(r, gstep):
+        item = Item.read(table_ref, zigzag_item(r, num_ctas, cta), heads)
+        n = steps(item)
+
+        @pl.when(r >= 1)
+        def _():
+            plgpu.barrier_wait(item_free)
+
+        for w in range(NUM_COMPUTE_WGS):
+            lo_w, hi_w = item.wg_rows(w)
+
+            @pl.when((hi_w > lo_w) & (n > 0))
+            def _(w=w):
+                load_rows(item, w)
+
+        plgpu.barrier_arrive(item_go)  # the item's loads are issued
+        stream(item, gstep, n)
+        return gstep + n
+
+    total = lax.fori_loop(0, rounds, item_body, jnp.int32(0))
+    drain(item_free, rounds - 1, rounds, 1)
+    return total
+
+
+def stream_blocks(n, gstep, base, block: int, head, end, operands, freed) -> None:
+    """Memory warpgroup: issues the `n` ring steps of one work item.
+
+    Step i is global step `g = gstep + i` and uses ring slot `g % NUM_STAGES`.
+    For each operand `(src_ref, tail_ref, smem, loaded)` in turn it waits for
+    the compute warpgroups to release the slot (`freed[k]`, from the ring's
+    second lap on), then loads rows `[base + i * block, + block)` of one head
+    (`copy_rows_in`) and signals `loaded[slot]`.
+    """
+
+    def step(i, carry):
+        g = gstep + i
+        slot = lax.rem(g, NUM_STAGES)
+        row = base + i * block
+        for (src_ref, tail_ref, smem, loaded), free in zip(operands, freed):
+
+            @pl.when(g >= NUM_STAGES)
+            def _(free=free):
+                plgpu.barrier_wait(free.at[slot])
+
+            copy_rows_in(src_ref, tail_ref, row, block, head, end, smem.at[slot], loaded.at[slot])
+        return carry
+
+    lax.fori_loop(0, n, step, None)
+
+
 def copy_vector_in(src_ref, head, start, size: int, dst, barrier) -> None:
     """TMA `src_ref[head, start:start+size]` (f32, tile space) into `dst`."""
     plgpu.copy_gmem_to_smem(src_ref.at[head, pl.ds(start, size)], dst, barrier)
@@ -192,6 +259,12 @@ def load_row_vector(ref) -> jax.Array:
 def load_col_vector(ref) -> jax.Array:
     """A `[64]` f32 SMEM vector, one value per accumulator column."""
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def drain_rings(steps, *freed) -> None:
+    """Takes the releases of the last `NUM_STAGES` of `steps` ring steps, for each ring in `freed`."""
+    for free in freed:
+        drain(free, steps - NUM_STAGES, steps, NUM_STAGES)
 
 
 def drain(barriers, first, count, num_slots: int) -> None:

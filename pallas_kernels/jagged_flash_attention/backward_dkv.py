@@ -72,34 +72,19 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                qt_ref, kt_ref, vt_ref, dot_ref, dk_ref, dv_ref, scratch):
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_staging, dv_staging, stage, bars = scratch
         k_bar, v_bar, item_free, q_bar, do_bar, lse_bar, delta_bar, ring_free, item_go = bars
-        cta = lax.axis_index("cta")
-        wg = lax.axis_index("wg")
-        n_items = meta_ref[schedule.META_LIVE_TILES] * heads
-        end_row = meta_ref[schedule.META_END]
-        rounds = _mgpu.zigzag_rounds(n_items, num_ctas, cta)
+        cta, wg, rounds, end_row = _mgpu.walk_start(meta_ref, heads, num_ctas)
 
         @pl.when(wg == NUM_COMPUTE_WGS)
         def _memory_wg():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            def item_body(r, gstep):
-                item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
-                first, n = dkv_steps(item, causal)
+            def load_rows(item, w):
+                row = item.row0 + w * WG_ROWS
+                _mgpu.copy_rows_in(k_ref, kt_ref, row, WG_ROWS, item.head, end_row, k_smem.at[w], k_bar.at[w])
+                _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
 
-                @pl.when(r >= 1)
-                def _():
-                    plgpu.barrier_wait(item_free)
-
-                for w in range(NUM_COMPUTE_WGS):
-                    lo_w, hi_w = item.wg_rows(w)
-
-                    @pl.when((hi_w > lo_w) & (n > 0))
-                    def _():
-                        row = item.row0 + w * WG_ROWS
-                        _mgpu.copy_rows_in(k_ref, kt_ref, row, WG_ROWS, item.head, end_row, k_smem.at[w], k_bar.at[w])
-                        _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
-
-                plgpu.barrier_arrive(item_go)  # the item's loads are issued
+            def stream(item, gstep, n):
+                first, _ = dkv_steps(item, causal)
 
                 def step(i, carry):
                     g = gstep + i
@@ -119,11 +104,12 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                     return carry
 
                 lax.fori_loop(0, n, step, None)
-                return gstep + n
 
-            steps = lax.fori_loop(0, rounds, item_body, jnp.int32(0))
-            _mgpu.drain(item_free, rounds - 1, rounds, 1)
-            _mgpu.drain(ring_free, steps - NUM_STAGES, steps, NUM_STAGES)
+            steps = _mgpu.issue_items(
+                table_ref, heads, num_ctas, cta, rounds, lambda item: dkv_steps(item, causal)[1],
+                load_rows, stream, item_free, item_go,
+            )
+            _mgpu.drain_rings(steps, ring_free)
 
         @pl.when(wg < NUM_COMPUTE_WGS)
         def _compute_wg():

@@ -23,6 +23,5 @@ TAIL_ROWS = 2 * TAIL_BEFORE
 
 COMPUTE_REGISTERS = 232  # per thread, compute warpgroups (setmaxnreg)
 MEMORY_REGISTERS = 40  # per thread, the TMA-issuing warpgroup
-H100_H200_SM_COUNT = 132
 
 SUPPORTED_HEAD_DIMS = (64, 128)

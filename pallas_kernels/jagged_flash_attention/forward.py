@@ -82,61 +82,25 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
     def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, qt_ref, kt_ref, vt_ref, out_ref, lse_ref, scratch):
         q_smem, k_smem, v_smem, lse_smem, staging, stage, bars = scratch
         q_bar, q_free, k_bar, v_bar, k_free, v_free, item_go = bars
-        cta = lax.axis_index("cta")
-        wg = lax.axis_index("wg")
-        n_items = meta_ref[schedule.META_LIVE_TILES] * heads
-        end_row = meta_ref[schedule.META_END]
-        rounds = _mgpu.zigzag_rounds(n_items, num_ctas, cta)
+        cta, wg, rounds, end_row = _mgpu.walk_start(meta_ref, heads, num_ctas)
 
         @pl.when(wg == NUM_COMPUTE_WGS)
         def _memory_wg():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            def item_body(r, gstep):
-                item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
-                n = forward_steps(item, causal)
+            def load_rows(item, w):
+                row = item.row0 + w * WG_ROWS
+                _mgpu.copy_rows_in(q_ref, qt_ref, row, WG_ROWS, item.head, end_row, q_smem.at[w], q_bar.at[w])
 
-                @pl.when(r >= 1)
-                def _():
-                    plgpu.barrier_wait(q_free)
+            def stream(item, gstep, n):
+                kv = [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)]
+                _mgpu.stream_blocks(n, gstep, item.base, FWD_BLOCK_KV, item.head, end_row, kv, (k_free, v_free))
 
-                for w in range(NUM_COMPUTE_WGS):
-                    lo_w, hi_w = item.wg_rows(w)
-
-                    @pl.when((hi_w > lo_w) & (n > 0))
-                    def _():
-                        _mgpu.copy_rows_in(
-                            q_ref, qt_ref, item.row0 + w * WG_ROWS, WG_ROWS, item.head, end_row,
-                            q_smem.at[w], q_bar.at[w],
-                        )
-
-                plgpu.barrier_arrive(item_go)  # the item's loads are issued
-
-                def step(i, carry):
-                    g = gstep + i
-                    slot = lax.rem(g, NUM_STAGES)
-                    row = item.base + i * FWD_BLOCK_KV
-
-                    @pl.when(g >= NUM_STAGES)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[slot])
-
-                    _mgpu.copy_rows_in(k_ref, kt_ref, row, FWD_BLOCK_KV, item.head, end_row, k_smem.at[slot], k_bar.at[slot])
-
-                    @pl.when(g >= NUM_STAGES)
-                    def _():
-                        plgpu.barrier_wait(v_free.at[slot])
-
-                    _mgpu.copy_rows_in(v_ref, vt_ref, row, FWD_BLOCK_KV, item.head, end_row, v_smem.at[slot], v_bar.at[slot])
-                    return carry
-
-                lax.fori_loop(0, n, step, None)
-                return gstep + n
-
-            steps = lax.fori_loop(0, rounds, item_body, jnp.int32(0))
-            _mgpu.drain(q_free, rounds - 1, rounds, 1)
-            _mgpu.drain(k_free, steps - NUM_STAGES, steps, NUM_STAGES)
-            _mgpu.drain(v_free, steps - NUM_STAGES, steps, NUM_STAGES)
+            steps = _mgpu.issue_items(
+                table_ref, heads, num_ctas, cta, rounds, lambda item: forward_steps(item, causal),
+                load_rows, stream, q_free, item_go,
+            )
+            _mgpu.drain_rings(steps, k_free, v_free)
 
         @pl.when(wg < NUM_COMPUTE_WGS)
         def _compute_wg():

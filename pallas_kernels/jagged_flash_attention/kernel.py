@@ -16,7 +16,7 @@ from pallas_kernels import _manual_axes, _mgpu_common
 from pallas_kernels.jagged_flash_attention import schedule
 from pallas_kernels.jagged_flash_attention.backward_dkv import backward_dkv
 from pallas_kernels.jagged_flash_attention.backward_dq import backward_dq
-from pallas_kernels.jagged_flash_attention.config import H100_H200_SM_COUNT, ROW_ALIGN, SUPPORTED_HEAD_DIMS
+from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN, SUPPORTED_HEAD_DIMS
 from pallas_kernels.jagged_flash_attention.forward import forward
 
 _INTERPRET_CTAS = 1  # persistent CTAs simulated by the CPU interpreter
@@ -69,7 +69,7 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
         return jnp.zeros_like(q)
     scale = head_dim**-0.5 if scale is None else float(scale)
     if num_ctas is None:
-        num_ctas = _INTERPRET_CTAS if _mgpu_common.interpreting() else getattr(jax.devices()[0], "core_count", H100_H200_SM_COUNT)
+        num_ctas = _INTERPRET_CTAS if _mgpu_common.interpreting() else _mgpu_common.sm_count()
     # Mosaic GPU's tiled TMA views need a row count that is a multiple of ROW_ALIGN;
     # extra rows are slack.
     padded = -(-capacity // ROW_ALIGN) * ROW_ALIGN

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _manual_axes
+from pallas_kernels import _manual_axes, _mgpu_common
 
 _NUM_COMPUTE_WGS = 2
 
@@ -107,8 +107,7 @@ _CTA_M = _NUM_COMPUTE_WGS * _WG_M
 
 def _num_sms() -> int:
     """Persistent-grid size: the SM count on a GPU; a few simulated SMs in CPU interpret mode."""
-    device = jax.devices()[0]
-    return device.core_count if device.platform == "gpu" else 4
+    return _mgpu_common.sm_count() if jax.devices()[0].platform == "gpu" else 4
 
 
 def scaled_matmul(

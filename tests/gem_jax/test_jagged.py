@@ -155,7 +155,8 @@ def test_zero_capacity_pads_every_sequence():
     assert padded.shape == (3, 5, 2) and float(padded.max()) == -1.0
 
 
-def test_counts_at_or_below_matches_searchsorted():
-    values = np.sort(np.random.default_rng(3).integers(0, 60, 40))  # with repeats, some past n
-    got = jagged_layout.counts_at_or_below(jnp.asarray(values, jnp.int32), 50)
-    np.testing.assert_array_equal(np.asarray(got), np.searchsorted(values, np.arange(50), side="right"))
+@pytest.mark.parametrize("low, n", [(0, 50), (-70, 50), (0, 0)])
+def test_counts_at_or_below_matches_searchsorted(low, n):
+    values = np.sort(np.random.default_rng(3).integers(low, 60, 40))  # repeats, some past n, some negative
+    got = jagged_layout.counts_at_or_below(jnp.asarray(values, jnp.int32), n)
+    np.testing.assert_array_equal(np.asarray(got), np.searchsorted(values, np.arange(n), side="right"))

@@ -155,10 +155,14 @@ def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
     assert all(r[3] == r[2] for r in dealt[len(live) :])
 
 
-def test_heaviest_first_is_a_stable_descending_argsort():
-    work = jax.random.randint(jax.random.key(5), (500,), -1, 12)
-    got = schedule.heaviest_first(work, 11)
-    np.testing.assert_array_equal(got, np.argsort(-np.asarray(work), kind="stable"))
+@pytest.mark.parametrize("max_work", [11, 1000])
+def test_heaviest_first_is_a_stable_descending_argsort(max_work):
+    """Exact up to MAX_WORK_LEVELS values; past that, sorted by the quantized work."""
+    work = np.asarray(jax.random.randint(jax.random.key(5), (500,), -1, max_work + 1))
+    levels = min(max_work, schedule.MAX_WORK_LEVELS)
+    key = np.where(work >= 0, work * levels // max_work, -1)
+    got = schedule.heaviest_first(jnp.asarray(work), max_work)
+    np.testing.assert_array_equal(got, np.argsort(-key, kind="stable"))
 
 
 def test_tail_window_zeroes_rows_past_the_end():
@@ -205,6 +209,26 @@ def test_activation_derivatives_match_autodiff():
         np.testing.assert_allclose(vjp, want_vjp(g)[0], rtol=1e-4, atol=1e-5, err_msg=activation)
 
 
+@pytest.mark.parametrize("broadcast_q", [False, True])
+def test_no_keys_or_no_queries_give_zeros_without_a_kernel(broadcast_q):
+    """Empty key buffers and zero maximum lengths: zero output and zero gradients, as the reference."""
+    q_lens = None if broadcast_q else [3, 5]
+    q, k, v, d_out = _batch(41, q_lens, [0, 0], heads=1, kv_slack=0, lq=8 if broadcast_q else None)
+    q_offsets = None if broadcast_q else _offsets(q_lens)
+    four = _rows(jax.random.key(42), [4], 0, 1)  # key rows exist, but every sequence is empty
+    cases = [(k, v, 8, 4), (four, four, 8, 0), (four, four, 0, 4)]
+    for kk, vv, max_q, max_kv in cases:
+        f = lambda q, k, v: kernel.gdpa(
+            q, k, v, q_offsets, _offsets([0, 0]), max_seq_len_q=max_q, max_seq_len_kv=max_kv, broadcast_q=broadcast_q
+        )
+        out, vjp = jax.vjp(f, q, kk, vv)
+        assert out.shape == ((2 * 8, 1, HEAD_DIM) if broadcast_q else q.shape)
+        for x in (out, *vjp(d_out)):
+            np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        kernel.gdpa(q, k, v, q_offsets, _offsets([0, 0]), max_seq_len_q=8, max_seq_len_kv=-1, broadcast_q=broadcast_q)
+
+
 def test_bad_inputs_raise_clear_errors():
     offsets = _offsets([4])
     x = jnp.zeros((4, 1, HEAD_DIM), jnp.float32)
@@ -223,7 +247,9 @@ def test_default_implementation_takes_the_kernels_only_where_they_apply(monkeypa
     assert ops.kernel_supports(bf16, bf16, bf16)
     assert not ops.kernel_supports(bf16.astype(jnp.float32), bf16, bf16)
     assert not ops.kernel_supports(bf16, bf16.astype(jnp.float16), bf16)
-    assert not ops.kernel_supports(jnp.zeros((4, 1, 96), jnp.bfloat16), *(jnp.zeros((4, 1, 96), jnp.bfloat16),) * 2)
+    for d in (96, 256):  # 256 is a multiple of 64 but its tiles do not fit in shared memory
+        x = jnp.zeros((4, 1, d), jnp.bfloat16)
+        assert not ops.kernel_supports(x, x, x)
     monkeypatch.setattr(_dispatch, "is_hopper_gpu", lambda device=None: True)
     called = []
     monkeypatch.setattr(kernel, "gdpa", lambda *a, **kw: called.append(a[0].dtype) or a[0])
