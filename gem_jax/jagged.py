@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import jagged_layout
 from pallas_kernels.jagged_layout import from_padded, positions_in_sequence, segment_ids, to_padded
 
 __all__ = [
@@ -139,21 +140,4 @@ def validate(jagged: Jagged) -> None:
       JaggedError: naming the first bad index: offsets not 1-D, `offsets[0] != 0`,
         offsets decreasing, `offsets[B] > T_cap`, or a length above `max_seq_len`.
     """
-    offsets = np.asarray(jagged.offsets)
-    if offsets.ndim != 1 or offsets.shape[0] < 1:
-        raise JaggedError(f"offsets must be 1-D with B+1 >= 1 entries, got shape {offsets.shape}")
-    if offsets[0] != 0:
-        raise JaggedError(f"offsets[0] must be 0, got {int(offsets[0])}")
-    lengths = np.diff(offsets)
-    bad = np.flatnonzero(lengths < 0)
-    if bad.size:
-        i = int(bad[0])
-        raise JaggedError(
-            f"offsets not monotone: offsets[{i + 1}]={int(offsets[i + 1])} < offsets[{i}]={int(offsets[i])}"
-        )
-    if offsets[-1] > jagged.capacity:
-        raise JaggedError(f"capacity exceeded: offsets[B]={int(offsets[-1])} > capacity {jagged.capacity}")
-    long = np.flatnonzero(lengths > jagged.max_seq_len)
-    if long.size:
-        i = int(long[0])
-        raise JaggedError(f"sequence {i} has length {int(lengths[i])} > max_seq_len {jagged.max_seq_len}")
+    jagged_layout.check_offsets(jagged.offsets, jagged.capacity, jagged.max_seq_len, error=JaggedError)

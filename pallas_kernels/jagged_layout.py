@@ -1,14 +1,46 @@
 """Index helpers for the jagged `[T_cap, ...]` + `offsets [B+1]` layout.
 
-Shared by the kernels' jnp references and by `gem_jax.jagged`. All are pure jnp,
-jit-friendly, and gather only real rows, so NaN in slack rows stays out of results
-and gradients.
+Shared by the kernels' jnp references and by `gem_jax.jagged`. All but
+`check_offsets` are pure jnp, jit-friendly, and gather only real rows, so NaN in
+slack rows stays out of results and gradients.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def check_offsets(offsets, capacity: int, max_seq_len: int, *, name: str = "offsets", error=ValueError) -> None:
+    """Checks concrete offsets on the host; traced ones (under `jit`) pass unchecked.
+
+    Under `jit` the conditions below are preconditions the caller guarantees (the
+    data pipeline builds its offsets to satisfy them).
+
+    Raises:
+      `error` (ValueError by default), naming `name` and the first bad index:
+      offsets not a 1-D integer array of B+1 >= 1 entries, `offsets[0] != 0`,
+      offsets decreasing, `offsets[B] > capacity`, or a length above `max_seq_len`.
+    """
+    if isinstance(offsets, jax.core.Tracer):
+        return
+    offsets = np.asarray(offsets)
+    if offsets.ndim != 1 or offsets.shape[0] < 1 or not np.issubdtype(offsets.dtype, np.integer):
+        raise error(f"{name} must be a 1-D integer array of B+1 >= 1 entries, got {offsets.dtype} {offsets.shape}")
+    if offsets[0] != 0:
+        raise error(f"{name}[0] must be 0, got {int(offsets[0])}")
+    lengths = np.diff(offsets)
+    bad = np.flatnonzero(lengths < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise error(f"{name} not monotone: {name}[{i + 1}]={int(offsets[i + 1])} < {name}[{i}]={int(offsets[i])}")
+    if offsets[-1] > capacity:
+        raise error(f"capacity exceeded: {name}[B]={int(offsets[-1])} > capacity {capacity}")
+    long = np.flatnonzero(lengths > max_seq_len)
+    if long.size:
+        i = int(long[0])
+        raise error(f"{name}: sequence {i} has length {int(lengths[i])} > max_seq_len {max_seq_len}")
 
 
 def counts_at_or_below(values: jax.Array, n: int) -> jax.Array:

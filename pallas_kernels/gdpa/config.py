@@ -25,6 +25,7 @@ from pallas_kernels import _mgpu_common
 WG_ROWS = _mgpu_common.WG_ROWS  # rows per compute warpgroup: the wgmma M
 ALIGN = _mgpu_common.ROW_ALIGN  # rows: TMA copies of swizzled SMEM tiles start at multiples of this
 NUM_COMPUTE_WGS = 2
+SUPPORTED_HEAD_DIMS = (64, 128)  # the tiles of every pass fit in shared memory for these
 # Opt-in dynamic shared memory per block on H100/H200 (227 KiB), less a margin
 # for barriers and Mosaic's own scratch (`reduction_scratch_bytes`).
 SMEM_BUDGET = 227 * 1024 - 3 * 1024

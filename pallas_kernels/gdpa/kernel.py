@@ -59,15 +59,14 @@ def gdpa(
     result is zeros and no kernel runs.
 
     Raises:
-      ValueError: dtype other than bfloat16/float16, head dim not a multiple of 64,
-        a negative maximum length, or a head dim whose tiles do not fit in shared
-        memory (64 and 128 do).
+      ValueError: dtype other than bfloat16/float16, head dim other than 64 or 128,
+        or a negative maximum length.
     """
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"pallas GDPA needs bfloat16 or float16 q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     _, heads, head_dim = q.shape
-    if head_dim % 64:
-        raise ValueError(f"pallas GDPA needs a head dim that is a multiple of 64; got {head_dim}")
+    if head_dim not in config.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"pallas GDPA takes head dim {config.SUPPORTED_HEAD_DIMS}; got {head_dim}")
     if max_seq_len_q < 0 or max_seq_len_kv < 0:
         raise ValueError(f"max_seq_len_q and max_seq_len_kv must be >= 0; got {max_seq_len_q}, {max_seq_len_kv}")
     out_rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]

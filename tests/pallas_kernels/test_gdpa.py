@@ -234,15 +234,38 @@ def test_bad_inputs_raise_clear_errors():
     x = jnp.zeros((4, 1, HEAD_DIM), jnp.float32)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         kernel.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
-    y = jnp.zeros((4, 1, 96), jnp.bfloat16)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        kernel.gdpa(y, y, y, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
+    for d in (96, 192):
+        y = jnp.zeros((4, 1, d), jnp.bfloat16)
+        with pytest.raises(ValueError, match="head dim"):
+            kernel.gdpa(y, y, y, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
     with pytest.raises(ValueError, match="unknown activation"):
         ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4, activation="tanh", implementation="pallas")
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_malformed_offsets_and_bounds_raise_naming_the_problem(implementation):
+    x = jnp.zeros((8, 1, HEAD_DIM), jnp.bfloat16)
+    good = _offsets([3, 5])
+    call = lambda qo, ko, max_q=8, max_kv=8: ops.gdpa(
+        x, x, x, qo, ko, max_seq_len_q=max_q, max_seq_len_kv=max_kv, implementation=implementation
+    )
+    cases = [
+        (dict(qo=jnp.array([1, 3, 8], jnp.int32), ko=good), r"q_offsets\[0\] must be 0, got 1"),
+        (dict(qo=good, ko=jnp.array([0, 5, 3], jnp.int32)), r"kv_offsets not monotone: kv_offsets\[2\]=3"),
+        (dict(qo=good, ko=jnp.array([0, 5, 9], jnp.int32)), r"kv_offsets\[B\]=9 > capacity 8"),
+        (dict(qo=good, ko=good, max_kv=4), r"kv_offsets: sequence 1 has length 5 > max_seq_len 4"),
+        (dict(qo=good.astype(jnp.float32), ko=good), "1-D integer array"),
+        (dict(qo=good[None], ko=good[None]), "1-D integer array"),
+        (dict(qo=good[:2], ko=good), r"got \(2,\) and \(3,\)"),
+        (dict(qo=good, ko=good, max_q=-1), ">= 0"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call(**kwargs)
+
+
 def test_default_implementation_takes_the_kernels_only_where_they_apply(monkeypatch):
-    """None picks the kernels on Hopper for bf16/f16 and D % 64 == 0, else the reference."""
+    """None picks the kernels on Hopper for bf16/f16 and D in {64, 128}, else the reference."""
     bf16 = jnp.zeros((4, 1, HEAD_DIM), jnp.bfloat16)
     assert ops.kernel_supports(bf16, bf16, bf16)
     assert not ops.kernel_supports(bf16.astype(jnp.float32), bf16, bf16)
