@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import _dispatch
+from pallas_kernels import _dispatch, jagged_layout
 from pallas_kernels.jagged_flash_attention import reference
 from pallas_kernels.jagged_flash_attention.config import SUPPORTED_HEAD_DIMS
 
@@ -50,13 +50,14 @@ def jagged_flash_attention(
       `[T, H, D]` in q.dtype.
 
     Raises:
-      ValueError: mismatched shapes or an unknown implementation.
+      ValueError: mismatched shapes, malformed concrete offsets (naming the first
+        bad index; traced offsets under `jit` are the caller's guarantee) or an
+        unknown implementation.
       NotImplementedError: "pallas" asked for inputs the kernels do not take.
     """
     if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one [T, H, D] shape; got {q.shape}, {k.shape}, {v.shape}")
-    if offsets.ndim != 1:
-        raise ValueError(f"offsets must be int32 [B+1]; got shape {offsets.shape}")
+    jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)
     impl = _dispatch.resolve(implementation)
     if implementation is None and not kernel_supports(q):
         impl = _dispatch.Implementation.XLA

@@ -123,6 +123,10 @@ def test_bad_input_errors_name_the_problem():
         ops.jagged_flash_attention(q, q[:4], q, offsets, max_seq_len=8)
     with pytest.raises(ValueError, match="offsets"):
         ops.jagged_flash_attention(q, q, q, offsets[None], max_seq_len=8)
+    with pytest.raises(ValueError, match=r"offsets\[0\] must be 0, got 2"):
+        ops.jagged_flash_attention(q, q, q, jnp.array([2, 8], jnp.int32), max_seq_len=8)
+    with pytest.raises(ValueError, match="sequence 0 has length 8 > max_seq_len 4"):
+        ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=4)
     with pytest.raises(ValueError, match="implementation"):
         ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=8, implementation="triton")
     with pytest.raises(NotImplementedError, match="bf16 or f16"):
@@ -215,9 +219,10 @@ def _check_kernel(lengths, causal, inputs=None, dtype=jnp.bfloat16, capacity=CAP
     lengths = list(lengths) + [0] * (BATCH - len(lengths))
     q, k, v, dout = inputs or _inputs(lengths, capacity, heads, dim, dtype, np.random.randint(1 << 30))
     offsets, end = _offsets(lengths), int(sum(lengths))
+    max_seq_len = max(max(lengths), 1)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        got = _value_and_grads("pallas", q, k, v, dout, offsets, max_seq_len=130, causal=causal)
-    want = _value_and_grads("xla", q, k, v, dout, offsets, max_seq_len=max(max(lengths), 1), causal=causal)
+        got = _value_and_grads("pallas", q, k, v, dout, offsets, max_seq_len=max_seq_len, causal=causal)
+    want = _value_and_grads("xla", q, k, v, dout, offsets, max_seq_len=max_seq_len, causal=causal)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         _assert_close(a[:end], b[:end], dtype, name)
         assert np.all(a[end:] == 0), f"{name}: slack rows must be 0"
