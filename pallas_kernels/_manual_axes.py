@@ -15,21 +15,24 @@ import jax
 from jax import lax
 
 
-def varying_axes(*xs: jax.Array | None) -> tuple[str, ...]:
+def varying_axes(*xs: jax.Array) -> tuple[str, ...]:
     """The manual mesh axes any of `xs` varies over (empty outside `shard_map`)."""
     axes: set[str] = set()
     for x in xs:
-        if x is not None:
-            axes |= set(jax.typeof(x).manual_axis_type.varying)
+        axes |= set(jax.typeof(x).manual_axis_type.varying)
     return tuple(sorted(axes))
 
 
-def to_varying(x: jax.Array | None, axes: tuple[str, ...]) -> jax.Array | None:
+def to_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """`x` typed as varying over `axes` (a no-op for axes it already varies over)."""
-    if x is None:
-        return None
     missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def match_axes(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """`xs`, each cast to vary over the axes any of them varies over (kernel operands share one type)."""
+    axes = varying_axes(*xs)
+    return tuple(to_varying(x, axes) for x in xs)
 
 
 def call_kernel(kernel, *operands):

@@ -18,6 +18,13 @@ def check_offsets(offsets, capacity: int, max_seq_len: int, *, name: str = "offs
     Under `jit` the conditions below are preconditions the caller guarantees (the
     data pipeline builds its offsets to satisfy them).
 
+    Args:
+      offsets: integer `[B+1]` row offsets of B sequences into a `[capacity, ...]` buffer.
+      capacity: rows of that buffer.
+      max_seq_len: bound on every sequence length.
+      name: what the messages call the offsets (e.g. "kv_offsets").
+      error: the exception class raised.
+
     Raises:
       `error` (ValueError by default), naming `name` and the first bad index:
       offsets not a 1-D integer array of B+1 >= 1 entries, `offsets[0] != 0`,

@@ -69,11 +69,14 @@ def gdpa(
         raise ValueError(f"pallas GDPA takes head dim {config.SUPPORTED_HEAD_DIMS}; got {head_dim}")
     if max_seq_len_q < 0 or max_seq_len_kv < 0:
         raise ValueError(f"max_seq_len_q and max_seq_len_kv must be >= 0; got {max_seq_len_q}, {max_seq_len_kv}")
+    kv_offsets = kv_offsets.astype(jnp.int32)
+    q_offsets = jnp.zeros((1,), jnp.int32) if broadcast_q else q_offsets.astype(jnp.int32)
+    q, k, v, q_offsets, kv_offsets = _manual_axes.match_axes(q, k, v, q_offsets, kv_offsets)
     out_rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     no_queries = out_rows == 0 or (max_seq_len_q == 0 and not broadcast_q)
     if no_queries or k.shape[0] == 0 or max_seq_len_kv == 0:
-        axes = _manual_axes.varying_axes(q, k, v, q_offsets, kv_offsets)
-        return _manual_axes.to_varying(jnp.zeros((out_rows, heads, head_dim), q.dtype), axes)
+        zeros = jnp.zeros((out_rows, heads, head_dim), q.dtype)
+        return _manual_axes.to_varying(zeros, _manual_axes.varying_axes(q))
     static = Static(
         max_seq_len_q=int(q.shape[0]) if broadcast_q else int(max_seq_len_q),
         max_seq_len_kv=int(max_seq_len_kv),
@@ -81,10 +84,6 @@ def gdpa(
         scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
         broadcast_q=bool(broadcast_q),
     )
-    kv_offsets = kv_offsets.astype(jnp.int32)
-    q_offsets = jnp.zeros((1,), jnp.int32) if broadcast_q else q_offsets.astype(jnp.int32)
-    axes = _manual_axes.varying_axes(q, k, v, q_offsets, kv_offsets)
-    q, k, v, q_offsets, kv_offsets = (_manual_axes.to_varying(x, axes) for x in (q, k, v, q_offsets, kv_offsets))
     return _gdpa(q, k, v, q_offsets, kv_offsets, static)
 
 

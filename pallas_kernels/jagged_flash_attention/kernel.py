@@ -76,8 +76,7 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
     if padded != capacity:
         q, k, v = (jnp.pad(x, ((0, padded - capacity), (0, 0), (0, 0))) for x in (q, k, v))
     offsets = offsets.astype(jnp.int32)
-    axes = _manual_axes.varying_axes(q, k, v, offsets)
-    q, k, v, offsets = (_manual_axes.to_varying(x, axes) for x in (q, k, v, offsets))
+    q, k, v, offsets = _manual_axes.match_axes(q, k, v, offsets)
     out = _attention(q, k, v, offsets, causal, scale, num_ctas)
     return out[:capacity]
 
