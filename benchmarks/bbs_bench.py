@@ -21,7 +21,7 @@ earlier ratings of that user (by timestamp, ties in file order), capped at 200
 (FeatureSpec.max_seq_len); the stream is a reshuffled pass over the 100,836
 ratings per epoch. (b) lognormal with median 256 and sigma 1, rounded and
 clipped to [1, 4096]. Workloads: the GEM model's training FLOPs from
-`gem_jax.train.flops.flop_model` at the default `ModelConfig`, and pure
+`gem_jax.model.flops.flop_model` at the default `ModelConfig`, and pure
 attention (L**2).
 
 Also times `balance_shards` on one global batch (samples/s, one CPU process);
@@ -49,11 +49,12 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from gem_jax.data.batch import FeatureSpec  # noqa: E402
+from gem_jax.batch import FeatureSpec  # noqa: E402
 from gem_jax.data.bbs import balance_shards, base_batch_shuffle  # noqa: E402
-from gem_jax.data.workload import Workload, load_imbalance  # noqa: E402
+from gem_jax.model.flops import Workload
+from gem_jax.data.balance import load_imbalance  # noqa: E402
 from gem_jax.model.config import ModelConfig  # noqa: E402
-from gem_jax.train.flops import flop_model  # noqa: E402
+from gem_jax.model.flops import flop_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -244,7 +245,7 @@ def main():
     model_config = ModelConfig()
     fm = flop_model(model_config, spec)
     workloads = {
-        "gem_default": Workload.from_flop_model(fm),
+        "gem_default": fm.scaled(3),
         "attention_only": Workload(per_token=0.0, per_token_pair=1.0),
     }
     ml_lengths = np.minimum(ml_small_history_lengths(ML_SMALL), ML_MAX_SEQ_LEN)

@@ -13,7 +13,7 @@ For each case, one process, timed over max(4, ceil(`--samples` / B)) batches aft
   - pipeline_plain:  the same without BBS;
   - index_stage_bbs: `Dataset.train_indices()` alone (shuffled index batches + BBS order):
                      the metadata work every process must do for the global batch;
-  - host_split:      `gem_jax.parallel.batch.stack_batch(batch, D)`, the host-side split into
+  - host_split:      `gem_jax.parallel.placement.stack_batch(batch, D)`, the host-side split into
                      per-device jagged batches that the trainer runs on its main thread
                      before the transfer (not part of the loader, reported beside it);
   - balance_bbs / balance_plain: mean per-device load imbalance and padding waste of the
@@ -46,13 +46,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gem_jax.config import TrainConfig, load_config
+from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.data.config import BBSConfig, DataConfig, Source
 from gem_jax.data.pipeline import Dataset, load_dataset
-from gem_jax.data.workload import Workload, load_imbalance, padding_waste, shard_loads
+from gem_jax.model.flops import Workload
+from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
 from gem_jax.model.config import ModelConfig
-from gem_jax.parallel.batch import stack_batch
-from gem_jax.train.flops import flop_model
+from gem_jax.parallel.placement import stack_batch
+from gem_jax.model.flops import train_workload
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -189,7 +190,7 @@ def main():
         t0 = time.perf_counter()
         dataset = load_dataset(dataclasses.replace(config.data, bbs=BBSConfig()))
         load_seconds = time.perf_counter() - t0
-        workload = Workload.from_flop_model(flop_model(config.model, dataset.spec))
+        workload = train_workload(config.model, dataset.spec)
         dataset = dataset.resolve_bbs(num_shards=num_shards, workload=workload)
         batches = max(4, -(-args.samples // dataset.batch_size))
         row = measure(dataset, num_shards, args.warmup, batches)

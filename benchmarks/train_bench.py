@@ -4,10 +4,11 @@ Weak scaling: every GPU gets the same number of examples per step
 (`--per-device-batch`), so perfect scaling doubles the throughput from 1 to 2 GPUs.
 Scaling ratio = throughput(N) / (N x throughput(1)); GEM reports
 E2E MFU = Local MFU x Scaling Ratio. FLOPs are the jagged-aware model count of
-`gem_jax.train.flops` (real tokens only); MFU is per GPU against the dense bf16 peak.
+`gem_jax.model.flops` (real tokens only); MFU is per GPU against the dense bf16 peak.
 
-The data are the synthetic source's batches (`gem_jax.data.synthetic`, long-tailed
-lengths, built directly, without grain): a few global batches are built on the host and
+The job is built by the trainer's own `gem_jax.train.setup_training`. The data are the
+synthetic source's batches (`gem_jax.data.sources.synthetic`, long-tailed lengths, built
+directly, without grain): a few global batches are built on the host and
 put on the devices once, then cycled, so the timing is the device step (host pipeline
 excluded). Each step is timed on its own (dispatch to
 `block_until_ready`); the median is reported.
@@ -32,17 +33,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gem_jax.config import TrainConfig, load_config
-from gem_jax.data.collate import capacity_buckets
-from gem_jax.data.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, synthetic_spec
-from gem_jax.model.gem import GEMModel
-from gem_jax.parallel.batch import BatchPlacement
-from gem_jax.parallel.embeddings import check_lookup_stats
-from gem_jax.parallel.mesh import Topology, make_mesh
-from gem_jax.train import flops as flops_lib
-from gem_jax.train.optimizer import make_optimizer
-from gem_jax.train.state import create_train_state
-from gem_jax.train.step import make_train_step
+from gem_jax.train.config import TrainConfig, load_config
+from gem_jax.nn.embeddings import check_lookup_stats
+from gem_jax.mesh import Topology
+from gem_jax.train.setup import setup_training
+from gem_jax.model import flops as flops_lib
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,34 +51,21 @@ def topology_for(num_devices: int, experts_per_node: int) -> Topology:
 def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int, warmup: int, num_batches: int) -> dict:
     """Trains `steps` timed steps on the first `num_devices` devices; returns the measurements."""
     topology = topology_for(num_devices, config.topology.experts_per_node)
-    data = config.data
     batch_size = per_device_batch * num_devices
-    spec = synthetic_spec(data.synthetic, data.max_seq_len, data.num_time_buckets)
-    capacities = capacity_buckets(batch_size, data.max_seq_len, data.capacity_fractions)
-    build = SyntheticBatchBuilder(data.synthetic, spec, batch_size, capacities, data.seed, TRAIN_STREAM)
-    mesh = make_mesh(topology, jax.devices()[:num_devices])
-    optimizer = make_optimizer(config.optim)
+    config = dataclasses.replace(config, topology=topology, data=dataclasses.replace(config.data, batch_size=batch_size))
     t0 = time.perf_counter()
-    state, setup = create_train_state(
-        lambda rngs: GEMModel(spec, config.model, rngs=rngs),
-        optimizer,
-        mesh,
-        config.rules,
-        config.loop.seed,
-        compute_dtype=config.model.compute_dtype,
-    )
+    training, state = setup_training(config, devices=jax.devices()[:num_devices])
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
-    placement = BatchPlacement(mesh)
-    train_step = make_train_step(setup, optimizer, placement)
-    flop_model = flops_lib.flop_model(config.model, spec)
+    mesh, placement, train_step, workload, setup = training.mesh, training.placement, training.train_step, training.workload, training.state
+    build = training.dataset.train_batch
 
     host = [build(range(i * batch_size, (i + 1) * batch_size)) for i in range(num_batches)]
     flops, examples, tokens = [], [], []
     for b in host:
         real = np.asarray(b.weights) > 0
         lengths = np.diff(np.asarray(b.history.offsets))[real]
-        flops.append(flop_model.train(lengths))
+        flops.append(workload.total(lengths))
         examples.append(int(real.sum()))
         tokens.append(int(lengths.sum()))
     batches = [placement.put(b) for b in host]

@@ -8,11 +8,11 @@ Embedding ids outside a vocabulary are an error; the user ids are hashed instead
 `benchmarks/train_bench.py` runs this model on 1 and 2 GPUs of one host.
 """
 
-from gem_jax.config import LoopConfig, TrainConfig
+from gem_jax.train.config import LoopConfig, TrainConfig
 from gem_jax.data.config import DataConfig, Source, SyntheticConfig
 from gem_jax.model.config import ModelConfig
-from gem_jax.parallel.embeddings import Generation, OutOfRange, TableSharding
-from gem_jax.parallel.mesh import Topology
+from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding
+from gem_jax.mesh import Topology
 from gem_jax.parallel.rules import HSDP_RULES, ShardingRules
 from gem_jax.train.checkpoint import CheckpointConfig
 from gem_jax.train.optimizer import OptimConfig

@@ -7,10 +7,10 @@ tables. Run it with `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
 
 from pathlib import Path
 
-from gem_jax.config import LoopConfig, TrainConfig, load_config
+from gem_jax.train.config import LoopConfig, TrainConfig, load_config
 from gem_jax.data.config import DataConfig, Source, SyntheticConfig
 from gem_jax.model.config import ModelConfig
-from gem_jax.parallel.mesh import Topology
+from gem_jax.mesh import Topology
 from gem_jax.train.checkpoint import CheckpointConfig
 from gem_jax.train.optimizer import OptimConfig
 

@@ -4,7 +4,7 @@ Tasks: PRIMARY = rating >= 4 ("like"), SECONDARY = rating >= 4.5 ("love").
 400 steps at B=256 (about one epoch of the ~91k train examples); 5 to 10 minutes on 2 CPU cores.
 """
 
-from gem_jax.config import LoopConfig, TrainConfig
+from gem_jax.train.config import LoopConfig, TrainConfig
 from gem_jax.data.config import DataConfig, Source
 from gem_jax.model.config import ModelConfig
 from gem_jax.train.checkpoint import CheckpointConfig

@@ -6,7 +6,7 @@ Compare its eval NE with configs/movielens.py (the same run in full precision).
 import dataclasses
 from pathlib import Path
 
-from gem_jax.config import TrainConfig, load_config
+from gem_jax.train.config import TrainConfig, load_config
 
 
 def get_config() -> TrainConfig:

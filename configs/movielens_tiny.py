@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from gem_jax.config import LoopConfig, TrainConfig
+from gem_jax.train.config import LoopConfig, TrainConfig
 from gem_jax.data.config import DataConfig, Source
 from gem_jax.model.config import ModelConfig
 from gem_jax.train.checkpoint import CheckpointConfig

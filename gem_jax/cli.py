@@ -1,35 +1,74 @@
-"""Command-line entry points."""
+"""Command-line entry point: `gem-train` (also `python -m gem_jax.cli`)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-import jax
+
+def _parser() -> argparse.ArgumentParser:
+    from gem_jax.train import config_tree
+    from gem_jax.train.config import TrainConfig
+
+    fields = "\n".join(f"  {line}" for line in config_tree.override_help(TrainConfig))
+    return argparse.ArgumentParser(
+        prog="gem-train",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Train a GEM-style model; a restart with the same command resumes from the workdir's latest checkpoint.\n\n"
+            "Multi-host: one process per GPU; jax.distributed is initialised from SLURM or from "
+            "GEM_COORDINATOR_ADDRESS / GEM_NUM_PROCESSES / GEM_PROCESS_ID (scripts/launch_slurm.sh)."
+        ),
+        epilog=(
+            "config fields for --set (path: type = default of the schema; a config file sets its own):\n"
+            f"{fields}\n\n"
+            "example: gem-train --config configs/movielens.py --workdir runs/lr --set optim.learning_rate=3e-3 loop.num_steps=800"
+        ),
+    )
 
 
 def train_main(argv: list[str] | None = None) -> None:
-    """`gem-train --config configs/movielens.py --workdir runs/demo [--stop-after-steps N]`.
-
-    Multi-host: one process per GPU; `jax.distributed` is initialised from SLURM or the
-    `GEM_COORDINATOR_ADDRESS` / `GEM_NUM_PROCESSES` / `GEM_PROCESS_ID` variables
-    (`gem_jax.parallel.distributed`), see scripts/launch_slurm.sh.
-    """
-    parser = argparse.ArgumentParser(prog="gem-train", description="Train a GEM-style model; resumes from the workdir's latest checkpoint.")
+    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N]`."""
+    parser = _parser()
     parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
-    parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard logs")
+    parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard logs and run.json")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="PATH=VALUE", dest="overrides",
+        help="override config fields, e.g. --set loop.num_steps=3 model.embed_dim=128 (see the list below)",
+    )
+    parser.add_argument("--force-new", action="store_true", help="start a new run even if the workdir holds another (it is moved to previous_runs/)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the default when stdout is not a terminal)")
     parser.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after N steps of this run")
     args = parser.parse_args(argv)
 
-    from gem_jax.config import load_config
-    from gem_jax.parallel import distributed
-    from gem_jax.train.loop import train_and_evaluate
+    import jax
 
-    layout = distributed.initialize()
+    from gem_jax.parallel import distributed
+    from gem_jax.train import config_tree
+    from gem_jax.train.config import load_config
+    from gem_jax.train.loop import train_and_evaluate
+    from gem_jax.train.run_record import RunMismatchError
+
     try:
-        config = load_config(args.config)
-    except (FileNotFoundError, TypeError) as error:
+        config = config_tree.apply_overrides(load_config(args.config), args.overrides)
+    except (FileNotFoundError, TypeError, config_tree.ConfigError) as error:
         parser.error(str(error))
+    layout = distributed.initialize()
     devices = jax.devices()
     where = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
-    print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}")
-    train_and_evaluate(config, args.workdir, stop_after_steps=args.stop_after_steps)
+    print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}", flush=True)
+    try:
+        train_and_evaluate(
+            config,
+            args.workdir,
+            stop_after_steps=args.stop_after_steps,
+            force_new=args.force_new,
+            progress=False if args.no_progress else None,
+        )
+    except RunMismatchError as error:
+        print(f"gem-train: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    train_main()

@@ -17,6 +17,8 @@ kernels (Zhai et al., "Actions Speak Louder than Words", 2024).
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -141,3 +143,33 @@ def validate(jagged: Jagged) -> None:
         offsets decreasing, `offsets[B] > T_cap`, or a length above `max_seq_len`.
     """
     jagged_layout.check_offsets(jagged.offsets, jagged.capacity, jagged.max_seq_len, error=JaggedError)
+
+CAPACITY_MULTIPLE = 128
+
+
+def capacity_buckets(batch_size: int, max_seq_len: int, fractions: Sequence[float] = (0.125, 0.25, 0.5, 0.75, 1.0)) -> tuple[int, ...]:
+    """Sorted token capacities `ceil(B * max_seq_len * f)` rounded up to a multiple of 128.
+
+    The largest bucket (fraction 1 must be among the fractions) holds any batch.
+
+    Raises:
+      ValueError: a non-positive size, a fraction outside (0, 1], or no fraction 1.
+    """
+    if batch_size < 1 or max_seq_len < 1:
+        raise ValueError(f"batch_size and max_seq_len must be >= 1, got {batch_size}, {max_seq_len}")
+    if 1.0 not in fractions or not all(0.0 < f <= 1.0 for f in fractions):
+        raise ValueError(f"capacity fractions must be in (0, 1] and include 1, got {tuple(fractions)}")
+    full = batch_size * max_seq_len
+    return tuple(sorted({CAPACITY_MULTIPLE * math.ceil(math.ceil(full * f) / CAPACITY_MULTIPLE) for f in fractions}))
+
+
+def pick_capacity(total: int, capacities: Sequence[int]) -> int:
+    """The smallest capacity `>= total`.
+
+    Raises:
+      JaggedError: `total` exceeds every capacity.
+    """
+    k = int(np.searchsorted(np.asarray(capacities), total))
+    if k == len(capacities):
+        raise JaggedError(f"capacity exceeded: {total} history rows exceed the largest capacity {capacities[-1]}")
+    return int(capacities[k])

@@ -4,7 +4,7 @@
 #   sbatch --nodes=4 --gpus-per-node=8 --ntasks-per-node=8 scripts/launch_slurm.sh configs/gem_sharded.py runs/gem
 #
 # SLURM's default block distribution numbers the tasks node-major, which is what
-# gem_jax.parallel.mesh.make_mesh expects. Every task sees its node's GPUs; JAX's SLURM
+# gem_jax.mesh.make_mesh expects. Every task sees its node's GPUs; JAX's SLURM
 # detection gives task SLURM_LOCALID the GPU of that index. The config's
 # Topology must match the allocation (zones x nodes_per_zone = nodes, gpus_per_node = 8).
 set -euo pipefail

@@ -1,27 +1,29 @@
-"""Data: event-log readers, the per-user time split, examples, batches and grain iterators.
+"""Data sets, splits, jagged batches, BBS and the grain pipeline.
 
-Entry point: `gem_jax.data.pipeline.load_dataset(DataConfig(...))` (`DataConfig`, `Source`,
-`OnBadRow` are importable from `gem_jax.data.pipeline` too).
-
-Modules (each one job):
-  batch.py            the `Batch` structure, `FeatureSpec`, id validation
-  rows.py             malformed-row policy (`OnBadRow`) and errors
-  events.py           the common `EventLog` (dense ids, sorted events)
-  movielens_small.py  MovieLens latest-small reader
-  movielens_100k.py   MovieLens 100K reader
-  amazon_beauty.py    Amazon Beauty (S3-Rec one-line-per-user) reader
-  features.py         half-star actions, log-scaled time buckets
-  split.py            per-user time split, train / eval targets
-  examples.py         examples as index arrays; rating and sampled next-item labels
-  collate.py          static-shape batches with bucketed token capacity
-  sampling.py         grain source of per-epoch shuffled example batches
-  synthetic.py        synthetic long-tailed batches for benchmarks
-  bbs.py              base batch shuffling: balanced per-device chunks of a global batch
-  workload.py         the attention-aware per-example workload model and balance metrics
-  config.py           `DataConfig`, `Source`, `SyntheticConfig`
-  paths.py            default data folders (`GEM_SHARED_DATA`)
-  pipeline.py         `load_dataset` and `Dataset`: the grain train / eval iterators
-
-This package's `__init__` imports nothing, so importing `gem_jax.data.batch`
-does not load grain.
+Names are imported on first use, so the config classes do not pull in grain.
 """
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "BBSConfig": "gem_jax.data.config",
+    "DataConfig": "gem_jax.data.config",
+    "Source": "gem_jax.data.config",
+    "SyntheticConfig": "gem_jax.data.config",
+    "OnBadRow": "gem_jax.data.rows",
+    "Dataset": "gem_jax.data.pipeline",
+    "DatasetInfo": "gem_jax.data.pipeline",
+    "load_dataset": "gem_jax.data.pipeline",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gem_jax.data' has no attribute {name!r}")

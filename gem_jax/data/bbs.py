@@ -142,7 +142,7 @@ def base_batch_shuffle(
 
     Args:
       workloads: float array-like `[N]`, each sample's workload (e.g. FLOPs from
-        `gem_jax.data.workload.Workload`), finite and >= 0, in arrival order.
+        `gem_jax.data.balance.Workload`), finite and >= 0, in arrival order.
       minibatch_size: samples per minibatch, a positive even int.
       minibatches_per_batch: minibatches per per-device batch, positive.
       seed: an int or a sequence of ints (as `np.random.default_rng` takes).
@@ -256,7 +256,7 @@ class BalancedBatchOrder:
     Attributes:
       lengths: maps int64 example indices `[n]` to their int history lengths `[n]`.
       workload: maps int lengths `[n]` to float workloads `[n]`, e.g. a
-        `gem_jax.data.workload.Workload`.
+        `gem_jax.data.balance.Workload`.
       num_shards: D, the devices a global batch is split over.
       batch_size: B, the full global batch size.
       minibatch_size: BBS minibatch size (even).

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
+
+import numpy as np
 
 from gem_jax.data.bbs import check_shard_split
 from gem_jax.data.rows import OnBadRow
-from gem_jax.data.workload import Workload
 
 
 class Source(enum.Enum):
@@ -66,13 +68,13 @@ class BBSConfig:
         `Dataset.resolve_bbs`).
       minibatch_size: BBS minibatch size, a positive even int (GEM: 128).
       workload: the per-sample workload model. None: the model's training FLOPs
-        (`Workload.from_flop_model` of `gem_jax.train.flops.flop_model`; the
-        trainer fills it in).
+        (`gem_jax.model.flops.train_workload`; the trainer fills it in); any
+        callable from int lengths `[n]` to float workloads `[n]`.
     """
 
     num_shards: int | None = None
     minibatch_size: int = 128
-    workload: Workload | None = None
+    workload: Callable[[np.ndarray], np.ndarray] | None = None
 
     def __post_init__(self):
         if self.num_shards is not None and (
@@ -81,8 +83,8 @@ class BBSConfig:
             raise ValueError(f"BBSConfig.num_shards must be a positive int or None, got {self.num_shards!r}")
         if isinstance(self.minibatch_size, bool) or not isinstance(self.minibatch_size, int) or self.minibatch_size < 2 or self.minibatch_size % 2:
             raise ValueError(f"BBSConfig.minibatch_size must be a positive even int, got {self.minibatch_size!r}")
-        if self.workload is not None and not isinstance(self.workload, Workload):
-            raise TypeError(f"BBSConfig.workload must be a Workload or None, got {type(self.workload).__name__}")
+        if self.workload is not None and not callable(self.workload):
+            raise TypeError(f"BBSConfig.workload must be a callable from lengths to workloads (e.g. a Workload) or None, got {type(self.workload).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from gem_jax.data.batch import PAD_ID
+from gem_jax.batch import PAD_ID
 from gem_jax.data.rows import SkippedRows
 
 NUM_USER_FEATURES = 3  # age, gender, occupation ids (UserField.AGE..OCCUPATION)

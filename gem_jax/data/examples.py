@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from gem_jax.data.batch import Task
+from gem_jax.batch import Task
 from gem_jax.data.events import EventLog
 from gem_jax.data.split import Split
 

@@ -22,13 +22,15 @@ Labels per source (`Task.PRIMARY`, `Task.SECONDARY`):
 - ml-100k: rating >= 4, rating == 5.
 - amazon-beauty: the candidate is the next item; the candidate is among the
   next 5 items (sampled candidates, `next_item_examples`).
-- synthetic: see `gem_jax.data.synthetic`.
+- synthetic: see `gem_jax.data.sources.synthetic`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -37,20 +39,21 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from gem_jax.data.amazon_beauty import read_amazon_beauty
-from gem_jax.data.batch import Batch, FeatureSpec, Task
+from gem_jax.data.sources.amazon_beauty import read_amazon_beauty
+from gem_jax.batch import Batch, FeatureSpec, Task
 from gem_jax.data.bbs import BalancedBatchOrder, check_shard_split
-from gem_jax.data.collate import BatchBuilder, capacity_buckets
+from gem_jax.data.collate import BatchBuilder
+from gem_jax.jagged import capacity_buckets
 from gem_jax.data.config import BBSConfig, DataConfig, Source, SyntheticConfig
 from gem_jax.data.events import EventLog
 from gem_jax.data.examples import Examples, next_item_examples, rating_examples
-from gem_jax.data.movielens_100k import read_ml_100k
-from gem_jax.data.movielens_small import read_ml_latest_small
-from gem_jax.data.paths import default_path
+from gem_jax.data.sources.movielens_100k import read_ml_100k
+from gem_jax.data.sources.movielens_small import read_ml_latest_small
+from gem_jax.data.paths import fingerprint, resolve_path
 from gem_jax.data.rows import OnBadRow, SkippedRows
 from gem_jax.data.sampling import ShuffledBatchIndices
 from gem_jax.data.split import Split, split_by_time
-from gem_jax.data.synthetic import (
+from gem_jax.data.sources.synthetic import (
     EVAL_STREAM,
     TRAIN_STREAM,
     SyntheticBatchBuilder,
@@ -58,7 +61,6 @@ from gem_jax.data.synthetic import (
     synthetic_lengths,
     synthetic_spec,
 )
-from gem_jax.data.workload import Workload
 
 __all__ = ["BBSConfig", "DataConfig", "Dataset", "DatasetInfo", "OnBadRow", "Source", "SyntheticConfig", "load_dataset"]
 
@@ -78,6 +80,10 @@ class DatasetInfo:
       train_positive_rate, eval_positive_rate: mean label per task.
       skipped: rows left out under `OnBadRow.SKIP`.
       notes: other facts from the reader.
+      source: the `Source` it was read from, by name.
+      path: the folder read ("" for the synthetic source).
+      fingerprint: sha256 of the files read (of the generator's settings for the
+        synthetic source): two loads with equal fingerprints hold the same data.
     """
 
     name: str
@@ -91,6 +97,21 @@ class DatasetInfo:
     eval_positive_rate: tuple[float, float]
     skipped: tuple[SkippedRows, ...] = ()
     notes: tuple[str, ...] = ()
+    source: str = ""
+    path: str = ""
+    fingerprint: str = ""
+
+    def identity(self) -> dict:
+        """What a run records to tell this data set from another (`gem_jax.train.run_record`)."""
+        return {
+            "source": self.source,
+            "path": self.path,
+            "fingerprint": self.fingerprint,
+            "num_events": self.num_events,
+            "num_train_examples": self.num_train_examples,
+            "num_eval_examples": self.num_eval_examples,
+            "skipped_rows": sum(s.count for s in self.skipped),
+        }
 
     def summary(self) -> str:
         """A few human-readable lines."""
@@ -158,11 +179,11 @@ class Dataset:
         threads = 1 if self.prefetch_batches else 0
         return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=self.prefetch_batches)
 
-    def resolve_bbs(self, *, num_shards: int, workload: Workload) -> Dataset:
+    def resolve_bbs(self, *, num_shards: int, workload: Callable[[np.ndarray], np.ndarray]) -> Dataset:
         """This data set with the BBS settings its config left open filled in.
 
         The trainer calls it with its mesh's device count and the model's
-        training workload (`Workload.from_flop_model`); `BBSConfig.num_shards`
+        training workload (`gem_jax.model.flops.train_workload`); `BBSConfig.num_shards`
         and `BBSConfig.workload` that are None take these values, explicit
         ones are kept. Without BBS, returns `self`.
 
@@ -302,7 +323,7 @@ def _mean_rate(examples: Examples) -> tuple[float, float]:
 
 def _load_file_source(config: DataConfig, capacities: tuple[int, ...]) -> Dataset:
     source = _FILE_SOURCES[config.source]
-    path = Path(config.path) if config.path is not None else default_path(config.source)
+    path = resolve_path(config.source, config.path)
     log = source.reader(path, config.on_bad_row)
     for skipped in log.skipped:
         logger.warning("%s", skipped)
@@ -334,6 +355,9 @@ def _load_file_source(config: DataConfig, capacities: tuple[int, ...]) -> Datase
         eval_positive_rate=_mean_rate(evals),
         skipped=log.skipped,
         notes=log.notes,
+        source=config.source.name,
+        path=str(path.resolve()),
+        fingerprint=fingerprint(path),
     )
     return Dataset(
         spec=spec,
@@ -365,6 +389,8 @@ def _load_synthetic(config: DataConfig, capacities: tuple[int, ...]) -> Dataset:
         num_eval_examples=syn.num_eval_examples,
         train_positive_rate=expected,
         eval_positive_rate=expected,
+        source=config.source.name,
+        fingerprint=hashlib.sha256(json.dumps([dataclasses.asdict(syn), config.seed, config.max_seq_len]).encode()).hexdigest(),
     )
     build = functools.partial(SyntheticBatchBuilder, syn, spec, config.batch_size, capacities, config.seed)
     return Dataset(

@@ -5,7 +5,7 @@ Click-Through Rate Prediction", 2022): each layer runs an ensemble of heterogene
 experts on the same input and combines their outputs. Ours has three expert kinds:
 a group of MLP experts (summed), a DCN-v2 cross network (Wang et al., 2021) and a
 DLRM-style dot-product compression (Naumov et al., 2019). The MLP experts are stacked
-so that expert parallelism (`gem_jax.parallel.experts`) can spread them over the GPUs
+so that expert parallelism (`gem_jax.nn.experts`) can spread them over the GPUs
 of a node. Token attention is GEM's GDPA with per-example token sets (short, equal Q
 and KV).
 """
@@ -19,8 +19,8 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.model.config import ModelConfig
-from gem_jax.model.layers import dense, rms_norm
-from gem_jax.parallel.experts import expert_parallel
+from gem_jax.nn.layers import dense, rms_norm
+from gem_jax.nn.experts import expert_parallel
 
 MLP_EXPERTS = 4  # MLP experts per DHEN layer; expert parallelism needs experts_per_node to divide it
 

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.data.batch import Batch, FeatureSpec, HistoryField, Task, UserField
+from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.cross_tower import CrossFeatureTower, uniform_offsets
 from gem_jax.model.interaction import CrossAttention
-from gem_jax.model.layers import MLP, EmbeddingTable, dense, rms_norm
+from gem_jax.nn.layers import MLP, EmbeddingTable, dense, rms_norm
 from gem_jax.model.sequence_tower import SequenceTower
 
 NUM_BASE_TOKENS = len(UserField) + 2  # user fields, candidate item, candidate genres
@@ -56,6 +56,13 @@ class GEMModel(nnx.Module):
     """
 
     def __init__(self, spec: FeatureSpec, config: ModelConfig, *, rngs: nnx.Rngs):
+        # Parameters carry logical axis names ("embed", "table_rows", ...) for the sharding
+        # planner (`gem_jax.parallel.rules`), not mesh axes: build them unsharded, so the
+        # model can be made anywhere, with or without a mesh.
+        with nnx.use_eager_sharding(False):
+            self._build(spec, config, rngs)
+
+    def _build(self, spec: FeatureSpec, config: ModelConfig, rngs: nnx.Rngs) -> None:
         d = config.embed_dim
         self.config = config
         self.spec = spec

@@ -16,7 +16,7 @@ from flax import nnx
 import pallas_kernels
 from gem_jax.jagged import segment_ids
 from gem_jax.model.config import ModelConfig
-from gem_jax.model.layers import dense, rms_norm
+from gem_jax.nn.layers import dense, rms_norm
 
 
 class CrossAttention(nnx.Module):

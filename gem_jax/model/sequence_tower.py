@@ -15,7 +15,7 @@ from flax import nnx
 import pallas_kernels
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import ModelConfig
-from gem_jax.model.layers import MLP, apply_rope, dense, rms_norm
+from gem_jax.nn.layers import MLP, apply_rope, dense, rms_norm
 
 
 class SelfAttentionBlock(nnx.Module):

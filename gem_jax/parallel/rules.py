@@ -2,8 +2,8 @@
 
 Model code names parameter axes by role (`embed`, `mlp`, `heads`, `expert`, `norm`,
 `table_rows`, `table_dim`); a `ShardingRules` turns those into `PartitionSpec`s over the
-axes of `gem_jax.parallel.mesh`, and picks each embedding table's generation
-(`gem_jax.parallel.embeddings`). Two presets:
+axes of `gem_jax.mesh`, and picks each embedding table's generation
+(`gem_jax.nn.embeddings`). Two presets:
 
 - `DATA_PARALLEL_RULES`: dense weights replicated (their gradients all-reduced),
   tables row-sharded over every device (gen 1).
@@ -12,7 +12,7 @@ axes of `gem_jax.parallel.mesh`, and picks each embedding table's generation
   spread over the expert axis of each node and FSDP-sharded across the node's other
   GPUs and the zone's nodes, tables model-parallel inside the zone (gen 2).
 
-The batch is always split over every device (`gem_jax.parallel.batch`). A dimension
+The batch is always split over every device (`gem_jax.parallel.placement`). A dimension
 takes the longest prefix of its rule's axes whose size product divides it (so no rule
 fails on an odd width) and an axis serves at most one dimension of a parameter.
 `ShardingPlan.table_rows` lists every parameter's spec and bytes per device; the
@@ -28,9 +28,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gem_jax.model.layers import EMBEDDING_PARAM, EmbeddingTable
-from gem_jax.parallel.embeddings import Generation, TablePlacement, TableSharding, place_table
-from gem_jax.parallel.mesh import EXPERT, GROUP_AXES
+from gem_jax.nn.layers import EMBEDDING_PARAM, EmbeddingTable
+from gem_jax.nn.embeddings import Generation, TablePlacement, TableSharding, place_table
+from gem_jax.mesh import EXPERT, GROUP_AXES, live_axes
+from gem_jax.pytree import path_keys, path_str
 
 Axes = tuple[str, ...]
 
@@ -93,7 +94,7 @@ def logical_to_spec(
     for dim, name in enumerate(logical):
         axes = tuple(a for a in (table.get(name, ()) if name is not None else ()) if a not in used)
         if axis_sizes is not None:
-            axes = tuple(a for a in axes if axis_sizes[a] > 1)
+            axes = live_axes(axis_sizes, axes)
         if shape is not None and axis_sizes is not None:
             while axes and shape[dim] % math.prod(axis_sizes[a] for a in axes):
                 axes = axes[:-1]
@@ -146,7 +147,7 @@ class ShardingPlan:
             nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
             rows.append(
                 {
-                    "path": "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path),
+                    "path": path_str(path),
                     "shape": list(leaf.shape),
                     "dtype": str(leaf.dtype),
                     "logical": [n for n in names],
@@ -156,10 +157,6 @@ class ShardingPlan:
                 }
             )
         return rows
-
-
-def _path_key(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
 def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules: ShardingRules) -> ShardingPlan:
@@ -184,7 +181,7 @@ def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules:
     shapes = nnx.to_pure_dict(abstract_params)
 
     def spec_of(path, names, leaf):
-        keys = _path_key(path)
+        keys = path_keys(path)
         if keys and keys[-1] == EMBEDDING_PARAM:
             placement = placements["/".join(str(k) for k in keys[:-1])]
             return spec_from_axes(placement.row_axes, len(leaf.shape))

@@ -1,15 +1,15 @@
 """The model under one `shard_map`: per-device jagged batches, HSDP weights, sharded tables and experts.
 
 Every device runs the unchanged model on its own jagged batch (offsets local to it;
-`gem_jax.parallel.batch` builds the stacked per-device layout). Before the forward
+`gem_jax.parallel.placement` builds the stacked per-device layout). Before the forward
 pass, each dense parameter is cast to the compute dtype on its shard and all-gathered
 over the axes that shard it (FSDP); it is first marked as varying over the axes that
 replicate it. Reverse-mode differentiation turns these into GEM's HSDP gradient path:
 the all-gather's transpose is a reduce-scatter inside the zone and the replication's
 transpose an all-reduce across zones, on the reduce-scattered shard (MaxText's
 hierarchical FSDP, done here explicitly). The DHEN expert group keeps its `expert`
-dimension sharded (`gem_jax.parallel.experts`) and embedding tables stay as shards for
-the sharded lookup (`gem_jax.parallel.embeddings`).
+dimension sharded (`gem_jax.nn.experts`) and embedding tables stay as shards for
+the sharded lookup (`gem_jax.nn.embeddings`).
 
 The loss is the weighted mean BCE over the *global* batch: each device's weighted sum
 and weight total are summed over all devices before the division, so the loss and its
@@ -26,12 +26,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from gem_jax.data.batch import Batch
-from gem_jax.model.layers import EMBEDDING_PARAM
-from gem_jax.parallel import context, embeddings
-from gem_jax.parallel.mesh import MESH_AXES
+from gem_jax.batch import Batch
+from gem_jax.nn.layers import EMBEDDING_PARAM
+from gem_jax.nn import embeddings
+from gem_jax.nn import shard_context as context
+from gem_jax.mesh import live_axes
 from gem_jax.parallel.rules import ShardingPlan, spec_from_axes
-from gem_jax.train import metrics
+from gem_jax.model import loss as loss_lib
 
 
 class Role(enum.Enum):
@@ -59,11 +60,6 @@ def param_roles(plan: ShardingPlan) -> dict:
         return Role.EXPERT if "expert" in tuple(names) else Role.DENSE
 
     return jax.tree_util.tree_map_with_path(role, plan.logical, is_leaf=_is_spec)
-
-
-def live_axes(axis_sizes: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes of size > 1, outermost first."""
-    return tuple(a for a in MESH_AXES if axis_sizes[a] > 1)
 
 
 def _psum(x, axes):
@@ -144,7 +140,7 @@ class ShardedModel:
 
         Args:
           params: the parameter tree, sharded as `plan.specs`.
-          batch: the stacked per-device batch (`gem_jax.parallel.batch.stack_batch`).
+          batch: the stacked per-device batch (`gem_jax.parallel.placement.stack_batch`).
 
         Returns:
           loss: float32 scalar, the sum over tasks of the weighted mean BCE.
@@ -158,7 +154,7 @@ class ShardedModel:
         def body(params, batch):
             logits, stats, local = self._forward(params, batch)
             weight = local.weights.sum()
-            total = metrics.weighted_bce(logits, local.labels, local.weights) * jnp.maximum(weight, 1.0)
+            total = loss_lib.weighted_bce(logits, local.labels, local.weights) * jnp.maximum(weight, 1.0)
             total, weight = _psum((total, weight), axes)
             bce = total / jnp.maximum(weight, 1.0)
             return bce.sum(), (bce, _psum(stats, axes), logits[None])

@@ -1,0 +1,39 @@
+"""The training system: config, state, steps, loop, checkpoints, metrics, restore.
+
+Names are imported on first use (the loop pulls in grain and Orbax).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "TrainConfig": "gem_jax.train.config",
+    "LoopConfig": "gem_jax.train.config",
+    "load_config": "gem_jax.train.config",
+    "OptimConfig": "gem_jax.train.optimizer",
+    "CheckpointConfig": "gem_jax.train.checkpoint",
+    "apply_overrides": "gem_jax.train.config_tree",
+    "ConfigError": "gem_jax.train.config_tree",
+    "TrainState": "gem_jax.train.state",
+    "make_train_step": "gem_jax.train.step",
+    "make_eval_step": "gem_jax.train.step",
+    "Training": "gem_jax.train.setup",
+    "setup_training": "gem_jax.train.setup",
+    "train_and_evaluate": "gem_jax.train.loop",
+    "RestoredRun": "gem_jax.train.restore",
+    "load_params": "gem_jax.train.restore",
+    "RunMismatchError": "gem_jax.train.run_record",
+    "auc": "gem_jax.train.metrics",
+    "normalized_entropy": "gem_jax.train.metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gem_jax.train' has no attribute {name!r}")

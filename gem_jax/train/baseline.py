@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gem_jax.data.batch import Task
+from gem_jax.batch import Task
 from gem_jax.data.pipeline import Dataset
 from gem_jax.train.metrics import auc
 

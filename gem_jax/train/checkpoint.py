@@ -32,18 +32,28 @@ class CheckpointConfig:
 class Checkpointer:
     """Saves and restores (`TrainState`, data iterator) pairs under `directory`."""
 
-    def __init__(self, directory: str | Path, config: CheckpointConfig):
+    def __init__(self, directory: str | Path, config: CheckpointConfig, *, read_only: bool = False):
         self.manager = ocp.CheckpointManager(
             Path(directory).absolute(),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=config.max_to_keep,
                 save_interval_steps=config.every_steps,
                 enable_async_checkpointing=config.async_save,
+                read_only=read_only,
+                create=not read_only,
             ),
         )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """The steps with a finished checkpoint, ascending."""
+        return sorted(self.manager.all_steps())
+
+    def restore_state(self, step: int, abstract_state: TrainState) -> TrainState:
+        """Restores only the train state of `step` (not the data position), onto `abstract_state`'s shardings."""
+        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))).state
 
     def save(self, step: int, state: TrainState, data_iterator: grain.DatasetIterator, *, force: bool = False) -> bool:
         """Saves when `step` is on the interval (or `force`); returns whether it saved."""

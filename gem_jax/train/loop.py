@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -12,80 +13,73 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from gem_jax.config import TrainConfig
-from gem_jax.data.batch import validate_ids
-from gem_jax.data.pipeline import Dataset, load_dataset
-from gem_jax.data.workload import Workload, load_imbalance, padding_waste, shard_loads
-from gem_jax.model.gem import GEMModel
-from gem_jax.parallel.batch import BatchPlacement
-from gem_jax.parallel.embeddings import check_lookup_stats
-from gem_jax.parallel.mesh import make_mesh
-from gem_jax.train import flops as flops_lib
+from gem_jax.data.pipeline import load_dataset
+from gem_jax.train import run_record
+from gem_jax.train.config import TrainConfig
+from gem_jax.batch import validate_ids
+from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
+from gem_jax.nn.embeddings import check_lookup_stats
+from gem_jax.model import flops as flops_lib
 from gem_jax.train.baseline import item_mean_label_auc
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.metric_log import MetricLogger
-from gem_jax.train.metrics import EvalAccumulator
-from gem_jax.train.optimizer import make_optimizer
-from gem_jax.train.state import create_train_state
-from gem_jax.train.step import make_eval_step, make_train_step
+from gem_jax.train.setup import setup_training
 
 
 class NonFiniteLossError(FloatingPointError):
     """The training loss or gradient norm became NaN or Inf."""
 
 
-def evaluate(eval_step, params, dataset: Dataset, placement: BatchPlacement) -> dict[str, float]:
-    """Runs the model over every eval example once; per-task AUC, NE and BCE."""
-    acc = EvalAccumulator(dataset.task_names)
-    for batch in dataset.eval_batches():
-        logits = eval_step(params, placement.put(batch))
-        acc.add(logits, batch.labels, batch.weights)
-    return acc.result()
-
-
-def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_steps: int | None = None) -> dict:
+def train_and_evaluate(
+    config: TrainConfig,
+    workdir: str | Path,
+    *,
+    stop_after_steps: int | None = None,
+    force_new: bool = False,
+    progress: bool | None = None,
+) -> dict:
     """Trains `config` in `workdir`, resuming from its latest checkpoint if any.
 
     Args:
       config: the whole job.
-      workdir: checkpoints, `metrics.jsonl` and TensorBoard logs go here.
+      workdir: checkpoints, `metrics.jsonl`, TensorBoard logs and the run record
+        (`run.json`: resolved config, data identity, code version) go here.
       stop_after_steps: stop this run after so many steps (a checkpoint is saved),
         as a preemption would; the same call again resumes.
+      force_new: start a new run even if `workdir` holds one with another config
+        (its files are moved to `workdir/previous_runs/<time>/`).
+      progress: show a progress bar (default: when stdout is a terminal).
 
     Returns:
       The final summary record (eval metrics, baseline AUC, throughput).
 
     Raises:
+      RunMismatchError: `workdir` holds a run whose config or data set differ (the
+        fields are named); nothing in the workdir is changed.
       NonFiniteLossError: the loss or gradient norm became non-finite (the step
         window is named).
     """
     workdir = Path(workdir)
+    if force_new:
+        moved = run_record.start_new_run(workdir)
+        if moved:
+            print(f"gem-train: the earlier run in {workdir} was moved to {moved}")
     dataset = load_dataset(config.data)
+    checkpoint_dir = workdir / "checkpoints"
+    has_checkpoints = checkpoint_dir.is_dir() and any(checkpoint_dir.iterdir())
+    run_record.check_run(workdir, run_record.make_record(config, dataset.info.identity(), dataset.spec), has_checkpoints=has_checkpoints)
+    training, state = setup_training(config, dataset=dataset)
+    dataset, setup, workload, sharding = training.dataset, training.state, training.workload, training.placement
     spec = dataset.spec
-    mesh = make_mesh(config.topology)
-    optimizer = make_optimizer(config.optim)
-    state, setup = create_train_state(
-        lambda rngs: GEMModel(spec, config.model, rngs=rngs),
-        optimizer,
-        mesh,
-        config.rules,
-        config.loop.seed,
-        compute_dtype=config.model.compute_dtype,
-    )
-    flop_model = flops_lib.flop_model(config.model, spec)
-    workload = Workload.from_flop_model(flop_model)
-    num_shards = mesh.devices.size
-    dataset = dataset.resolve_bbs(num_shards=num_shards, workload=workload)
+    num_shards = training.mesh.devices.size
     train_iter = dataset.train_iterator()
-    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
+    checkpointer = Checkpointer(checkpoint_dir, config.checkpoint)
     start = checkpointer.latest_step() or 0
     if start:
         state = checkpointer.restore(start, setup.abstract, train_iter)
 
     peak = flops_lib.peak_flops()
-    sharding = BatchPlacement(mesh)  # one local jagged batch per device, stacked (gem_jax.parallel.batch)
-    train_step = make_train_step(setup, optimizer, sharding)
-    eval_step = make_eval_step(setup, sharding)
+    train_step = training.train_step
 
     num_steps = config.loop.num_steps
     last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
@@ -94,14 +88,14 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
     window_metrics, window_flops, window_examples, window_imbalance, window_waste = [], 0.0, 0, [], []
     window_start, train_seconds, train_flops, train_examples = time.perf_counter(), 0.0, 0.0, 0
     record: dict = {}
-    progress = tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    progress_bar = tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not (sys.stdout.isatty() if progress is None else progress))
     for step in range(start, last_step):
         batch = next(train_iter)
         validate_ids(batch, spec, where=f"train batch {step}")
         real = np.asarray(batch.weights) > 0
         all_lengths = np.diff(np.asarray(batch.history.offsets))
         lengths = all_lengths[real]
-        window_flops += flop_model.train(lengths)
+        window_flops += workload.total(lengths)
         window_examples += int(real.sum())
         # Balance across the devices' contiguous chunks; padding against the placed token slots.
         window_imbalance.append(load_imbalance(shard_loads(workload(all_lengths) * real, num_shards)))
@@ -125,7 +119,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
                 check_lookup_stats(step_metrics, setup.plan.tables, where=f"train step {done - len(fetched) + offset + 1}")
             record.update(_lookup_counters(fetched))
             logger.log(done, "train", record)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
+            progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
             tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4g}" for k, v in record.items()))
             if done - len(fetched) > start:  # the run's first window holds the compile: not steady state
                 train_seconds += elapsed
@@ -135,12 +129,12 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
             window_start = time.perf_counter()
         checkpointer.save(done, state, train_iter)
         if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
-            eval_record = evaluate(eval_step, state.params, dataset, sharding)
+            eval_record = training.evaluate(state.params)
             logger.log(done, "eval", eval_record)
             tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
             window_start = time.perf_counter()
-        progress.update(1)
-    progress.close()
+        progress_bar.update(1)
+    progress_bar.close()
 
     final_step = last_step
     if checkpointer.latest_step() != final_step:
@@ -148,7 +142,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str | Path, *, stop_after_s
     checkpointer.close()
     summary = {"step": final_step, "finished": final_step == num_steps}
     if final_step == num_steps:
-        summary.update(evaluate(eval_step, state.params, dataset, sharding))
+        summary.update(training.evaluate(state.params))
         summary.update(item_mean_label_auc(dataset))
         if trains:
             logger.log(final_step, "eval", summary)

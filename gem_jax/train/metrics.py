@@ -1,4 +1,4 @@
-"""Quality metrics for binary tasks: weighted BCE, normalized entropy (NE) and AUC.
+"""Quality metrics for binary tasks: normalized entropy (NE) and AUC (the BCE loss is `gem_jax.model.loss`).
 
 NE (He et al., "Practical Lessons from Predicting Clicks on Ads at Facebook", 2014) is
 the average log loss divided by the entropy of the base rate `p`:
@@ -11,24 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gem_jax.model.loss import bce_per_example, weighted_bce
 
-def bce_per_example(logits, labels):
-    """Numerically stable BCE with logits, elementwise (nats); numpy or jax arrays."""
-    xp = jnp if isinstance(logits, jax.Array) else np
-    return xp.maximum(logits, 0) - logits * labels + xp.log1p(xp.exp(-xp.abs(logits)))
-
-
-def weighted_bce(logits: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Array:
-    """Per-task mean BCE over real examples.
-
-    Args:
-      logits, labels: float32 `[B, K]`; labels in {0, 1}.
-      weights: float32 `[B]`, 0 for padding examples.
-
-    Returns:
-      float32 `[K]` (nats per example).
-    """
-    return (weights[:, None] * bce_per_example(logits, labels)).sum(0) / jnp.maximum(weights.sum(), 1.0)
+__all__ = ["EvalAccumulator", "auc", "bce_per_example", "binary_entropy", "normalized_entropy", "weighted_bce"]
 
 
 def binary_entropy(p):

@@ -13,7 +13,8 @@ import enum
 import jax
 import optax
 
-from gem_jax.model.layers import EMBEDDING_PARAM
+from gem_jax.nn.layers import EMBEDDING_PARAM
+from gem_jax.pytree import path_keys
 
 
 class ParamGroup(enum.StrEnum):
@@ -44,8 +45,7 @@ class OptimConfig:
 
 def param_group(path: tuple) -> ParamGroup:
     """EMBEDDING for embedding-table parameters (named `EMBEDDING_PARAM`), else DENSE."""
-    keys = [getattr(k, "key", getattr(k, "name", k)) for k in path]
-    return ParamGroup.EMBEDDING if EMBEDDING_PARAM in keys else ParamGroup.DENSE
+    return ParamGroup.EMBEDDING if EMBEDDING_PARAM in path_keys(path) else ParamGroup.DENSE
 
 
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:

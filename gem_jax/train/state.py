@@ -18,6 +18,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from gem_jax.parallel import rules as rules_lib
+from gem_jax.pytree import path_keys
 from gem_jax.parallel.spmd import ShardedModel
 
 
@@ -62,20 +63,16 @@ class StateSetup:
         return ShardedModel(self.graphdef, self.plan, self.mesh, self.compute_dtype)
 
 
-def _path_keys(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-
-
 def mirror_param_shardings(opt_state, params, param_shardings, default):
     """Shardings for an optimizer state: a leaf whose key path ends with a parameter's
     path and has its shape (Adam moments, Adagrad accumulators) takes that parameter's
     sharding; every other leaf (step counts, masked placeholders) gets `default`."""
     by_path = {}
     for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings)):
-        by_path[_path_keys(path)] = (leaf.shape, sharding)
+        by_path[path_keys(path)] = (leaf.shape, sharding)
 
     def pick(path, leaf):
-        keys = _path_keys(path)
+        keys = path_keys(path)
         for start in range(len(keys)):
             match = by_path.get(keys[start:])
             if match and match[0] == leaf.shape:
@@ -133,7 +130,7 @@ def create_train_state(
 
     Args:
       model_factory: builds the model from `nnx.Rngs` (parameters must carry
-        logical axis names, see `gem_jax.model.layers`).
+        logical axis names, see `gem_jax.nn.layers`).
       optimizer: the optax transformation.
       mesh, rules: where each logical axis goes (`gem_jax.parallel.rules`).
       seed: parameter-init seed; the same seed gives the same parameters on any mesh.

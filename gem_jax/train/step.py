@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gem_jax.data.batch import Batch
-from gem_jax.parallel.batch import BatchPlacement
+from gem_jax.batch import Batch
+from gem_jax.parallel.placement import BatchPlacement
 from gem_jax.train import metrics
 from gem_jax.train.state import StateSetup, TrainState
 
@@ -21,7 +21,7 @@ def make_train_step(setup: StateSetup, optimizer: optax.GradientTransformation, 
     the sum over tasks of the weighted mean BCE over the global batch. Metrics (float32
     scalars or `[K]`): loss, per-task BCE and NE against the batch's base rate, the
     global gradient norm; int32 lookup counters `<table>/out_of_range` and
-    `<table>/overflow` (check them with `gem_jax.parallel.embeddings.check_lookup_stats`).
+    `<table>/overflow` (check them with `gem_jax.nn.embeddings.check_lookup_stats`).
     """
     model = setup.sharded_model()
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from gem_jax.data.bbs import BalancedBatchOrder, balance_shards, base_batch_shuffle
-from gem_jax.data.workload import Workload, load_imbalance, shard_loads
+from gem_jax.model.flops import Workload
+from gem_jax.data.balance import load_imbalance, shard_loads
 
 WORKLOAD = Workload(per_token=1000.0, per_token_pair=3.0, per_example=50.0)
 

@@ -11,9 +11,10 @@ from absl import flags
 
 from gem_jax.data.bbs import balance_shards
 from gem_jax.data.pipeline import BBSConfig, DataConfig, Source, SyntheticConfig, load_dataset
-from gem_jax.data.workload import Workload, load_imbalance, shard_loads
+from gem_jax.model.flops import Workload
+from gem_jax.data.balance import load_imbalance, shard_loads
 from gem_jax.model.config import ModelConfig
-from gem_jax.train.flops import flop_model
+from gem_jax.model.flops import train_workload
 
 D = 8  # devices a global batch is split over
 CONFIG = DataConfig(source=Source.ML_LATEST_SMALL, batch_size=256, max_seq_len=128, seed=3, bbs=BBSConfig())
@@ -47,7 +48,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def workload(loaded):
-    return Workload.from_flop_model(flop_model(DEMO_MODEL, loaded.spec))
+    return train_workload(DEMO_MODEL, loaded.spec)
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +170,8 @@ def test_unresolved_or_mismatched_settings_are_named(loaded, workload):
         BBSConfig(minibatch_size=3)
     with pytest.raises(ValueError, match="num_shards must be a positive int or None"):
         BBSConfig(num_shards=0)
-    with pytest.raises(TypeError, match="BBSConfig.workload must be a Workload"):
-        BBSConfig(workload=lambda lengths: lengths)
+    with pytest.raises(TypeError, match="BBSConfig.workload must be a callable"):
+        BBSConfig(workload="flops")
     own = Workload(per_token=1.0, per_token_pair=0.0)
     kept = dataclasses.replace(loaded, bbs=BBSConfig(workload=own)).resolve_bbs(num_shards=8, workload=workload)
     assert kept.bbs == BBSConfig(num_shards=8, workload=own)

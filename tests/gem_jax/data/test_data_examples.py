@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 
-from gem_jax.data.batch import PAD_ID, FeatureSpec, HistoryField, Task, UserField, validate_ids
-from gem_jax.data.collate import BatchBuilder, capacity_buckets, pick_capacity
+from gem_jax.batch import PAD_ID, FeatureSpec, HistoryField, Task, UserField, validate_ids
+from gem_jax.data.collate import BatchBuilder
+from gem_jax.jagged import capacity_buckets, pick_capacity
 from gem_jax.data.events import build_event_log
 from gem_jax.data.examples import Examples, next_item_examples, rating_examples
 from gem_jax.data.features import half_star_action, time_bucket
-from gem_jax.data.movielens_small import read_ml_latest_small
+from gem_jax.data.sources.movielens_small import read_ml_latest_small
 from gem_jax.data.paths import default_path
 from gem_jax.data.config import Source
 from gem_jax.data.split import split_by_time

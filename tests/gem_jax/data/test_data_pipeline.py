@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from gem_jax.data.batch import Task, validate_ids
+from gem_jax.batch import Task, validate_ids
 from gem_jax.data.paths import SHARED_DATA_ENV, SOURCE_FOLDERS, default_path, shared_data_dir
 from gem_jax.data.pipeline import DataConfig, OnBadRow, Source, SyntheticConfig, load_dataset
 from gem_jax.data.sampling import ShuffledBatchIndices

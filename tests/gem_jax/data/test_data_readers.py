@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gem_jax.data.amazon_beauty import read_amazon_beauty
-from gem_jax.data.movielens_100k import age_bucket, read_ml_100k
-from gem_jax.data.movielens_small import read_ml_latest_small
+from gem_jax.data.sources.amazon_beauty import read_amazon_beauty
+from gem_jax.data.sources.movielens_100k import age_bucket, read_ml_100k
+from gem_jax.data.sources.movielens_small import read_ml_latest_small
 from gem_jax.data.paths import SOURCE_FOLDERS, default_path, shared_data_dir
 from gem_jax.data.config import Source
 from gem_jax.data.rows import BadRowError, BadRowKind, DataFormatError, OnBadRow

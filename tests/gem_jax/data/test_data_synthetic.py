@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from gem_jax.data.batch import HistoryField, Task, validate_ids
-from gem_jax.data.collate import capacity_buckets
+from gem_jax.batch import HistoryField, Task, validate_ids
+from gem_jax.jagged import capacity_buckets
 from gem_jax.data.config import SyntheticConfig
-from gem_jax.data.synthetic import (
+from gem_jax.data.sources.synthetic import (
     EVAL_STREAM,
     TRAIN_STREAM,
     SyntheticBatchBuilder,

@@ -3,20 +3,20 @@
 import numpy as np
 import pytest
 
-from gem_jax.data.batch import FeatureSpec
-from gem_jax.data.workload import Workload, load_imbalance, padding_waste, shard_loads
+from gem_jax.batch import FeatureSpec
+from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
 from gem_jax.model.config import ModelConfig
-from gem_jax.train.flops import flop_model
+from gem_jax.model.flops import Workload, flop_model, train_workload
 
 
-def test_from_flop_model_is_three_times_the_forward_count():
+def test_train_workload_is_three_times_the_forward_count():
     model_config = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=8)
     spec = FeatureSpec(num_items=50, num_users=10, num_actions=11, num_time_buckets=8, num_genres=5)
     fm = flop_model(model_config, spec)
-    workload = Workload.from_flop_model(fm)
+    workload = train_workload(model_config, spec)
     lengths = np.random.default_rng().integers(0, 300, size=17)
-    np.testing.assert_allclose(workload(lengths).sum(), fm.train(lengths), rtol=1e-12)
-    np.testing.assert_allclose(workload(lengths), [3 * fm.forward([n]) for n in lengths], rtol=1e-12)
+    np.testing.assert_allclose(workload.total(lengths), 3 * fm.total(lengths), rtol=1e-12)
+    np.testing.assert_allclose(workload(lengths), [3 * fm.total([n]) for n in lengths], rtol=1e-12)
     assert workload.per_token_pair > 0 and workload.per_example > 0
 
 

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.data.batch import Batch, FeatureSpec, HistoryField
+from gem_jax.batch import Batch, FeatureSpec, HistoryField
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.gem import GEMModel
-from gem_jax.model.layers import apply_rope
+from gem_jax.nn.layers import apply_rope
 
 SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8, num_genres=5, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=12)
 CONFIG = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=16)

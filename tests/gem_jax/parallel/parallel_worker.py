@@ -31,16 +31,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ.get("GEM_TEST_JAX_CACHE", "/tmp/gem-jax-test-cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-from gem_jax.config import load_config  # noqa: E402
-from gem_jax.data.collate import capacity_buckets  # noqa: E402
-from gem_jax.data.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, synthetic_spec  # noqa: E402
+from gem_jax.train.config import load_config  # noqa: E402
+from gem_jax.jagged import capacity_buckets  # noqa: E402
+from gem_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, synthetic_spec  # noqa: E402
 from gem_jax.jagged import Jagged  # noqa: E402
 from gem_jax.model.cross_tower import MLPExperts  # noqa: E402
 from gem_jax.model.gem import GEMModel  # noqa: E402
-from gem_jax.parallel import context  # noqa: E402
-from gem_jax.parallel.batch import BatchPlacement  # noqa: E402
-from gem_jax.parallel.embeddings import Generation, OutOfRange, TableSharding, lookup, place_table  # noqa: E402
-from gem_jax.parallel.mesh import Topology, make_mesh  # noqa: E402
+from gem_jax.nn import shard_context as context  # noqa: E402
+from gem_jax.parallel.placement import BatchPlacement  # noqa: E402
+from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding, lookup, place_table  # noqa: E402
+from gem_jax.mesh import Topology, make_mesh  # noqa: E402
 from gem_jax.parallel.rules import HSDP_RULES, ShardingRules, plan_sharding, spec_from_axes  # noqa: E402
 from gem_jax.parallel.spmd import gather_param, live_axes, param_roles  # noqa: E402
 from gem_jax.train import metrics  # noqa: E402

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gem_jax.parallel import context
-from gem_jax.parallel.embeddings import (
+from gem_jax.nn import shard_context as context
+from gem_jax.nn.embeddings import (
     EmbeddingLookupError,
     Generation,
     OutOfRange,

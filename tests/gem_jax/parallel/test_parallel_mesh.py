@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from gem_jax.parallel.mesh import EXPERT, GPU, MESH_AXES, NODE, ZONE, Topology, device_grid, make_mesh
+from gem_jax.mesh import EXPERT, GPU, MESH_AXES, NODE, ZONE, Topology, device_grid, make_mesh
 
 
 @dataclasses.dataclass(frozen=True)

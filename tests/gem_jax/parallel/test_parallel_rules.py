@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gem_jax.config import load_config
-from gem_jax.data.synthetic import synthetic_spec
+from gem_jax.train.config import load_config
+from gem_jax.data.sources.synthetic import synthetic_spec
 from gem_jax.model.gem import GEMModel
-from gem_jax.parallel.embeddings import Generation, TableSharding, padded_table_rows, place_table
-from gem_jax.parallel.mesh import EXPERT, GPU, NODE, ZONE
+from gem_jax.nn.embeddings import Generation, TableSharding, padded_table_rows, place_table
+from gem_jax.mesh import EXPERT, GPU, NODE, ZONE
 from gem_jax.parallel.rules import DATA_PARALLEL_RULES, HSDP_RULES, ShardingRules, logical_to_spec, plan_sharding
 
 GOLDEN = Path(__file__).parent / "golden" / "gem_sharded_params.json"

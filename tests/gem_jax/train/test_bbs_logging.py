@@ -15,13 +15,13 @@ SCRIPT = textwrap.dedent(
 
     import numpy as np
 
-    from gem_jax.config import load_config
+    from gem_jax.train.config import load_config
     from gem_jax.data.config import BBSConfig
     from gem_jax.data.pipeline import load_dataset
-    from gem_jax.data.workload import Workload, load_imbalance, padding_waste, shard_loads
-    from gem_jax.parallel.batch import stack_batch
-    from gem_jax.parallel.mesh import Topology
-    from gem_jax.train.flops import flop_model
+    from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
+    from gem_jax.parallel.placement import stack_batch
+    from gem_jax.mesh import Topology
+    from gem_jax.model.flops import train_workload
     from gem_jax.train.loop import train_and_evaluate
 
     config = load_config("configs/movielens_tiny.py")
@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
     records = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
     dataset = load_dataset(config.data)
-    workload = Workload.from_flop_model(flop_model(config.model, dataset.spec))
+    workload = train_workload(config.model, dataset.spec)
     expected = {}
     for name, bbs in (("bbs", dataset.bbs), ("plain", None)):
         it = dataclasses.replace(dataset, bbs=bbs).resolve_bbs(num_shards=2, workload=workload).train_iterator()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gem_jax.cli import train_main
-from gem_jax.config import load_config
+from gem_jax.train.config import load_config
 from gem_jax.train.loop import train_and_evaluate
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.parallel import embeddings
+from gem_jax.nn import embeddings
 from gem_jax.quant.dense import Fp8Linear, Fp8Recipe
 
 EMBEDDING_PARAM = "embedding"  # name of every embedding-table parameter (the sparse optimizer's partition key)
@@ -47,9 +47,9 @@ class EmbeddingTable(nnx.Module):
 
     The parameter has `padded_table_rows(num_rows)` rows (a mesh-independent padding
     so that rows divide over the owners; padding rows are never read). Lookups go
-    through `gem_jax.parallel.embeddings.lookup`: a plain gather on one device, the
+    through `gem_jax.nn.embeddings.lookup`: a plain gather on one device, the
     sharded all-to-all exchange inside a sharded step once `placement` is set
-    (`gem_jax.parallel.embeddings.bind_tables`). Out-of-range ids are never clamped:
+    (`gem_jax.nn.embeddings.bind_tables`). Out-of-range ids are never clamped:
     they get a zero row (or are hashed, per the table's `OutOfRange` policy) and are
     counted.
 

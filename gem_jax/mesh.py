@@ -30,6 +30,21 @@ GROUP_AXES = (NODE, EXPERT, GPU)  # one zone: an FSDP / model-parallel group
 INTRA_NODE_AXES = (EXPERT, GPU)  # the GPUs of one host
 
 
+def live_axes(axis_sizes, axes: Sequence[str] = MESH_AXES) -> tuple[str, ...]:
+    """The axes of `axes` (default: every mesh axis, outermost first) whose size is > 1.
+
+    Collectives over an axis of size 1 are no-ops, and a spec that names one shards
+    nothing, so partitioning code works on these axes only.
+
+    Args:
+      axis_sizes: a mapping from axis name to size, a `Mesh` or its `.shape`, or
+        `(name, size)` pairs.
+      axes: the axes to filter, in order.
+    """
+    sizes = dict(getattr(axis_sizes, "shape", axis_sizes))
+    return tuple(a for a in axes if sizes[a] > 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """How many zones, nodes per zone, GPUs per node and expert slots per node a job spans.

@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.parallel import context
-from gem_jax.parallel.mesh import GROUP_AXES, MESH_AXES, NODE, ZONE, INTRA_NODE_AXES
+from gem_jax.nn import shard_context as context
+from gem_jax.mesh import GROUP_AXES, INTRA_NODE_AXES, MESH_AXES, NODE, ZONE, live_axes
 
 MAX_ROW_MULTIPLE = 1024
 
@@ -125,8 +125,7 @@ class TablePlacement:
 
     def live(self, axes) -> tuple[str, ...]:
         """`axes` without those of size 1."""
-        sizes = dict(self.axis_sizes)
-        return tuple(a for a in axes if sizes[a] > 1)
+        return live_axes(self.axis_sizes, axes)
 
     @property
     def row_axes(self) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gem_jax.data.config import DataConfig
 from gem_jax.model.config import ModelConfig
-from gem_jax.parallel.mesh import Topology
+from gem_jax.mesh import Topology
 from gem_jax.parallel.rules import DATA_PARALLEL_RULES, Rules
 from gem_jax.train.checkpoint import CheckpointConfig
 from gem_jax.train.optimizer import OptimConfig
@@ -60,5 +60,5 @@ def load_config(path: str | Path) -> TrainConfig:
     get_config = getattr(module, "get_config", None)
     config = get_config() if callable(get_config) else None
     if not isinstance(config, TrainConfig):
-        raise TypeError(f"{path}: get_config() must return a gem_jax.config.TrainConfig, got {type(config).__name__}")
+        raise TypeError(f"{path}: get_config() must return a gem_jax.train.config.TrainConfig, got {type(config).__name__}")
     return config

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import jax
 
-from gem_jax.parallel import context
-from gem_jax.parallel.mesh import EXPERT
+from gem_jax.nn import shard_context as context
+from gem_jax.mesh import EXPERT
 
 
 def expert_parallel(apply: Callable[[jax.Array], jax.Array], x: jax.Array, *, local_experts: int, num_experts: int) -> jax.Array:

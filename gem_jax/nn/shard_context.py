@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
+from gem_jax.mesh import live_axes
+
 
 @dataclasses.dataclass
 class ShardContext:
@@ -38,7 +40,7 @@ class ShardContext:
 
     def live(self, axes: Sequence[str]) -> tuple[str, ...]:
         """`axes` without those of size 1 (collectives over them are no-ops)."""
-        return tuple(a for a in axes if self.axis_sizes[a] > 1)
+        return live_axes(self.axis_sizes, axes)
 
     def record(self, name: str, value: jax.Array) -> None:
         """Adds an int32 scalar to counter `name`."""

@@ -22,10 +22,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from gem_jax.data.batch import Batch
-from gem_jax.data.collate import capacity_buckets, pick_capacity
+from gem_jax.batch import Batch
+from gem_jax.jagged import capacity_buckets, pick_capacity
 from gem_jax.jagged import Jagged
-from gem_jax.parallel.mesh import MESH_AXES
+from gem_jax.mesh import live_axes
 from gem_jax.parallel.rules import spec_from_axes
 
 
@@ -96,7 +96,7 @@ class BatchPlacement:
     @property
     def sharding(self) -> NamedSharding:
         """The sharding of every stacked-batch leaf (a prefix for the whole `Batch`)."""
-        axes = tuple(a for a in MESH_AXES if self.mesh.shape[a] > 1)
+        axes = live_axes(self.mesh)
         return NamedSharding(self.mesh, spec_from_axes(axes, 1))
 
     def put(self, batch: Batch) -> Batch:

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gem_jax.data.batch import Batch, FeatureSpec, HistoryField, Task, UserField, validate_ids
-from gem_jax.data.collate import pick_capacity
+from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField, validate_ids
+from gem_jax.jagged import pick_capacity
 from gem_jax.data.config import SyntheticConfig
 from gem_jax.data.features import NUM_HALF_STAR_ACTIONS, time_bucket
 from gem_jax.jagged import Jagged

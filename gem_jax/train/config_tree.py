@@ -1,0 +1,237 @@
+"""Configs as plain trees: JSON for the workdir, typed command-line overrides, field diffs.
+
+A config is a tree of frozen dataclasses (`TrainConfig` and its parts) whose leaves are
+ints, floats, strings, bools, enums, None and tuples. `to_tree` turns it into JSON-able
+dicts and lists (enums by name), `from_tree` rebuilds it from the dataclass field types,
+`apply_overrides` replaces fields named by dotted paths (`model.embed_dim=128`) with
+values parsed to the field's declared type, and `diff` names the leaves two trees
+disagree on.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import enum
+import functools
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config field that does not exist, or a value that does not fit its field's type."""
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def to_tree(obj: Any) -> Any:
+    """A config (or any part of it) as JSON-able dicts, lists and scalars; enums by name.
+
+    Values that are not config data (a callable workload, say) become their `repr`.
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_tree(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, enum.Enum):
+        return obj.name
+    if isinstance(obj, (tuple, list)):
+        return [to_tree(x) for x in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_tree(v) for k, v in obj.items()}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)
+
+
+def _decode(tp: Any, value: Any, where: str) -> Any:
+    """`value` (a JSON-able tree or a Python literal) as an instance of type `tp`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (types.UnionType, typing.Union):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _decode(option, value, where)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(f"{where}: {value!r} fits none of {_type_name(tp)}")
+    if origin is tuple or tp is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a sequence for {_type_name(tp)}, got {value!r}")
+        args = typing.get_args(tp)
+        if not args:
+            return tuple(value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{where}: expected {len(args)} items for {_type_name(tp)}, got {len(value)}")
+        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is not None and origin in (Callable, typing.get_origin(Callable[[], None])):
+        if callable(value):
+            return value
+        raise ConfigError(f"{where}: a callable cannot be given as {value!r}")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        for member in tp:
+            if value == member.name or value == member.value or (isinstance(value, str) and value.upper() == member.name):
+                return member
+        raise ConfigError(f"{where}: {value!r} is not a {tp.__name__} (one of {[m.name for m in tp]})")
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
+        return from_tree(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where}: expected a bool, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where}: cannot read {value!r} as {_type_name(tp)}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def from_tree(cls: type, tree: Mapping[str, Any], where: str = "") -> Any:
+    """Rebuilds dataclass `cls` from `to_tree`'s output (missing fields keep their defaults).
+
+    Raises:
+      ConfigError: an unknown field, or a value that does not fit its field's type
+        (the dotted path is named).
+    """
+    hints = _field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(tree) - names)
+    if unknown:
+        raise ConfigError(f"{where or cls.__name__}: unknown field(s) {unknown}; {cls.__name__} has {sorted(names)}")
+    kwargs = {k: _decode(hints[k], v, f"{where}.{k}" if where else k) for k, v in tree.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{where or cls.__name__}: {error}") from error
+
+
+def _parse_literal(text: str) -> Any:
+    """A command-line value: a Python literal (`128`, `1e-3`, `(1, 2)`, `None`, `'x'`) or a bare word."""
+    lowered = text.strip()
+    if lowered.lower() in ("true", "false"):
+        return lowered.lower() == "true"
+    if lowered.lower() in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(lowered)
+    except (ValueError, SyntaxError):
+        return lowered
+
+
+def apply_overrides(config: Any, overrides: Iterable[str]) -> Any:
+    """`config` with the fields named by `path=value` strings replaced.
+
+    `path` is dotted (`loop.num_steps`, `data.synthetic.num_items`); the value is parsed
+    to the declared type of that field (enum members by name, `None` where allowed,
+    tuples as `(1, 2)` or `1,2`).
+
+    Raises:
+      ConfigError: a malformed override, an unknown field (the valid names are listed)
+        or a value of the wrong type, each naming the override.
+    """
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"override {override!r} is not of the form path=value (e.g. loop.num_steps=10)")
+        path, text = override.split("=", 1)
+        keys = path.strip().split(".")
+        value = _parse_literal(text)
+        config = _replace_path(config, keys, value, override)
+    return config
+
+
+def _replace_path(obj: Any, keys: Sequence[str], value: Any, override: str) -> Any:
+    if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        raise ConfigError(f"override {override!r}: {type(obj).__name__} has no fields to set")
+    names = [f.name for f in dataclasses.fields(obj) if f.init]
+    key = keys[0]
+    if key not in names:
+        raise ConfigError(f"override {override!r}: {type(obj).__name__} has no field {key!r}; fields: {', '.join(names)}")
+    if len(keys) > 1:
+        new = _replace_path(getattr(obj, key), keys[1:], value, override)
+    else:
+        tp = _field_types(type(obj))[key]
+        if isinstance(value, str) and "," in value and (typing.get_origin(tp) is tuple or tp is tuple):
+            value = tuple(_parse_literal(v) for v in value.split(","))
+        try:
+            new = _decode(tp, value, override.split("=", 1)[0])
+        except ConfigError as error:
+            raise ConfigError(f"override {override!r}: {error}") from None
+    try:
+        return dataclasses.replace(obj, **{key: new})
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"override {override!r}: {error}") from error
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves of a `to_tree` tree by dotted path (lists are leaves)."""
+    if isinstance(tree, Mapping):
+        out = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: tree}
+
+
+def diff(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """`(path, old value, new value)` for every leaf where two `to_tree` trees differ, sorted by path."""
+    a, b = flatten(old), flatten(new)
+    missing = object()
+    rows = []
+    for path in sorted(set(a) | set(b)):
+        x, y = a.get(path, missing), b.get(path, missing)
+        if x != y:
+            rows.append((path, None if x is missing else x, None if y is missing else y))
+    return rows
+
+
+def override_help(cls: type, prefix: str = "") -> list[str]:
+    """Every overridable leaf of dataclass `cls` as `path: type = default` lines."""
+    lines = []
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            lines += override_help(tp, path)
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, enum.Enum):
+            default = default.name
+        lines.append(f"{path}: {_type_name(tp)} = {to_tree(default)!r}" if default is not None else f"{path}: {_type_name(tp)}")
+    return lines

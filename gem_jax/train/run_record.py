@@ -1,0 +1,166 @@
+"""What produced a run: its resolved config, data set identity and code version, kept in the workdir.
+
+The first start of a run writes `<workdir>/run.json`. A restart compares its own
+config and data set against it and refuses (`RunMismatchError`, naming every
+differing field) when anything that changes results differs: reusing a workdir after a
+config change would otherwise resume or re-report the old run under the new name.
+Fields that only change how a run is observed or how far it goes (logging intervals,
+checkpoint cadence, `loop.num_steps`, prefetching) may change between starts.
+`start_new_run` moves an earlier run's files aside (nothing is deleted) for
+`gem-train --force-new`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from gem_jax.train import config_tree
+from gem_jax.train.config import TrainConfig
+
+RUN_FILE = "run.json"
+ARCHIVE_DIR = "previous_runs"
+
+# Config leaves that may change between starts of one run: they do not change the
+# trained parameters of any step both starts reach.
+MAY_CHANGE = (
+    "loop.num_steps",
+    "loop.log_every",
+    "loop.eval_every",
+    "checkpoint.every_steps",
+    "checkpoint.max_to_keep",
+    "checkpoint.async_save",
+    "data.prefetch_batches",
+    "data.path",  # where the files are; their content is compared by fingerprint
+)
+
+
+class RunMismatchError(ValueError):
+    """A restart whose config or data set differs from the run recorded in its workdir."""
+
+
+def code_version() -> dict[str, str]:
+    """The gem-jax package version, the git commit of its source tree (when it is a checkout) and jax's version."""
+    try:
+        version = metadata.version("gem-jax")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    source = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        commit += "+modified" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {"gem_jax": version, "commit": commit, "jax": jax.__version__}
+
+
+def make_record(config: TrainConfig, data_identity: dict[str, Any], spec: Any) -> dict[str, Any]:
+    """The run record of a start: resolved config, data identity, feature spec, code version, time."""
+    return {
+        "config": config_tree.to_tree(config),
+        "data": data_identity,
+        "spec": config_tree.to_tree(spec),
+        "version": code_version(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def read_record(workdir: str | Path) -> dict[str, Any] | None:
+    """The workdir's run record, or None when it has none.
+
+    Raises:
+      RunMismatchError: `run.json` exists but is not a readable record (path named).
+    """
+    path = Path(workdir) / RUN_FILE
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise RunMismatchError(f"{path}: unreadable run record ({error}); move the workdir aside or use --force-new") from error
+    if not isinstance(record, dict) or "config" not in record:
+        raise RunMismatchError(f"{path}: not a gem-jax run record; move the workdir aside or use --force-new")
+    return record
+
+
+def mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """`(field, recorded, now)` for each config leaf or data-identity entry that differs."""
+    rows = [
+        (f"config.{path}", a, b)
+        for path, a, b in config_tree.diff(old["config"], new["config"])
+        if not any(path == m or path.startswith(m + ".") for m in MAY_CHANGE)
+    ]
+    rows += [(f"data.{path}", a, b) for path, a, b in config_tree.diff(old.get("data", {}), new["data"]) if path != "path"]
+    return rows
+
+
+def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: bool) -> dict[str, Any]:
+    """Verifies that `record` continues the run in `workdir`, or records it as a new run.
+
+    Returns:
+      The record in force (the recorded one, for a restart).
+
+    Raises:
+      RunMismatchError: the workdir holds a run with another config or data set
+        (every differing field named, with both values), or checkpoints without a
+        run record.
+    """
+    workdir = Path(workdir)
+    old = read_record(workdir)
+    if old is None:
+        if has_checkpoints:
+            raise RunMismatchError(
+                f"{workdir} holds checkpoints but no {RUN_FILE}: it was not written by this version of gem-train, "
+                "so its config cannot be checked; use a new workdir or --force-new (the old files are moved aside)"
+            )
+        write_record(workdir, record)
+        return record
+    rows = mismatches(old, record)
+    if rows:
+        lines = "\n".join(f"  {field}: recorded {a!r}, now {b!r}" for field, a, b in rows)
+        raise RunMismatchError(
+            f"{workdir} holds a run with a different config or data set ({workdir / RUN_FILE}):\n{lines}\n"
+            "Use a new workdir, restore the recorded values, or pass --force-new to start a new run here "
+            f"(the old run is moved to {workdir / ARCHIVE_DIR})."
+        )
+    if old.get("version") != record["version"]:
+        old.setdefault("resumed_with", []).append(record["version"])
+        write_record(workdir, old)
+    return old
+
+
+def write_record(workdir: Path, record: dict[str, Any]) -> None:
+    """Writes `run.json` atomically (a temporary file renamed over it)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tmp = workdir / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, workdir / RUN_FILE)
+
+
+def start_new_run(workdir: str | Path) -> Path | None:
+    """Moves every file of an earlier run in `workdir` into `previous_runs/<time>/`; returns that folder (None if empty)."""
+    workdir = Path(workdir)
+    if not workdir.exists():
+        return None
+    entries = [p for p in workdir.iterdir() if p.name != ARCHIVE_DIR]
+    if not entries:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = workdir / ARCHIVE_DIR / stamp
+    target.mkdir(parents=True)
+    for entry in entries:
+        shutil.move(str(entry), str(target / entry.name))
+    return target

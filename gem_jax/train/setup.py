@@ -1,0 +1,115 @@
+"""Everything a training job builds before its first step, in one place.
+
+`setup_training(config)` loads the data set, makes the mesh, the optimizer and the
+sharded train state, the jitted train and eval steps, and the model's training
+workload (FLOPs per example, used by MFU accounting and by BBS). The trainer
+(`gem_jax.train.loop`), the benchmarks and research scripts all start from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import optax
+
+from gem_jax.data.pipeline import Dataset, load_dataset
+from gem_jax.mesh import make_mesh
+from gem_jax.model.flops import Workload, train_workload
+from gem_jax.model.gem import GEMModel
+from gem_jax.parallel.placement import BatchPlacement
+from gem_jax.train.config import TrainConfig
+from gem_jax.train.metrics import EvalAccumulator
+from gem_jax.train.optimizer import make_optimizer
+from gem_jax.train.state import StateSetup, TrainState, create_train_state, state_setup
+from gem_jax.train.step import make_eval_step, make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """The static parts of a training job.
+
+    Attributes:
+      config: the whole job.
+      dataset: the split data set (BBS resolved for this mesh).
+      mesh: the device mesh of `config.topology`.
+      optimizer: the optax transformation of `config.optim`.
+      state: shapes, shardings and the sharding plan of the train state.
+      placement: puts host batches on the mesh (one jagged batch per device).
+      workload: training FLOPs per example as a function of its history length.
+      train_step: `(state, placed batch) -> (state, metrics)`, jitted, donates `state`.
+      eval_step: `(params, placed batch) -> logits [B, K]`, jitted.
+    """
+
+    config: TrainConfig
+    dataset: Dataset
+    mesh: jax.sharding.Mesh
+    optimizer: optax.GradientTransformation
+    state: StateSetup
+    placement: BatchPlacement
+    workload: Workload
+    train_step: Callable
+    eval_step: Callable
+
+    def evaluate(self, params) -> dict[str, float]:
+        """Per-task AUC, NE and BCE of `params` over every eval example once."""
+        acc = EvalAccumulator(self.dataset.task_names)
+        for batch in self.dataset.eval_batches():
+            logits = self.eval_step(params, self.placement.put(batch))
+            acc.add(logits, batch.labels, batch.weights)
+        return acc.result()
+
+
+def model_factory(dataset_or_spec, config: TrainConfig) -> Callable:
+    """`rngs -> GEMModel` for the data set's feature spec and the config's model."""
+    spec = getattr(dataset_or_spec, "spec", dataset_or_spec)
+    return lambda rngs: GEMModel(spec, config.model, rngs=rngs)
+
+
+def setup_training(
+    config: TrainConfig,
+    *,
+    dataset: Dataset | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    init_state: bool = True,
+) -> tuple[Training, TrainState | None]:
+    """Builds a training job and (optionally) its freshly initialised, sharded train state.
+
+    Args:
+      config: the whole job.
+      dataset: an already loaded data set (default: `load_dataset(config.data)`).
+      devices: the mesh's devices (default: all).
+      init_state: False returns None for the state (restore it from a checkpoint
+        onto `training.state.abstract` instead).
+
+    Returns:
+      `(training, state)`.
+
+    Raises:
+      the errors of `load_dataset`, `make_mesh` and the sharding rules.
+    """
+    dataset = load_dataset(config.data) if dataset is None else dataset
+    mesh = make_mesh(config.topology, devices)
+    optimizer = make_optimizer(config.optim)
+    factory = model_factory(dataset, config)
+    dtype = config.model.compute_dtype
+    if init_state:
+        state, setup = create_train_state(factory, optimizer, mesh, config.rules, config.loop.seed, compute_dtype=dtype)
+    else:
+        state, setup = None, state_setup(factory, optimizer, mesh, config.rules, compute_dtype=dtype)
+    workload = train_workload(config.model, dataset.spec)
+    dataset = dataset.resolve_bbs(num_shards=mesh.devices.size, workload=workload)
+    placement = BatchPlacement(mesh)
+    training = Training(
+        config=config,
+        dataset=dataset,
+        mesh=mesh,
+        optimizer=optimizer,
+        state=setup,
+        placement=placement,
+        workload=workload,
+        train_step=make_train_step(setup, optimizer, placement),
+        eval_step=make_eval_step(setup, placement),
+    )
+    return training, state
