@@ -135,6 +135,9 @@ def from_lengths(values, lengths, *, max_seq_len: int, capacity: int | None = No
     return jagged
 
 
+Jagged.from_lengths = staticmethod(from_lengths)  # `Jagged.from_lengths(values, lengths, max_seq_len=...)`
+
+
 def validate(jagged: Jagged) -> None:
     """Checks a concrete (non-traced) `Jagged` on the host.
 

@@ -138,10 +138,14 @@ class TablePlacement:
         """Axes across which replicas exchange touched-row gradients (gen 2 and 3)."""
         return self.live((ZONE,)) if self.generation in (Generation.GROUP, Generation.NODE_SPLIT) else ()
 
+    def size(self, axes) -> int:
+        """Product of the sizes of `axes` on this placement's mesh (1 for none)."""
+        sizes = dict(self.axis_sizes)
+        return math.prod(sizes[a] for a in axes)
+
     @property
     def num_shards(self) -> int:
-        sizes = dict(self.axis_sizes)
-        return math.prod(sizes[a] for a in self.row_axes)
+        return self.size(self.row_axes)
 
     @property
     def rows_per_shard(self) -> int:
@@ -341,13 +345,13 @@ def lookup(table: jax.Array, ids: jax.Array, num_rows: int, placement: TablePlac
     if ctx is None:
         raise ValueError(f"table {name!r} is sharded ({placement.generation.name}); look it up inside the sharded step")
     exchange = _node_exchange if placement.generation is Generation.NODE_SPLIT else _flat_exchange
-    owners = ctx.size(placement.live((NODE,))) if placement.generation is Generation.NODE_SPLIT else placement.num_shards
+    owners = placement.size(placement.live((NODE,))) if placement.generation is Generation.NODE_SPLIT else placement.num_shards
     n = flat.shape[0]
     capacity = _capacity(n, owners, placement.capacity_factor)
     dtype = table.dtype if ctx.exchange_dtype is None else ctx.exchange_dtype
     rows, overflow = exchange(table, flat, valid, placement, capacity, dtype)
     if capacity < n:
-        any_overflow = jax.lax.psum(overflow, ctx.live(MESH_AXES)) > 0
+        any_overflow = jax.lax.psum(overflow, placement.live(MESH_AXES)) > 0
         rows = jax.lax.cond(any_overflow, lambda: exchange(table, flat, valid, placement, n, dtype)[0], lambda: rows)
     context.record(f"{name}/overflow", overflow)
     return rows.reshape(*ids.shape, d)

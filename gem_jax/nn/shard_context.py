@@ -12,13 +12,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
-
-from gem_jax.mesh import live_axes
 
 
 @dataclasses.dataclass
@@ -33,14 +30,6 @@ class ShardContext:
     axis_sizes: dict[str, int]
     exchange_dtype: jnp.dtype | None = None
     stats: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
-
-    def size(self, axes: Sequence[str]) -> int:
-        """Product of the sizes of `axes` (1 for none)."""
-        return math.prod(self.axis_sizes[a] for a in axes)
-
-    def live(self, axes: Sequence[str]) -> tuple[str, ...]:
-        """`axes` without those of size 1 (collectives over them are no-ops)."""
-        return live_axes(self.axis_sizes, axes)
 
     def record(self, name: str, value: jax.Array) -> None:
         """Adds an int32 scalar to counter `name`."""

@@ -1,0 +1,46 @@
+"""The package faces: the names research code imports, without deep paths; the light import stays light."""
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import gem_jax
+import gem_jax.data
+import gem_jax.model
+import gem_jax.parallel
+import gem_jax.train
+
+
+@pytest.mark.parametrize("module", [gem_jax, gem_jax.data, gem_jax.model, gem_jax.parallel, gem_jax.train])
+def test_every_exported_name_imports(module):
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+
+
+def test_import_gem_jax_does_not_load_grain_or_orbax(repo_root):
+    code = "import sys, gem_jax; gem_jax.Jagged; gem_jax.ModelConfig; print(sorted(m for m in ('grain', 'orbax', 'gem_jax.train.loop') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_model_builds_and_runs_outside_the_trainer():
+    spec = gem_jax.FeatureSpec(num_items=50, num_users=10, num_actions=11, num_time_buckets=8, num_genres=5, max_seq_len=4)
+    model = gem_jax.GEMModel(spec, gem_jax.ModelConfig(embed_dim=16, num_pooled_queries=2), rngs=nnx.Rngs(0))
+    lengths = np.array([0, 3, 4])
+    rng = np.random.default_rng()
+    values = np.stack([rng.integers(1, 50, 7), rng.integers(1, 11, 7), rng.integers(1, 8, 7)], axis=1).astype(np.int32)
+    history = gem_jax.Jagged.from_lengths(values, lengths, max_seq_len=4, capacity=8)
+    batch = gem_jax.Batch(
+        history=history,
+        user=np.stack([rng.integers(1, 10, 3), np.zeros(3), np.zeros(3), np.zeros(3)], axis=1).astype(np.int32),
+        candidate_item=rng.integers(1, 50, 3).astype(np.int32),
+        candidate_genres=rng.integers(0, 2, (3, 5)).astype(np.float32),
+        labels=np.zeros((3, 2), np.float32),
+        weights=np.ones(3, np.float32),
+    )
+    logits = model(jax.tree.map(jax.numpy.asarray, batch))
+    assert logits.shape == (3, 2) and np.all(np.isfinite(logits))

@@ -1,0 +1,71 @@
+"""Configs round-trip through JSON; command-line overrides parse to the field's type or name what is wrong."""
+
+import json
+
+import pytest
+
+from gem_jax.cli import train_main
+from gem_jax.data.config import Source
+from gem_jax.train import config_tree
+from gem_jax.train.config import TrainConfig, load_config
+from pallas_kernels import Implementation
+
+CONFIGS = ["movielens.py", "movielens_tiny.py", "movielens_fp8.py", "gem_sharded.py", "gem_sharded_tiny.py"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_round_trips_through_json(repo_root, name):
+    config = load_config(repo_root / "configs" / name)
+    tree = json.loads(json.dumps(config_tree.to_tree(config)))
+    assert config_tree.from_tree(TrainConfig, tree) == config
+
+
+def test_overrides_parse_to_the_field_types(repo_root):
+    config = load_config(repo_root / "configs" / "movielens.py")
+    out = config_tree.apply_overrides(
+        config,
+        [
+            "loop.num_steps=3",
+            "model.embed_dim=128",
+            "optim.learning_rate=3e-3",
+            "data.source=ML_100K",
+            "model.attention_implementation=xla",
+            "data.capacity_fractions=0.5,1.0",
+            "checkpoint.async_save=false",
+            "data.path=None",
+        ],
+    )
+    assert out.loop.num_steps == 3 and out.model.embed_dim == 128 and out.optim.learning_rate == 3e-3
+    assert out.data.source is Source.ML_100K and out.model.attention_implementation is Implementation.XLA
+    assert out.data.capacity_fractions == (0.5, 1.0) and out.checkpoint.async_save is False and out.data.path is None
+    assert config_tree.diff(config_tree.to_tree(config), config_tree.to_tree(out))[0][0] == "checkpoint.async_save"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("loop.num_stepz=3", "LoopConfig has no field 'num_stepz'; fields: num_steps"),
+        ("model.embed_dim=abc", "model.embed_dim: expected an int, got 'abc'"),
+        ("model.embed_dim=1.5", "expected an int, got 1.5"),
+        ("loop.num_steps", "not of the form path=value"),
+        ("data.source=NOPE", "'NOPE' is not a Source"),
+        ("model.embed_dim=33", "embed_dim 33 is not a multiple of num_heads"),
+        ("loop.seed.x=1", "int has no fields to set"),
+    ],
+)
+def test_bad_overrides_name_the_field(repo_root, override, message):
+    config = load_config(repo_root / "configs" / "movielens.py")
+    with pytest.raises(config_tree.ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        config_tree.apply_overrides(config, [override])
+
+
+def test_cli_help_lists_the_fields_and_rejects_bad_overrides(repo_root, capsys):
+    with pytest.raises(SystemExit) as done:
+        train_main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--set" in out and "model.embed_dim: int = 64" in out and "loop.num_steps" in out
+    with pytest.raises(SystemExit) as done:
+        train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", "/nonexistent", "--set", "model.embed_dim=x"])
+    assert done.value.code == 2
+    assert "model.embed_dim: expected an int" in capsys.readouterr().err
