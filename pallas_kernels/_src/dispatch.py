@@ -154,11 +154,13 @@ def choose(
     inputs) for an op with a cuDNN path, when cuDNN takes them; else the jnp
     reference. A name is taken as asked, once the machine can run it: "pallas"
     needs a Hopper GPU, or Mosaic GPU interpret mode (the CPU simulator the tests
-    force); "cudnn" needs an NVIDIA GPU. Whether the kernels take the inputs is
-    left to them, so their own messages name the dtype or head dim.
+    force); "cudnn" needs an NVIDIA GPU and inputs cuDNN takes. Whether the
+    kernels take the inputs is left to them, so their own messages name the
+    dtype or head dim.
 
     Raises:
-      ValueError: an unknown name, or "cudnn" for an op without a cuDNN path.
+      ValueError: an unknown name, "cudnn" for an op without a cuDNN path, or
+        "cudnn" with inputs cuDNN does not take (dtype, head dim).
       ImplementationUnavailableError: "pallas" without a Hopper GPU, "cudnn" without an NVIDIA GPU.
     """
     requested = parse(implementation)
@@ -184,6 +186,9 @@ def choose(
             raise ImplementationUnavailableError(
                 f"{op.name}: implementation='cudnn': cuDNN needs an NVIDIA GPU: found {where}; use implementation=None or 'xla'"
             )
+        problem = op.cudnn_problem(dtypes, head_dim, device)
+        if problem is not None:
+            raise ValueError(f"{op.name}: implementation='cudnn': {problem}")
         return Choice(requested, f"asked for cuDNN on {where}")
     kernel_problem = op.kernel_problem(dtypes, head_dim)
     if is_hopper_gpu(device) and kernel_problem is None:

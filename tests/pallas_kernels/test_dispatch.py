@@ -62,6 +62,10 @@ def test_names_run_only_where_the_machine_can():
             describe_choice("gdpa", jnp.bfloat16, 64, implementation="pallas", device=device)
     with pytest.raises(ImplementationUnavailableError, match="cuDNN needs an NVIDIA GPU: found cpu"):
         describe_choice("jagged_flash_attention", jnp.bfloat16, 64, implementation="cudnn", device=CPU)
+    with pytest.raises(ValueError, match="implementation='cudnn': cuDNN attention takes bfloat16 or float16"):
+        describe_choice("jagged_flash_attention", jnp.float32, 64, implementation="cudnn", device=H200)
+    with pytest.raises(ValueError, match="a multiple of 8 and at most 128 here, got 256"):
+        describe_choice("jagged_flash_attention", jnp.bfloat16, 256, implementation="cudnn", device=A100)
     with pytest.raises(ValueError, match="gdpa has no cuDNN implementation"):
         describe_choice("gdpa", jnp.bfloat16, 64, implementation="cudnn", device=H200)
     with pytest.raises(ValueError, match="unknown implementation 'triton'"):
