@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _timing
-from pallas_kernels.jagged_flash_attention import kernel as jfa_kernel
+from pallas_kernels.jagged_flash_attention import vjp as jfa_kernel
 from pallas_kernels.jagged_flash_attention import reference
 
 HEADS, DIM = 4, 128

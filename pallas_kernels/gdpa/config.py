@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from pallas_kernels import _mgpu_common
+from pallas_kernels._src import mgpu_common
 
-WG_ROWS = _mgpu_common.WG_ROWS  # rows per compute warpgroup: the wgmma M
-ALIGN = _mgpu_common.ROW_ALIGN  # rows: TMA copies of swizzled SMEM tiles start at multiples of this
+WG_ROWS = mgpu_common.WG_ROWS  # rows per compute warpgroup: the wgmma M
+ALIGN = mgpu_common.ROW_ALIGN  # rows: TMA copies of swizzled SMEM tiles start at multiples of this
 NUM_COMPUTE_WGS = 2
 SUPPORTED_HEAD_DIMS = (64, 128)  # the tiles of every pass fit in shared memory for these
 # Opt-in dynamic shared memory per block on H100/H200 (227 KiB), less a margin

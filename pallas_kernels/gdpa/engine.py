@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _manual_axes, _mgpu_common
+from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.gdpa import schedule
 from pallas_kernels.gdpa.config import NUM_COMPUTE_WGS, REDUCTION_SCRATCH_BYTES, WG_ROWS, Split, TileConfig
 
@@ -171,7 +171,7 @@ def run(
     out_start_at = col_start_at + nc
     col_end_at = out_start_at + 1
     tail_base_at = col_end_at + nc
-    interpret = _mgpu_common.interpreting()
+    interpret = mgpu_common.interpreting()
 
     def owns(parity_index, w):
         """Whether compute warpgroup `w` consumes a column tile (rows split: both do).
@@ -312,7 +312,7 @@ def run(
                 for o, value in enumerate(values):
                     value = value.astype(dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    _mgpu_common.store_rows(value, stage, w, out_ref(o), row, h, first, last)
+                    mgpu_common.store_rows(value, stage, w, out_ref(o), row, h, first, last)
 
             def item_body(it, carry):
                 row_cnt, col_cnt, k = carry
@@ -398,10 +398,10 @@ def run(
             plgpu.wait_smem_to_gmem(0)
 
     out_shape = (out_rows, heads, head_dim) if split_rows else (NUM_COMPUTE_WGS, out_rows, heads, head_dim)
-    row_smem = tuple(_mgpu_common.swizzled_smem((RS, row_copies, R, head_dim), dtype) for _ in range(nr))
-    col_smem = tuple(_mgpu_common.swizzled_smem((CS, C, head_dim), dtype) for _ in range(nc))
-    stage = _mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype)
-    lhs_smem = _mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, spec.n_lhs, R, C), dtype) if interpret else None
+    row_smem = tuple(mgpu_common.swizzled_smem((RS, row_copies, R, head_dim), dtype) for _ in range(nr))
+    col_smem = tuple(mgpu_common.swizzled_smem((CS, C, head_dim), dtype) for _ in range(nc))
+    stage = mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype)
+    lhs_smem = mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, spec.n_lhs, R, C), dtype) if interpret else None
     barriers = (
         plgpu.Barrier(num_arrivals=nr * row_copies, num_barriers=RS),
         plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=RS),
@@ -423,7 +423,7 @@ def run(
         ),
         kernel_name=spec.name,
     )
-    return list(_manual_axes.call_kernel(kernel, plan.sched, plan.seqs, *rows, *cols, *tails))
+    return list(manual_axes.call_kernel(kernel, plan.sched, plan.seqs, *rows, *cols, *tails))
 
 
 def _read_scalar(ref, *index) -> jax.Array:

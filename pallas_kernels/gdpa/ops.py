@@ -5,31 +5,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _dispatch, jagged_layout
+from pallas_kernels import jagged_layout
+from pallas_kernels._src import dispatch, jagged_args
 from pallas_kernels.gdpa import config, reference
 from pallas_kernels.gdpa.reference import Activation
 
 
-def kernel_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-    """Whether the Mosaic GPU kernels take these operands: one dtype, bf16 or f16, D in {64, 128}."""
-    same = k.dtype == q.dtype and v.dtype == q.dtype
-    return same and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in config.SUPPORTED_HEAD_DIMS
+SUPPORT = dispatch.OpSupport(
+    "gdpa",
+    kernel_dtypes=(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)),
+    kernel_head_dims=config.SUPPORTED_HEAD_DIMS,
+)  # no cuDNN path: cuDNN has no activation attention
 
 
 def gdpa(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_offsets: jax.Array | None,
-    kv_offsets: jax.Array,
+    q,
+    k,
+    v,
+    q_offsets: jax.Array | None = None,
+    kv_offsets: jax.Array | None = None,
     *,
-    max_seq_len_q: int,
-    max_seq_len_kv: int,
+    max_seq_len_q: int | None = None,
+    max_seq_len_kv: int | None = None,
     activation: str | Activation = Activation.GELU,
     scale: float | None = None,
     broadcast_q: bool = False,
-    implementation: str | _dispatch.Implementation | None = None,
-) -> jax.Array:
+    implementation: str | dispatch.Implementation | None = None,
+):
     """Generalized dot-product attention (GEM's GDPA): an activation instead of softmax.
 
     For each sequence b, with Q rows `q_offsets[b]:q_offsets[b+1]` and KV rows
@@ -45,10 +47,16 @@ def gdpa(
       q: `[Tq, H, D]` jagged queries, or with `broadcast_q` one dense `[Lq, H, D]`
         set of learned queries shared by every sequence.
       k, v: `[Tkv, H, D]` jagged keys and values.
+        Jagged operands may also be jagged containers: any object with `.values`
+        and `.offsets`, optionally a static `.max_seq_len` (e.g. `gem_jax.Jagged`).
       q_offsets: int32 `[B+1]`, `offsets[0] = 0`, non-decreasing, `offsets[B] <= Tq`
-        (ignored, may be None, with `broadcast_q`).
-      kv_offsets: int32 `[B+1]`, likewise with `offsets[B] <= Tkv`.
-      max_seq_len_q, max_seq_len_kv: static bounds (>= 0) on the lengths. Every
+        (ignored, may be None, with `broadcast_q`). Default: q's container's.
+      kv_offsets: int32 `[B+1]`, likewise with `offsets[B] <= Tkv`. Default: the
+        offsets of k's and v's containers. Offsets from several places must agree
+        (the same array, or equal concrete values; traced offsets of one shape
+        are the caller's guarantee).
+      max_seq_len_q, max_seq_len_kv: static bounds (>= 0) on the lengths; default
+        q's and k's containers' `max_seq_len` (Lq with `broadcast_q`). Every
         sequence must fit its bound: concrete offsets are checked here, traced
         ones (under `jit`) cannot be, and a longer sequence then gives results
         that differ between implementations.
@@ -59,7 +67,9 @@ def gdpa(
       broadcast_q: pooled attention with dense learned queries.
       implementation: "xla" (the jnp reference), "pallas" (the Mosaic GPU kernels;
         Hopper, bf16/f16 inputs, D in {64, 128}) or None: "pallas" on a Hopper GPU
-        when the kernels take these inputs, else "xla".
+        when the kernels take these inputs, else "xla". GDPA has no "cudnn" path
+        (cuDNN has no activation attention): "cudnn" is a ValueError, so a model
+        whose setting is "cudnn" passes None (or "xla") to gdpa.
 
     Slack rows (past `offsets[B]`) may hold anything, NaN included. Real rows
     must be finite: the kernels' boundary tiles read a neighbouring sequence's
@@ -67,28 +77,43 @@ def gdpa(
 
     Returns:
       `[Tq, H, D]` (slack rows zero), or `[B * Lq, H, D]` with `broadcast_q`; q.dtype.
+      In q's container type (with these values) when q is a container.
 
     Raises:
-      ValueError: mismatched shapes, malformed concrete offsets (naming the
-        first bad index), a negative bound, unknown activation or implementation;
-        with "pallas", inputs the kernels do not take (dtype, head dim).
+      ValueError: mismatched shapes, offsets or bounds missing, offsets that
+        disagree, malformed concrete offsets (naming the first bad index), a
+        negative bound, unknown activation or implementation, "cudnn"; with
+        "pallas", inputs the kernels do not take (dtype, head dim).
+      ImplementationUnavailableError: "pallas" without a Hopper GPU (outside
+        Mosaic GPU interpret mode).
     """
+    container = q if jagged_args.is_jagged(q) else None
+    if broadcast_q and container is not None:
+        raise ValueError("broadcast_q takes dense learned queries [Lq, H, D], not a jagged container")
+    kv_offsets = jagged_args.shared_offsets(kv_offsets, "kv_offsets", k=k, v=v)
+    if kv_offsets is None:
+        raise ValueError("kv_offsets missing: pass kv_offsets=, or k and v as jagged containers (with .values and .offsets)")
+    if broadcast_q:
+        max_seq_len_q = q.shape[0] if max_seq_len_q is None else max_seq_len_q
+    else:
+        q_offsets = jagged_args.shared_offsets(q_offsets, "q_offsets", q=q)
+        if q_offsets is None:
+            raise ValueError("q_offsets missing: pass q_offsets=, or q as a jagged container, or broadcast_q=True")
+        max_seq_len_q = jagged_args.bound(max_seq_len_q, container, "max_seq_len_q", "q")
+    max_seq_len_kv = jagged_args.bound(max_seq_len_kv, k if jagged_args.is_jagged(k) else v, "max_seq_len_kv", "k")
+    q, k, v = (jagged_args.values_of(x) for x in (q, k, v))
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[1:] != k.shape[1:]:
         raise ValueError(f"q [Tq, H, D] and k, v [Tkv, H, D] must share H and D; got {q.shape}, {k.shape}, {v.shape}")
-    if not broadcast_q and (q_offsets is None or q_offsets.shape != kv_offsets.shape):
-        got = None if q_offsets is None else q_offsets.shape
-        raise ValueError(
-            f"q_offsets and kv_offsets must both be int32 [B+1] unless broadcast_q=True; got {got} and {kv_offsets.shape}"
-        )
+    if not broadcast_q and q_offsets.shape != kv_offsets.shape:
+        shapes = f"{q_offsets.shape} and {kv_offsets.shape}"
+        raise ValueError(f"q_offsets and kv_offsets must both be int32 [B+1] unless broadcast_q=True; got {shapes}")
     if max_seq_len_q < 0 or max_seq_len_kv < 0:
         raise ValueError(f"max_seq_len_q and max_seq_len_kv must be >= 0; got {max_seq_len_q}, {max_seq_len_kv}")
     jagged_layout.check_offsets(kv_offsets, k.shape[0], max_seq_len_kv, name="kv_offsets")
     if not broadcast_q:
         jagged_layout.check_offsets(q_offsets, q.shape[0], max_seq_len_q, name="q_offsets")
     reference.activation_fn(activation)  # validates the name
-    impl = _dispatch.resolve(implementation)
-    if implementation is None and not kernel_supports(q, k, v):
-        impl = _dispatch.Implementation.XLA
+    impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
     kwargs = dict(
         max_seq_len_q=max_seq_len_q,
         max_seq_len_kv=max_seq_len_kv,
@@ -96,8 +121,10 @@ def gdpa(
         scale=scale,
         broadcast_q=broadcast_q,
     )
-    if impl is _dispatch.Implementation.XLA:
-        return reference.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)
-    from pallas_kernels.gdpa import kernel  # Mosaic GPU; imported only when used
+    if impl is dispatch.Implementation.XLA:
+        out = reference.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)
+    else:
+        from pallas_kernels.gdpa import vjp  # Mosaic GPU; imported only when used
 
-    return kernel.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)
+        out = vjp.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)
+    return out if container is None else jagged_args.with_values(container, out)

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _manual_axes, _mgpu_common
+from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.jagged_flash_attention import _mgpu, schedule
 from pallas_kernels.jagged_flash_attention.config import (
     BWD_BLOCK,
@@ -65,7 +65,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
     dtype = q.dtype
     end = plan.meta[schedule.META_END]
     tails = [schedule.tail_rows(x, end) for x in (q, k, v, dout)]
-    interpret = _mgpu_common.interpreting()
+    interpret = mgpu_common.interpreting()
     c2 = scale * _mgpu.LOG2E
 
     def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -166,8 +166,8 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                     plgpu.barrier_arrive(item_free)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
                     row = item.row0 + wg * WG_ROWS
-                    _mgpu_common.store_rows((dk * scale).astype(dtype), dk_staging, wg, dk_ref, row, item.head, lo_w, hi_w)
-                    _mgpu_common.store_rows(dv.astype(dtype), dv_staging, wg, dv_ref, row, item.head, lo_w, hi_w)
+                    mgpu_common.store_rows((dk * scale).astype(dtype), dk_staging, wg, dk_ref, row, item.head, lo_w, hi_w)
+                    mgpu_common.store_rows(dv.astype(dtype), dv_staging, wg, dv_ref, row, item.head, lo_w, hi_w)
 
                 @pl.when(hi_w <= lo_w)
                 def _idle():
@@ -180,8 +180,8 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
             plgpu.wait_smem_to_gmem(0)
 
     def entry(*refs):
-        per_wg_rows = _mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype)
-        ring_rows = _mgpu_common.swizzled_smem((NUM_STAGES, BWD_BLOCK, head_dim), dtype)
+        per_wg_rows = mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype)
+        ring_rows = mgpu_common.swizzled_smem((NUM_STAGES, BWD_BLOCK, head_dim), dtype)
         ring_vector = plgpu.SMEM((NUM_STAGES, BWD_BLOCK), jnp.float32)
         item_barrier = plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
         ring_barrier = plgpu.Barrier(num_barriers=NUM_STAGES)
@@ -192,9 +192,9 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
             ring_rows,
             ring_vector,
             ring_vector,
-            _mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
-            _mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
-            _mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, BWD_BLOCK), dtype) if interpret else None,
+            mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
+            mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
+            mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, BWD_BLOCK), dtype) if interpret else None,
             (
                 item_barrier,
                 item_barrier,
@@ -219,4 +219,4 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    return _manual_axes.call_kernel(launch, plan.kv_table, plan.meta, q, k, v, dout, lse, delta, *tails)
+    return manual_axes.call_kernel(launch, plan.kv_table, plan.meta, q, k, v, dout, lse, delta, *tails)

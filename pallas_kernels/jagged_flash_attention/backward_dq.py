@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _manual_axes, _mgpu_common
+from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.jagged_flash_attention import _mgpu, schedule
 from pallas_kernels.jagged_flash_attention.config import (
     BWD_BLOCK,
@@ -63,7 +63,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
     dtype = q.dtype
     end = plan.meta[schedule.META_END]
     tails = [schedule.tail_rows(x, end) for x in (q, k, v, dout)]
-    interpret = _mgpu_common.interpreting()
+    interpret = mgpu_common.interpreting()
     c2 = scale * _mgpu.LOG2E
 
     def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -145,7 +145,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                     dq = _mgpu.loop(plain_hi, n, functools.partial(step, masked=True), dq)
                     plgpu.barrier_arrive(item_free)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
-                    _mgpu_common.store_rows(
+                    mgpu_common.store_rows(
                         (dq * scale).astype(dtype), staging, wg, dq_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w
                     )
 
@@ -160,9 +160,9 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
             plgpu.wait_smem_to_gmem(0)
 
     def entry(*refs):
-        per_wg_rows = _mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype)
+        per_wg_rows = mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype)
         per_wg_vector = plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.float32)
-        ring = _mgpu_common.swizzled_smem((NUM_STAGES, BWD_BLOCK, head_dim), dtype)
+        ring = mgpu_common.swizzled_smem((NUM_STAGES, BWD_BLOCK, head_dim), dtype)
         item_barrier = plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
         ring_barrier = plgpu.Barrier(num_barriers=NUM_STAGES)
         free_barrier = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES)
@@ -173,8 +173,8 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
             per_wg_vector,
             ring,
             ring,
-            _mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
-            _mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, BWD_BLOCK), dtype) if interpret else None,
+            mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
+            mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, BWD_BLOCK), dtype) if interpret else None,
             (
                 item_barrier,
                 item_barrier,
@@ -199,4 +199,4 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    return _manual_axes.call_kernel(launch, plan.q_table, plan.meta, q, k, v, dout, lse, delta, *tails)
+    return manual_axes.call_kernel(launch, plan.q_table, plan.meta, q, k, v, dout, lse, delta, *tails)

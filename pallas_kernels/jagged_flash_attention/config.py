@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pallas_kernels import _mgpu_common
+from pallas_kernels._src import mgpu_common
 
 TILE_ROWS = 128  # rows of one work item: one query (or key) tile of one sequence
-WG_ROWS = _mgpu_common.WG_ROWS  # rows of a work item owned by one compute warpgroup (wgmma M)
+WG_ROWS = mgpu_common.WG_ROWS  # rows of a work item owned by one compute warpgroup (wgmma M)
 NUM_COMPUTE_WGS = TILE_ROWS // WG_ROWS
 NUM_STAGES = 2  # depth of the K/V (or Q/dO) ring each kernel streams through
 FWD_BLOCK_KV = 128  # key rows per forward step
@@ -14,7 +14,7 @@ BWD_BLOCK = 64  # key rows per dQ step, query rows per dK/dV step
 # Mosaic GPU's TMA into wgmma-tiled SMEM needs row starts that are multiples of
 # the SMEM row tiling, so every window a kernel loads starts on a multiple of
 # ROW_ALIGN: each sequence is viewed from `start - start % ROW_ALIGN`.
-ROW_ALIGN = _mgpu_common.ROW_ALIGN
+ROW_ALIGN = mgpu_common.ROW_ALIGN
 
 # Windows that cross the end of the real data are read from a zero-padded copy
 # of rows [align(end) - TAIL_BEFORE, align(end) + TAIL_BEFORE) (`schedule.tail_rows`).

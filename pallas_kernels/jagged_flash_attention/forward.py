@@ -22,7 +22,7 @@ through an 8-aligned window (`schedule`), and only the first key block (when
 the window starts before the sequence) and the last one are masked, in
 registers, with -inf before the row max. Blocks that cross the end of the real
 data are read from a zero-padded tail copy so slack rows never reach P @ V.
-Outputs are written only for the item's own rows (`_mgpu_common.store_rows`).
+Outputs are written only for the item's own rows (`mgpu_common.store_rows`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _manual_axes, _mgpu_common
+from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.jagged_flash_attention import _mgpu, schedule
 from pallas_kernels.jagged_flash_attention.config import (
     COMPUTE_REGISTERS,
@@ -76,7 +76,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
     slots = plan.q_table.shape[0]
     end = plan.meta[schedule.META_END]
     tails = [schedule.tail_rows(x, end) for x in (q, k, v)]
-    interpret = _mgpu_common.interpreting()
+    interpret = mgpu_common.interpreting()
     c2 = scale * _mgpu.LOG2E
 
     def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, qt_ref, kt_ref, vt_ref, out_ref, lse_ref, scratch):
@@ -158,7 +158,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                     inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l_i, 1.0), 0.0)
                     out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
-                    _mgpu_common.store_rows(out, staging, wg, out_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w)
+                    mgpu_common.store_rows(out, staging, wg, out_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w)
                     if save_lse:
                         lse_smem.at[wg][...] = jnp.where(
                             has_keys, m_i + jnp.log(jnp.where(has_keys, l_i, 1.0)) * (1.0 / _mgpu.LN2), -jnp.inf
@@ -180,12 +180,12 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
 
     def entry(*refs):
         scratch = (
-            _mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype),
-            _mgpu_common.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
-            _mgpu_common.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
+            mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype),
+            mgpu_common.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
+            mgpu_common.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
             plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.float32),
-            _mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
-            _mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, FWD_BLOCK_KV), dtype) if interpret else None,
+            mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
+            mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, FWD_BLOCK_KV), dtype) if interpret else None,
             (
                 plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
                 plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
@@ -211,5 +211,5 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    out, lse = _manual_axes.call_kernel(launch, plan.q_table, plan.meta, q, k, v, *tails)
+    out, lse = manual_axes.call_kernel(launch, plan.q_table, plan.meta, q, k, v, *tails)
     return out, (lse if save_lse else None)

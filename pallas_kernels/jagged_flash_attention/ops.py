@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from pallas_kernels import _dispatch, jagged_layout
+from pallas_kernels import jagged_layout
+from pallas_kernels._src import dispatch, jagged_args
 from pallas_kernels.jagged_flash_attention import reference
 from pallas_kernels.jagged_flash_attention.config import SUPPORTED_HEAD_DIMS
 
-
-def kernel_supports(q: jax.Array) -> bool:
-    """Whether the Mosaic GPU kernels take queries (and same-typed keys/values) like `q`."""
-    return q.dtype in (jax.numpy.bfloat16, jax.numpy.float16) and q.shape[-1] in SUPPORTED_HEAD_DIMS
+SUPPORT = dispatch.OpSupport(
+    "jagged_flash_attention",
+    kernel_dtypes=(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)),
+    kernel_head_dims=SUPPORTED_HEAD_DIMS,
+    cudnn=True,
+)
 
 
 def jagged_flash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    offsets: jax.Array,
+    q,
+    k,
+    v,
+    offsets: jax.Array | None = None,
     *,
-    max_seq_len: int,
+    max_seq_len: int | None = None,
     causal: bool = False,
     scale: float | None = None,
-    implementation: str | _dispatch.Implementation | None = None,
-) -> jax.Array:
+    implementation: str | dispatch.Implementation | None = None,
+):
     """Softmax attention inside each sequence of a jagged batch (GEM's JFA).
 
     For each sequence b with rows `s = offsets[b]:offsets[b+1]`::
@@ -37,32 +41,55 @@ def jagged_flash_attention(
     flash attention; FlashAttention-2 (Dao, 2023) for the online softmax.
 
     Args:
-      q, k, v: `[T, H, D]` bf16/f16/f32, B sequences packed back to back.
+      q, k, v: `[T, H, D]` bf16/f16/f32, B sequences packed back to back; or jagged
+        containers of such values (any object with `.values` and `.offsets`, and
+        optionally a static `.max_seq_len`, e.g. `gem_jax.Jagged`).
       offsets: int32 `[B+1]`, `offsets[0] = 0`, non-decreasing, `offsets[B] <= T`.
-      max_seq_len: static bound on every sequence length.
+        Default: the containers' offsets. Offsets from several places must agree
+        (the same array, or equal concrete values; traced offsets of one shape
+        are the caller's guarantee).
+      max_seq_len: static bound on every sequence length; default q's container's.
       causal: mask keys after the query position within each sequence.
       scale: multiplies the scores; default `1/sqrt(D)`.
-      implementation: "xla" (the jnp reference), "pallas" (Mosaic GPU kernels,
-        Hopper only; bf16/f16, D in {64, 128}) or None (pallas on a Hopper GPU
-        when the kernels take these inputs, else xla).
+      implementation: "xla" (the jnp reference), "pallas" (Mosaic GPU kernels;
+        Hopper, bf16/f16, D in {64, 128}), "cudnn" (`jax.nn.dot_product_attention`
+        on a padded `[B, max_seq_len, H, D]` copy; NVIDIA GPUs, bf16/f16), or None:
+        pallas on a Hopper GPU when the kernels take the inputs, cudnn on other
+        NVIDIA GPUs when cuDNN takes them, else xla (`pallas_kernels.describe_choice`
+        says which and why).
 
     Returns:
-      `[T, H, D]` in q.dtype.
+      `[T, H, D]` in q's dtype; in q's container type (with these values) when q
+      is a container.
 
     Raises:
-      ValueError: mismatched shapes, malformed concrete offsets (naming the first
-        bad index; traced offsets under `jit` are the caller's guarantee) or an
-        unknown implementation.
+      ValueError: mismatched shapes, offsets missing or disagreeing, a missing
+        max_seq_len, malformed concrete offsets (naming the first bad index;
+        traced offsets under `jit` are the caller's guarantee), an unknown
+        implementation, or "cudnn" with inputs cuDNN does not take.
+      ImplementationUnavailableError: "pallas" without a Hopper GPU (outside Mosaic
+        GPU interpret mode), "cudnn" without an NVIDIA GPU.
       NotImplementedError: "pallas" asked for inputs the kernels do not take.
     """
+    container = q if jagged_args.is_jagged(q) else None
+    offsets = jagged_args.shared_offsets(offsets, "offsets", q=q, k=k, v=v)
+    if offsets is None:
+        raise ValueError("offsets missing: pass offsets=, or q, k, v as jagged containers (with .values and .offsets)")
+    max_seq_len = jagged_args.bound(max_seq_len, container, "max_seq_len", "q")
+    q, k, v = (jagged_args.values_of(x) for x in (q, k, v))
     if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one [T, H, D] shape; got {q.shape}, {k.shape}, {v.shape}")
     jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)
-    impl = _dispatch.resolve(implementation)
-    if implementation is None and not kernel_supports(q):
-        impl = _dispatch.Implementation.XLA
-    if impl is _dispatch.Implementation.XLA:
-        return reference.jagged_flash_attention(q, k, v, offsets, max_seq_len=max_seq_len, causal=causal, scale=scale)
-    from pallas_kernels.jagged_flash_attention import kernel  # Mosaic GPU; imported only when used
+    impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
+    kwargs = dict(max_seq_len=max_seq_len, causal=causal, scale=scale)
+    if impl is dispatch.Implementation.XLA:
+        out = reference.jagged_flash_attention(q, k, v, offsets, **kwargs)
+    elif impl is dispatch.Implementation.CUDNN:
+        from pallas_kernels.jagged_flash_attention import cudnn
 
-    return kernel.jagged_flash_attention(q, k, v, offsets, max_seq_len=max_seq_len, causal=causal, scale=scale)
+        out = cudnn.jagged_flash_attention(q, k, v, offsets, **kwargs)
+    else:
+        from pallas_kernels.jagged_flash_attention import vjp  # Mosaic GPU; imported only when used
+
+        out = vjp.jagged_flash_attention(q, k, v, offsets, **kwargs)
+    return out if container is None else jagged_args.with_values(container, out)

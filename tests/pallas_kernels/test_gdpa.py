@@ -5,6 +5,7 @@ cotangent's slack rows) with NaN, and checks forward and gradients on the real
 rows, zeros on the slack rows, and no NaN anywhere.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _dispatch
-from pallas_kernels.gdpa import activations, config, kernel, ops, reference, schedule
+from pallas_kernels import ImplementationUnavailableError
+from pallas_kernels._src import dispatch
+from pallas_kernels.gdpa import activations, config, ops, reference, schedule
+from pallas_kernels.gdpa import vjp as gdpa_vjp
 from pallas_kernels.gdpa.reference import Activation
 
 HEAD_DIM = 64
@@ -218,7 +221,7 @@ def test_no_keys_or_no_queries_give_zeros_without_a_kernel(broadcast_q):
     four = _rows(jax.random.key(42), [4], 0, 1)  # key rows exist, but every sequence is empty
     cases = [(k, v, 8, 4), (four, four, 8, 0), (four, four, 0, 4)]
     for kk, vv, max_q, max_kv in cases:
-        f = lambda q, k, v: kernel.gdpa(
+        f = lambda q, k, v: gdpa_vjp.gdpa(
             q, k, v, q_offsets, _offsets([0, 0]), max_seq_len_q=max_q, max_seq_len_kv=max_kv, broadcast_q=broadcast_q
         )
         out, vjp = jax.vjp(f, q, kk, vv)
@@ -226,18 +229,18 @@ def test_no_keys_or_no_queries_give_zeros_without_a_kernel(broadcast_q):
         for x in (out, *vjp(d_out)):
             np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), 0.0)
     with pytest.raises(ValueError, match=">= 0"):
-        kernel.gdpa(q, k, v, q_offsets, _offsets([0, 0]), max_seq_len_q=8, max_seq_len_kv=-1, broadcast_q=broadcast_q)
+        gdpa_vjp.gdpa(q, k, v, q_offsets, _offsets([0, 0]), max_seq_len_q=8, max_seq_len_kv=-1, broadcast_q=broadcast_q)
 
 
 def test_bad_inputs_raise_clear_errors():
     offsets = _offsets([4])
     x = jnp.zeros((4, 1, HEAD_DIM), jnp.float32)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
-        kernel.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
+        gdpa_vjp.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
     for d in (96, 192):
         y = jnp.zeros((4, 1, d), jnp.bfloat16)
         with pytest.raises(ValueError, match="head dim"):
-            kernel.gdpa(y, y, y, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
+            gdpa_vjp.gdpa(y, y, y, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
     with pytest.raises(ValueError, match="unknown activation"):
         ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4, activation="tanh", implementation="pallas")
 
@@ -267,15 +270,15 @@ def test_malformed_offsets_and_bounds_raise_naming_the_problem(implementation):
 def test_default_implementation_takes_the_kernels_only_where_they_apply(monkeypatch):
     """None picks the kernels on Hopper for bf16/f16 and D in {64, 128}, else the reference."""
     bf16 = jnp.zeros((4, 1, HEAD_DIM), jnp.bfloat16)
-    assert ops.kernel_supports(bf16, bf16, bf16)
-    assert not ops.kernel_supports(bf16.astype(jnp.float32), bf16, bf16)
-    assert not ops.kernel_supports(bf16, bf16.astype(jnp.float16), bf16)
+    problem = lambda *dtypes, d=HEAD_DIM: ops.SUPPORT.kernel_problem(dtypes, d)
+    assert problem(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16) is None
+    assert "got float32, bfloat16, bfloat16" in problem(jnp.float32, jnp.bfloat16, jnp.bfloat16)
+    assert "one dtype" in problem(jnp.bfloat16, jnp.float16, jnp.bfloat16)
     for d in (96, 256):  # 256 is a multiple of 64 but its tiles do not fit in shared memory
-        x = jnp.zeros((4, 1, d), jnp.bfloat16)
-        assert not ops.kernel_supports(x, x, x)
-    monkeypatch.setattr(_dispatch, "is_hopper_gpu", lambda device=None: True)
+        assert f"head dim in (64, 128), got {d}" in problem(jnp.bfloat16, d=d)
+    monkeypatch.setattr(dispatch, "is_hopper_gpu", lambda device=None: True)
     called = []
-    monkeypatch.setattr(kernel, "gdpa", lambda *a, **kw: called.append(a[0].dtype) or a[0])
+    monkeypatch.setattr(gdpa_vjp, "gdpa", lambda *a, **kw: called.append(a[0].dtype) or a[0])
     offsets = _offsets([4])
     for x in (bf16, bf16.astype(jnp.float32)):
         ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=4, max_seq_len_kv=4)
@@ -288,13 +291,13 @@ def test_every_tma_window_starts_on_an_8_row_boundary(broadcast_q):
     q_lens, kv_lens = [70, 0, 13, 5, 9], [33, 17, 0, 3, 21]
     lq = 27
     q, k, v, d_out = _batch(41, q_lens, kv_lens, heads=1, lq=lq if broadcast_q else None)
-    static = kernel.Static(160, 64, Activation.GELU, 0.125, broadcast_q)
+    static = gdpa_vjp.Static(160, 64, Activation.GELU, 0.125, broadcast_q)
     q_offsets = None if broadcast_q else _offsets(q_lens)
     if broadcast_q:
-        d_out = kernel._broadcast_rows(d_out, len(kv_lens), lq, pad=True)
+        d_out = gdpa_vjp._broadcast_rows(d_out, len(kv_lens), lq, pad=True)
     for name in ("fwd", "dq", "dkv"):
-        args = kernel.pass_arguments(name, q, k, v, d_out, q_offsets, _offsets(kv_lens), static)
-        _, plan, _ = kernel.build_plan(**{key: val for key, val in args.items()})
+        args = gdpa_vjp.pass_arguments(name, q, k, v, d_out, q_offsets, _offsets(kv_lens), static)
+        _, plan, _ = gdpa_vjp.build_plan(**{key: val for key, val in args.items()})
         seqs = np.asarray(plan.seqs)
         nr, nc = len(args["rows"]), len(args["cols"])
         ends = schedule.S_STARTS + nr + nc + 1
@@ -319,7 +322,7 @@ def test_kernels_lower_for_hopper():
         kv = jax.ShapeDtypeStruct((sum(kv_lens) + 5, heads, d), jnp.bfloat16)
 
         def fwd_bwd(q, k, v):
-            f = lambda q, k, v: kernel.gdpa(
+            f = lambda q, k, v: gdpa_vjp.gdpa(
                 q, k, v, q_offsets, kv_offsets, max_seq_len_q=320, max_seq_len_kv=256, broadcast_q=broadcast_q
             )
             out, vjp = jax.vjp(f, q, k, v)
@@ -328,3 +331,60 @@ def test_kernels_lower_for_hopper():
         with plgpu.force_gpu_interpret_mode(None):
             lowered = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("mosaic_gpu") >= 3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Jagged:
+    """A jagged container as gem_jax's `Jagged`: a pytree dataclass with a static bound."""
+
+    values: jax.Array
+    offsets: jax.Array
+    max_seq_len: int = dataclasses.field(metadata=dict(static=True))
+
+
+def test_jagged_containers_give_offsets_and_bounds():
+    q_lens, kv_lens = [5, 0, 9], [3, 7, 0]
+    q, k, v, _ = _batch(51, q_lens, kv_lens, heads=1)
+    qo, kvo = _offsets(q_lens), _offsets(kv_lens)
+    want = ops.gdpa(q, k, v, qo, kvo, max_seq_len_q=9, max_seq_len_kv=7, implementation="xla")
+    got = ops.gdpa(_Jagged(q, qo, 9), _Jagged(k, kvo, 7), _Jagged(v, kvo, 7), implementation="xla")
+    assert isinstance(got, _Jagged) and got.offsets is qo and got.max_seq_len == 9
+    np.testing.assert_array_equal(np.asarray(got.values, np.float32), np.asarray(want, np.float32))
+    # Keys as a container, values as an array; pooled attention over a container's keys.
+    got = ops.gdpa(q, _Jagged(k, kvo, 7), v, qo, max_seq_len_q=9, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    pooled = ops.gdpa(q[:4], _Jagged(k, kvo, 7), _Jagged(v, kvo, 7), broadcast_q=True, implementation="xla")
+    want = ops.gdpa(q[:4], k, v, None, kvo, max_seq_len_q=4, max_seq_len_kv=7, broadcast_q=True, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(pooled, np.float32), np.asarray(want, np.float32))
+
+
+def test_jagged_container_errors_name_the_problem():
+    x = jnp.zeros((8, 1, HEAD_DIM), jnp.bfloat16)
+    offsets = _offsets([3, 5])
+    with pytest.raises(ValueError, match="kv_offsets missing"):
+        ops.gdpa(x, x, x, offsets, max_seq_len_q=8, max_seq_len_kv=8)
+    with pytest.raises(ValueError, match="q_offsets missing"):
+        ops.gdpa(x, _Jagged(x, offsets, 8), x, max_seq_len_q=8)
+    with pytest.raises(ValueError, match="max_seq_len_q missing"):
+        ops.gdpa(x, x, x, offsets, offsets, max_seq_len_kv=8)
+    with pytest.raises(ValueError, match="max_seq_len_kv missing"):
+        ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=8)
+    with pytest.raises(ValueError, match=r"kv_offsets and k.offsets disagree: kv_offsets\[1\]=3 != k.offsets\[1\]=4"):
+        ops.gdpa(x, _Jagged(x, _offsets([4, 4]), 8), x, offsets, offsets, max_seq_len_q=8)
+    with pytest.raises(ValueError, match="not a jagged container"):
+        ops.gdpa(_Jagged(x, offsets, 8), x, x, None, offsets, max_seq_len_kv=8, broadcast_q=True)
+
+
+def test_implementation_errors_name_the_machine():
+    x = jnp.zeros((8, 1, HEAD_DIM), jnp.bfloat16)
+    offsets = _offsets([3, 5])
+    call = lambda impl: ops.gdpa(x, x, x, offsets, offsets, max_seq_len_q=8, max_seq_len_kv=8, implementation=impl)
+    with pytest.raises(ValueError, match="gdpa has no cuDNN implementation"):
+        call("cudnn")
+    with plgpu.force_gpu_interpret_mode(None):  # outside the simulator, the CPU is no Hopper GPU
+        with pytest.raises(ImplementationUnavailableError, match="no Hopper GPU: found cpu"):
+            call("pallas")
+        f32 = x.astype(jnp.float32)  # inputs the kernels do not take: the machine is named first
+        with pytest.raises(ImplementationUnavailableError, match="no Hopper GPU: found cpu"):
+            ops.gdpa(f32, f32, f32, offsets, offsets, max_seq_len_q=8, max_seq_len_kv=8, implementation="pallas")

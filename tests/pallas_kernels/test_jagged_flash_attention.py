@@ -2,7 +2,9 @@
 list, and the Mosaic GPU kernels (CPU interpret mode) against the reference,
 forward and dQ/dK/dV."""
 
+import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.jagged_flash_attention import _mgpu, ops, schedule
+from pallas_kernels import ImplementationUnavailableError
+from pallas_kernels.jagged_flash_attention import _mgpu, cudnn, ops, reference, schedule
 from pallas_kernels.jagged_flash_attention.config import TILE_ROWS
 
 # Budget on max |kernel - reference| / max |reference|, per tensor, by input dtype.
@@ -129,11 +132,20 @@ def test_bad_input_errors_name_the_problem():
         ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=4)
     with pytest.raises(ValueError, match="implementation"):
         ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=8, implementation="triton")
-    with pytest.raises(NotImplementedError, match="bf16 or f16"):
-        ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=8, implementation="pallas")
     q96 = jnp.zeros((8, 2, 96), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="head dim"):
-        ops.jagged_flash_attention(q96, q96, q96, offsets, max_seq_len=8, implementation="pallas")
+    # On the CPU "pallas" says that there is no Hopper GPU, whatever the inputs.
+    for x in (q, q96, q.astype(jnp.bfloat16)):
+        with pytest.raises(ImplementationUnavailableError, match="no Hopper GPU: found cpu"):
+            ops.jagged_flash_attention(x, x, x, offsets, max_seq_len=8, implementation="pallas")
+    with pytest.raises(ImplementationUnavailableError, match="cuDNN needs an NVIDIA GPU: found cpu"):
+        ops.jagged_flash_attention(q96, q96, q96, offsets, max_seq_len=8, implementation="cudnn")
+    # Where the kernels can run (Mosaic GPU interpret mode stands in for a Hopper GPU),
+    # inputs they do not take are named.
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        with pytest.raises(NotImplementedError, match="bf16 or f16"):
+            ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=8, implementation="pallas")
+        with pytest.raises(NotImplementedError, match="head dim"):
+            ops.jagged_flash_attention(q96, q96, q96, offsets, max_seq_len=8, implementation="pallas")
 
 
 def test_default_implementation_on_cpu_is_the_reference():
@@ -142,6 +154,102 @@ def test_default_implementation_on_cpu_is_the_reference():
     a = ops.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=6)
     b = ops.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=6, implementation="xla")
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Jagged:
+    """A jagged container as gem_jax's `Jagged`: a pytree dataclass with a static bound."""
+
+    values: jax.Array
+    offsets: jax.Array
+    max_seq_len: int = dataclasses.field(metadata=dict(static=True))
+
+
+class _ReplaceJagged:
+    """A jagged container that is no dataclass but has `replace(values=...)`."""
+
+    def __init__(self, values, offsets):
+        self.values, self.offsets = values, offsets
+
+    def replace(self, values):
+        return _ReplaceJagged(values, self.offsets)
+
+
+def test_jagged_containers_give_offsets_and_bound_and_get_the_result():
+    lengths = [3, 0, 9]
+    q, k, v, _ = _inputs(lengths, 16, 2, 8, jnp.float32, seed=np.random.randint(1 << 30))
+    offsets = _offsets(lengths)
+    want = np.asarray(ops.jagged_flash_attention(q, k, v, offsets, max_seq_len=9, causal=True, implementation="xla"))
+    jq, jk, jv = (_Jagged(x, offsets, 9) for x in (q, k, v))
+    got = ops.jagged_flash_attention(jq, jk, jv, causal=True, implementation="xla")
+    assert isinstance(got, _Jagged) and got.offsets is offsets and got.max_seq_len == 9
+    np.testing.assert_array_equal(np.asarray(got.values), want)
+    # q alone as a container, keys and values as arrays; the same offsets passed again agree.
+    got = ops.jagged_flash_attention(jq, k, v, offsets, causal=True, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got.values), want)
+    # Arrays with a container's offsets (no max_seq_len there: it must be passed).
+    rq = _ReplaceJagged(q, offsets)
+    got = ops.jagged_flash_attention(rq, k, v, max_seq_len=9, causal=True, implementation="xla")
+    assert isinstance(got, _ReplaceJagged)
+    np.testing.assert_array_equal(np.asarray(got.values), want)
+    got = ops.jagged_flash_attention(q, jk, v, causal=True, max_seq_len=9, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got), want)  # q is an array: so is the result
+    # Under jit the containers are pytree arguments (their offsets distinct tracers of one shape).
+    attend = jax.jit(lambda *x: ops.jagged_flash_attention(*x, causal=True, implementation="xla"))
+    np.testing.assert_allclose(np.asarray(attend(jq, jk, jv).values), want, rtol=1e-6, atol=1e-6)
+    grads = jax.grad(lambda x: jnp.sum(attend(_Jagged(x, offsets, 9), jk, jv).values ** 2))(q)
+    assert grads.shape == q.shape and np.all(np.isfinite(np.asarray(grads)))
+
+
+def test_jagged_container_errors_name_the_problem():
+    lengths = [3, 5]
+    q = jnp.zeros((8, 1, 8), jnp.float32)
+    offsets = _offsets(lengths)
+    with pytest.raises(ValueError, match="offsets missing"):
+        ops.jagged_flash_attention(q, q, q, max_seq_len=5)
+    with pytest.raises(ValueError, match="max_seq_len missing"):
+        ops.jagged_flash_attention(_ReplaceJagged(q, offsets), q, q)
+    with pytest.raises(ValueError, match="max_seq_len missing"):
+        ops.jagged_flash_attention(q, q, q, offsets)
+    other = _offsets([4, 4])
+    with pytest.raises(ValueError, match=r"offsets and k.offsets disagree: offsets\[1\]=3 != k.offsets\[1\]=4"):
+        ops.jagged_flash_attention(q, _Jagged(q, other, 5), q, offsets, max_seq_len=5)
+    with pytest.raises(ValueError, match=r"q.offsets \(3,\) and v.offsets \(2,\) disagree"):
+        ops.jagged_flash_attention(_Jagged(q, offsets, 5), q, _Jagged(q, offsets[:2], 5))
+    no_replace = types.SimpleNamespace(values=q, offsets=offsets, max_seq_len=5)
+    with pytest.raises(TypeError, match="cannot return a SimpleNamespace"):
+        ops.jagged_flash_attention(no_replace, q, q, implementation="xla")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_dot_product_attention_layout_matches_reference(causal):
+    """The cuDNN path's jagged -> padded -> jagged plumbing, run with jax's "xla" attention.
+
+    Zero-length and full-length sequences, NaN slack rows; forward and gradients.
+    """
+    lengths = [0, 5, 1, 11]
+    capacity, heads, dim = 21, 2, 8
+    q, k, v, dout = _inputs(lengths, capacity, heads, dim, jnp.float32, seed=np.random.randint(1 << 30))
+    offsets, end = _offsets(lengths), sum(lengths)
+
+    def run(fn):
+        out, vjp = jax.vjp(lambda *x: fn(*x, offsets, max_seq_len=11, causal=causal, scale=0.3), q, k, v)
+        return [np.asarray(x) for x in (out, *vjp(dout))]
+
+    got = run(functools.partial(cudnn.jagged_flash_attention, implementation="xla"))
+    want = run(reference.jagged_flash_attention)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a[:end], b[:end], rtol=1e-5, atol=1e-5, err_msg=name)
+        assert np.all(a[end:] == 0), f"{name}: slack rows must be 0"
+
+
+def test_padded_dot_product_attention_without_rows_gives_zeros():
+    q = jnp.zeros((0, 1, 8), jnp.bfloat16)
+    assert cudnn.jagged_flash_attention(q, q, q, _offsets([0, 0]), max_seq_len=4, implementation="xla").shape == q.shape
+    q = jnp.ones((4, 1, 8), jnp.bfloat16)
+    out = cudnn.jagged_flash_attention(q, q, q, _offsets([0, 0]), max_seq_len=0, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
 # --- the work list --------------------------------------------------------------------------

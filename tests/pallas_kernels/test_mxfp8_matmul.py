@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import ImplementationUnavailableError
 from pallas_kernels.mxfp8 import dequantize_mxfp8, kernel_matmul, mxfp8_matmul, quantize_mxfp8
 
 RECIPES = {"mxfp8_32x32": ((32, 32), (32, 32)), "k128": ((1, 128), (128, 128))}
@@ -73,10 +74,11 @@ def test_nan_scale_poisons_only_its_rows():
 
 def test_empty_operands():
     (a8, sa, b8, sb), _ = _operands(0, 64, 64, "mxfp8_32x32", seed=6)
-    assert mxfp8_matmul(a8, sa, b8, sb, implementation="pallas").shape == (0, 64)
     z8, zs = quantize_mxfp8(jnp.zeros((32, 0)))
     w8, ws = quantize_mxfp8(jnp.zeros((16, 0)))
-    out = mxfp8_matmul(z8, zs, w8, ws, implementation="pallas")
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        assert mxfp8_matmul(a8, sa, b8, sb, implementation="pallas").shape == (0, 64)
+        out = mxfp8_matmul(z8, zs, w8, ws, implementation="pallas")
     assert out.shape == (32, 16) and not np.any(np.asarray(out, np.float32))
 
 
@@ -96,3 +98,7 @@ def test_bad_inputs_raise():
         mxfp8_matmul(a8, sa, b2, s2)
     with pytest.raises(ValueError, match="implementation"):
         mxfp8_matmul(a8, sa, b8, sb, implementation="triton")
+    with pytest.raises(ValueError, match="mxfp8_matmul has no cuDNN implementation"):
+        mxfp8_matmul(a8, sa, b8, sb, implementation="cudnn")
+    with pytest.raises(ImplementationUnavailableError, match="no Hopper GPU: found cpu"):
+        mxfp8_matmul(a8, sa, b8, sb, implementation="pallas")

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _manual_axes, _mgpu_common
+from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.gdpa import backward, config, engine, forward, schedule
 from pallas_kernels.gdpa.reference import Activation
 
@@ -71,12 +71,12 @@ def gdpa(
         raise ValueError(f"max_seq_len_q and max_seq_len_kv must be >= 0; got {max_seq_len_q}, {max_seq_len_kv}")
     kv_offsets = kv_offsets.astype(jnp.int32)
     q_offsets = jnp.zeros((1,), jnp.int32) if broadcast_q else q_offsets.astype(jnp.int32)
-    q, k, v, q_offsets, kv_offsets = _manual_axes.match_axes(q, k, v, q_offsets, kv_offsets)
+    q, k, v, q_offsets, kv_offsets = manual_axes.match_axes(q, k, v, q_offsets, kv_offsets)
     out_rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     no_queries = out_rows == 0 or (max_seq_len_q == 0 and not broadcast_q)
     if no_queries or k.shape[0] == 0 or max_seq_len_kv == 0:
         zeros = jnp.zeros((out_rows, heads, head_dim), q.dtype)
-        return _manual_axes.to_varying(zeros, _manual_axes.varying_axes(q))
+        return manual_axes.to_varying(zeros, manual_axes.varying_axes(q))
     static = Static(
         max_seq_len_q=int(q.shape[0]) if broadcast_q else int(max_seq_len_q),
         max_seq_len_kv=int(max_seq_len_kv),
@@ -177,9 +177,9 @@ def _broadcast_rows(x: jax.Array, batch: int, lq: int, *, pad: bool) -> jax.Arra
 
 
 def _num_ctas() -> int:
-    if _mgpu_common.interpreting():
+    if mgpu_common.interpreting():
         return INTERPRET_NUM_CTAS
-    return _mgpu_common.sm_count()
+    return mgpu_common.sm_count()
 
 
 def _append(per_seq: jax.Array, slack) -> jax.Array:

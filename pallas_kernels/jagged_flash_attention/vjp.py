@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _manual_axes, _mgpu_common
+from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.jagged_flash_attention import schedule
 from pallas_kernels.jagged_flash_attention.backward_dkv import backward_dkv
 from pallas_kernels.jagged_flash_attention.backward_dq import backward_dq
@@ -69,14 +69,14 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
         return jnp.zeros_like(q)
     scale = head_dim**-0.5 if scale is None else float(scale)
     if num_ctas is None:
-        num_ctas = _INTERPRET_CTAS if _mgpu_common.interpreting() else _mgpu_common.sm_count()
+        num_ctas = _INTERPRET_CTAS if mgpu_common.interpreting() else mgpu_common.sm_count()
     # Mosaic GPU's tiled TMA views need a row count that is a multiple of ROW_ALIGN;
     # extra rows are slack.
     padded = -(-capacity // ROW_ALIGN) * ROW_ALIGN
     if padded != capacity:
         q, k, v = (jnp.pad(x, ((0, padded - capacity), (0, 0), (0, 0))) for x in (q, k, v))
     offsets = offsets.astype(jnp.int32)
-    q, k, v, offsets = _manual_axes.match_axes(q, k, v, offsets)
+    q, k, v, offsets = manual_axes.match_axes(q, k, v, offsets)
     out = _attention(q, k, v, offsets, causal, scale, num_ctas)
     return out[:capacity]
 

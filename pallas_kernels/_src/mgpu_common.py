@@ -11,18 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._src.dispatch import interpreting  # noqa: F401  (the kernels read it from here)
 
 H100_H200_SM_COUNT = 132  # SMs of an H100 / H200 SXM: the persistent grid when the device does not say
 WG_ROWS = 64  # rows of one compute warpgroup's tile (the wgmma M)
 ROW_ALIGN = 8  # TMA copies of swizzled SMEM tiles start at multiples of this many rows
-
-
-def interpreting() -> bool:
-    """True while tracing under `plgpu.force_gpu_interpret_mode` (the CPU simulator)."""
-    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
 def sm_count() -> int:

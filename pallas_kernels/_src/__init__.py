@@ -1,0 +1,1 @@
+"""What the ops share: implementation choice, jagged containers, shard_map typing, Mosaic GPU helpers."""

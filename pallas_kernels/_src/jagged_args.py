@@ -1,0 +1,89 @@
+"""Attention operands given as arrays or as jagged containers.
+
+A jagged container is any object with `.values` (`[T, ...]` rows) and
+`.offsets` (int32 `[B+1]`), optionally a static `.max_seq_len` (gem_jax's
+`Jagged` is one). The ops take either form, read offsets and bounds from the
+containers they are given, and hand back their result in q's container.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+def is_jagged(x) -> bool:
+    """True for a jagged container (has `.values` and `.offsets`), False for an array."""
+    return not isinstance(x, (jax.Array, np.ndarray)) and hasattr(x, "values") and hasattr(x, "offsets")
+
+
+def values_of(x):
+    """The `[T, ...]` rows of a container, or `x` itself."""
+    return x.values if is_jagged(x) else x
+
+
+def with_values(container, values):
+    """`container` with its values replaced: `dataclasses.replace` or the container's `.replace(values=...)`.
+
+    Raises:
+      TypeError: a container that is neither a dataclass nor has a `replace` method.
+    """
+    if dataclasses.is_dataclass(container):
+        return dataclasses.replace(container, values=values)
+    replace = getattr(container, "replace", None)
+    if callable(replace):
+        return replace(values=values)
+    raise TypeError(
+        f"cannot return a {type(container).__name__}: a jagged container must be a dataclass or have replace(values=...)"
+    )
+
+
+def shared_offsets(explicit, explicit_name: str, **operands):
+    """The offsets `explicit` or the jagged `operands` give, checked to agree; None when none gives any.
+
+    Offsets that are the same array, or concrete and equal, agree. Traced offsets
+    (under `jit`) that are different arrays of one shape are taken as agreeing:
+    the caller guarantees it.
+
+    Raises:
+      ValueError: offsets of different shapes, or concrete offsets that differ
+        (naming the first differing index).
+    """
+    sources = [(explicit_name, explicit)] if explicit is not None else []
+    sources += [(f"{name}.offsets", x.offsets) for name, x in operands.items() if is_jagged(x)]
+    if not sources:
+        return None
+    (first_name, first), *rest = sources
+    for name, other in rest:
+        _check_same(first_name, first, name, other)
+    return first
+
+
+def _check_same(a_name: str, a, b_name: str, b) -> None:
+    if a is b:
+        return
+    if np.shape(a) != np.shape(b):
+        raise ValueError(f"{a_name} {np.shape(a)} and {b_name} {np.shape(b)} disagree: one jagged layout needs one offsets")
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        return
+    a, b = np.asarray(a), np.asarray(b)
+    differ = np.flatnonzero(a != b)
+    if differ.size:
+        i = int(differ[0])
+        raise ValueError(f"{a_name} and {b_name} disagree: {a_name}[{i}]={int(a[i])} != {b_name}[{i}]={int(b[i])}")
+
+
+def bound(explicit: int | None, container, explicit_name: str, what: str) -> int:
+    """`explicit`, else the container's `max_seq_len`.
+
+    Raises:
+      ValueError: neither gives a bound.
+    """
+    if explicit is not None:
+        return explicit
+    bound_ = getattr(container, "max_seq_len", None) if is_jagged(container) else None
+    if bound_ is None:
+        raise ValueError(f"{explicit_name} missing: pass it, or {what} as a jagged container with a max_seq_len")
+    return bound_

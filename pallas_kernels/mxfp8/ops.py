@@ -1,0 +1,239 @@
+"""Public MXFP8 ops: block quantization, the random Hadamard rotation and the block-scaled FP8 matmul.
+
+`quantize_mxfp8`, `dequantize_mxfp8`, `rmsnorm_quantize_mxfp8` and `random_hadamard` run their
+jnp reference (XLA fuses them well); `mxfp8_matmul(a, a_scales, b, b_scales) = a @ b.T` has a
+Mosaic GPU kernel (`kernel_matmul.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._src import dispatch
+from pallas_kernels.mxfp8 import formats, reference
+
+K_BLOCKS = (32, 128)  # K extent of one scale block (and of one promotion in the kernel)
+A_ROW_BLOCKS = (1, 32, 128)  # rows of `a` sharing a scale: 1x128 activations, 32x32 MX tiles
+B_ROW_BLOCKS = (32, 128)  # rows of `b` sharing a scale: 32x32 MX tiles, 128x128 weight blocks
+
+SUPPORT = dispatch.OpSupport("mxfp8_matmul")  # the kernel takes every input the op accepts
+
+
+def _infer_block(extent: int, n_blocks: int, candidates, what: str) -> int:
+    for c in candidates:
+        if math.ceil(extent / c) == n_blocks:
+            return c
+    raise ValueError(
+        f"{what}: {n_blocks} scale blocks for extent {extent} matches no supported block size {candidates} "
+        f"(want ceil({extent}/block) blocks)"
+    )
+
+
+def scale_blocks(a_shape, a_scales_shape, b_shape, b_scales_shape) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The `(rows, K)` block shapes of `a` and `b` implied by their scale shapes.
+
+    Raises:
+      ValueError: shapes that match no supported granularity, or different K blocks.
+    """
+    (m, k), (n, _) = a_shape, b_shape
+    if len(a_scales_shape) != 2 or len(b_scales_shape) != 2:
+        raise ValueError(f"scales must be 2-D; got {a_scales_shape} and {b_scales_shape}")
+    if a_scales_shape[1] != b_scales_shape[1]:
+        raise ValueError(f"a_scales {a_scales_shape} and b_scales {b_scales_shape} must have the same number of K blocks")
+    kb = _infer_block(k, a_scales_shape[1], K_BLOCKS, "K blocks of a_scales")
+    ra = _infer_block(m, a_scales_shape[0], A_ROW_BLOCKS, "row blocks of a_scales")
+    rb = _infer_block(n, b_scales_shape[0], B_ROW_BLOCKS, "row blocks of b_scales")
+    return (ra, kb), (rb, kb)
+
+
+def mxfp8_matmul(
+    a: jax.Array,
+    a_scales: jax.Array,
+    b: jax.Array,
+    b_scales: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+    implementation: str | dispatch.Implementation | None = None,
+    config=None,
+) -> jax.Array:
+    """Block-scaled FP8 GEMM `a @ b.T` with both operands K-major, scales applied in float32.
+
+    Equivalent jnp::
+
+        A = a.astype(f32) * repeat(a_scales, blocks)         # dequantize_mxfp8
+        B = b.astype(f32) * repeat(b_scales, blocks)
+        out = (A @ B.T).astype(out_dtype)                    # float32 accumulation
+
+    The Pallas kernel (Hopper) runs FP8 wgmma per K block and promotes every block into a
+    float32 accumulator on the CUDA cores (DeepSeek-V3, arXiv:2412.19437 section 3.3):
+    every 32 K for MXFP8 32x32 scales, every 128 K for the 1x128 / 128x128 variant. Hopper
+    has no block-scaled MMA, so the 32-wide promotion costs CUDA-core work of the same
+    order as the MMA (see kernel_matmul.py).
+
+    Args:
+      a: float8_e4m3fn `[M, K]` (K-major), from `quantize_mxfp8`.
+      a_scales: float8_e8m0fnu `[ceil(M/ra), ceil(K/kb)]` with ra in {1, 32, 128}, kb in {32, 128}.
+      b: float8_e4m3fn `[N, K]` (K-major: the weight stored as `[out, in]`).
+      b_scales: float8_e8m0fnu `[ceil(N/rb), ceil(K/kb)]` with rb in {32, 128}, the same kb.
+      out_dtype: result dtype (bfloat16 or float32).
+      implementation: "xla" (reference), "pallas" (Hopper kernel) or None (pallas on a Hopper
+        GPU, else xla). There is no "cudnn" path.
+      config: `kernel_matmul.TuningConfig` for the Pallas kernel (None: the default for kb).
+
+    Returns:
+      `[M, N]` in `out_dtype`. NaN scale bytes (255) make their rows/columns NaN. Scale
+      products outside the float32 normal range overflow to Inf or flush to zero.
+
+    Raises:
+      ValueError: wrong dtypes, mismatched shapes, unsupported block granularity, or an
+        unknown implementation (or "cudnn").
+      ImplementationUnavailableError: "pallas" without a Hopper GPU (outside Mosaic GPU
+        interpret mode).
+    """
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"a must be [M, K] and b [N, K] with the same K; got {a.shape} and {b.shape}")
+    if a.dtype != jnp.float8_e4m3fn or b.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"a and b must be float8_e4m3fn; got {a.dtype} and {b.dtype}")
+    if a_scales.dtype != jnp.float8_e8m0fnu or b_scales.dtype != jnp.float8_e8m0fnu:
+        raise ValueError(f"scales must be float8_e8m0fnu; got {a_scales.dtype} and {b_scales.dtype}")
+    a_block, b_block = scale_blocks(a.shape, a_scales.shape, b.shape, b_scales.shape)
+    impl = dispatch.choose(SUPPORT, implementation, [a.dtype, b.dtype]).implementation
+    (m, k), n = a.shape, b.shape[0]
+    if impl is dispatch.Implementation.XLA or m == 0 or n == 0 or k == 0:
+        return reference.matmul(a, a_scales, b, b_scales, a_block=a_block, b_block=b_block, out_dtype=out_dtype)
+    return _pallas_matmul(a, a_scales, b, b_scales, a_block, b_block, out_dtype, config)
+
+
+def _pad_to(x: jax.Array, shape, value) -> jax.Array:
+    pads = [(0, t - s) for s, t in zip(x.shape, shape)]
+    return x if not any(p for _, p in pads) else jnp.pad(x, pads, constant_values=value)
+
+
+def _pallas_matmul(a, a_scales, b, b_scales, a_block, b_block, out_dtype, config):
+    from pallas_kernels.mxfp8 import kernel_matmul  # Mosaic GPU; imported only when used
+
+    (m, k), n = a.shape, b.shape[0]
+    kb = a_block[1]
+    config = config or kernel_matmul.default_config(kb)
+    mp = math.ceil(m / config.m_multiple) * config.m_multiple
+    np_ = math.ceil(n / config.n_multiple) * config.n_multiple
+    kp = math.ceil(k / config.k_multiple(kb)) * config.k_multiple(kb)
+    a8 = _pad_to(a, (mp, kp), 0)
+    b8 = _pad_to(b, (np_, kp), 0)
+    # Per-row / per-column float32 scales [K/kb, rows]; padding rows get scale 1 (their data is 0).
+    rs = _pad_to(jnp.repeat(formats.decode_e8m0(a_scales).T, a_block[0], axis=1)[:, :m], (kp // kb, mp), 1.0)
+    cs = _pad_to(jnp.repeat(formats.decode_e8m0(b_scales).T, b_block[0], axis=1)[:, :n], (kp // kb, np_), 1.0)
+    out = kernel_matmul.scaled_matmul(a8, b8, rs, cs, block_k=kb, col_group=b_block[0], out_dtype=out_dtype, config=config)
+    return out[:m, :n]
+
+def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None) -> tuple[jax.Array, jax.Array]:
+    """Block-scaled FP8 quantization with power-of-two (E8M0) scales, one per `block` tile.
+
+    Equivalent jnp (per tile T of `x`, `block = (br, bc)`)::
+
+        amax = max(|T|)
+        e = ceil(log2(amax / 448)) if amax > 0 else 0       # never clips: max|T| / 2**e <= 448
+        data[T] = round(T / 2**e).astype(float8_e4m3fn)     # RNE, or stochastic with `key`
+        scales[T] = 2**e as float8_e8m0fnu
+
+    Scale rule: rounds the exponent up, unlike the OCP MX v1.0 rule `floor(log2(amax)) - 8`
+    which saturates block maxima in (448, 512) x 2**e (up to 12.5% error on the block
+    maximum) and can diverge in training (NVIDIA MXFP8 recipe, arXiv:2506.08027).
+    Exponents are clamped to [-126, 127]: an all-zero tile gets scale 1 and zero data; a
+    tile whose maximum is below 448 * 2**-126 gets scale 2**-126 (no float32 subnormal
+    scale, so no NaN or Inf from flush-to-zero), and its elements round on E4M3's
+    subnormal grid. Inf/NaN policy: a tile holding any Inf or NaN is poisoned: its scale
+    is the E8M0 NaN byte (255) and all its data NaN, so every product reading it is NaN.
+
+    With square tiles (32x32 MXFP8 tiles, 128x128 weight tiles) the transpose reuses the
+    quantization: `quantize_mxfp8(x.T) == (data.T, scales.T)` bit for bit (nearest rounding).
+
+    Args:
+      x: `[R, C]` float (bf16/f32); the last tiles may be partial.
+      block: `(rows, cols)` of one scale tile; (32, 32) for MXFP8, (1, 128) / (128, 128)
+        for the 128-wide-K GEMM variant.
+      rounding: "nearest" (ties to even) or "stochastic" (unbiased, ulp-aware on E4M3's
+        normal and subnormal grid; needs `key`).
+      key: PRNG key for stochastic rounding.
+
+    Returns:
+      `(data, scales)`: float8_e4m3fn `[R, C]` and float8_e8m0fnu `[ceil(R/br), ceil(C/bc)]`.
+
+    Raises:
+      ValueError: `x` not 2-D, a bad block, an unknown rounding, or stochastic without a key.
+    """
+    return reference.quantize(x, block=block, rounding=rounding, key=key)
+
+
+def dequantize_mxfp8(data: jax.Array, scales: jax.Array, *, block=(32, 32), dtype=jnp.float32) -> jax.Array:
+    """`data * scale` for every tile: the inverse of `quantize_mxfp8` up to rounding.
+
+    Args:
+      data: float8_e4m3fn `[R, C]`.
+      scales: float8_e8m0fnu `[ceil(R/br), ceil(C/bc)]`.
+      block: the `(rows, cols)` tile the scales were computed with.
+      dtype: result dtype.
+
+    Returns:
+      `[R, C]` in `dtype` (exact in float32: products of E4M3 values and powers of two).
+
+    Raises:
+      ValueError: wrong dtypes or scales that do not match `data` and `block`.
+    """
+    return reference.dequantize(data, scales, block=block, dtype=dtype)
+
+
+def rmsnorm_quantize_mxfp8(
+    x: jax.Array, weight: jax.Array, *, eps: float = 1e-6, block=(32, 32), rounding="nearest", key=None
+) -> tuple[jax.Array, jax.Array]:
+    """RMSNorm fused with block quantization: `quantize_mxfp8(rmsnorm(x) * weight)`.
+
+    Equivalent jnp::
+
+        y = x * rsqrt(mean(x**2, axis=-1, keepdims=True) + eps) * weight    # float32
+        return quantize_mxfp8(y, block=block, rounding=rounding, key=key)
+
+    The normalized activation is never written in high precision: only the FP8 data and
+    the scales leave the fusion (GEM: quantization fused into the preceding norm).
+    Forward only (not differentiable); the FP8 dense layer quantizes its own input.
+
+    Args:
+      x: `[R, C]` float.
+      weight: `[C]` float, the RMSNorm gain.
+      eps: added to the mean square.
+      block, rounding, key: as in `quantize_mxfp8`.
+
+    Returns:
+      `(data, scales)` as in `quantize_mxfp8`.
+
+    Raises:
+      ValueError: mismatched shapes, or the errors of `quantize_mxfp8`.
+    """
+    return reference.rmsnorm_quantize(x, weight, eps=eps, block=block, rounding=rounding, key=key)
+
+
+def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:
+    """Rotates the last axis of `x` by `R = diag(s) H_b / sqrt(b)` (or by `R^T` if `inverse`).
+
+    Equivalent jnp::
+
+        s = jax.random.rademacher(key, (C,))
+        R = s[:, None] * scipy.linalg.block_diag(*[H_b] * (C // b)) / sqrt(b)
+        out = x @ R            # inverse: x @ R.T, so random_hadamard(random_hadamard(x), inverse=True) == x
+
+    Args:
+      x: `[..., C]` floating, `C` a multiple of `block`.
+      key: PRNG key; the same key gives the same rotation.
+      block: Hadamard order `b`, a power of two (32 or 128 match the MXFP8 blocks).
+      inverse: apply `R^T = R^{-1}` instead.
+
+    Returns:
+      Same shape and dtype as `x` (computed in float32).
+
+    Raises:
+      ValueError: `block` not a power of two, or `C` not a multiple of it.
+    """
+    return reference.random_hadamard(x, key=key, block=block, inverse=inverse)
