@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import sys
@@ -70,6 +71,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         tokens.append(int(lengths.sum()))
     batches = [placement.put(b) for b in host]
     local_capacities = sorted({int(b.history.values.shape[1]) for b in batches})
+    slack = [1.0 - t / math.prod(b.history.values.shape[:2]) for t, b in zip(tokens, batches)]
 
     t0 = time.perf_counter()
     for i in range(warmup):
@@ -100,6 +102,8 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "global_batch": batch_size,
         "mean_tokens_per_step": float(np.mean(tokens)),
         "local_capacities": local_capacities,
+        "slack_fraction_mean": float(np.mean(slack)),
+        "slack_fraction_max": float(np.max(slack)),
         "init_s": init_s,
         "compile_and_warmup_s": compile_s,
         "step_times_s": times,
