@@ -124,7 +124,7 @@ def test_empty_histories_reach_the_batch(ml_small):
     empty = np.flatnonzero(ex.history_length == 0)
     assert empty.size == ml_small.info.num_users, "each user's first event is an example with no history"
     batch = ml_small.train_batch(empty[:5].tolist())
-    assert np.all(np.diff(batch.history.offsets) == 0) and batch.history.capacity == 6400
+    assert np.all(np.diff(batch.history.offsets) == 0) and batch.history.capacity == 0
     np.testing.assert_array_equal(batch.weights[:5], 1.0)
 
 
@@ -152,7 +152,7 @@ def test_skip_mode_reports_counts(tmp_path, caplog):
     assert "skipped 1 row(s), not a number (first at line 15)" in ds.info.summary()
     assert ds.info.num_eval_examples == 2  # floor(0.1 * 6) < 1, so one per user
     batch = next(ds.train_iterator())
-    assert batch.history.capacity == 128 and batch.candidate_item.shape == (4,)
+    assert batch.history.capacity == batch.history.offsets[-1] and batch.candidate_item.shape == (4,)
 
 
 @pytest.mark.parametrize("source", [Source.ML_100K, Source.AMAZON_BEAUTY])
