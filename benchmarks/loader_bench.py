@@ -13,10 +13,10 @@ For each case, one process, timed over max(4, ceil(`--samples` / B)) batches aft
   - pipeline_plain:  the same without BBS;
   - index_stage_bbs: `Dataset.train_indices()` alone (shuffled index batches + BBS order):
                      the metadata work every process must do for the global batch;
-  - host_split:      `gem_jax.parallel.placement.stack_batch(batch, D)`, the host-side split into
+  - host_split:      `gem_jax.parallel.placement.stack_batch(batch, D, buckets)`, the host-side split into
                      per-device jagged batches that the trainer runs on its main thread
                      before the transfer (not part of the loader, reported beside it);
-  - balance_bbs / balance_plain: mean per-device load imbalance and padding waste of the
+  - balance_bbs / balance_plain: mean per-device load imbalance and slack fraction of the
                      stacked layout (as the trainer logs them) over the first batches.
 Samples are real examples (weight > 0). Each rate is given per wall second and per CPU
 second of the process (all its threads): on a shared machine the second is the steadier
@@ -52,6 +52,7 @@ from gem_jax.data.pipeline import Dataset, load_dataset
 from gem_jax.model.flops import Workload
 from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
 from gem_jax.model.config import ModelConfig
+from gem_jax.jagged import TokenBuckets
 from gem_jax.parallel.placement import stack_batch
 from gem_jax.model.flops import train_workload
 
@@ -121,7 +122,7 @@ def measure(dataset: Dataset, num_shards: int, warmup: int, batches: int) -> dic
     host_batches = [next(it) for _ in range(min(batches, 4))]
     t0, c0 = time.perf_counter(), time.process_time()
     for batch in host_batches:
-        stack_batch(batch, num_shards)
+        stack_batch(batch, num_shards, dataset.token_buckets)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     samples = sum(_real(b) for b in host_batches)
     row["host_split"] = {"batches": len(host_batches), **_rates(samples, seconds, cpu_seconds)}
@@ -129,20 +130,20 @@ def measure(dataset: Dataset, num_shards: int, warmup: int, batches: int) -> dic
     row["mean_history_length"] = float(lengths.mean())
     it = plain.train_iterator()
     for name, sample in (("bbs", host_batches), ("plain", [next(it) for _ in host_batches])):
-        row[f"balance_{name}"] = balance(sample, num_shards, dataset.bbs.workload)
+        row[f"balance_{name}"] = balance(sample, num_shards, dataset.bbs.workload, dataset.token_buckets)
     return row
 
 
-def balance(batches: list, num_shards: int, workload: Workload) -> dict:
-    """Mean per-device load imbalance and padding waste (of the stacked per-device layout) of `batches`."""
+def balance(batches: list, num_shards: int, workload: Workload, buckets: TokenBuckets) -> dict:
+    """Mean per-device load imbalance and slack fraction (of the stacked per-device layout) of `batches`."""
     imbalance, waste = [], []
     for batch in batches:
         lengths = np.diff(np.asarray(batch.history.offsets))
         real = np.asarray(batch.weights) > 0
         imbalance.append(load_imbalance(shard_loads(workload(lengths) * real, num_shards)))
-        capacity = int(np.prod(stack_batch(batch, num_shards).history.values.shape[:-1]))
+        capacity = int(np.prod(stack_batch(batch, num_shards, buckets).history.values.shape[:-1]))
         waste.append(padding_waste(lengths[real], capacity))
-    return {"batches": len(batches), "load_imbalance_mean": float(np.mean(imbalance)), "padding_waste_mean": float(np.mean(waste))}
+    return {"batches": len(batches), "load_imbalance_mean": float(np.mean(imbalance)), "slack_fraction_mean": float(np.mean(waste))}
 
 
 def train_results() -> list[dict]:

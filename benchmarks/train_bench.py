@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import sys
@@ -70,9 +71,10 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         tokens.append(int(lengths.sum()))
     batches = [placement.put(b) for b in host]
     local_capacities = sorted({int(b.history.values.shape[1]) for b in batches})
+    slack = [1.0 - t / math.prod(b.history.values.shape[:2]) for t, b in zip(tokens, batches)]
 
     t0 = time.perf_counter()
-    for i in range(warmup):
+    for i in range(max(warmup, num_batches)):  # every batch once: each capacity compiles before the timing
         state, metrics = train_step(state, batches[i % num_batches])
     jax.block_until_ready(state)
     compile_s = time.perf_counter() - t0
@@ -100,6 +102,8 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "global_batch": batch_size,
         "mean_tokens_per_step": float(np.mean(tokens)),
         "local_capacities": local_capacities,
+        "slack_fraction_mean": float(np.mean(slack)),
+        "slack_fraction_max": float(np.max(slack)),
         "init_s": init_s,
         "compile_and_warmup_s": compile_s,
         "step_times_s": times,
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-device-batch", type=int, default=1024)
     parser.add_argument("--max-seq-len", type=int, default=None, help="override the config's history bound")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps; at least one per built batch")
     parser.add_argument("--num-batches", type=int, default=4)
     parser.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto", help="auto: pallas on Hopper, falls back to xla if it fails")
     parser.add_argument("--out", required=True)

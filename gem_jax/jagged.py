@@ -30,6 +30,7 @@ from pallas_kernels.jagged_layout import from_padded, positions_in_sequence, seg
 __all__ = [
     "Jagged",
     "JaggedError",
+    "TokenBuckets",
     "from_lengths",
     "from_padded",
     "offsets_from_lengths",
@@ -150,20 +151,103 @@ def validate(jagged: Jagged) -> None:
 CAPACITY_MULTIPLE = 128
 
 
-def capacity_buckets(batch_size: int, max_seq_len: int, fractions: Sequence[float] = (0.125, 0.25, 0.5, 0.75, 1.0)) -> tuple[int, ...]:
-    """Sorted token capacities `ceil(B * max_seq_len * f)` rounded up to a multiple of 128.
+def _round_up(rows: float) -> int:
+    return CAPACITY_MULTIPLE * max(1, math.ceil(math.ceil(rows) / CAPACITY_MULTIPLE))
 
-    The largest bucket (fraction 1 must be among the fractions) holds any batch.
+
+@dataclasses.dataclass(frozen=True)
+class TokenBuckets:
+    """Token capacities that follow the real token count of a batch, not `B * max_seq_len`.
+
+    A batch of n examples whose history lengths have mean `mean_length` and
+    standard deviation `std_length` holds about `E = n * mean_length` rows,
+    with standard deviation `sqrt(n) * std_length` (central limit theorem).
+    Its capacities, each rounded up to a multiple of `CAPACITY_MULTIPLE`, are
+
+    - fine: `E * step**k` for the integers k that cover
+      `E +- sigmas * sqrt(n) * std_length`; a batch in that range leaves less
+      than `1 - 1/step` of its capacity as slack, plus the rounding (under
+      `CAPACITY_MULTIPLE / capacity`);
+    - coarse: halvings below the fine range down to `CAPACITY_MULTIPLE` rows
+      (short last batches of an epoch), doublings above it, and the full
+      `n * max_seq_len` last, so that every batch fits.
+
+    Geometric bucket boundaries are those of Tensor2Tensor's length bucketing
+    (`length_bucket_step`; Vaswani et al., "Tensor2Tensor for Neural Machine
+    Translation", 2018), here over a batch's total rows around their expected value.
+
+    Attributes:
+      mean_length, std_length: of one example's history length, in rows
+        (`from_lengths` estimates them from a sample).
+      max_seq_len: bound on any history length.
+      step: ratio of consecutive fine capacities, in (1, 2].
+      sigmas: half-width of the fine range in standard deviations, > 0.
 
     Raises:
-      ValueError: a non-positive size, a fraction outside (0, 1], or no fraction 1.
+      ValueError: a moment that is negative, non-finite or above `max_seq_len`,
+        or `step` / `sigmas` out of range (the field is named).
     """
-    if batch_size < 1 or max_seq_len < 1:
-        raise ValueError(f"batch_size and max_seq_len must be >= 1, got {batch_size}, {max_seq_len}")
-    if 1.0 not in fractions or not all(0.0 < f <= 1.0 for f in fractions):
-        raise ValueError(f"capacity fractions must be in (0, 1] and include 1, got {tuple(fractions)}")
-    full = batch_size * max_seq_len
-    return tuple(sorted({CAPACITY_MULTIPLE * math.ceil(math.ceil(full * f) / CAPACITY_MULTIPLE) for f in fractions}))
+
+    mean_length: float
+    std_length: float
+    max_seq_len: int
+    step: float = 1.04
+    sigmas: float = 4.0
+
+    def __post_init__(self):
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, (int, np.integer)) or self.max_seq_len < 1:
+            raise ValueError(f"TokenBuckets.max_seq_len must be a positive int, got {self.max_seq_len!r}")
+        if not (math.isfinite(self.mean_length) and 0.0 <= self.mean_length <= self.max_seq_len):
+            raise ValueError(f"TokenBuckets.mean_length must be in [0, max_seq_len={self.max_seq_len}], got {self.mean_length}")
+        if not (math.isfinite(self.std_length) and self.std_length >= 0.0):
+            raise ValueError(f"TokenBuckets.std_length must be finite and >= 0, got {self.std_length}")
+        check_bucket_settings(self.step, self.sigmas)
+
+    @classmethod
+    def from_lengths(cls, lengths, max_seq_len: int, step: float = 1.04, sigmas: float = 4.0) -> TokenBuckets:
+        """Buckets for examples whose history lengths are like `lengths` (int `[m]`, m >= 1).
+
+        Raises:
+          ValueError: `lengths` is empty or not 1-D, or the settings are invalid.
+        """
+        lengths = np.asarray(lengths, dtype=np.float64)
+        if lengths.ndim != 1 or lengths.size == 0:
+            raise ValueError(f"TokenBuckets.from_lengths needs a non-empty 1-D sample of lengths, got shape {lengths.shape}")
+        return cls(float(lengths.mean()), float(lengths.std()), max_seq_len, step, sigmas)
+
+    def capacities(self, batch_size: int) -> tuple[int, ...]:
+        """Sorted capacities (rows, multiples of `CAPACITY_MULTIPLE`) of a batch of `batch_size` examples.
+
+        Raises:
+          ValueError: `batch_size < 1`.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        full = _round_up(batch_size * self.max_seq_len)
+        spread = self.sigmas * math.sqrt(batch_size) * self.std_length
+        anchor = max(batch_size * self.mean_length, CAPACITY_MULTIPLE)
+        low = max(anchor - spread, CAPACITY_MULTIPLE)
+        high = min(anchor + spread, full)
+        log_step = math.log(self.step)
+        ks = range(math.floor(math.log(low / anchor) / log_step), math.ceil(math.log(high / anchor) / log_step) + 1)
+        rows = [anchor * self.step**k for k in ks]
+        while rows[0] > CAPACITY_MULTIPLE:
+            rows.insert(0, rows[0] / 2)
+        while rows[-1] < full:
+            rows.append(rows[-1] * 2)
+        return tuple(sorted({min(_round_up(r), full) for r in rows}))
+
+
+def check_bucket_settings(step: float, sigmas: float, names: tuple[str, str] = ("TokenBuckets.step", "TokenBuckets.sigmas")) -> None:
+    """Checks `TokenBuckets` settings; `names` name the two settings in the error.
+
+    Raises:
+      ValueError: `step` is not a number in (1, 2], or `sigmas` is not a finite number > 0.
+    """
+    if isinstance(step, bool) or not (isinstance(step, (int, float)) and 1.0 < step <= 2.0):
+        raise ValueError(f"{names[0]} must be in (1, 2], got {step!r}")
+    if isinstance(sigmas, bool) or not (isinstance(sigmas, (int, float)) and math.isfinite(sigmas) and sigmas > 0.0):
+        raise ValueError(f"{names[1]} must be finite and > 0, got {sigmas!r}")
 
 
 def pick_capacity(total: int, capacities: Sequence[int]) -> int:

@@ -4,7 +4,7 @@
 workload (the model's training FLOPs, `gem_jax.model.flops.Workload`, or any
 callable from lengths to costs); `load_imbalance` is GEM's BBS metric (the slowest
 rank's excess over the mean); `padding_waste` the share of token slots that hold no
-real token.
+real token (logged as `slack_fraction`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def padding_waste(lengths, capacity: int) -> float:
     """Fraction of a batch's token slots that hold no real token.
 
     1 - sum(lengths) / capacity, where capacity is `B * max_len` for a padded
-    dense batch, or the static token capacity `T_cap` of a jagged batch.
+    dense batch, or the static token capacity `T_cap` of a jagged batch. For
+    the stacked per-device layout (capacity `D * T_local`) this is the
+    `slack_fraction` of the trainer's train records.
 
     Args:
       lengths: int array-like `[B]`, the real samples' history lengths.

@@ -1,10 +1,11 @@
-"""Gather examples into static-shape `Batch`es with bucketed token capacity.
+"""Gather examples into `Batch`es of B examples whose history holds exactly its real rows.
 
 A batch always has B examples: a short list is completed with padding
-examples (weight 0, empty history, PAD_ID everywhere). The packed history
-takes the smallest capacity bucket that holds it, so a jitted step sees only
-a handful of `T_cap` values and XLA compiles each once (the static-capacity
-jagged batches of HSTU / GEM's jagged kernels).
+examples (weight 0, empty history, PAD_ID everywhere). The packed history has
+no slack rows (`T_cap` = the real rows): the static, bucketed capacities a
+jitted step sees are chosen once, per device, when the batch is placed
+(`gem_jax.parallel.placement.stack_batch` with the data set's
+`gem_jax.jagged.TokenBuckets`), so rows are packed into a capacity only once.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from gem_jax.batch import PAD_ID, Batch, FeatureSpec, HistoryField, UserField, v
 from gem_jax.data.events import EventLog
 from gem_jax.data.examples import Examples
 from gem_jax.data.features import time_bucket
-from gem_jax.jagged import Jagged, JaggedError, pick_capacity
-
+from gem_jax.jagged import Jagged, JaggedError
 
 
 class BatchBuilder:
@@ -26,32 +26,31 @@ class BatchBuilder:
 
     Each call gathers the examples' history rows from the event log with
     vectorised numpy indexing (no per-example Python work), computes time
-    buckets relative to each target, pads to B examples and to the chosen
-    capacity, and validates the ids against `spec`.
+    buckets relative to each target, pads to B examples, and validates the
+    ids against `spec`.
 
     Args:
       log: the sorted `EventLog`.
       examples: the examples indexed by the calls.
       spec: vocabulary sizes and `max_seq_len` (ids are validated against it).
       batch_size: static B.
-      capacities: sorted token capacities (`capacity_buckets`).
     """
 
-    def __init__(self, log: EventLog, examples: Examples, spec: FeatureSpec, batch_size: int, capacities: Sequence[int]):
+    def __init__(self, log: EventLog, examples: Examples, spec: FeatureSpec, batch_size: int):
         if int(examples.history_length.max(initial=0)) > spec.max_seq_len:
             raise JaggedError(f"an example history is longer than max_seq_len {spec.max_seq_len}")
         self.log = log
         self.examples = examples
         self.spec = spec
         self.batch_size = batch_size
-        self.capacities = tuple(capacities)
 
     def __call__(self, indices: Sequence[int]) -> Batch:
         """Returns the `Batch` of examples `indices` (1..B of them), then padding.
 
+        The history values are `[offsets[B], F]`: the real rows, no slack.
+
         Raises:
           ValueError: no index, more than B, or an index out of range.
-          JaggedError: a capacity overflow.
         """
         idx = np.asarray(indices, dtype=np.int64)
         n, b = idx.shape[0], self.batch_size
@@ -66,10 +65,9 @@ class BatchBuilder:
         np.cumsum(lengths, out=offsets[1 : n + 1])
         total = int(offsets[n])
         offsets[n + 1 :] = total
-        capacity = pick_capacity(total, self.capacities)
 
         rows = np.repeat(target - lengths - offsets[:n], lengths) + np.arange(total)
-        values = np.zeros((capacity, len(HistoryField)), np.int32)
+        values = np.zeros((total, len(HistoryField)), np.int32)
         values[:total, HistoryField.ITEM] = log.item[rows]
         values[:total, HistoryField.ACTION] = log.action[rows]
         age = np.repeat(log.timestamp[target], lengths) - log.timestamp[rows]

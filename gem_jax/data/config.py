@@ -10,6 +10,7 @@ import numpy as np
 
 from gem_jax.data.bbs import check_shard_split
 from gem_jax.data.rows import OnBadRow
+from gem_jax.jagged import check_bucket_settings
 
 
 class Source(enum.Enum):
@@ -101,9 +102,17 @@ class DataConfig:
         and, for sampled-candidate sources, the candidate sampling.
       on_bad_row: RAISE on the first malformed row, or SKIP and count.
       num_time_buckets: time-bucket vocabulary size including PAD_ID.
-      capacity_fractions: token capacities are `B * max_seq_len * f`, rounded
-        up to a multiple of 128, for each f in (0, 1] (1 must be among them);
-        a batch takes the smallest that holds its history rows.
+      capacity_step: ratio of consecutive token capacities near a batch's
+        expected rows, in (1, 2]; it bounds the slack of a batch in that range
+        to under `1 - 1/capacity_step` (1.04: under 3.9%, plus the rounding of
+        capacities to 128 rows). The data set's train length distribution sets
+        the expected rows (`Dataset.token_buckets`, `gem_jax.jagged.TokenBuckets`);
+        each device's rows take the smallest capacity that holds them
+        (`gem_jax.parallel.placement.stack_batch`). Smaller steps mean less
+        slack and more compiled shapes.
+      capacity_sigmas: the fine capacities cover the expected rows of a batch
+        +- this many standard deviations (> 0); rarer batches take coarse
+        capacities (halvings below, doublings above, `B * max_seq_len` last).
       prefetch_batches: batches built ahead in a background thread (0: none).
       synthetic: shape of the synthetic source.
       bbs: base batch shuffling of the train batches; None: off.
@@ -117,7 +126,8 @@ class DataConfig:
     seed: int = 0
     on_bad_row: OnBadRow = OnBadRow.RAISE
     num_time_buckets: int = 32
-    capacity_fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 0.75, 1.0)
+    capacity_step: float = 1.04
+    capacity_sigmas: float = 4.0
     prefetch_batches: int = 2
     synthetic: SyntheticConfig = SyntheticConfig()
     bbs: BBSConfig | None = None
@@ -137,8 +147,7 @@ class DataConfig:
             raise ValueError(f"num_time_buckets must be >= 2, got {self.num_time_buckets}")
         if self.prefetch_batches < 0:
             raise ValueError(f"prefetch_batches must be >= 0, got {self.prefetch_batches}")
-        if 1.0 not in self.capacity_fractions or not all(0.0 < f <= 1.0 for f in self.capacity_fractions):
-            raise ValueError(f"capacity_fractions must be in (0, 1] and include 1, got {self.capacity_fractions}")
+        check_bucket_settings(self.capacity_step, self.capacity_sigmas, ("DataConfig.capacity_step", "DataConfig.capacity_sigmas"))
         if self.bbs is not None:
             if not isinstance(self.bbs, BBSConfig):
                 raise TypeError(f"bbs must be a BBSConfig or None, got {self.bbs!r}")

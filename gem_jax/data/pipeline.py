@@ -43,7 +43,7 @@ from gem_jax.data.sources.amazon_beauty import read_amazon_beauty
 from gem_jax.batch import Batch, FeatureSpec, Task
 from gem_jax.data.bbs import BalancedBatchOrder, check_shard_split
 from gem_jax.data.collate import BatchBuilder
-from gem_jax.jagged import capacity_buckets
+from gem_jax.jagged import TokenBuckets
 from gem_jax.data.config import BBSConfig, DataConfig, Source, SyntheticConfig
 from gem_jax.data.events import EventLog
 from gem_jax.data.examples import Examples, next_item_examples, rating_examples
@@ -130,13 +130,15 @@ class DatasetInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """A split data set with static-shape batch iterators.
+    """A split data set with batch iterators of static B (`token_buckets` gives the static token capacities).
 
     Attributes:
       spec: vocabulary sizes and `max_seq_len` of every batch.
       info: counts and label meanings.
       batch_size: static B.
-      capacities: the token capacities (`T_cap`) a batch can have.
+      token_buckets: the token capacities a batch, or one device's part of
+        it, can be placed in (`gem_jax.parallel.placement.stack_batch`), from
+        the train length distribution; the batches themselves hold no slack.
       seed: default shuffle seed of `train_iterator`.
       prefetch_batches: batches built ahead in a background thread.
       train_batch: builds the `Batch` of a list of train example indices.
@@ -152,7 +154,7 @@ class Dataset:
     spec: FeatureSpec
     info: DatasetInfo
     batch_size: int
-    capacities: tuple[int, ...]
+    token_buckets: TokenBuckets
     seed: int
     prefetch_batches: int
     train_batch: Callable[[Sequence[int]], Batch]
@@ -321,7 +323,16 @@ def _mean_rate(examples: Examples) -> tuple[float, float]:
     return (float(rate[Task.PRIMARY]), float(rate[Task.SECONDARY]))
 
 
-def _load_file_source(config: DataConfig, capacities: tuple[int, ...]) -> Dataset:
+LENGTH_SAMPLE = 1 << 17  # train examples whose lengths set the token buckets
+
+
+def token_buckets(config: DataConfig, train_lengths: Callable[[np.ndarray], np.ndarray], num_train_examples: int) -> TokenBuckets:
+    """The `TokenBuckets` of the lengths of up to `LENGTH_SAMPLE` train examples spread evenly over the split."""
+    sample = np.unique(np.linspace(0, num_train_examples - 1, min(num_train_examples, LENGTH_SAMPLE)).astype(np.int64))
+    return TokenBuckets.from_lengths(train_lengths(sample), config.max_seq_len, config.capacity_step, config.capacity_sigmas)
+
+
+def _load_file_source(config: DataConfig) -> Dataset:
     source = _FILE_SOURCES[config.source]
     path = resolve_path(config.source, config.path)
     log = source.reader(path, config.on_bad_row)
@@ -359,22 +370,23 @@ def _load_file_source(config: DataConfig, capacities: tuple[int, ...]) -> Datase
         path=str(path.resolve()),
         fingerprint=fingerprint(path),
     )
+    train_lengths = functools.partial(np.take, train.history_length)
     return Dataset(
         spec=spec,
         info=info,
         batch_size=config.batch_size,
-        capacities=capacities,
+        token_buckets=token_buckets(config, train_lengths, len(train)),
         seed=config.seed,
         prefetch_batches=config.prefetch_batches,
-        train_batch=BatchBuilder(log, train, spec, config.batch_size, capacities),
-        eval_batch=BatchBuilder(log, evals, spec, config.batch_size, capacities),
+        train_batch=BatchBuilder(log, train, spec, config.batch_size),
+        eval_batch=BatchBuilder(log, evals, spec, config.batch_size),
         item_mean_labels=item_mean_labels(train, log.num_items),
-        train_lengths=functools.partial(np.take, train.history_length),
+        train_lengths=train_lengths,
         bbs=config.bbs,
     )
 
 
-def _load_synthetic(config: DataConfig, capacities: tuple[int, ...]) -> Dataset:
+def _load_synthetic(config: DataConfig) -> Dataset:
     syn = config.synthetic
     spec = synthetic_spec(syn, config.max_seq_len, config.num_time_buckets)
     table = synthetic_item_mean_labels(config.seed, syn.num_items)
@@ -392,20 +404,19 @@ def _load_synthetic(config: DataConfig, capacities: tuple[int, ...]) -> Dataset:
         source=config.source.name,
         fingerprint=hashlib.sha256(json.dumps([dataclasses.asdict(syn), config.seed, config.max_seq_len]).encode()).hexdigest(),
     )
-    build = functools.partial(SyntheticBatchBuilder, syn, spec, config.batch_size, capacities, config.seed)
+    build = functools.partial(SyntheticBatchBuilder, syn, spec, config.batch_size, config.seed)
+    train_lengths = functools.partial(synthetic_lengths, config.seed, TRAIN_STREAM, config=syn, max_seq_len=config.max_seq_len)
     return Dataset(
         spec=spec,
         info=info,
         batch_size=config.batch_size,
-        capacities=capacities,
+        token_buckets=token_buckets(config, train_lengths, syn.num_train_examples),
         seed=config.seed,
         prefetch_batches=config.prefetch_batches,
         train_batch=build(TRAIN_STREAM),
         eval_batch=build(EVAL_STREAM),
         item_mean_labels=table,
-        train_lengths=functools.partial(
-            synthetic_lengths, config.seed, TRAIN_STREAM, config=syn, max_seq_len=config.max_seq_len
-        ),
+        train_lengths=train_lengths,
         bbs=config.bbs,
     )
 
@@ -426,7 +437,6 @@ def load_dataset(config: DataConfig) -> Dataset:
       FileNotFoundError: a missing file or folder.
       ValueError: a split without train or eval examples.
     """
-    capacities = capacity_buckets(config.batch_size, config.max_seq_len, config.capacity_fractions)
     if config.source is Source.SYNTHETIC:
-        return _load_synthetic(config, capacities)
-    return _load_file_source(config, capacities)
+        return _load_synthetic(config)
+    return _load_file_source(config)

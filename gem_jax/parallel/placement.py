@@ -2,8 +2,10 @@
 
 A global `Batch` of B examples is cut into D contiguous per-device batches of B/D
 examples. Each keeps only its own history rows with offsets starting at 0 (local to the
-device), packed into a common static capacity `T_local` (the smallest of the capacity
-buckets of a B/D batch that holds the fullest device). Every leaf then gets a leading
+device), packed into a common static capacity `T_local`: the smallest of the data set's
+token buckets for B/D examples (`gem_jax.jagged.TokenBuckets`, sized from the real token
+count, not B/D x max_seq_len) that holds the fullest device. This is the only place rows
+are packed into a capacity: the data pipeline's batches hold no slack. Every leaf then gets a leading
 device axis `[D, ...]` sharded over all mesh axes, and the model runs on one slice per
 device under `shard_map` (`gem_jax.parallel.spmd`). Example order is kept: device d
 holds global examples `d*B/D ... (d+1)*B/D - 1`, so a balanced per-device order from the
@@ -23,20 +25,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from gem_jax.batch import Batch
-from gem_jax.jagged import capacity_buckets, pick_capacity
-from gem_jax.jagged import Jagged
+from gem_jax.jagged import Jagged, TokenBuckets, pick_capacity
 from gem_jax.mesh import live_axes
 from gem_jax.parallel.rules import spec_from_axes
 
 
-def stack_batch(batch: Batch, num_shards: int, capacities: tuple[int, ...] | None = None) -> Batch:
+def stack_batch(batch: Batch, num_shards: int, buckets: TokenBuckets) -> Batch:
     """Splits a host (numpy) batch into `num_shards` per-device jagged batches, stacked.
 
     Args:
-      batch: B examples; history values `[T_cap, F]`, offsets `[B+1]`.
+      batch: B examples; history values `[T, F]` (any slack is dropped), offsets `[B+1]`.
       num_shards: devices D; must divide B.
-      capacities: allowed `T_local` values (default: `capacity_buckets(B/D,
-        max_seq_len)`).
+      buckets: `T_local` is the smallest of `buckets.capacities(B/D)` that
+        holds the fullest device's rows.
 
     Returns:
       A `Batch` whose leaves have a leading `[D]` axis: history values
@@ -45,7 +46,8 @@ def stack_batch(batch: Batch, num_shards: int, capacities: tuple[int, ...] | Non
 
     Raises:
       ValueError: D does not divide B.
-      JaggedError: a device's rows exceed every capacity.
+      JaggedError: a device's rows exceed every capacity (a history is longer
+        than `buckets.max_seq_len`).
     """
     b = batch.batch_size
     if num_shards < 1 or b % num_shards:
@@ -55,9 +57,7 @@ def stack_batch(batch: Batch, num_shards: int, capacities: tuple[int, ...] | Non
     offsets = np.asarray(history.offsets)
     values = np.asarray(history.values)
     starts = offsets[: b + 1 : per]  # [D+1]: first row of each device's examples
-    if capacities is None:
-        capacities = capacity_buckets(per, history.max_seq_len)
-    capacity = pick_capacity(int(np.diff(starts).max(initial=0)), capacities)
+    capacity = pick_capacity(int(np.diff(starts).max(initial=0)), buckets.capacities(per))
     local_values = np.zeros((num_shards, capacity) + values.shape[1:], values.dtype)
     local_offsets = np.empty((num_shards, per + 1), np.int32)
     for d in range(num_shards):
@@ -85,9 +85,11 @@ class BatchPlacement:
 
     Attributes:
       mesh: the device mesh; the batch is split over all of its devices.
+      buckets: the token capacities of each device's rows (`Dataset.token_buckets`).
     """
 
     mesh: Mesh
+    buckets: TokenBuckets
 
     @property
     def num_shards(self) -> int:
@@ -104,7 +106,7 @@ class BatchPlacement:
 
         Each process materialises only its addressable devices' slices.
         """
-        stacked = stack_batch(batch, self.num_shards)
+        stacked = stack_batch(batch, self.num_shards, self.buckets)
         sharding = self.sharding
         return jax.tree.map(
             lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index]), stacked

@@ -97,7 +97,7 @@ def train_and_evaluate(
         lengths = all_lengths[real]
         window_flops += workload.total(lengths)
         window_examples += int(real.sum())
-        # Balance across the devices' contiguous chunks; padding against the placed token slots.
+        # Balance across the devices' contiguous chunks; slack: 1 - real rows / placed rows (D x T_local).
         window_imbalance.append(load_imbalance(shard_loads(workload(all_lengths) * real, num_shards)))
         placed = sharding.put(batch)
         window_waste.append(padding_waste(lengths, math.prod(placed.history.values.shape[:-1])))
@@ -111,7 +111,7 @@ def train_and_evaluate(
             record.update(
                 load_imbalance_mean=float(np.mean(window_imbalance)),
                 load_imbalance_max=float(np.max(window_imbalance)),
-                padding_waste=float(np.mean(window_waste)),
+                slack_fraction=float(np.mean(window_waste)),
             )
             if not all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in fetched):
                 raise NonFiniteLossError(f"non-finite loss or gradient norm in steps {done - len(fetched) + 1}..{done}")

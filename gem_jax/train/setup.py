@@ -100,7 +100,7 @@ def setup_training(
         state, setup = None, state_setup(factory, optimizer, mesh, config.rules, compute_dtype=dtype)
     workload = train_workload(config.model, dataset.spec)
     dataset = dataset.resolve_bbs(num_shards=mesh.devices.size, workload=workload)
-    placement = BatchPlacement(mesh)
+    placement = BatchPlacement(mesh, dataset.token_buckets)
     training = Training(
         config=config,
         dataset=dataset,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gem_jax import jagged
-from gem_jax.jagged import Jagged, JaggedError, from_lengths, offsets_from_lengths
+from gem_jax.jagged import CAPACITY_MULTIPLE, Jagged, JaggedError, TokenBuckets, from_lengths, offsets_from_lengths, pick_capacity
 from pallas_kernels import jagged_layout
 
 
@@ -160,3 +160,49 @@ def test_counts_at_or_below_matches_searchsorted(low, n):
     values = np.sort(np.random.default_rng(3).integers(low, 60, 40))  # repeats, some past n, some negative
     got = jagged_layout.counts_at_or_below(jnp.asarray(values, jnp.int32), n)
     np.testing.assert_array_equal(np.asarray(got), np.searchsorted(values, np.arange(n), side="right"))
+
+
+# ---------------------------------------------------------------- token capacities
+
+
+def test_token_buckets_values():
+    # E = 64 * 100 = 6400, spread 2 * 8 * 50 = 800: fine 6400 * 1.25**k, k = -1..1; halvings below, doublings above.
+    assert TokenBuckets(100.0, 50.0, 400, step=1.25, sigmas=2.0).capacities(64) == (
+        128, 256, 384, 640, 1280, 2560, 5120, 6400, 8064, 16000, 25600
+    )
+    assert TokenBuckets(2.0, 1.0, 16).capacities(8) == (128,)  # everything rounds to one block
+    assert TokenBuckets(0.0, 0.0, 16).capacities(100) == (128, 256, 512, 1024, 1664)  # the last: 100 * 16 rounded up
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_buckets_bound_the_slack_of_every_total_in_the_fine_range(seed):
+    rng = np.random.default_rng(seed)
+    max_len = int(rng.integers(16, 2048))
+    mean = float(rng.uniform(0.05, 0.9) * max_len)
+    buckets = TokenBuckets(mean, float(rng.uniform(0.1, 1.5) * mean), max_len, step=float(rng.uniform(1.01, 1.2)), sigmas=float(rng.uniform(1, 5)))
+    n = int(rng.integers(64, 4096))
+    caps = buckets.capacities(n)
+    full = n * max_len
+    assert list(caps) == sorted(set(caps)) and all(c % CAPACITY_MULTIPLE == 0 for c in caps)
+    assert caps[-1] == -(-full // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE and pick_capacity(full, caps) == caps[-1]
+    spread = buckets.sigmas * np.sqrt(n) * buckets.std_length
+    for total in np.unique(np.linspace(max(n * mean - spread, CAPACITY_MULTIPLE), min(n * mean + spread, full), 2000).astype(int)):
+        capacity = pick_capacity(int(total), caps)
+        assert 1 - total / capacity < 1 - 1 / buckets.step + CAPACITY_MULTIPLE / capacity, (total, capacity)
+
+
+def test_token_buckets_from_lengths_and_errors():
+    buckets = TokenBuckets.from_lengths(np.array([0, 10, 20, 30]), 32, step=1.1, sigmas=3.0)
+    assert (buckets.mean_length, buckets.std_length, buckets.max_seq_len, buckets.step, buckets.sigmas) == (15.0, np.sqrt(125.0), 32, 1.1, 3.0)
+    with pytest.raises(ValueError, match="non-empty 1-D sample"):
+        TokenBuckets.from_lengths(np.array([], int), 32)
+    with pytest.raises(ValueError, match=r"mean_length must be in \[0, max_seq_len=8\], got 9"):
+        TokenBuckets(9.0, 1.0, 8)
+    with pytest.raises(ValueError, match="std_length must be finite and >= 0, got nan"):
+        TokenBuckets(1.0, float("nan"), 8)
+    with pytest.raises(ValueError, match=r"TokenBuckets.step must be in \(1, 2\], got 2.5"):
+        TokenBuckets(1.0, 1.0, 8, step=2.5)
+    with pytest.raises(ValueError, match="TokenBuckets.sigmas must be finite and > 0, got -1"):
+        TokenBuckets(1.0, 1.0, 8, sigmas=-1)
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        TokenBuckets(1.0, 1.0, 8).capacities(0)

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField, validate_ids
-from gem_jax.jagged import pick_capacity
 from gem_jax.data.config import SyntheticConfig
 from gem_jax.data.features import NUM_HALF_STAR_ACTIONS, time_bucket
 from gem_jax.jagged import Jagged
@@ -110,21 +109,22 @@ class SyntheticBatchBuilder:
       config: the synthetic source's shape.
       spec: `synthetic_spec(config, ...)`.
       batch_size: static B.
-      capacities: sorted token capacities.
       seed: the data set seed.
       stream: `TRAIN_STREAM` or `EVAL_STREAM` (disjoint example sets).
     """
 
-    def __init__(self, config: SyntheticConfig, spec: FeatureSpec, batch_size: int, capacities: Sequence[int], seed: int, stream: int):
+    def __init__(self, config: SyntheticConfig, spec: FeatureSpec, batch_size: int, seed: int, stream: int):
         self.config = config
         self.spec = spec
         self.batch_size = batch_size
-        self.capacities = tuple(capacities)
         self.seed = seed
         self.stream = stream
 
     def __call__(self, indices: Sequence[int]) -> Batch:
         """Returns the `Batch` of examples `indices` (1..B of them), then padding.
+
+        The history values are `[offsets[B], F]`: the real rows, no slack
+        (`gem_jax.data.collate`).
 
         Raises:
           ValueError: no index or more than B.
@@ -138,11 +138,10 @@ class SyntheticBatchBuilder:
         np.cumsum(lengths, out=offsets[1 : n + 1])
         total = int(offsets[n])
         offsets[n + 1 :] = total
-        capacity = pick_capacity(total, self.capacities)
 
         example = np.repeat(idx, lengths)
         position = np.arange(total) - np.repeat(offsets[:n].astype(np.int64), lengths)
-        values = np.zeros((capacity, len(HistoryField)), np.int32)
+        values = np.zeros((total, len(HistoryField)), np.int32)
         values[:total, HistoryField.ITEM] = _ids(spec.num_items, s, t, example, position, 1)
         values[:total, HistoryField.ACTION] = _ids(spec.num_actions, s, t, example, position, 2)
         values[:total, HistoryField.TIME_BUCKET] = time_bucket(np.repeat(lengths, lengths) - 1 - position, spec.num_time_buckets)

@@ -5,7 +5,7 @@ import pytest
 
 from gem_jax.batch import PAD_ID, FeatureSpec, HistoryField, Task, UserField, validate_ids
 from gem_jax.data.collate import BatchBuilder
-from gem_jax.jagged import capacity_buckets, pick_capacity
+from gem_jax.jagged import pick_capacity
 from gem_jax.data.events import build_event_log
 from gem_jax.data.examples import Examples, next_item_examples, rating_examples
 from gem_jax.data.features import half_star_action, time_bucket
@@ -187,13 +187,7 @@ def test_next_item_examples_labels_follow_definition():
 # ---------------------------------------------------------------- batches
 
 
-def test_capacity_buckets():
-    assert capacity_buckets(256, 200) == (6400, 12800, 25600, 38400, 51200)
-    assert capacity_buckets(3, 5) == (128,)
-    assert capacity_buckets(10, 100, (0.3, 1.0)) == (384, 1024)
-    assert all(c % 128 == 0 for c in capacity_buckets(7, 13, (0.1, 0.5, 1.0)))
-    with pytest.raises(ValueError, match="include 1"):
-        capacity_buckets(8, 8, (0.5,))
+def test_pick_capacity():
     assert pick_capacity(0, (128, 256)) == 128 and pick_capacity(129, (128, 256)) == 256
     with pytest.raises(JaggedError, match="capacity exceeded: 300"):
         pick_capacity(300, (128, 256))
@@ -215,16 +209,14 @@ def test_batch_builder_matches_reference(batch_size, max_len, n):
     split = split_by_time(log, 0.2)
     ex = rating_examples(log, split.train_targets, max_seq_len=max_len, thresholds=(4.0, 4.5))
     spec = spec_of(log, max_len)
-    caps = capacity_buckets(batch_size, max_len, (0.25, 0.5, 1.0))
-    build = BatchBuilder(log, ex, spec, batch_size, caps)
+    build = BatchBuilder(log, ex, spec, batch_size)
     idx = rng.choice(len(ex), size=n, replace=False)
     batch = build(idx.tolist())
 
     offsets = np.asarray(batch.history.offsets)
     values = np.asarray(batch.history.values)
     total = int(ex.history_length[idx].sum())
-    assert batch.history.capacity == min(c for c in caps if c >= total)
-    assert values.shape == (batch.history.capacity, 3) and values.dtype == np.int32
+    assert values.shape == (total, 3) and values.dtype == np.int32  # the real rows, no slack
     assert offsets.shape == (batch_size + 1,) and offsets.dtype == np.int32
     assert batch.user.shape == (batch_size, 4) and batch.candidate_genres.shape == (batch_size, 4)
     assert batch.labels.shape == (batch_size, 2) and batch.weights.dtype == np.float32
@@ -237,12 +229,11 @@ def test_batch_builder_matches_reference(batch_size, max_len, n):
         assert batch.candidate_item[slot] == ex.candidate[k]
         np.testing.assert_array_equal(batch.candidate_genres[slot], log.item_genres[ex.candidate[k]])
         np.testing.assert_array_equal(batch.labels[slot], ex.labels[k])
-    # Padding examples: weight 0, empty history, PAD_ID features, zero labels; slack rows zero.
+    # Padding examples: weight 0, empty history, PAD_ID features, zero labels.
     np.testing.assert_array_equal(batch.weights, [1.0] * n + [0.0] * (batch_size - n))
     assert np.all(offsets[n:] == total)
     assert np.all(batch.user[n:] == PAD_ID) and np.all(batch.candidate_item[n:] == PAD_ID)
     assert np.all(batch.labels[n:] == 0) and np.all(batch.candidate_genres[n:] == 0)
-    assert np.all(values[total:] == 0)
     # Time buckets never grow toward the target inside one history.
     for slot in range(n):
         tb = values[offsets[slot] : offsets[slot + 1], HistoryField.TIME_BUCKET]
@@ -254,7 +245,7 @@ def test_batch_builder_rejects_bad_calls():
     rng = np.random.default_rng()
     log = random_log(rng)
     ex = rating_examples(log, np.arange(log.num_events), max_seq_len=4, thresholds=(4.0, 4.5))
-    build = BatchBuilder(log, ex, spec_of(log, 4), 4, (128,))
+    build = BatchBuilder(log, ex, spec_of(log, 4), 4)
     with pytest.raises(ValueError, match="1..4 examples, got 5"):
         build([0, 1, 2, 3, 4])
     with pytest.raises(ValueError, match="1..4 examples, got 0"):
@@ -262,7 +253,7 @@ def test_batch_builder_rejects_bad_calls():
     with pytest.raises(ValueError, match="out of range"):
         build([len(ex)])
     with pytest.raises(JaggedError, match="longer than max_seq_len 3"):
-        BatchBuilder(log, ex, spec_of(log, 3), 4, (128,))
+        BatchBuilder(log, ex, spec_of(log, 3), 4)
 
 
 def test_batch_ids_are_validated():
@@ -273,4 +264,4 @@ def test_batch_ids_are_validated():
     small = FeatureSpec(**{**small.__dict__, "num_items": 2})
     bad = Examples(ex.target_event, ex.history_length, np.full(len(ex), 1, np.int32), ex.labels)
     with pytest.raises(ValueError, match="history item id .* outside the vocabulary"):
-        BatchBuilder(log, bad, small, 4, (128,))(np.flatnonzero(ex.history_length > 0)[:4])
+        BatchBuilder(log, bad, small, 4)(np.flatnonzero(ex.history_length > 0)[:4])

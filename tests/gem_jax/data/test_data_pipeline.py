@@ -34,7 +34,10 @@ def test_ml_small_dataset_summary(ml_small):
     assert ml_small.task_names == ("primary", "secondary")
     assert info.label_names == ("rating >= 4", "rating >= 4.5")
     assert 0.45 < info.train_positive_rate[Task.PRIMARY] < 0.5 and 0.2 < info.train_positive_rate[Task.SECONDARY] < 0.23
-    assert ml_small.capacities == (6400, 12800, 25600, 38400, 51200)
+    buckets = ml_small.token_buckets  # every train example's length
+    lengths = ml_small.train_batch.examples.history_length
+    assert buckets.mean_length == pytest.approx(lengths.mean()) and buckets.std_length == pytest.approx(lengths.std())
+    assert (buckets.max_seq_len, buckets.step, buckets.sigmas) == (200, 1.04, 4.0)
     assert "100836 events" in info.summary()
 
 
@@ -75,7 +78,7 @@ def test_one_epoch_sees_every_train_example_once(ml_small):
     assert weights.sum() == ml_small.info.num_train_examples
     candidates = np.concatenate([b.candidate_item[b.weights > 0] for b in batches])
     np.testing.assert_array_equal(np.sort(candidates), np.sort(ml_small.train_batch.examples.candidate))
-    assert {b.history.capacity for b in batches} <= set(ml_small.capacities)
+    assert all(b.history.capacity == b.history.offsets[-1] for b in batches)
     assert all(b.candidate_item.shape == (256,) for b in batches)
 
 
@@ -121,7 +124,7 @@ def test_empty_histories_reach_the_batch(ml_small):
     empty = np.flatnonzero(ex.history_length == 0)
     assert empty.size == ml_small.info.num_users, "each user's first event is an example with no history"
     batch = ml_small.train_batch(empty[:5].tolist())
-    assert np.all(np.diff(batch.history.offsets) == 0) and batch.history.capacity == 6400
+    assert np.all(np.diff(batch.history.offsets) == 0) and batch.history.capacity == 0
     np.testing.assert_array_equal(batch.weights[:5], 1.0)
 
 
@@ -149,7 +152,7 @@ def test_skip_mode_reports_counts(tmp_path, caplog):
     assert "skipped 1 row(s), not a number (first at line 15)" in ds.info.summary()
     assert ds.info.num_eval_examples == 2  # floor(0.1 * 6) < 1, so one per user
     batch = next(ds.train_iterator())
-    assert batch.history.capacity == 128 and batch.candidate_item.shape == (4,)
+    assert batch.history.capacity == batch.history.offsets[-1] and batch.candidate_item.shape == (4,)
 
 
 @pytest.mark.parametrize("source", [Source.ML_100K, Source.AMAZON_BEAUTY])
@@ -161,7 +164,7 @@ def test_other_sources_build_valid_batches(source):
     batch = next(ds.train_iterator())
     validate_ids(batch, ds.spec)
     assert batch.candidate_genres.shape == (64, ds.spec.num_genres)
-    assert batch.history.capacity in ds.capacities
+    assert batch.history.capacity == batch.history.offsets[-1]
     eval_batch = next(ds.eval_batches())
     assert eval_batch.weights.sum() == 64
     if source is Source.ML_100K:
@@ -201,8 +204,10 @@ def test_data_config_validation():
         DataConfig(on_bad_row="skip")
     with pytest.raises(TypeError, match="Source"):
         DataConfig(source="ml_100k")
-    with pytest.raises(ValueError, match="capacity_fractions"):
-        DataConfig(capacity_fractions=(0.5,))
+    with pytest.raises(ValueError, match=r"DataConfig.capacity_step must be in \(1, 2\], got 1.0"):
+        DataConfig(capacity_step=1.0)
+    with pytest.raises(ValueError, match="DataConfig.capacity_sigmas must be finite and > 0, got 0"):
+        DataConfig(capacity_sigmas=0)
     with pytest.raises(ValueError, match="batch_size"):
         DataConfig(batch_size=0)
     with pytest.raises(ValueError, match="num_items"):

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from gem_jax.batch import HistoryField, Task, validate_ids
-from gem_jax.jagged import capacity_buckets
 from gem_jax.data.config import SyntheticConfig
 from gem_jax.data.sources.synthetic import (
     EVAL_STREAM,
@@ -22,7 +21,7 @@ from gem_jax.jagged import validate as validate_jagged
 def make_builder(batch_size, max_seq_len, seed=0, stream=TRAIN_STREAM, **kwargs):
     config = SyntheticConfig(**kwargs)
     spec = synthetic_spec(config, max_seq_len, 32)
-    return SyntheticBatchBuilder(config, spec, batch_size, capacity_buckets(batch_size, max_seq_len), seed, stream), spec
+    return SyntheticBatchBuilder(config, spec, batch_size, seed, stream), spec
 
 
 @pytest.mark.parametrize("batch_size,max_seq_len,n", [(4, 16, 4), (64, 512, 64), (33, 100, 7), (256, 2048, 256)])
@@ -31,14 +30,12 @@ def test_shapes_and_validity(batch_size, max_seq_len, n):
     batch = build(np.arange(100, 100 + n))
     offsets = np.asarray(batch.history.offsets)
     assert offsets.shape == (batch_size + 1,) and batch.history.values.shape[1] == 3
-    assert batch.history.capacity in capacity_buckets(batch_size, max_seq_len)
-    assert batch.history.capacity >= offsets[-1]
+    assert batch.history.capacity == offsets[-1], "no slack rows: capacities are chosen when the batch is placed"
     assert batch.user.shape == (batch_size, 4) and batch.candidate_genres.shape == (batch_size, spec.num_genres)
     assert batch.labels.shape == (batch_size, 2)
     np.testing.assert_array_equal(batch.weights, [1.0] * n + [0.0] * (batch_size - n))
     validate_jagged(batch.history)
     validate_ids(batch, spec)
-    assert np.all(np.asarray(batch.history.values)[offsets[-1] :] == 0)
     values = np.asarray(batch.history.values)
     for b in range(n):
         tb = values[offsets[b] : offsets[b + 1], HistoryField.TIME_BUCKET]

@@ -32,7 +32,7 @@ jax.config.update("jax_compilation_cache_dir", os.environ.get("GEM_TEST_JAX_CACH
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 from gem_jax.train.config import load_config  # noqa: E402
-from gem_jax.jagged import capacity_buckets  # noqa: E402
+from gem_jax.data.pipeline import load_dataset  # noqa: E402
 from gem_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, synthetic_spec  # noqa: E402
 from gem_jax.jagged import Jagged  # noqa: E402
 from gem_jax.model.cross_tower import MLPExperts  # noqa: E402
@@ -184,16 +184,16 @@ def tiny_setup():
 
 def global_batch(config, spec, start: int):
     data = config.data
-    build = SyntheticBatchBuilder(data.synthetic, spec, data.batch_size, capacity_buckets(data.batch_size, data.max_seq_len), data.seed, TRAIN_STREAM)
+    build = SyntheticBatchBuilder(data.synthetic, spec, data.batch_size, data.seed, TRAIN_STREAM)
     return build(range(start, start + data.batch_size))
 
 
 def with_empty_and_poisoned(batch, spec):
-    """Empties example 5's history; fills the slack rows with a valid non-zero id (slack must change nothing)."""
+    """Empties example 5's history; adds 8 slack rows, all slack filled with a valid non-zero id (slack must change nothing)."""
     offsets = np.asarray(batch.history.offsets).copy()
     values = np.asarray(batch.history.values).copy()
     lo, hi = offsets[5], offsets[6]
-    values = np.concatenate([values[:lo], values[hi:], np.zeros_like(values[lo:hi])])
+    values = np.concatenate([values[:lo], values[hi:], np.zeros((hi - lo + 8,) + values.shape[1:], values.dtype)])
     offsets[6:] -= hi - lo
     values[offsets[-1] :] = 7
     return batch.__class__(Jagged(values, offsets, batch.history.max_seq_len), *[getattr(batch, f) for f in ("user", "candidate_item", "candidate_genres", "labels", "weights")])
@@ -222,7 +222,7 @@ def check_model(mesh, rules: ShardingRules, batch, params, reference, config, sp
     setup = state_setup(lambda rngs: GEMModel(spec, config.model, rngs=rngs), make_optimizer(config.optim), mesh, rules)
     model = setup.sharded_model()
     sharded_params = jax.device_put(params, setup.shardings.params)
-    stacked = BatchPlacement(mesh).put(batch)
+    stacked = BatchPlacement(mesh, load_dataset(config.data).token_buckets).put(batch)
 
     (loss, (_, stats, logits)), grads = jax.jit(jax.value_and_grad(model.loss, has_aux=True))(sharded_params, stacked)
     want_loss, want_logits, want_grads = reference
@@ -275,7 +275,6 @@ def equivalence(out: Path) -> None:
 def reshard(out: Path, workdir: Path) -> None:
     """A train state checkpointed on 8 devices (2,2,2), restored onto 4 devices (1,2,2) with target shardings."""
     from gem_jax.train.checkpoint import CheckpointConfig, Checkpointer
-    from gem_jax.data.pipeline import load_dataset
 
     config, spec = tiny_setup()
     optimizer = make_optimizer(config.optim)
@@ -323,16 +322,16 @@ def process(out: Path, workdir: Path) -> None:
     """One of two processes: train 3 steps (checkpoint after 2), restore step 2, replay step 3 bit-exactly."""
     from gem_jax.parallel import distributed
     from gem_jax.train.checkpoint import CheckpointConfig, Checkpointer
-    from gem_jax.data.pipeline import load_dataset
 
     layout = distributed.initialize()
     config, spec = tiny_setup()
     optimizer = make_optimizer(config.optim)
     factory = lambda rngs: GEMModel(spec, config.model, rngs=rngs)  # noqa: E731
     mesh = make_mesh(Topology(1, 2, 2, experts_per_node=2))
-    placement = BatchPlacement(mesh)
+    dataset = load_dataset(config.data)
+    placement = BatchPlacement(mesh, dataset.token_buckets)
     state, setup = create_train_state(factory, optimizer, mesh, config.rules, 0)
-    iterator = load_dataset(config.data).train_iterator()
+    iterator = dataset.train_iterator()
     batch = placement.put(next(iterator))
     step = make_train_step(setup, optimizer, placement).lower(state, batch).compile()  # every batch has this shape
     barrier("compiled")
