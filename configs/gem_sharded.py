@@ -4,12 +4,13 @@ Topology: 2 zones x 2 nodes x 8 GPUs (32 GPUs), 2 expert slots per node. Dense w
 HSDP (FSDP over a zone's 16 GPUs, replicated across the 2 zones); the DHEN MLP experts
 spread over the expert slots of each node; the item table node-split (gen 3), the user
 table model-parallel inside a zone (gen 2), the small feature tables replicated.
-Embedding ids outside a vocabulary are an error; the user ids are hashed instead.
+Embedding ids outside a vocabulary are an error; the user ids are hashed instead. Base batch
+shuffling balances the devices' work (and their token counts, so one capacity fits all).
 `benchmarks/train_bench.py` runs this model on 1 and 2 GPUs of one host.
 """
 
 from gem_jax.train.config import LoopConfig, TrainConfig
-from gem_jax.data.config import DataConfig, Source, SyntheticConfig
+from gem_jax.data.config import BBSConfig, DataConfig, Source, SyntheticConfig
 from gem_jax.model.config import ModelConfig
 from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding
 from gem_jax.mesh import Topology
@@ -38,6 +39,7 @@ def get_config() -> TrainConfig:
             batch_size=1024 * 32,  # 1024 examples per GPU
             seed=0,
             synthetic=SyntheticConfig(num_items=1_000_000, num_users=1_000_000, num_genres=32, num_train_examples=100_000_000),
+            bbs=BBSConfig(),  # balanced devices also share one token capacity with little slack
         ),
         model=ModelConfig(
             embed_dim=256,

@@ -1,5 +1,6 @@
 """Configs round-trip through JSON; command-line overrides parse to the field's type or name what is wrong."""
 
+import dataclasses
 import json
 
 import pytest
@@ -30,15 +31,33 @@ def test_overrides_parse_to_the_field_types(repo_root):
             "optim.learning_rate=3e-3",
             "data.source=ML_100K",
             "model.attention_implementation=xla",
-            "data.capacity_fractions=0.5,1.0",
+            "data.capacity_step=1.05",
             "checkpoint.async_save=false",
             "data.path=None",
         ],
     )
     assert out.loop.num_steps == 3 and out.model.embed_dim == 128 and out.optim.learning_rate == 3e-3
     assert out.data.source is Source.ML_100K and out.model.attention_implementation is Implementation.XLA
-    assert out.data.capacity_fractions == (0.5, 1.0) and out.checkpoint.async_save is False and out.data.path is None
+    assert out.data.capacity_step == 1.05 and out.checkpoint.async_save is False and out.data.path is None
     assert config_tree.diff(config_tree.to_tree(config), config_tree.to_tree(out))[0][0] == "checkpoint.async_save"
+
+
+def test_tuple_and_optional_fields():
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        sizes: tuple[float, ...] = (1.0,)
+        pair: tuple[int, str] = (1, "a")
+        limit: int | None = None
+
+    @dataclasses.dataclass(frozen=True)
+    class Outer:
+        inner: Inner = Inner()
+
+    out = config_tree.apply_overrides(Outer(), ["inner.sizes=0.5,1", "inner.pair=(2, 'b')", "inner.limit=7"])
+    assert out.inner == Inner(sizes=(0.5, 1.0), pair=(2, "b"), limit=7)
+    assert config_tree.from_tree(Outer, json.loads(json.dumps(config_tree.to_tree(out)))) == out
+    with pytest.raises(config_tree.ConfigError, match=r"inner\.limit: .* fits none of"):
+        config_tree.apply_overrides(Outer(), ["inner.limit=x"])
 
 
 @pytest.mark.parametrize(
