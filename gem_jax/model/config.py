@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from gem_jax.quant.dense import Fp8Recipe
 from pallas_kernels import Implementation
@@ -21,7 +22,8 @@ class ModelConfig:
       num_dhen_layers: DHEN layers in the cross-feature tower.
       head_hidden: hidden width of each task head's MLP.
       rope_base: RoPE wavelength base (Su et al., 2021).
-      attention_implementation: "xla", "pallas" or None (pallas on Hopper GPUs).
+      attention_implementation: "xla", "pallas", "cudnn" or None (pallas on Hopper GPUs);
+        see `attention_implementations` for what each attention op runs.
       compute_dtype: activations' dtype ("float32" on CPU, "bfloat16" on GPU).
       fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in higher precision.
@@ -55,3 +57,36 @@ class ModelConfig:
     def fp8_recipe(self) -> Fp8Recipe | None:
         """The towers' FP8 recipe, or None for plain dense layers."""
         return Fp8Recipe(block=self.fp8_block) if self.fp8 else None
+
+
+CUDNN = "cudnn"
+
+
+class AttentionImplementations(NamedTuple):
+    """The `implementation=` each attention op of the model gets.
+
+    Attributes:
+      softmax: for `pallas_kernels.jagged_flash_attention` (the sequence tower's causal
+        self-attention).
+      gelu: for every `pallas_kernels.gdpa` call (history/feature cross attention, pooled
+        attention, the cross tower's token attention).
+    """
+
+    softmax: Implementation | str | None
+    gelu: Implementation | str | None
+
+
+def attention_implementations(config: ModelConfig) -> AttentionImplementations:
+    """What each attention op runs under `config.attention_implementation`.
+
+    `"cudnn"` is the padded peer, what a JAX user has without jagged kernels: cuDNN flash
+    attention on the padded layout with sequence lengths
+    (`jax.nn.dot_product_attention(..., implementation="cudnn")`, through
+    `jagged_flash_attention(implementation="cudnn")`) for the softmax attention and, since
+    cuDNN has no GELU attention, GDPA's jnp reference (XLA) for the rest. Any other value
+    (None, "xla", "pallas") goes to both ops unchanged.
+    """
+    implementation = config.attention_implementation
+    if implementation == CUDNN:
+        return AttentionImplementations(softmax=implementation, gelu=Implementation.XLA)
+    return AttentionImplementations(softmax=implementation, gelu=implementation)
