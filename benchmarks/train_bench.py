@@ -292,17 +292,31 @@ def main(argv: list[str] | None = None) -> None:
         "profile": args.profile,
         "notes": "peak_bytes_in_use_device0 is the process's peak so far: a later mode's includes the earlier ones'.",
     }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     ours, *others = args.attention
     record.update(run_mode(base, ours, args))
     runs = record["runs"]
     if runs:
         record["time_to_first_step_s"] = runs[0]["process_age_at_first_step_s"]
-    record["peers"] = {mode: run_mode(base, mode, args) for mode in others}
-    if PEER in record["peers"] and ours != PEER:
-        record["speedup_vs_padded_peer"] = speedups(runs, record["peers"][PEER]["runs"])
-        for r in runs:
-            r["speedup_vs_padded_peer"] = record["speedup_vs_padded_peer"].get(str(r["num_devices"]))
-    by_n = {r["num_devices"]: r for r in runs}
+    add_scaling(record)
+    record["peers"] = {}
+    out.write_text(json.dumps(record, indent=2))  # kept if a peer is cut short
+    for mode in others:
+        record["peers"][mode] = run_mode(base, mode, args)
+        if mode == PEER and ours != PEER:
+            record["speedup_vs_padded_peer"] = speedups(runs, record["peers"][PEER]["runs"])
+            for r in runs:
+                r["speedup_vs_padded_peer"] = record["speedup_vs_padded_peer"].get(str(r["num_devices"]))
+        out.write_text(json.dumps(record, indent=2))
+    print(json.dumps({k: v for k, v in record.items() if k not in ("runs", "model", "synthetic", "peers")}, indent=2))
+    if not runs:
+        sys.exit(1)
+
+
+def add_scaling(record: dict) -> None:
+    """Local MFU (1 device), scaling ratio and E2E MFU (N devices) of the top-level runs."""
+    by_n = {r["num_devices"]: r for r in record["runs"]}
     if 1 in by_n:
         record["local_mfu"] = by_n[1]["mfu_per_device"]
         for n, r in by_n.items():
@@ -311,11 +325,6 @@ def main(argv: list[str] | None = None) -> None:
                 record[f"scaling_ratio_{n}"] = ratio
                 if by_n[1]["mfu_per_device"] is not None:
                     record[f"e2e_mfu_{n}"] = by_n[1]["mfu_per_device"] * ratio
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2))
-    print(json.dumps({k: v for k, v in record.items() if k not in ("runs", "model", "synthetic", "peers")}, indent=2))
-    if not runs:
-        sys.exit(1)
 
 
 if __name__ == "__main__":
