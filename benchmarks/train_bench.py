@@ -103,10 +103,10 @@ def profile_step(train_step, state, batch) -> tuple:
     The breakdown says why when it is skipped (no GPU, no CUPTI) or failed; the state is
     then not to be used again (the step may have consumed it).
     """
-    platform = jax.devices()[0].platform
-    if platform != "gpu":
-        print(f"  --profile skipped: CUPTI kernel times need a GPU, this is {platform}", flush=True)
-        return train_step(state, batch)[0], {"skipped": f"CUPTI kernel times need a GPU; the platform is {platform}"}
+    kind = jax.devices()[0].platform
+    if kind != "gpu":
+        print(f"  --profile skipped: CUPTI kernel times need a GPU, this is {kind}", flush=True)
+        return train_step(state, batch)[0], {"skipped": f"CUPTI kernel times need a GPU; the platform is {kind}"}
     try:
         (state, _), kernels = _timing.cupti_kernels(lambda: train_step(state, batch))
     except Exception as exc:  # the timed steps stand without their breakdown
