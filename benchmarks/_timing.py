@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -46,3 +48,26 @@ def kernel_breakdown_us(f, args) -> list[tuple[str, float]] | None:
         return [(name[:80], round(ms * 1e3, 2)) for name, ms in kernels]
     except Exception:
         return None
+
+
+def cupti_kernels(run: Callable[[], Any]) -> tuple[Any, list[tuple[str, float]] | None]:
+    """Runs `run()` once under CUPTI: `(its result, [(kernel name, ms)] in launch order)`.
+
+    The same CUPTI binding that `jax.experimental.mosaic.gpu.profiler.measure` uses, but
+    with no warm-up call of its own, so `run` may donate its inputs (a train step): the
+    caller warms it up. The kernel list is None without CUPTI (no Mosaic GPU extension,
+    not a GPU); `run()` has run either way.
+    """
+    try:
+        from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+        ext = mosaic_gpu_lib._mosaic_gpu_ext
+        ext._cupti_init()
+    except Exception as e:  # no CUPTI here: run without it
+        print(f"  cupti unavailable: {type(e).__name__}: {e}", flush=True)
+        return jax.block_until_ready(run()), None
+    try:
+        result = jax.block_until_ready(run())
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return result, [(str(name), float(ms)) for name, ms in timings] if timings else None

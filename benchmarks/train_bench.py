@@ -13,17 +13,39 @@ put on the devices once, then cycled, so the timing is the device step (host pip
 excluded). Each step is timed on its own (dispatch to
 `block_until_ready`); the median is reported.
 
+`--attention` names one or more modes, run one after the other in this process; the first
+is reported at the top level of the JSON, the others under `peers`:
+`auto` (the Pallas kernels on Hopper; the jnp references if they fail), `pallas`, `xla`
+(the jnp references), and `padded`, the peer a JAX user has without jagged kernels: cuDNN
+flash attention on the padded layout with sequence lengths for the softmax attention and
+the jnp reference for the GELU attention (`ModelConfig.attention_implementation="cudnn"`,
+`gem_jax.model.config.attention_implementations`). With a `padded` peer each run records
+`speedup_vs_padded_peer` = the peer's median step time / this mode's, on as many devices.
+
+`--profile` adds the CUPTI kernel breakdown of one warm step (after the timed steps) to
+each run: milliseconds per kernel group and the 20 longest kernels
+(`benchmarks/_profile.py`). It needs a GPU; elsewhere the run says it was skipped.
+
+Start-up: `time_to_first_step_s` (top level) runs from the process start to the end of
+the first run's first step; each run has `setup_to_first_step_s` (from building the job)
+and `compile_s` (the first step's time less the median step). `--compile-cache DIR`
+points jax's persistent compilation cache at DIR (default: `$GEM_COMPILE_CACHE_DIR`, else
+none): run the same command twice with the same DIR for a cold and a warm start; each run's
+`compile_cache` counts the cache's hits and misses.
+
     PYTHONPATH=. python3 benchmarks/train_bench.py --devices 1 2 --out results.json
+    PYTHONPATH=. python3 benchmarks/train_bench.py --config configs/gem_h200.py --devices 1 \
+        --attention auto padded --profile --compile-cache /tmp/jax_cache --out step.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
 import platform
 import sys
@@ -34,13 +56,39 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gem_jax.train.config import TrainConfig, load_config
-from gem_jax.nn.embeddings import check_lookup_stats
+from benchmarks import _profile, _timing
 from gem_jax.mesh import Topology
-from gem_jax.train.setup import setup_training
 from gem_jax.model import flops as flops_lib
+from gem_jax.model.config import CUDNN
+from gem_jax.nn.embeddings import check_lookup_stats
+from gem_jax.train import compile_cache
+from gem_jax.train.config import TrainConfig, load_config
+from gem_jax.train.run_record import code_version
+from gem_jax.train.setup import setup_training
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Each mode's attention implementations, tried in order until one runs.
+MODES = {"auto": (None, "xla"), "pallas": ("pallas",), "xla": ("xla",), "padded": (CUDNN,)}
+PEER = "padded"
+
+# jax's persistent-cache events ("/jax/compilation_cache/cache_hits", ".../cache_misses").
+CACHE_EVENTS: collections.Counter = collections.Counter()
+
+
+def _count_cache_event(event: str, **_) -> None:
+    if event.startswith("/jax/compilation_cache/"):
+        CACHE_EVENTS[event.rsplit("/", 1)[-1]] += 1
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (None where psutil cannot tell)."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # psutil missing or the platform hides process times
+        return None
 
 
 def topology_for(num_devices: int, experts_per_node: int) -> Topology:
@@ -49,15 +97,38 @@ def topology_for(num_devices: int, experts_per_node: int) -> Topology:
     return Topology(zones=1, nodes_per_zone=1, gpus_per_node=num_devices, experts_per_node=slots)
 
 
-def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int, warmup: int, num_batches: int) -> dict:
-    """Trains `steps` timed steps on the first `num_devices` devices; returns the measurements."""
+def profile_step(train_step, state, batch) -> tuple:
+    """One warm step under CUPTI: `(state, kernel breakdown)`.
+
+    The breakdown says why when it is skipped (no GPU, no CUPTI) or failed; the state is
+    then not to be used again (the step may have consumed it).
+    """
+    kind = jax.devices()[0].platform
+    if kind != "gpu":
+        print(f"  --profile skipped: CUPTI kernel times need a GPU, this is {kind}", flush=True)
+        return train_step(state, batch)[0], {"skipped": f"CUPTI kernel times need a GPU; the platform is {kind}"}
+    try:
+        (state, _), kernels = _timing.cupti_kernels(lambda: train_step(state, batch))
+    except Exception as exc:  # the timed steps stand without their breakdown
+        traceback.print_exc()
+        return state, {"error": repr(exc)[:2000]}
+    if not kernels:
+        return state, {"skipped": "CUPTI reported no kernels (see the message above)"}
+    result = _profile.breakdown(kernels)
+    print(_profile.format_breakdown(result), flush=True)
+    return state, result
+
+
+def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int, warmup: int, num_batches: int, profile: bool) -> dict:
+    """Trains `warmup` + `steps` steps on the first `num_devices` devices; returns the measurements."""
     topology = topology_for(num_devices, config.topology.experts_per_node)
     batch_size = per_device_batch * num_devices
     config = dataclasses.replace(config, topology=topology, data=dataclasses.replace(config.data, batch_size=batch_size))
-    t0 = time.perf_counter()
+    cache_before = collections.Counter(CACHE_EVENTS)
+    t_setup = time.perf_counter()
     training, state = setup_training(config, devices=jax.devices()[:num_devices])
     jax.block_until_ready(state)
-    init_s = time.perf_counter() - t0
+    init_s = time.perf_counter() - t_setup
     mesh, placement, train_step, workload, setup = training.mesh, training.placement, training.train_step, training.workload, training.state
     build = training.dataset.train_batch
 
@@ -71,13 +142,18 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         tokens.append(int(lengths.sum()))
     batches = [placement.put(b) for b in host]
     local_capacities = sorted({int(b.history.values.shape[1]) for b in batches})
-    slack = [1.0 - t / math.prod(b.history.values.shape[:2]) for t, b in zip(tokens, batches)]
+    rows = [int(np.prod(b.history.values.shape[:2])) for b in batches]  # token rows over all devices
+    slack = [1.0 - t / r for t, r in zip(tokens, rows)]
 
-    t0 = time.perf_counter()
-    for i in range(max(warmup, num_batches)):  # every batch once: each capacity compiles before the timing
+    t_first = time.perf_counter()
+    state, metrics = train_step(state, batches[0])
+    jax.block_until_ready(state)
+    first_step_end = time.perf_counter()
+    process_age = process_age_s()
+    for i in range(1, max(warmup, num_batches)):  # every batch once: each capacity compiles before the timing
         state, metrics = train_step(state, batches[i % num_batches])
     jax.block_until_ready(state)
-    compile_s = time.perf_counter() - t0
+    warmup_s = time.perf_counter() - t_first
     check_lookup_stats(jax.device_get(metrics), setup.plan.tables, where="warm-up")
 
     times, losses = [], []
@@ -90,6 +166,9 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         losses.append(float(metrics["loss"]))
     fetched = jax.device_get(metrics)
     check_lookup_stats(fetched, setup.plan.tables, where="timed steps")
+    breakdown = None
+    if profile:
+        state, breakdown = profile_step(train_step, state, batches[steps % num_batches])
     order = [i % num_batches for i in range(steps)]
     step_flops = float(np.mean([flops[i] for i in order]))
     step_examples = float(np.mean([examples[i] for i in order]))
@@ -105,7 +184,12 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "slack_fraction_mean": float(np.mean(slack)),
         "slack_fraction_max": float(np.max(slack)),
         "init_s": init_s,
-        "compile_and_warmup_s": compile_s,
+        "first_step_s": first_step_end - t_first,
+        "compile_s": first_step_end - t_first - median,
+        "setup_to_first_step_s": first_step_end - t_setup,
+        "process_age_at_first_step_s": process_age,
+        "compile_and_warmup_s": warmup_s,
+        "compile_cache": {k: CACHE_EVENTS[k] - cache_before[k] for k in ("cache_hits", "cache_misses")},
         "step_times_s": times,
         "median_step_s": median,
         "examples_per_s": step_examples / median,
@@ -118,9 +202,44 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
     }
     stats = mesh.devices.flat[0].memory_stats() or {}
     result["peak_bytes_in_use_device0"] = stats.get("peak_bytes_in_use")
+    if profile:
+        result["profile"] = breakdown
     del state, batches, train_step
     gc.collect()
     return result
+
+
+def run_mode(base: TrainConfig, mode: str, args) -> dict:
+    """Every device count of one `--attention` mode: `{attention, attention_implementation, model, runs, errors}`.
+
+    A failed or non-finite implementation is recorded under `errors` (with its runs) and
+    the mode's next implementation is tried.
+    """
+    section = {"attention": mode, "attention_implementation": None, "model": None, "runs": [], "errors": []}
+    for impl in MODES[mode]:
+        config = dataclasses.replace(base, model=dataclasses.replace(base.model, attention_implementation=impl))
+        section.update(attention_implementation=impl or "auto (pallas on Hopper)", model=dataclasses.asdict(config.model), runs=[])
+        try:
+            for n in args.devices:
+                print(f"--- {n} device(s), attention {mode} ({impl or 'auto'})", flush=True)
+                result = run(config, n, args.per_device_batch, args.steps, args.warmup, args.num_batches, args.profile)
+                print(json.dumps({k: v for k, v in result.items() if k not in ("step_times_s", "profile")}), flush=True)
+                section["runs"].append(result)
+                if not all(np.isfinite(result["loss_first_last"])):
+                    raise FloatingPointError(f"non-finite loss on {n} device(s): {result['loss_first_last']}")
+            break
+        except Exception as exc:  # a kernel that does not compile or run: try the next implementation
+            section["errors"].append({"attention_implementation": impl, "error": repr(exc)[:2000], "runs": section["runs"]})
+            section["runs"] = []
+            traceback.print_exc()
+            gc.collect()
+    return section
+
+
+def speedups(ours: list[dict], peer: list[dict]) -> dict[str, float]:
+    """`{num_devices: peer median step / our median step}` for the device counts both ran."""
+    peer_by_n = {r["num_devices"]: r for r in peer}
+    return {str(r["num_devices"]): peer_by_n[r["num_devices"]]["median_step_s"] / r["median_step_s"] for r in ours if r["num_devices"] in peer_by_n}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,51 +249,75 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-device-batch", type=int, default=1024)
     parser.add_argument("--max-seq-len", type=int, default=None, help="override the config's history bound")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps; at least one per built batch")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1, and at least one per built batch; the first one compiles)")
     parser.add_argument("--num-batches", type=int, default=4)
-    parser.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto", help="auto: pallas on Hopper, falls back to xla if it fails")
+    parser.add_argument(
+        "--attention", choices=list(MODES), nargs="+", default=["auto"],
+        help="modes run in this order; the first is reported at the top level, the rest under 'peers' "
+        "(auto: pallas on Hopper, falls back to xla if it fails; padded: cuDNN softmax + jnp GELU attention)",
+    )
+    parser.add_argument("--profile", action="store_true", help="CUPTI kernel breakdown of one warm step per run (GPU only)")
+    parser.add_argument(
+        "--compile-cache", default=None, metavar="DIR|off",
+        help=f"jax's persistent compilation cache (default: ${compile_cache.ENV_VAR}, else off)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1 or args.num_batches < 1:
+        parser.error(f"--steps, --warmup and --num-batches must be >= 1, got {args.steps}, {args.warmup}, {args.num_batches}")
+    if len(set(args.attention)) != len(args.attention):
+        parser.error(f"--attention names a mode twice: {args.attention}")
 
+    cache = compile_cache.enable(compile_cache.cache_dir(None, args.compile_cache or os.environ.get(compile_cache.ENV_VAR) or compile_cache.OFF))
+    jax.monitoring.register_event_listener(_count_cache_event)
     base = load_config(args.config)
     if args.max_seq_len is not None:
         base = dataclasses.replace(base, data=dataclasses.replace(base.data, max_seq_len=args.max_seq_len))
+    version = code_version()
     record = {
         "benchmark": "train_scaling",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": version["commit"] if version["commit"] != "unknown" else os.environ.get("GEM_GIT_COMMIT", "unknown"),
         "jax_version": jax.__version__,
         "device_kind": jax.devices()[0].device_kind,
         "num_visible_devices": jax.device_count(),
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "environment": {k: os.environ[k] for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "NCCL_NVLS_ENABLE") if k in os.environ},
+        "compile_cache_dir": str(cache) if cache else None,
         "config": args.config,
         "per_device_batch": args.per_device_batch,
         "max_seq_len": base.data.max_seq_len,
         "synthetic": dataclasses.asdict(base.data.synthetic),
         "steps": args.steps,
-        "runs": [],
-        "errors": [],
+        "warmup": args.warmup,
+        "profile": args.profile,
+        "notes": "peak_bytes_in_use_device0 is the process's peak so far: a later mode's includes the earlier ones'.",
     }
-    # A failed or non-finite implementation is recorded under "errors" (with its runs) and the next one is tried.
-    implementations = {"auto": [None, "xla"], "xla": ["xla"], "pallas": ["pallas"]}[args.attention]
-    for impl in implementations:
-        config = dataclasses.replace(base, model=dataclasses.replace(base.model, attention_implementation=impl))
-        record["attention_implementation"] = impl or "auto (pallas on Hopper)"
-        record["model"] = dataclasses.asdict(config.model)
-        record["runs"] = []
-        try:
-            for n in args.devices:
-                print(f"--- {n} device(s), attention {impl or 'auto'}", flush=True)
-                result = run(config, n, args.per_device_batch, args.steps, args.warmup, args.num_batches)
-                print(json.dumps({k: v for k, v in result.items() if k != "step_times_s"}), flush=True)
-                record["runs"].append(result)
-                if not all(np.isfinite(result["loss_first_last"])):
-                    raise FloatingPointError(f"non-finite loss on {n} device(s): {result['loss_first_last']}")
-            break
-        except Exception as exc:  # a kernel that does not compile or run: try the next implementation
-            record["errors"].append({"attention_implementation": impl, "error": repr(exc)[:2000], "runs": record["runs"]})
-            traceback.print_exc()
-            gc.collect()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ours, *others = args.attention
+    record.update(run_mode(base, ours, args))
+    runs = record["runs"]
+    if runs:
+        record["time_to_first_step_s"] = runs[0]["process_age_at_first_step_s"]
+    add_scaling(record)
+    record["peers"] = {}
+    out.write_text(json.dumps(record, indent=2))  # kept if a peer is cut short
+    for mode in others:
+        record["peers"][mode] = run_mode(base, mode, args)
+        if mode == PEER and ours != PEER:
+            record["speedup_vs_padded_peer"] = speedups(runs, record["peers"][PEER]["runs"])
+            for r in runs:
+                r["speedup_vs_padded_peer"] = record["speedup_vs_padded_peer"].get(str(r["num_devices"]))
+        out.write_text(json.dumps(record, indent=2))
+    print(json.dumps({k: v for k, v in record.items() if k not in ("runs", "model", "synthetic", "peers")}, indent=2))
+    if not runs:
+        sys.exit(1)
+
+
+def add_scaling(record: dict) -> None:
+    """Local MFU (1 device), scaling ratio and E2E MFU (N devices) of the top-level runs."""
     by_n = {r["num_devices"]: r for r in record["runs"]}
     if 1 in by_n:
         record["local_mfu"] = by_n[1]["mfu_per_device"]
@@ -184,11 +327,6 @@ def main(argv: list[str] | None = None) -> None:
                 record[f"scaling_ratio_{n}"] = ratio
                 if by_n[1]["mfu_per_device"] is not None:
                     record[f"e2e_mfu_{n}"] = by_n[1]["mfu_per_device"] * ratio
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2))
-    print(json.dumps({k: v for k, v in record.items() if k not in ("runs", "model", "synthetic")}, indent=2))
-    if not record["runs"]:
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def train_main(argv: list[str] | None = None) -> None:
-    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N]`."""
+    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N] [--compile-cache DIR|off]`."""
     parser = _parser()
     parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard logs and run.json")
@@ -39,12 +39,17 @@ def train_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force-new", action="store_true", help="start a new run even if the workdir holds another (it is moved to previous_runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the default when stdout is not a terminal)")
     parser.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after N steps of this run")
+    parser.add_argument(
+        "--compile-cache", default=None, metavar="DIR|off",
+        help="jax's persistent compilation cache (default: $GEM_COMPILE_CACHE_DIR, else WORKDIR/jax_cache; 'off': none)",
+    )
     args = parser.parse_args(argv)
 
     import jax
 
+    from gem_jax.model.config import describe_attention
     from gem_jax.parallel import distributed
-    from gem_jax.train import config_tree
+    from gem_jax.train import compile_cache, config_tree
     from gem_jax.train.config import load_config
     from gem_jax.train.loop import train_and_evaluate
     from gem_jax.train.run_record import RunMismatchError
@@ -53,10 +58,17 @@ def train_main(argv: list[str] | None = None) -> None:
         config = config_tree.apply_overrides(load_config(args.config), args.overrides)
     except (FileNotFoundError, TypeError, config_tree.ConfigError) as error:
         parser.error(str(error))
+    try:
+        cache = compile_cache.enable(compile_cache.cache_dir(args.workdir, args.compile_cache))
+    except (ValueError, OSError) as error:
+        parser.error(f"--compile-cache: {error}")
     layout = distributed.initialize()
     devices = jax.devices()
     where = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
     print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}", flush=True)
+    print(f"gem-train: compilation cache {cache or 'off'}", flush=True)
+    for line in describe_attention(config.model):
+        print(f"gem-train: {line}", flush=True)
     try:
         train_and_evaluate(
             config,

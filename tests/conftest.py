@@ -32,3 +32,5 @@ def shared_data() -> Path:
 # tests compile the same tiny train step several times.
 jax.config.update("jax_compilation_cache_dir", str(Path(os.environ.get("GEM_TEST_JAX_CACHE", "/tmp/gem-jax-test-cache"))))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# gem-train run in-process by the tests leaves the suite's cache settings alone.
+os.environ.setdefault("GEM_COMPILE_CACHE_DIR", "off")

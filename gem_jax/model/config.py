@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from gem_jax.quant.dense import Fp8Recipe
-from pallas_kernels import Implementation
+from pallas_kernels import Implementation, describe_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +22,8 @@ class ModelConfig:
       num_dhen_layers: DHEN layers in the cross-feature tower.
       head_hidden: hidden width of each task head's MLP.
       rope_base: RoPE wavelength base (Su et al., 2021).
-      attention_implementation: "xla", "pallas" or None (pallas on Hopper GPUs).
+      attention_implementation: "xla", "pallas", "cudnn" or None (pallas on Hopper GPUs);
+        see `attention_implementations` for what each attention op runs.
       compute_dtype: activations' dtype ("float32" on CPU, "bfloat16" on GPU).
       fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in higher precision.
@@ -55,3 +57,57 @@ class ModelConfig:
     def fp8_recipe(self) -> Fp8Recipe | None:
         """The towers' FP8 recipe, or None for plain dense layers."""
         return Fp8Recipe(block=self.fp8_block) if self.fp8 else None
+
+
+class AttentionImplementations(NamedTuple):
+    """The `implementation=` each attention op of the model gets.
+
+    Attributes:
+      softmax: for `pallas_kernels.jagged_flash_attention` (the sequence tower's causal
+        self-attention).
+      gelu: for every `pallas_kernels.gdpa` call (history/feature cross attention, pooled
+        attention, the cross tower's token attention).
+    """
+
+    softmax: Implementation | str | None
+    gelu: Implementation | str | None
+
+
+def attention_implementations(config: ModelConfig) -> AttentionImplementations:
+    """What each attention op runs under `config.attention_implementation`.
+
+    `"cudnn"` is the padded peer, what a JAX user has without jagged kernels: cuDNN flash
+    attention on the padded layout with sequence lengths
+    (`jax.nn.dot_product_attention(..., implementation="cudnn")`, through
+    `jagged_flash_attention(implementation="cudnn")`) for the softmax attention and, since
+    cuDNN has no GELU attention, GDPA's jnp reference (XLA) for the rest. Any other value
+    (None, "xla", "pallas") goes to both ops unchanged.
+    """
+    implementation = config.attention_implementation
+    if implementation == Implementation.CUDNN:
+        return AttentionImplementations(softmax=implementation, gelu=Implementation.XLA)
+    return AttentionImplementations(softmax=implementation, gelu=implementation)
+
+
+def describe_attention(config: ModelConfig) -> list[str]:
+    """One line per attention op of the model: the implementation it runs on this machine and why.
+
+    Uses `pallas_kernels.describe_choice`, the same decision the ops make for the
+    model's compute dtype and head dim (FP8 layers, when on, are named too).
+
+    Raises:
+      ImplementationUnavailableError: an implementation this machine cannot run
+        (e.g. "pallas" without a Hopper GPU), as the op would raise it in the step.
+    """
+    chosen = attention_implementations(config)
+    lines = []
+    for label, op, implementation in (
+        ("causal self-attention", "jagged_flash_attention", chosen.softmax),
+        ("GELU attention (GDPA)", "gdpa", chosen.gelu),
+    ):
+        choice = describe_choice(op, config.compute_dtype, config.head_dim, implementation=implementation)
+        lines.append(f"{label}: {choice.implementation.value} ({choice.reason})")
+    if config.fp8:
+        choice = describe_choice("mxfp8_matmul", "float8_e4m3fn")
+        lines.append(f"FP8 dense layers ({config.fp8_block}-wide blocks): {choice.implementation.value} ({choice.reason})")
+    return lines

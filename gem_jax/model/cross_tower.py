@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from gem_jax.model.config import ModelConfig
+from gem_jax.model.config import ModelConfig, attention_implementations
 from gem_jax.nn.layers import dense, rms_norm
 from gem_jax.nn.experts import expert_parallel
 
@@ -56,7 +56,7 @@ class TokenAttention(nnx.Module):
             max_seq_len_q=f,
             max_seq_len_kv=f,
             activation="gelu",
-            implementation=cfg.attention_implementation,
+            implementation=attention_implementations(cfg).gelu,
         )
         return tokens + self.out(attn.reshape(b, f, d) / np.sqrt(f))
 

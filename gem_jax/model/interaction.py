@@ -15,7 +15,7 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import segment_ids
-from gem_jax.model.config import ModelConfig
+from gem_jax.model.config import ModelConfig, attention_implementations
 from gem_jax.nn.layers import dense, rms_norm
 
 
@@ -52,7 +52,7 @@ class CrossAttention(nnx.Module):
             max_seq_len_q=max_len_x,
             max_seq_len_kv=max_len_context,
             activation="gelu",
-            implementation=cfg.attention_implementation,
+            implementation=attention_implementations(cfg).gelu,
         )
         context_len = jnp.maximum(context_offsets[1:] - context_offsets[:-1], 1).astype(x.dtype)
         row_scale = jnp.append(jax.lax.rsqrt(context_len), 0.0)[segment_ids(x_offsets, x.shape[0])]  # 0 on slack rows

@@ -14,7 +14,7 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import Jagged
-from gem_jax.model.config import ModelConfig
+from gem_jax.model.config import ModelConfig, attention_implementations
 from gem_jax.nn.layers import MLP, apply_rope, dense, rms_norm
 
 
@@ -46,7 +46,7 @@ class SelfAttentionBlock(nnx.Module):
             history.offsets,
             max_seq_len=history.max_seq_len,
             causal=True,
-            implementation=cfg.attention_implementation,
+            implementation=attention_implementations(cfg).softmax,
         )
         x = x + self.out(attn.reshape(t, -1))
         return x + self.mlp(self.norm_mlp(x))
@@ -87,7 +87,7 @@ class PooledAttention(nnx.Module):
             max_seq_len_kv=history.max_seq_len,
             activation="gelu",
             broadcast_q=True,
-            implementation=cfg.attention_implementation,
+            implementation=attention_implementations(cfg).gelu,
         )
         # GDPA sums over keys without normalising; divide by sqrt(length) to keep scale bounded.
         lengths = jnp.maximum(history.lengths(), 1).astype(x.dtype)

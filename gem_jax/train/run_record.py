@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from gem_jax.train import config_tree
+from gem_jax.train import compile_cache, config_tree
 from gem_jax.train.config import TrainConfig
 
 RUN_FILE = "run.json"
@@ -151,11 +151,14 @@ def write_record(workdir: Path, record: dict[str, Any]) -> None:
 
 
 def start_new_run(workdir: str | Path) -> Path | None:
-    """Moves every file of an earlier run in `workdir` into `previous_runs/<time>/`; returns that folder (None if empty)."""
+    """Moves every file of an earlier run in `workdir` into `previous_runs/<time>/`; returns that folder (None if empty).
+
+    The compilation cache (`jax_cache`) stays: its entries are keyed by program, not by run.
+    """
     workdir = Path(workdir)
     if not workdir.exists():
         return None
-    entries = [p for p in workdir.iterdir() if p.name != ARCHIVE_DIR]
+    entries = [p for p in workdir.iterdir() if p.name not in (ARCHIVE_DIR, compile_cache.DEFAULT_SUBDIR)]
     if not entries:
         return None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -144,3 +144,31 @@ def test_gradient_norms_bounded_at_init_with_empty_features(split_model):
     norms = {jax.tree_util.keystr(path): float(jnp.linalg.norm(g)) for path, g in jax.tree_util.tree_leaves_with_path(grads)}
     worst = max(norms, key=norms.get)
     assert norms[worst] < 100.0, (worst, norms[worst])
+
+
+@pytest.mark.parametrize(
+    "setting, softmax, gelu", [(None, None, None), ("pallas", "pallas", "pallas"), ("xla", "xla", "xla"), ("cudnn", "cudnn", "xla")]
+)
+def test_attention_implementation_reaches_each_op(monkeypatch, setting, softmax, gelu):
+    """JFA gets the softmax implementation and every GDPA call the GELU one ("cudnn": cuDNN + GDPA's reference)."""
+    import dataclasses
+
+    import pallas_kernels
+
+    seen = {"jfa": set(), "gdpa": set()}
+
+    def recording(name, op):
+        def call(*args, implementation=None, **kwargs):
+            seen[name].add(implementation)
+            return op(*args, implementation="xla", **kwargs)
+
+        return call
+
+    monkeypatch.setattr(pallas_kernels, "jagged_flash_attention", recording("jfa", pallas_kernels.jagged_flash_attention))
+    monkeypatch.setattr(pallas_kernels, "gdpa", recording("gdpa", pallas_kernels.gdpa))
+    config = dataclasses.replace(CONFIG, attention_implementation=setting)
+    with nnx.use_eager_sharding(False):
+        model = GEMModel(SPEC, config, rngs=nnx.Rngs(0))
+    logits = model(make_batch(np.random.default_rng(), [3, 0, 7], capacity=16))
+    assert np.isfinite(np.asarray(logits)).all()
+    assert seen == {"jfa": {softmax}, "gdpa": {gelu}}

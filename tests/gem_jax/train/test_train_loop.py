@@ -70,3 +70,11 @@ def test_bad_config_path_is_a_usage_error(tmp_path, capsys):
         train_main(["--config", str(tmp_path / "missing.py"), "--workdir", str(tmp_path / "run")])
     assert exit_info.value.code == 2
     assert "missing.py not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", ["gem_h200_tiny.py", "gem_h200_seq4096_tiny.py"])
+def test_gem_h200_tiny_configs_train_two_steps(repo_root, tmp_path, config):
+    train_main(["--config", str(repo_root / "configs" / config), "--workdir", str(tmp_path), "--no-progress"])
+    train = read_records(tmp_path, "train")
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in train)

@@ -1,0 +1,126 @@
+"""Kernel breakdown of a step: CUPTI kernel times grouped by what the kernel is.
+
+The groups follow the kernel names that XLA, cuBLAS(Lt)/CUTLASS, cuDNN, NCCL and Pallas
+Mosaic GPU give their GPU kernels (the names CUPTI reports, as in Nsight Systems):
+
+- `gemm`: cuBLAS/cuBLASLt/CUTLASS matrix products in 16-bit or 8-bit operands
+  (`sm90_xmma_gemm_bf16...`, `nvjet_tst_...`, `cutlass3x_sm90_tensorop_gemm_bf16...`,
+  XLA's Triton `gemm_fusion_dot...`, `cublasLt::splitKreduce_kernel`);
+- `gemm_f32_tf32`: matrix products with float32 operands, which Hopper runs as TF32
+  (`..._f32f32_tf32f32_...`, `sgemm`, `nvjet_s...`): a bf16 step should have none;
+- `pallas`: Pallas Mosaic GPU kernels (`<name>_mosaic_gpu_kernel`: JFA, GDPA, MXFP8);
+- `cudnn`: cuDNN kernels (the padded peer's flash attention, `cudnn_generated_..._sdpa_...`);
+- `collectives`: NCCL (`ncclDevKernel_AllGather_RING_LL`) and XLA's own collective kernels;
+- XLA's generated kernels, by the operation that names them: `gather_scatter`
+  (`gather`, `scatter`, `dynamic_slice`, `dynamic_update_slice`), `transposes`,
+  `reductions` (`reduce`, also `reduce_window`), then every other fusion
+  (`loop_*`, `input_*`, `wrapped_*`, `*fusion*`) in `xla_fusions`;
+- `other`: sorts, copies, memsets and anything unrecognised.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+GROUPS = (
+    "gemm",
+    "gemm_f32_tf32",
+    "pallas",
+    "cudnn",
+    "xla_fusions",
+    "reductions",
+    "transposes",
+    "gather_scatter",
+    "collectives",
+    "other",
+)
+
+LABELS = {
+    "gemm": "GEMM (bf16/fp8)",
+    "gemm_f32_tf32": "GEMM float32 (TF32)",
+    "pallas": "Pallas (Mosaic GPU)",
+    "cudnn": "cuDNN",
+    "xla_fusions": "XLA fusions",
+    "reductions": "reductions",
+    "transposes": "transposes",
+    "gather_scatter": "gather/scatter",
+    "collectives": "collectives",
+    "other": "other",
+}
+
+_COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]scatter|all[-_]?to[-_]?all|collective[-_]permute")
+_PALLAS = re.compile(r"mosaic|^(gdpa|jfa|jagged_flash|mxfp8)")
+_CUDNN = re.compile(r"cudnn|sdpa|fmha")
+_GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|^sm\d+_")
+_F32_GEMM = re.compile(r"tf32|sgemm|nvjet_s")
+_GATHER_SCATTER = re.compile(r"gather|scatter|dynamic[-_]slice|dynamic[-_]update[-_]slice")
+_XLA_FUSION = re.compile(r"^(loop|input|wrapped)_|fusion")
+
+
+def classify(name: str) -> str:
+    """The group (one of `GROUPS`) of a GPU kernel, from its name.
+
+    Library kernels are recognised first (NCCL, Pallas Mosaic GPU, cuDNN, GEMMs), then
+    XLA's kernels by the operation in their name (gather/scatter before transpose
+    before reduce, so `input_scatter_fusion` counts as scatter).
+    """
+    lowered = name.lower()
+    if _COLLECTIVE.search(lowered):
+        return "collectives"
+    if _PALLAS.search(lowered):
+        return "pallas"
+    if _CUDNN.search(lowered):
+        return "cudnn"
+    if _GEMM.search(lowered):
+        return "gemm_f32_tf32" if _F32_GEMM.search(lowered) else "gemm"
+    if _GATHER_SCATTER.search(lowered):
+        return "gather_scatter"
+    if "transpose" in lowered:
+        return "transposes"
+    if "reduce" in lowered:
+        return "reductions"
+    if _XLA_FUSION.search(lowered):
+        return "xla_fusions"
+    return "other"
+
+
+def breakdown(kernels: list[tuple[str, float]], top: int = 20) -> dict:
+    """Groups one step's kernels.
+
+    Args:
+      kernels: `(kernel name, milliseconds)` of every kernel the step launched (CUPTI).
+      top: how many of the longest kernels to list.
+
+    Returns:
+      `{"device_ms": total kernel time, "num_kernels": launches, "groups_ms": {group: ms}
+      for every group of GROUPS, "top_kernels": [{"name", "group", "calls", "ms"}]}`; the
+      top list sums the launches of one name and is sorted by time, longest first.
+
+    Raises:
+      ValueError: a negative or non-finite time (named with its kernel).
+    """
+    groups = dict.fromkeys(GROUPS, 0.0)
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for name, ms in kernels:
+        if not ms >= 0 or ms == float("inf"):
+            raise ValueError(f"kernel {name!r} has time {ms!r} ms; expected a finite time >= 0")
+        groups[classify(name)] += ms
+        per_name[name].append(ms)
+    longest = sorted(per_name.items(), key=lambda item: -sum(item[1]))[:top]
+    return {
+        "device_ms": sum(groups.values()),
+        "num_kernels": len(kernels),
+        "groups_ms": groups,
+        "top_kernels": [{"name": n, "group": classify(n), "calls": len(t), "ms": sum(t)} for n, t in longest],
+    }
+
+
+def format_breakdown(result: dict) -> str:
+    """A printable table of `breakdown`'s result: groups, then the top kernels."""
+    total = result["device_ms"] or 1.0
+    lines = [f"device time {result['device_ms']:.2f} ms in {result['num_kernels']} kernels"]
+    lines += [f"  {LABELS[g]:<22} {ms:9.2f} ms {100 * ms / total:5.1f}%" for g, ms in result["groups_ms"].items() if ms]
+    lines.append("  longest kernels:")
+    lines += [f"    {k['ms']:9.3f} ms x{k['calls']:<4} {k['group']:<14} {k['name'][:100]}" for k in result["top_kernels"]]
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""The step profile's kernel classifier (benchmarks/_profile.py) on real GPU kernel names."""
+
+import importlib.util
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def profile(repo_root):
+    spec = importlib.util.spec_from_file_location("bench_profile", repo_root / "benchmarks" / "_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Names as CUPTI reported them on the H200 (cuBLAS, cuBLASLt, CUTLASS, cuDNN, NCCL, XLA, Pallas Mosaic GPU).
+KERNELS = [
+    ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", "gemm_f32_tf32"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas", "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("nvjet_hsh_256x128_64x4_2x1_v_bz_TNN", "gemm"),
+    ("cutlass3x_sm90_tensorop_gemm_bf16_bf16_f32_bf16_bf16_128x256x64_1x1x1_0_tnn_align8_warpspecialized_cooperative_epi_tma", "gemm"),
+    ("cutlass3x_sm90_tensorop_s64x128x8tf32gemm_f32_f32_f32_f32_128x128x32_1x2x1_0_tnn_align4", "gemm_f32_tf32"),
+    ("cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, false, false>", "gemm"),
+    ("gemm_fusion_dot_17", "gemm"),
+    ("gdpa_fwd_mosaic_gpu_kernel", "pallas"),
+    ("gdpa_bwd_dkv_mosaic_gpu_kernel", "pallas"),
+    ("entry_mosaic_gpu_kernel", "pallas"),
+    ("mosaic_gpu_kernel", "pallas"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "cudnn"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collectives"),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "collectives"),
+    ("input_transpose_fusion_12", "transposes"),
+    ("wrapped_transpose", "transposes"),
+    ("loop_add_fusion_3", "xla_fusions"),
+    ("loop_broadcast_select_fusion_2", "xla_fusions"),
+    ("input_concatenate_fusion_1", "xla_fusions"),
+    ("wrapped_iota", "xla_fusions"),
+    ("input_reduce_fusion_7", "reductions"),
+    ("input_clamp_maximum_negate_reduce_fusion", "reductions"),
+    ("loop_reduce_window_fusion_4", "reductions"),
+    ("input_scatter_fusion_3", "gather_scatter"),
+    ("loop_gather_fusion_1", "gather_scatter"),
+    ("loop_dynamic_update_slice_fusion", "gather_scatter"),
+    ("dynamic_slice_fusion_2", "gather_scatter"),
+    ("sort_87_1__4", "other"),
+    ("memcpy32_post", "other"),
+]
+
+
+@pytest.mark.parametrize("name, group", KERNELS)
+def test_classify_real_kernel_names(profile, name, group):
+    assert profile.classify(name) == group
+
+
+def test_breakdown_sums_groups_and_ranks_kernels_by_total_time(profile):
+    kernels = [("loop_add_fusion_3", 0.5), ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 2.0), ("loop_add_fusion_3", 0.25), ("input_reduce_fusion_7", 1.0)]
+    result = profile.breakdown(kernels, top=2)
+    assert result["device_ms"] == pytest.approx(3.75) and result["num_kernels"] == 4
+    assert set(result["groups_ms"]) == set(profile.GROUPS)
+    assert result["groups_ms"]["gemm"] == 2.0 and result["groups_ms"]["xla_fusions"] == 0.75 and result["groups_ms"]["reductions"] == 1.0
+    assert sum(result["groups_ms"].values()) == pytest.approx(result["device_ms"])
+    assert result["top_kernels"] == [
+        {"name": "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "group": "gemm", "calls": 1, "ms": 2.0},
+        {"name": "input_reduce_fusion_7", "group": "reductions", "calls": 1, "ms": 1.0},
+    ]
+    assert "GEMM (bf16/fp8)" in profile.format_breakdown(result)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
+def test_breakdown_rejects_bad_times(profile, bad):
+    with pytest.raises(ValueError, match="loop_add_fusion"):
+        profile.breakdown([("loop_add_fusion", bad)])
