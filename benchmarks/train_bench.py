@@ -59,7 +59,7 @@ import numpy as np
 from benchmarks import _profile, _timing
 from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
-from gem_jax.model.config import CUDNN
+from pallas_kernels import Implementation
 from gem_jax.nn.embeddings import check_lookup_stats
 from gem_jax.train import compile_cache
 from gem_jax.train.config import TrainConfig, load_config
@@ -69,7 +69,7 @@ from gem_jax.train.setup import setup_training
 REPO = Path(__file__).resolve().parent.parent
 
 # Each mode's attention implementations, tried in order until one runs.
-MODES = {"auto": (None, "xla"), "pallas": ("pallas",), "xla": ("xla",), "padded": (CUDNN,)}
+MODES = {"auto": (None, "xla"), "pallas": ("pallas",), "xla": ("xla",), "padded": (Implementation.CUDNN,)}
 PEER = "padded"
 
 # jax's persistent-cache events ("/jax/compilation_cache/cache_hits", ".../cache_misses").
