@@ -22,13 +22,17 @@ def _parser() -> argparse.ArgumentParser:
         epilog=(
             "config fields for --set (path: type = default of the schema; a config file sets its own):\n"
             f"{fields}\n\n"
-            "example: gem-train --config configs/movielens.py --workdir runs/lr --set optim.learning_rate=3e-3 loop.num_steps=800"
+            "example: gem-train --config configs/movielens.py --workdir runs/lr --set optim.learning_rate=3e-3 loop.num_steps=800\n\n"
+            "SIGTERM, SIGINT and SIGUSR1 stop after the current step with a checkpoint (a second signal aborts).\n"
+            "exit status: 0 done; 2 refused (bad arguments or config, workdir in use or holding another run, "
+            "corrupt checkpoint with --no-fallback); 3 the loss diverged (NaN/Inf); 75 stopped by a signal, "
+            "run the same command again to resume"
         ),
     )
 
 
 def train_main(argv: list[str] | None = None) -> None:
-    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N]`."""
+    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N] [--no-fallback]`."""
     parser = _parser()
     parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard logs and run.json")
@@ -39,6 +43,10 @@ def train_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force-new", action="store_true", help="start a new run even if the workdir holds another (it is moved to previous_runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the default when stdout is not a terminal)")
     parser.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after N steps of this run")
+    parser.add_argument(
+        "--no-fallback", action="store_true",
+        help="refuse to start when the newest checkpoint is corrupt (default: move it aside, resume from the newest intact one)",
+    )
     args = parser.parse_args(argv)
 
     import jax
@@ -46,12 +54,16 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.parallel import distributed
     from gem_jax.train import config_tree
     from gem_jax.train.config import load_config
+    from gem_jax.train.divergence import NonFiniteLossError
+    from gem_jax.train.integrity import CorruptCheckpointError
     from gem_jax.train.loop import train_and_evaluate
+    from gem_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
     from gem_jax.train.run_record import RunMismatchError
+    from gem_jax.train.workdir_lock import WorkdirLockedError
 
     try:
         config = config_tree.apply_overrides(load_config(args.config), args.overrides)
-    except (FileNotFoundError, TypeError, config_tree.ConfigError) as error:
+    except (FileNotFoundError, TypeError, ValueError) as error:  # ConfigError is a ValueError
         parser.error(str(error))
     layout = distributed.initialize()
     devices = jax.devices()
@@ -64,10 +76,17 @@ def train_main(argv: list[str] | None = None) -> None:
             stop_after_steps=args.stop_after_steps,
             force_new=args.force_new,
             progress=False if args.no_progress else None,
+            fallback=not args.no_fallback,
         )
-    except RunMismatchError as error:
-        print(f"gem-train: {error}", file=sys.stderr)
+    except Preempted as error:
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
+    except (RunMismatchError, WorkdirLockedError, CorruptCheckpointError) as error:
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except NonFiniteLossError as error:
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":
