@@ -31,7 +31,7 @@ def _sha256(path: Path) -> str:
 
 
 def _files(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp"))
 
 
 def has_manifest(step_dir: str | Path) -> bool:
