@@ -47,7 +47,12 @@ def test_sigterm_saves_the_finished_step_and_a_second_run_is_refused(repo_root, 
     last_logged = max(int(line.split(":")[0].split()[1]) for line in out.splitlines() if line.startswith("step "))
     assert f"stopped on SIGTERM after step {last_logged}; newest checkpoint: step {last_logged}" in err
     assert (tmp_path / "checkpoints" / str(last_logged) / "checksums.json").is_file()  # saved, finished, sealed
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 2  # the notice and the stop message
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("gem-train:")] == [  # the notice and the stop message
+        "gem-train: SIGTERM received: finishing the current step and saving a checkpoint (send it again to abort at once)",
+        f"gem-train: stopped on SIGTERM after step {last_logged}; newest checkpoint: step {last_logged} "
+        f"({tmp_path.absolute() / 'checkpoints' / str(last_logged)}); run the same command again to resume",
+    ]
     assert exit_seconds < 30
     assert not (tmp_path / ".lock.0").exists()
 
@@ -56,6 +61,8 @@ def test_second_sigint_aborts_at_once(repo_root, tmp_path):
     run = _start(repo_root, tmp_path)
     _wait_for_step(run, 2)
     run.send_signal(signal.SIGINT)
+    notice = run.stderr.readline()  # two signals sent back to back would arrive as one
+    assert "SIGINT received: finishing the current step" in notice
     run.send_signal(signal.SIGINT)
     out, err = run.communicate(timeout=60)
     assert run.returncode == 128 + signal.SIGINT
