@@ -6,7 +6,7 @@
 #
 # ROOT/reference is the uninterrupted run, ROOT/chaos the interrupted one; ROOT/chaos.log lists
 # every kill (signal, seconds after the start, exit status). Kill moments are uniform in
-# [CHAOS_MIN_S, CHAOS_MAX_S] seconds after each start (defaults 3 and 40: start-up, compile,
+# [CHAOS_MIN_S, CHAOS_MAX_S] seconds after each start (defaults 10 and 60: start-up, compile,
 # steps and saves on a CPU); CHAOS_SEED seeds them. Extra arguments go to gem-train (default:
 # --set loop.num_steps=30 checkpoint.every_steps=4). Exit status 0 when the parameters match.
 set -uo pipefail
@@ -20,14 +20,14 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 RANDOM=${CHAOS_SEED:-$$}
-MIN=${CHAOS_MIN_S:-3}
-MAX=${CHAOS_MAX_S:-40}
+MIN=${CHAOS_MIN_S:-10}
+MAX=${CHAOS_MAX_S:-60}
 LOG=$ROOT/chaos.log
 mkdir -p "$ROOT"
-train() { "$PYTHON" -m gem_jax.cli --config "$CONFIG" --workdir "$1" --no-progress "${EXTRA[@]}"; }
+train() { exec "$PYTHON" -m gem_jax.cli --config "$CONFIG" --workdir "$1" --no-progress "${EXTRA[@]}"; }
 
 echo "chaos: $N kills of $CONFIG in $ROOT" | tee "$LOG"
-train "$ROOT/reference" > "$ROOT/reference.out" 2>&1 || { echo "chaos: the reference run failed, see $ROOT/reference.out"; exit 1; }
+(train "$ROOT/reference") > "$ROOT/reference.out" 2>&1 || { echo "chaos: the reference run failed, see $ROOT/reference.out"; exit 1; }
 for ((i = 1; i <= N; i++)); do
   train "$ROOT/chaos" >> "$ROOT/chaos.out" 2>&1 &
   pid=$!
@@ -38,7 +38,7 @@ for ((i = 1; i <= N; i++)); do
   wait "$pid"
   echo "kill $i: SIG$signal after ${delay}s, exit status $?" | tee -a "$LOG"
 done
-train "$ROOT/chaos" >> "$ROOT/chaos.out" 2>&1 || { echo "chaos: the final start failed, see $ROOT/chaos.out"; exit 1; }
+(train "$ROOT/chaos") >> "$ROOT/chaos.out" 2>&1 || { echo "chaos: the final start failed, see $ROOT/chaos.out"; exit 1; }
 "$PYTHON" - "$ROOT/reference" "$ROOT/chaos" <<'PY' | tee -a "$LOG"
 import sys
 
