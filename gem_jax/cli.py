@@ -22,13 +22,17 @@ def _parser() -> argparse.ArgumentParser:
         epilog=(
             "config fields for --set (path: type = default of the schema; a config file sets its own):\n"
             f"{fields}\n\n"
-            "example: gem-train --config configs/movielens.py --workdir runs/lr --set optim.learning_rate=3e-3 loop.num_steps=800"
+            "example: gem-train --config configs/movielens.py --workdir runs/lr --set optim.learning_rate=3e-3 loop.num_steps=800\n\n"
+            "SIGTERM, SIGINT and SIGUSR1 stop after the current step with a checkpoint (a second signal aborts).\n"
+            "exit status: 0 done; 2 refused (bad arguments or config, workdir in use or holding another run, "
+            "corrupt checkpoint with --no-fallback); 3 the loss diverged (NaN/Inf); 75 stopped by a signal, "
+            "run the same command again to resume"
         ),
     )
 
 
 def train_main(argv: list[str] | None = None) -> None:
-    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N] [--compile-cache DIR|off]`."""
+    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N] [--compile-cache DIR|off] [--no-fallback]`."""
     parser = _parser()
     parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard logs and run.json")
@@ -43,6 +47,10 @@ def train_main(argv: list[str] | None = None) -> None:
         "--compile-cache", default=None, metavar="DIR|off",
         help="jax's persistent compilation cache (default: $GEM_COMPILE_CACHE_DIR, else WORKDIR/jax_cache; 'off': none)",
     )
+    parser.add_argument(
+        "--no-fallback", action="store_true",
+        help="refuse to start when the newest checkpoint is corrupt (default: move it aside, resume from the newest intact one)",
+    )
     args = parser.parse_args(argv)
 
     import jax
@@ -51,12 +59,16 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.parallel import distributed
     from gem_jax.train import compile_cache, config_tree
     from gem_jax.train.config import load_config
+    from gem_jax.train.divergence import NonFiniteLossError
+    from gem_jax.train.integrity import CorruptCheckpointError
     from gem_jax.train.loop import train_and_evaluate
+    from gem_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
     from gem_jax.train.run_record import RunMismatchError
+    from gem_jax.train.workdir_lock import WorkdirLockedError
 
     try:
         config = config_tree.apply_overrides(load_config(args.config), args.overrides)
-    except (FileNotFoundError, TypeError, config_tree.ConfigError) as error:
+    except (FileNotFoundError, TypeError, ValueError) as error:  # ConfigError is a ValueError
         parser.error(str(error))
     try:
         cache = compile_cache.enable(compile_cache.cache_dir(args.workdir, args.compile_cache))
@@ -76,10 +88,17 @@ def train_main(argv: list[str] | None = None) -> None:
             stop_after_steps=args.stop_after_steps,
             force_new=args.force_new,
             progress=False if args.no_progress else None,
+            fallback=not args.no_fallback,
         )
-    except RunMismatchError as error:
-        print(f"gem-train: {error}", file=sys.stderr)
+    except Preempted as error:
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
+    except (RunMismatchError, WorkdirLockedError, CorruptCheckpointError) as error:
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except NonFiniteLossError as error:
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

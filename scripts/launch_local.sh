@@ -6,6 +6,9 @@
 # Process i drives GPU i (GEM_LOCAL_DEVICE_IDS) and reaches process 0 on 127.0.0.1.
 # On other clusters set GEM_COORDINATOR_ADDRESS, GEM_NUM_PROCESSES and GEM_PROCESS_ID
 # per process the same way (gem_jax.parallel.distributed).
+# SIGTERM, SIGINT and SIGUSR1 sent to this script are forwarded to every process: each finishes
+# its step, saves a checkpoint and exits with 75 (the script then exits 75 too); a second signal
+# aborts them.
 set -euo pipefail
 NPROC=${1:?usage: launch_local.sh NUM_PROCESSES CONFIG WORKDIR [gem-train args]}
 CONFIG=${2:?usage: launch_local.sh NUM_PROCESSES CONFIG WORKDIR [gem-train args]}
@@ -22,6 +25,18 @@ for ((i = 0; i < NPROC; i++)); do
     python3 -c 'from gem_jax.cli import train_main; train_main()' --config "$CONFIG" --workdir "$WORKDIR" "$@" &
   pids+=($!)
 done
+forward() { kill -s "$1" "${pids[@]}" 2> /dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward USR1' USR1
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+for pid in "${pids[@]}"; do
+  # A trapped signal ends `wait` early (status > 128): wait again until the process itself has exited.
+  while true; do
+    wait "$pid"
+    code=$?
+    kill -0 "$pid" 2> /dev/null || break
+  done
+  [ "$code" -ne 0 ] && status=$code
+done
 exit $status

@@ -7,6 +7,11 @@
 # gem_jax.mesh.make_mesh expects. Every task sees its node's GPUs; JAX's SLURM
 # detection gives task SLURM_LOCALID the GPU of that index. The config's
 # Topology must match the allocation (zones x nodes_per_zone = nodes, gpus_per_node = 8).
+#
+# Preemption: add `--signal=B:USR1@120` to sbatch (SIGUSR1 to this script 120 s before the time
+# limit). SIGUSR1 and SIGTERM (scancel, preemption) reaching this script are forwarded to every
+# task through srun; each task finishes its step, saves a checkpoint and exits with 75, and so
+# does this script. `sbatch --requeue` with the same command resumes from that checkpoint.
 set -euo pipefail
 CONFIG=${1:?usage: launch_slurm.sh CONFIG WORKDIR [gem-train args]}
 WORKDIR=${2:?usage: launch_slurm.sh CONFIG WORKDIR [gem-train args]}
@@ -15,4 +20,13 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 eval "$(python3 "$REPO/scripts/xla_flags.py" --env)"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 srun --kill-on-bad-exit=1 \
-  python3 -c 'from gem_jax.cli import train_main; train_main()' --config "$CONFIG" --workdir "$WORKDIR" "$@"
+  python3 -c 'from gem_jax.cli import train_main; train_main()' --config "$CONFIG" --workdir "$WORKDIR" "$@" &
+SRUN=$!
+# srun forwards SIGTERM and SIGUSR1 to the tasks (SIGINT to srun only prints its status: send TERM).
+trap 'kill -s USR1 $SRUN 2> /dev/null || true' USR1
+trap 'kill -s TERM $SRUN 2> /dev/null || true' TERM INT
+while true; do
+  wait $SRUN
+  code=$?
+  kill -0 $SRUN 2> /dev/null || exit $code
+done

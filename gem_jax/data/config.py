@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gem_jax.checks import check_float, check_int
 from gem_jax.data.bbs import check_shard_split
 from gem_jax.data.rows import OnBadRow
 from gem_jax.jagged import check_bucket_settings
@@ -137,16 +138,16 @@ class DataConfig:
             raise TypeError(f"source must be a Source, got {self.source!r}")
         if not isinstance(self.on_bad_row, OnBadRow):
             raise TypeError(f"on_bad_row must be an OnBadRow, got {self.on_bad_row!r}")
-        if self.max_seq_len < 1 or self.batch_size < 1:
-            raise ValueError(f"max_seq_len and batch_size must be >= 1, got {self.max_seq_len}, {self.batch_size}")
+        check_int(self, "max_seq_len", minimum=1)
+        check_int(self, "batch_size", minimum=1)
+        check_int(self, "seed", minimum=0)
+        check_int(self, "num_time_buckets", minimum=2)
+        check_int(self, "prefetch_batches", minimum=0)
+        check_float(self, "eval_fraction")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        if self.num_time_buckets < 2:
-            raise ValueError(f"num_time_buckets must be >= 2, got {self.num_time_buckets}")
-        if self.prefetch_batches < 0:
-            raise ValueError(f"prefetch_batches must be >= 0, got {self.prefetch_batches}")
+        if self.seed >= 2**32:
+            raise ValueError(f"DataConfig.seed must be in [0, 2**32), got {self.seed}")
         check_bucket_settings(self.capacity_step, self.capacity_sigmas, ("DataConfig.capacity_step", "DataConfig.capacity_sigmas"))
         if self.bbs is not None:
             if not isinstance(self.bbs, BBSConfig):

@@ -6,13 +6,20 @@ Every reader takes an `OnBadRow` policy and reports each bad row through a
 Under `OnBadRow.SKIP` the row is left out and counted per file and kind, and
 the counts travel with the data (`EventLog.skipped`) so nothing is dropped
 silently. Blank lines are not rows and are ignored by every reader.
+
+`text_lines`, `csv_fields` and `int64_field` read files one physical line at a
+time, so that a bad byte, an unbalanced quote or a number too large for int64
+is reported at its own line and, under SKIP, costs exactly that line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import csv
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 
 class OnBadRow(enum.Enum):
@@ -31,6 +38,8 @@ class BadRowKind(enum.Enum):
     BAD_VALUE = "invalid value"
     UNKNOWN_ID = "unknown id"
     DUPLICATE_ID = "duplicate id"
+    ENCODING = "undecodable bytes"
+    QUOTING = "unbalanced quote"
 
 
 class DataFormatError(ValueError):
@@ -101,3 +110,48 @@ class RowChecker:
         return tuple(
             SkippedRows(self.path, kind, self._counts[kind], self._first[kind]) for kind in BadRowKind if kind in self._counts
         )
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def int64_field(text: str, name: str) -> int:
+    """`int(text)` for a field stored as int64.
+
+    Raises:
+      ValueError: `text` is not an integer.
+      OverflowError: it is one, outside [-2**63, 2**63) (`name` and the value named).
+    """
+    value = int(text)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise OverflowError(f"{name} {text!r} does not fit in a 64-bit integer")
+    return value
+
+
+def text_lines(path: str | os.PathLike, check: RowChecker, encoding: str = "utf-8") -> Iterator[tuple[int, str]]:
+    """Yields `(1-based line number, text without the line break)` of a text file.
+
+    A line that does not decode under `encoding` is reported to `check` as
+    `BadRowKind.ENCODING` (the byte and its column named) and not yielded.
+
+    Raises:
+      BadRowError: an undecodable line under `OnBadRow.RAISE`.
+      FileNotFoundError: no such file.
+    """
+    with open(Path(path), "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                text = raw.decode(encoding)
+            except UnicodeDecodeError as error:
+                check.bad(number, BadRowKind.ENCODING, f"byte {raw[error.start]:#04x} at column {error.start + 1} is not valid {encoding}")
+                continue
+            yield number, text.rstrip("\r\n")
+
+
+def csv_fields(text: str) -> list[str]:
+    """The fields of one CSV record on one line (RFC 4180 quoting; `[]` for a blank line).
+
+    Raises:
+      csv.Error: an unbalanced or misplaced quote.
+    """
+    return next(csv.reader([text], strict=True), [])

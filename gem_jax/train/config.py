@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+from gem_jax.checks import check_int
 from gem_jax.data.config import DataConfig
 from gem_jax.model.config import ModelConfig
 from gem_jax.mesh import Topology
@@ -31,6 +32,12 @@ class LoopConfig:
     log_every: int = 25
     eval_every: int = 0
     seed: int = 0
+
+    def __post_init__(self):
+        check_int(self, "num_steps", minimum=1)
+        check_int(self, "log_every", minimum=1)
+        check_int(self, "eval_every", minimum=0)
+        check_int(self, "seed", minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,12 +22,12 @@ from gem_jax.nn.embeddings import check_lookup_stats
 from gem_jax.model import flops as flops_lib
 from gem_jax.train.baseline import item_mean_label_auc
 from gem_jax.train.checkpoint import Checkpointer
-from gem_jax.train.metric_log import MetricLogger
+from gem_jax.train.divergence import FiniteTracker, NonFiniteLossError  # noqa: F401  (raised here; part of this module's face)
+from gem_jax.train.metric_log import MetricLogger, train_line
+from gem_jax.train.optimizer import learning_rate_schedule
+from gem_jax.train.preemption import Preempted, StopSignals
 from gem_jax.train.setup import setup_training
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The training loss or gradient norm became NaN or Inf."""
+from gem_jax.train.workdir_lock import WorkdirLock
 
 
 def train_and_evaluate(
@@ -37,8 +37,12 @@ def train_and_evaluate(
     stop_after_steps: int | None = None,
     force_new: bool = False,
     progress: bool | None = None,
+    fallback: bool = True,
 ) -> dict:
-    """Trains `config` in `workdir`, resuming from its latest checkpoint if any.
+    """Trains `config` in `workdir`, resuming from its latest intact checkpoint if any.
+
+    While it runs, SIGTERM, SIGINT and SIGUSR1 stop it after the current step with a
+    synchronous checkpoint (`gem_jax.train.preemption`); a second signal aborts.
 
     Args:
       config: the whole job.
@@ -49,112 +53,155 @@ def train_and_evaluate(
       force_new: start a new run even if `workdir` holds one with another config
         (its files are moved to `workdir/previous_runs/<time>/`).
       progress: show a progress bar (default: when stdout is a terminal).
+      fallback: when the newest checkpoint is corrupt, move it to
+        `workdir/corrupt_checkpoints/` and resume from the newest intact one
+        (False: refuse).
 
     Returns:
       The final summary record (eval metrics, baseline AUC, throughput).
 
     Raises:
+      WorkdirLockedError: another run holds `workdir` (host and pid named).
       RunMismatchError: `workdir` holds a run whose config or data set differ (the
-        fields are named); nothing in the workdir is changed.
-      NonFiniteLossError: the loss or gradient norm became non-finite (the step
-        window is named).
+        fields are named), or `loop.num_steps` is below its newest checkpoint;
+        nothing in the workdir is changed.
+      CorruptCheckpointError: the newest checkpoint is corrupt and `fallback` is
+        False, or no checkpoint is intact (paths named).
+      NonFiniteLossError: the loss or gradient norm became non-finite (the step and
+        the last good checkpoint are named; no later checkpoint is written).
+      Preempted: a stop signal arrived; the checkpoint of the last finished step is saved.
     """
     workdir = Path(workdir)
+    with WorkdirLock(workdir, jax.process_index()), StopSignals() as signals:
+        return _train(config, workdir, signals, stop_after_steps, force_new, progress, fallback)
+
+
+def _train(config, workdir, signals, stop_after_steps, force_new, progress, fallback) -> dict:
     if force_new:
         moved = run_record.start_new_run(workdir)
         if moved:
             print(f"gem-train: the earlier run in {workdir} was moved to {moved}")
     dataset = load_dataset(config.data)
+    print(dataset.info.summary(), flush=True)
     checkpoint_dir = workdir / "checkpoints"
     has_checkpoints = checkpoint_dir.is_dir() and any(checkpoint_dir.iterdir())
     run_record.check_run(workdir, run_record.make_record(config, dataset.info.identity(), dataset.spec), has_checkpoints=has_checkpoints)
-    training, state = setup_training(config, dataset=dataset)
-    dataset, setup, workload, sharding = training.dataset, training.state, training.workload, training.placement
-    spec = dataset.spec
-    num_shards = training.mesh.devices.size
-    train_iter = dataset.train_iterator()
     checkpointer = Checkpointer(checkpoint_dir, config.checkpoint)
-    start = checkpointer.latest_step() or 0
-    if start:
-        state = checkpointer.restore(start, setup.abstract, train_iter)
+    logger, progress_bar = None, None
+    try:
+        run_record.check_num_steps(config.loop.num_steps, checkpointer.latest_step(), checkpoint_dir)
+        training, state = setup_training(config, dataset=dataset)
+        dataset, setup, workload, sharding = training.dataset, training.state, training.workload, training.placement
+        spec = dataset.spec
+        num_shards = training.mesh.devices.size
+        train_iter = dataset.train_iterator()
+        restored = checkpointer.restore_latest(setup.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
+        start = 0
+        if restored:
+            start, state = restored
+            print(f"gem-train: resuming from step {start} ({checkpointer.step_path(start)})", flush=True)
 
-    peak = flops_lib.peak_flops()
-    train_step = training.train_step
+        peak = flops_lib.peak_flops()
+        train_step = training.train_step
+        learning_rate = learning_rate_schedule(config.optim)
+        finite = FiniteTracker()
 
-    num_steps = config.loop.num_steps
-    last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
-    trains = start < last_step  # False for a finished run started again: it only re-reports
-    logger = MetricLogger(workdir) if trains else None
-    window_metrics, window_flops, window_examples, window_imbalance, window_waste = [], 0.0, 0, [], []
-    window_start, train_seconds, train_flops, train_examples = time.perf_counter(), 0.0, 0.0, 0
-    record: dict = {}
-    progress_bar = tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not (sys.stdout.isatty() if progress is None else progress))
-    for step in range(start, last_step):
-        batch = next(train_iter)
-        validate_ids(batch, spec, where=f"train batch {step}")
-        real = np.asarray(batch.weights) > 0
-        all_lengths = np.diff(np.asarray(batch.history.offsets))
-        lengths = all_lengths[real]
-        window_flops += workload.total(lengths)
-        window_examples += int(real.sum())
-        # Balance across the devices' contiguous chunks; slack: 1 - real rows / placed rows (D x T_local).
-        window_imbalance.append(load_imbalance(shard_loads(workload(all_lengths) * real, num_shards)))
-        placed = sharding.put(batch)
-        window_waste.append(padding_waste(lengths, math.prod(placed.history.values.shape[:-1])))
-        state, step_metrics = train_step(state, placed)
-        window_metrics.append(step_metrics)
-        done = step + 1
-        if done % config.loop.log_every == 0 or done == last_step:
-            fetched = jax.device_get(window_metrics)
-            elapsed = time.perf_counter() - window_start
-            record = _train_record(fetched, dataset.task_names, elapsed, window_flops, window_examples, peak)
-            record.update(
-                load_imbalance_mean=float(np.mean(window_imbalance)),
-                load_imbalance_max=float(np.max(window_imbalance)),
-                slack_fraction=float(np.mean(window_waste)),
-            )
-            if not all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in fetched):
-                raise NonFiniteLossError(f"non-finite loss or gradient norm in steps {done - len(fetched) + 1}..{done}")
-            for offset, step_metrics in enumerate(fetched):
-                check_lookup_stats(step_metrics, setup.plan.tables, where=f"train step {done - len(fetched) + offset + 1}")
-            record.update(_lookup_counters(fetched))
-            logger.log(done, "train", record)
-            progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
-            tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4g}" for k, v in record.items()))
-            if done - len(fetched) > start:  # the run's first window holds the compile: not steady state
-                train_seconds += elapsed
-                train_flops += window_flops
-                train_examples += window_examples
-            window_metrics, window_flops, window_examples, window_imbalance, window_waste = [], 0.0, 0, [], []
-            window_start = time.perf_counter()
-        checkpointer.save(done, state, train_iter)
-        if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
-            eval_record = training.evaluate(state.params)
-            logger.log(done, "eval", eval_record)
-            tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
-            window_start = time.perf_counter()
-        progress_bar.update(1)
-    progress_bar.close()
+        def last_good() -> str:
+            step = checkpointer.latest_step()
+            return f"step {step} ({checkpointer.step_path(step)})" if step is not None else "none (no checkpoint was written)"
 
-    final_step = last_step
-    if checkpointer.latest_step() != final_step:
-        checkpointer.save(final_step, state, train_iter, force=True)
-    checkpointer.close()
-    summary = {"step": final_step, "finished": final_step == num_steps}
-    if final_step == num_steps:
-        summary.update(training.evaluate(state.params))
-        summary.update(item_mean_label_auc(dataset))
+        num_steps = config.loop.num_steps
+        last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
+        trains = start < last_step  # False for a finished run started again: it only re-reports
+        logger = MetricLogger(workdir, resume_step=start) if trains else None
+        window_metrics, window_flops, window_examples, window_imbalance, window_slack = [], 0.0, 0, [], []
+        window_start, train_seconds, train_flops, train_examples = time.perf_counter(), 0.0, 0.0, 0
+        record: dict = {}
+        progress_bar = tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not (sys.stdout.isatty() if progress is None else progress))
+        done, stopped = start, False
+        for step in range(start, last_step):
+            if signals.stop_requested():
+                stopped = True
+                break
+            batch = next(train_iter)
+            validate_ids(batch, spec, where=f"train batch {step}")
+            real = np.asarray(batch.weights) > 0
+            all_lengths = np.diff(np.asarray(batch.history.offsets))
+            lengths = all_lengths[real]
+            window_flops += workload.total(lengths)
+            window_examples += int(real.sum())
+            # Balance across the devices' contiguous chunks; slack: 1 - real rows / placed rows (D x T_local).
+            window_imbalance.append(load_imbalance(shard_loads(workload(all_lengths) * real, num_shards)))
+            placed = sharding.put(batch)
+            window_slack.append(padding_waste(lengths, math.prod(placed.history.values.shape[:-1])))
+            state, step_metrics = train_step(state, placed)
+            window_metrics.append(step_metrics)
+            done = step + 1
+            finite.update(done, step_metrics)
+            if done % config.loop.log_every == 0 or done == last_step:
+                finite.check(last_good())
+                fetched = jax.device_get(window_metrics)
+                elapsed = time.perf_counter() - window_start
+                record = _train_record(fetched, dataset.task_names, elapsed, window_flops, window_examples, peak)
+                record.update(
+                    learning_rate=float(learning_rate(done - 1)),
+                    load_imbalance_mean=float(np.mean(window_imbalance)),
+                    load_imbalance_max=float(np.max(window_imbalance)),
+                    slack_fraction=float(np.mean(window_slack)),
+                )
+                for offset, step_metrics in enumerate(fetched):
+                    check_lookup_stats(step_metrics, setup.plan.tables, where=f"train step {done - len(fetched) + offset + 1}")
+                record.update(_lookup_counters(fetched))
+                logger.log(done, "train", record)
+                progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
+                tqdm.write(train_line(done, record, dataset.task_names))
+                if done - len(fetched) > start:  # the run's first window holds the compile: not steady state
+                    train_seconds += elapsed
+                    train_flops += window_flops
+                    train_examples += window_examples
+                window_metrics, window_flops, window_examples, window_imbalance, window_slack = [], 0.0, 0, [], []
+                window_start = time.perf_counter()
+            if checkpointer.should_save(done):
+                finite.check(last_good())
+                checkpointer.save(done, state, train_iter)
+            if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
+                eval_record = training.evaluate(state.params)
+                logger.log(done, "eval", eval_record)
+                tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
+                window_start = time.perf_counter()
+            progress_bar.update(1)
+        progress_bar.close()
+
+        final_step = done
+        if final_step and checkpointer.latest_step() != final_step:
+            finite.check(last_good())
+            checkpointer.save(final_step, state, train_iter, force=True)
+        checkpointer.wait()
+        if stopped or signals.stop_requested():
+            raise Preempted(final_step, signals.signal_name, last_good())
+
+        summary = {"step": final_step, "finished": final_step == num_steps}
+        eval_keys: set[str] = set()
+        if final_step == num_steps:
+            eval_record = training.evaluate(state.params) | item_mean_label_auc(dataset)
+            eval_keys = set(eval_record)
+            summary.update(eval_record)
+            if trains:
+                logger.log(final_step, "eval", eval_record)
+        if train_seconds:  # steady state: every log window after the first
+            summary["train_examples_per_s"] = train_examples / train_seconds
+            summary["train_tflops_per_s"] = train_flops / train_seconds / 1e12
+            if peak:
+                summary["mfu"] = train_flops / train_seconds / peak
+        summary.update({k: v for k, v in record.items() if k in ("loss",)})
         if trains:
-            logger.log(final_step, "eval", summary)
-    if train_seconds:  # steady state: every log window after the first
-        summary["train_examples_per_s"] = train_examples / train_seconds
-        summary["train_tflops_per_s"] = train_flops / train_seconds / 1e12
-        if peak:
-            summary["mfu"] = train_flops / train_seconds / peak
-    summary.update({k: v for k, v in record.items() if k in ("loss",)})
-    if trains:
-        logger.log(final_step, "summary", summary)
-        logger.close()
+            logger.log(final_step, "summary", summary, not_in_tensorboard=eval_keys)
+    finally:
+        if progress_bar is not None:
+            progress_bar.close()
+        checkpointer.close()
+        if logger is not None:
+            logger.close()
     print_summary(summary)
     return summary
 

@@ -13,6 +13,7 @@ import enum
 import jax
 import optax
 
+from gem_jax.checks import check_float, check_int
 from gem_jax.nn.layers import EMBEDDING_PARAM
 from gem_jax.pytree import path_keys
 
@@ -42,6 +43,24 @@ class OptimConfig:
     embedding_learning_rate: float = 0.05
     grad_clip_norm: float = 1.0
 
+    def __post_init__(self):
+        check_float(self, "learning_rate", positive=True)
+        check_int(self, "warmup_steps", minimum=0)
+        check_int(self, "decay_steps", minimum=1)
+        check_float(self, "weight_decay", minimum=0.0)
+        check_float(self, "embedding_learning_rate", positive=True)
+        check_float(self, "grad_clip_norm", minimum=0.0)
+
+
+def learning_rate_schedule(config: OptimConfig) -> optax.Schedule:
+    """The dense learning rate by step: linear warm-up from 0 to the peak, cosine decay to 10% of it.
+
+    Step `k` (0-based count of updates before it) is the rate the `k+1`-th update uses.
+    """
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, config.warmup_steps + config.decay_steps, config.learning_rate * 0.1
+    )
+
 
 def param_group(path: tuple) -> ParamGroup:
     """EMBEDDING for embedding-table parameters (named `EMBEDDING_PARAM`), else DENSE."""
@@ -50,10 +69,7 @@ def param_group(path: tuple) -> ParamGroup:
 
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
     """A `multi_transform` routing each parameter to its group's optimizer."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, config.warmup_steps, config.warmup_steps + config.decay_steps, config.learning_rate * 0.1
-    )
-    dense = [optax.adamw(schedule, weight_decay=config.weight_decay)]
+    dense = [optax.adamw(learning_rate_schedule(config), weight_decay=config.weight_decay)]
     if config.grad_clip_norm:
         dense.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
     return optax.multi_transform(

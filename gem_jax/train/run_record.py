@@ -25,6 +25,7 @@ import jax
 
 from gem_jax.train import compile_cache, config_tree
 from gem_jax.train.config import TrainConfig
+from gem_jax.train.workdir_lock import LOCK_PREFIX
 
 RUN_FILE = "run.json"
 ARCHIVE_DIR = "previous_runs"
@@ -142,6 +143,20 @@ def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: b
     return old
 
 
+def check_num_steps(num_steps: int, latest_step: int | None, checkpoint_dir: Path) -> None:
+    """A restart may raise `loop.num_steps` but not lower it below the newest checkpoint.
+
+    Raises:
+      RunMismatchError: `num_steps < latest_step` (both named, with the checkpoint): the
+        checkpoint already holds a later step, so the run cannot end at `num_steps`.
+    """
+    if latest_step is not None and num_steps < latest_step:
+        raise RunMismatchError(
+            f"loop.num_steps={num_steps} is below the newest checkpoint, step {latest_step} ({checkpoint_dir / str(latest_step)}): "
+            f"this run is already past step {num_steps}. Use loop.num_steps >= {latest_step}, a new workdir, or --force-new."
+        )
+
+
 def write_record(workdir: Path, record: dict[str, Any]) -> None:
     """Writes `run.json` atomically (a temporary file renamed over it)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -153,12 +168,15 @@ def write_record(workdir: Path, record: dict[str, Any]) -> None:
 def start_new_run(workdir: str | Path) -> Path | None:
     """Moves every file of an earlier run in `workdir` into `previous_runs/<time>/`; returns that folder (None if empty).
 
-    The compilation cache (`jax_cache`) stays: its entries are keyed by program, not by run.
+    The compilation cache (`jax_cache`) stays: its entries are keyed by program, not by run. The
+    workdir's lock files (`gem_jax.train.workdir_lock`) stay: the run calling this holds them.
     """
     workdir = Path(workdir)
     if not workdir.exists():
         return None
-    entries = [p for p in workdir.iterdir() if p.name not in (ARCHIVE_DIR, compile_cache.DEFAULT_SUBDIR)]
+    entries = [
+        p for p in workdir.iterdir() if p.name not in (ARCHIVE_DIR, compile_cache.DEFAULT_SUBDIR) and not p.name.startswith(LOCK_PREFIX)
+    ]
     if not entries:
         return None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from gem_jax.data.events import EventLog, build_event_log
-from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker
+from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker, int64_field, text_lines
 
 SEQUENCES_FILE = "Beauty.txt"
 ATTRIBUTES_FILE = "Beauty_item2attributes.json"
@@ -39,31 +39,33 @@ def _read_sequences(path: Path, on_bad_row: OnBadRow) -> tuple[list[list[int]], 
     check = RowChecker(path, on_bad_row)
     columns: list[list[int]] = [[], [], [], []]
     seen: set[int] = set()
-    with open(path, encoding="utf-8", newline="") as f:
-        for line, text in enumerate(f, start=1):
-            fields = text.split()
-            if not fields:
-                continue
-            if len(fields) < 2:
-                check.bad(line, BadRowKind.FIELD_COUNT, f"expected a user id and at least one item id, got {len(fields)} field(s)")
-                continue
-            try:
-                ids = [int(x) for x in fields]
-            except ValueError:
-                check.bad(line, BadRowKind.NOT_A_NUMBER, f"a field of {text.strip()[:80]!r} is not an integer")
-                continue
-            user, items = ids[0], ids[1:]
-            if min(ids) < 1:
-                check.bad(line, BadRowKind.OUT_OF_RANGE, f"ids must be positive, got {min(ids)}")
-            elif user in seen:
-                check.bad(line, BadRowKind.DUPLICATE_ID, f"user {user} has a second line")
-            else:
-                seen.add(user)
-                n = len(items)
-                columns[0].extend([user] * n)
-                columns[1].extend(items)
-                columns[2].extend(range(n))
-                columns[3].extend([line] * n)
+    for line, text in text_lines(path, check):
+        fields = text.split()
+        if not fields:
+            continue
+        if len(fields) < 2:
+            check.bad(line, BadRowKind.FIELD_COUNT, f"expected a user id and at least one item id, got {len(fields)} field(s)")
+            continue
+        try:
+            ids = [int64_field(x, "id") for x in fields]
+        except OverflowError as error:
+            check.bad(line, BadRowKind.OUT_OF_RANGE, str(error))
+            continue
+        except ValueError:
+            check.bad(line, BadRowKind.NOT_A_NUMBER, f"a field of {text.strip()[:80]!r} is not an integer")
+            continue
+        user, items = ids[0], ids[1:]
+        if min(ids) < 1:
+            check.bad(line, BadRowKind.OUT_OF_RANGE, f"ids must be positive, got {min(ids)}")
+        elif user in seen:
+            check.bad(line, BadRowKind.DUPLICATE_ID, f"user {user} has a second line")
+        else:
+            seen.add(user)
+            n = len(items)
+            columns[0].extend([user] * n)
+            columns[1].extend(items)
+            columns[2].extend(range(n))
+            columns[3].extend([line] * n)
     return columns, check
 
 

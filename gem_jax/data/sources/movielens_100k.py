@@ -25,7 +25,7 @@ import numpy as np
 
 from gem_jax.data.events import EventLog, build_event_log
 from gem_jax.data.features import NUM_HALF_STAR_ACTIONS
-from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker
+from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker, int64_field
 
 NUM_GENRE_FLAGS = 19
 AGE_BUCKET_LOWER_BOUNDS = (18, 25, 35, 45, 50, 56)  # bucket id = 1 + number of bounds <= age
@@ -150,7 +150,10 @@ def read_ml_100k(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRow.RAISE)
             check.bad(line, BadRowKind.FIELD_COUNT, f"expected 4 tab-separated fields (user item rating timestamp), got {len(fields)}")
             continue
         try:
-            user, item, rating, ts = (int(x) for x in fields)
+            user, item, rating, ts = (int64_field(x, name) for x, name in zip(fields, ("user id", "item id", "rating", "timestamp")))
+        except OverflowError as error:
+            check.bad(line, BadRowKind.OUT_OF_RANGE, str(error))
+            continue
         except ValueError:
             check.bad(line, BadRowKind.NOT_A_NUMBER, f"fields {fields!r}")
             continue

@@ -24,35 +24,50 @@ import numpy as np
 
 from gem_jax.data.events import EventLog, build_event_log
 from gem_jax.data.features import NUM_HALF_STAR_ACTIONS
-from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker
+from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker, csv_fields, int64_field, text_lines
 
 RATINGS_HEADER = ["userId", "movieId", "rating", "timestamp"]
 MOVIES_HEADER = ["movieId", "title", "genres"]
 NO_GENRES = "(no genres listed)"
 
 
-def _rows(path: Path, header: list[str]):
-    """Yields (line, fields) of a CSV file after checking its header; skips blank lines."""
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        first = next(reader, None)
-        if first != header:
-            raise DataFormatError(f"{path}, line 1: expected the header {','.join(header)}, got {first!r}")
-        for fields in reader:
-            if fields:
-                yield reader.line_num, fields
+def _rows(path: Path, header: list[str], check: RowChecker):
+    """Yields (line, fields) of a CSV file after checking its header; skips blank lines.
+
+    One record per line (the publisher's files have no line break inside a quoted
+    field): a line with an unbalanced quote or bytes that are not UTF-8 is a bad row
+    of its own.
+    """
+    first = True
+    for line, text in text_lines(path, check):
+        try:
+            fields = csv_fields(text)
+        except csv.Error as error:
+            check.bad(line, BadRowKind.QUOTING, f"{error} in {text[:80]!r}")
+            continue
+        if first:
+            if fields != header:
+                raise DataFormatError(f"{path}, line {line}: expected the header {','.join(header)}, got {fields!r}")
+            first = False
+        elif fields:
+            yield line, fields
+    if first:
+        raise DataFormatError(f"{path}: no header line {','.join(header)}")
 
 
 def read_movies(path: Path, on_bad_row: OnBadRow) -> tuple[dict[int, list[str]], RowChecker]:
     """movies.csv -> {movieId: [genre, ...]} (empty list for "(no genres listed)")."""
     check = RowChecker(path, on_bad_row)
     movies: dict[int, list[str]] = {}
-    for line, fields in _rows(path, MOVIES_HEADER):
+    for line, fields in _rows(path, MOVIES_HEADER, check):
         if len(fields) != 3:
             check.bad(line, BadRowKind.FIELD_COUNT, f"expected 3 fields (movieId,title,genres), got {len(fields)}")
             continue
         try:
-            movie = int(fields[0])
+            movie = int64_field(fields[0], "movieId")
+        except OverflowError as error:
+            check.bad(line, BadRowKind.OUT_OF_RANGE, str(error))
+            continue
         except ValueError:
             check.bad(line, BadRowKind.NOT_A_NUMBER, f"movieId {fields[0]!r}")
             continue
@@ -78,8 +93,9 @@ def read_ml_latest_small(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRo
       The sorted `EventLog` (timestamps in Unix seconds; ratings in stars).
 
     Raises:
-      BadRowError: under RAISE, naming the file and line: a wrong field count,
-        a non-numeric field, a rating that is not a half-star in [0.5, 5], a
+      BadRowError: under RAISE, naming the file and line: bytes that are not
+        UTF-8, an unbalanced quote, a wrong field count, a non-numeric field, an
+        id or timestamp outside int64, a rating that is not a half-star in [0.5, 5], a
         negative timestamp, a movieId absent from movies.csv, or a repeated or
         genre-less movie row.
       DataFormatError: a wrong header, or no valid rating left.
@@ -90,12 +106,16 @@ def read_ml_latest_small(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRo
     ratings_path = folder / "ratings.csv"
     check = RowChecker(ratings_path, on_bad_row)
     users, items, stars, times, lines = [], [], [], [], []
-    for line, fields in _rows(ratings_path, RATINGS_HEADER):
+    for line, fields in _rows(ratings_path, RATINGS_HEADER, check):
         if len(fields) != 4:
             check.bad(line, BadRowKind.FIELD_COUNT, f"expected 4 fields (userId,movieId,rating,timestamp), got {len(fields)}")
             continue
         try:
-            user, movie, rating, ts = int(fields[0]), int(fields[1]), float(fields[2]), int(fields[3])
+            user, movie = int64_field(fields[0], "userId"), int64_field(fields[1], "movieId")
+            rating, ts = float(fields[2]), int64_field(fields[3], "timestamp")
+        except OverflowError as error:
+            check.bad(line, BadRowKind.OUT_OF_RANGE, str(error))
+            continue
         except ValueError:
             check.bad(line, BadRowKind.NOT_A_NUMBER, f"fields {fields!r}")
             continue

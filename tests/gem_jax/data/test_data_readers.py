@@ -136,6 +136,10 @@ def test_ml_small_tiny_file_parsed_and_sorted(tmp_path):
         ("1,1,nan,100", BadRowKind.OUT_OF_RANGE, "half-star"),
         ("1,1,4.0,-5", BadRowKind.OUT_OF_RANGE, "negative timestamp"),
         ("1,99,4.0,100", BadRowKind.UNKNOWN_ID, "movieId 99 is not in movies.csv"),
+        ('1,"1,4.0,100', BadRowKind.QUOTING, "unexpected end of data"),
+        ('1,"1"x,4.0,100', BadRowKind.QUOTING, "expected after"),
+        ("12345678901234567890,1,4.0,100", BadRowKind.OUT_OF_RANGE, "userId '12345678901234567890' does not fit in a 64-bit"),
+        ("1,1,4.0,99999999999999999999", BadRowKind.OUT_OF_RANGE, "timestamp '99999999999999999999' does not fit"),
     ],
 )
 def test_ml_small_bad_rating_row_names_file_and_line(tmp_path, row, kind, fragment):
@@ -165,6 +169,31 @@ def test_ml_small_skip_counts_several_kinds(tmp_path):
         BadRowKind.UNKNOWN_ID: (2, "line 6"),
     }
     assert "skipped 2 row(s), unknown id (first at line 6)" in str(log.skipped[-1])
+
+
+def test_ml_small_unbalanced_quote_costs_exactly_its_line(tmp_path):
+    # A csv.reader over the file would read the quote's field on to the end of the file (or to
+    # the next quote) and drop every row in between; line by line, only line 3 is bad.
+    rows = GOOD_RATINGS[:1] + ['1,"2,3.5,90'] + GOOD_RATINGS[1:] + [f"3,1,4.0,{t}" for t in range(40)]
+    folder = _ml_small(tmp_path, rows)
+    with pytest.raises(BadRowError, match="line 3: unbalanced quote"):
+        read_ml_latest_small(folder)
+    log = read_ml_latest_small(folder, OnBadRow.SKIP)
+    assert log.num_events == len(rows) - 1
+    assert [(s.kind, s.count, s.first_location) for s in log.skipped] == [(BadRowKind.QUOTING, 1, "line 3")]
+
+
+def test_ml_small_non_utf8_byte_names_file_line_and_byte(tmp_path):
+    folder = _ml_small(tmp_path, GOOD_RATINGS)
+    path = folder / "ratings.csv"
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[2] = b"1,2,3.5,9\xff\n"  # line 3
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(BadRowError, match=r"ratings.csv, line 3: undecodable bytes: byte 0xff at column 10 is not valid utf-8"):
+        read_ml_latest_small(folder)
+    log = read_ml_latest_small(folder, OnBadRow.SKIP)
+    assert log.num_events == len(GOOD_RATINGS) - 1
+    assert [(s.kind, s.count, s.first_location) for s in log.skipped] == [(BadRowKind.ENCODING, 1, "line 3")]
 
 
 def test_ml_small_bad_movie_rows(tmp_path):
@@ -270,6 +299,7 @@ def test_beauty_tiny_file(tmp_path):
         (["1 1 2", "2 3 x"], BadRowKind.NOT_A_NUMBER, "not an integer", 2),
         (["1 1 2", "2 0 3"], BadRowKind.OUT_OF_RANGE, "positive", 2),
         (["1 1 2", "1 3 4"], BadRowKind.DUPLICATE_ID, "user 1 has a second line", 2),
+        (["1 1 2", "2 3 123456789012345678901"], BadRowKind.OUT_OF_RANGE, "does not fit in a 64-bit integer", 2),
     ],
 )
 def test_beauty_bad_lines(tmp_path, lines, kind, fragment, line):

@@ -1,0 +1,77 @@
+"""Checksum manifests of checkpoint steps: sha256 of every file, written after a save, checked before a restore.
+
+Orbax writes a step atomically (a temporary folder renamed when complete), but
+nothing in it notices bytes that change later: a flipped byte in a data file
+restores silently. `write_manifest(step_dir)` records the sha256 and size of every
+file of a finished step in `<step_dir>/checksums.json`; `verify(step_dir)` names
+each file that is missing, added, resized or changed since.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+MANIFEST = "checksums.json"
+_CHUNK = 1 << 20
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint step that fails its checksum manifest or cannot be read."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp"))
+
+
+def has_manifest(step_dir: str | Path) -> bool:
+    return (Path(step_dir) / MANIFEST).is_file()
+
+
+def write_manifest(step_dir: str | Path) -> None:
+    """Writes `<step_dir>/checksums.json`: `{relative path: [size in bytes, sha256 hex]}` (atomically)."""
+    step_dir = Path(step_dir)
+    entries = {str(p.relative_to(step_dir)): [p.stat().st_size, _sha256(p)] for p in _files(step_dir)}
+    tmp = step_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
+    os.replace(tmp, step_dir / MANIFEST)
+
+
+def verify(step_dir: str | Path) -> list[str]:
+    """The problems of a step against its manifest, one line each naming the file; `[]` when intact.
+
+    A step without a manifest (saved, then the process ended before the manifest
+    was written) has nothing to check against and yields `[]`.
+    """
+    step_dir = Path(step_dir)
+    manifest = step_dir / MANIFEST
+    if not manifest.is_file():
+        return []
+    try:
+        expected = json.loads(manifest.read_text())
+    except (OSError, ValueError) as error:
+        return [f"{manifest}: unreadable manifest ({error})"]
+    problems = []
+    present = {str(p.relative_to(step_dir)): p for p in _files(step_dir)}
+    for name, (size, digest) in sorted(expected.items()):
+        path = step_dir / name
+        if name not in present:
+            problems.append(f"{path}: missing")
+            continue
+        actual = path.stat().st_size
+        if actual != size:
+            problems.append(f"{path}: {actual} bytes, {size} when saved")
+        elif _sha256(path) != digest:
+            problems.append(f"{path}: contents changed since the save (sha256 mismatch)")
+    problems += [f"{step_dir / name}: not part of the saved checkpoint" for name in sorted(set(present) - set(expected))]
+    return problems
