@@ -24,13 +24,13 @@ class SelfAttentionBlock(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, hd = config.embed_dim, config.head_dim
         self.config = config
-        self.norm_attn = rms_norm(d, rngs=rngs)
-        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
-        self.q_norm = rms_norm(hd, rngs=rngs)
-        self.k_norm = rms_norm(hd, rngs=rngs)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe)
-        self.norm_mlp = rms_norm(d, rngs=rngs)
-        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe)
+        self.norm_attn = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.q_norm = rms_norm(hd, rngs=rngs, dtype=config.dtype)
+        self.k_norm = rms_norm(hd, rngs=rngs, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
 
     def __call__(self, x: jax.Array, history: Jagged, positions: jax.Array) -> jax.Array:
         """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence."""
@@ -67,10 +67,10 @@ class PooledAttention(nnx.Module):
                 rngs.params(), (config.num_pooled_queries, config.num_heads, config.head_dim)
             )
         )
-        self.norm = rms_norm(d, rngs=rngs)
-        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
-        self.k_norm = rms_norm(config.head_dim, rngs=rngs)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs)
+        self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, dtype=config.dtype)
 
     def __call__(self, x: jax.Array, history: Jagged) -> jax.Array:
         cfg = self.config
@@ -100,7 +100,7 @@ class SequenceTower(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.blocks = nnx.List([SelfAttentionBlock(config, rngs=rngs) for _ in range(config.num_seq_layers)])
-        self.final_norm = rms_norm(config.embed_dim, rngs=rngs)
+        self.final_norm = rms_norm(config.embed_dim, rngs=rngs, dtype=config.dtype)
         self.pool = PooledAttention(config, rngs=rngs)
 
     def __call__(self, x: jax.Array, history: Jagged) -> tuple[jax.Array, jax.Array]:
