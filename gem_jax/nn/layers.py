@@ -7,6 +7,7 @@ Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `table_rows
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -122,20 +123,35 @@ class MLP(nnx.Module):
         return self.down(jax.nn.gelu(self.up(x)))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-    """Rotary position embedding (Su et al., "RoFormer", 2021), rotate-half form.
+class RopeTable(NamedTuple):
+    """Rotation angles of every row, shared by all heads and layers: float32 `[T, 1, D/2]` each."""
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rope_table(positions: jax.Array, dim: int, base: float) -> RopeTable:
+    """Cosines and sines of the RoPE angles (Su et al., "RoFormer", 2021) of `positions`.
+
+    Computed once per forward pass and shared by the queries and keys of every layer.
 
     Args:
-      x: `[T, H, D]` with D even.
       positions: int `[T]` position of each row inside its own sequence.
+      dim: head dimension D (even).
       base: wavelength base.
-
-    Returns:
-      `[T, H, D]`, x.dtype; computed in float32.
     """
-    half = x.shape[-1] // 2
+    half = dim // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    angles = positions.astype(jnp.float32)[:, None, None] * freqs  # [T, 1, D/2]
+    return RopeTable(jnp.cos(angles), jnp.sin(angles))
+
+
+def apply_rope(x: jax.Array, table: RopeTable, dtype: jnp.dtype | None = None) -> jax.Array:
+    """Rotary position embedding, rotate-half form: `[T, H, D]` -> `[T, H, D]` in `dtype` (default x.dtype).
+
+    Computed in float32: give it the float32 output of the QK-norm and the compute
+    dtype as `dtype`, and norm and rotation are one elementwise pass with one rounding.
+    """
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    cos, sin = table
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype or x.dtype)
