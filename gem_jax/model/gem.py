@@ -24,7 +24,7 @@ NUM_BASE_TOKENS = len(UserField) + 2  # user fields, candidate item, candidate g
 class FeatureEmbeddings(nnx.Module):
     """Embedding tables for history events, user fields and the candidate.
 
-    Tables are float32 (sparse optimizer state); rows are summed in float32 and the
+    Tables are float32 parameters; rows are summed in float32 and the
     tokens returned in `dtype`, the model's compute dtype.
     """
 
