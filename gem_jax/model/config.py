@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import jax.numpy as jnp
+
 from gem_jax.quant.dense import Fp8Recipe
 from pallas_kernels import Implementation, describe_choice
 
@@ -52,6 +54,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """`compute_dtype` as a dtype: every activation and every matmul operand is in it."""
+        return jnp.dtype(self.compute_dtype)
 
     @property
     def fp8_recipe(self) -> Fp8Recipe | None:

@@ -12,10 +12,13 @@ and KV).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype
 
 import pallas_kernels
 from gem_jax.model.config import ModelConfig, attention_implementations
@@ -36,11 +39,11 @@ class TokenAttention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d = config.embed_dim
         self.config = config
-        self.norm = rms_norm(d, rngs=rngs)
-        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
-        self.q_norm = rms_norm(config.head_dim, rngs=rngs)
-        self.k_norm = rms_norm(config.head_dim, rngs=rngs)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe)
+        self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
@@ -58,14 +61,14 @@ class TokenAttention(nnx.Module):
             activation="gelu",
             implementation=attention_implementations(cfg).gelu,
         )
-        return tokens + self.out(attn.reshape(b, f, d) / np.sqrt(f))
+        return tokens + self.out(attn.reshape(b, f, d) / math.sqrt(f))
 
 
 class CrossExpert(nnx.Module):
     """DCN-v2 cross layers: `x_{l+1} = x0 * (W x_l + b) + x_l` on flattened tokens."""
 
-    def __init__(self, width: int, num_layers: int = 2, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([dense(width, width, ("embed", "mlp"), rngs=rngs) for _ in range(num_layers)])
+    def __init__(self, width: int, num_layers: int = 2, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None):
+        self.layers = nnx.List([dense(width, width, ("embed", "mlp"), rngs=rngs, dtype=dtype) for _ in range(num_layers)])
 
     def __call__(self, x0: jax.Array) -> jax.Array:
         x = x0
@@ -77,13 +80,13 @@ class CrossExpert(nnx.Module):
 class DotCompressionExpert(nnx.Module):
     """Pairwise token dot products (upper triangle, F(F-1)/2 values) projected back to F*d."""
 
-    def __init__(self, num_tokens: int, dim: int, *, rngs: nnx.Rngs):
+    def __init__(self, num_tokens: int, dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None):
         self.num_tokens = num_tokens
         pairs = num_tokens * (num_tokens - 1) // 2
-        self.proj = dense(pairs, num_tokens * dim, (None, "embed"), rngs=rngs)
+        self.proj = dense(pairs, num_tokens * dim, (None, "embed"), rngs=rngs, dtype=dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        gram = jnp.einsum("bfd,bgd->bfg", tokens, tokens) / np.sqrt(tokens.shape[-1])
+        gram = jnp.einsum("bfd,bgd->bfg", tokens, tokens) / math.sqrt(tokens.shape[-1])
         rows, cols = np.triu_indices(self.num_tokens, k=1)
         return self.proj(gram[:, rows, cols])
 
@@ -99,11 +102,12 @@ class MLPExperts(nnx.Module):
       ValueError: `hidden` is not a multiple of `num_experts`.
     """
 
-    def __init__(self, num_experts: int, width: int, hidden: int, *, rngs: nnx.Rngs):
+    def __init__(self, num_experts: int, width: int, hidden: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None):
         if hidden % num_experts:
             raise ValueError(f"MLP expert width {hidden} is not a multiple of {num_experts} experts")
         h = hidden // num_experts
         self.num_experts = num_experts
+        self.dtype = dtype
         kernel = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
         zeros = nnx.initializers.zeros_init()
         self.up_kernel = nnx.Param(nnx.with_partitioning(kernel, ("expert", "embed", "mlp"))(rngs.params(), (num_experts, width, h)))
@@ -113,8 +117,11 @@ class MLPExperts(nnx.Module):
 
     def _local_sum(self, x: jax.Array) -> jax.Array:
         """Sum of this device's experts on `x [rows, width]`."""
-        hidden = jax.nn.gelu(jnp.einsum("bw,kwh->kbh", x, self.up_kernel[...]) + self.up_bias[...][:, None, :])
-        return jnp.einsum("kbh,khw->bw", hidden, self.down_kernel[...]) + self.down_bias[...].sum(0)
+        x, up, up_bias, down, down_bias = promote_dtype(
+            (x, self.up_kernel[...], self.up_bias[...], self.down_kernel[...], self.down_bias[...]), dtype=self.dtype
+        )
+        hidden = jax.nn.gelu(jnp.einsum("bw,kwh->kbh", x, up) + up_bias[:, None, :])
+        return jnp.einsum("kbh,khw->bw", hidden, down) + down_bias.sum(0)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """`[b, width] -> [b, width]`: the sum over every expert (across the expert axis when sharded)."""
@@ -127,11 +134,11 @@ class DHENLayer(nnx.Module):
     def __init__(self, num_tokens: int, config: ModelConfig, *, rngs: nnx.Rngs, num_mlp_experts: int = MLP_EXPERTS):
         width = num_tokens * config.embed_dim
         self.num_tokens = num_tokens
-        self.norm = rms_norm(width, rngs=rngs)
-        self.mlp_expert = MLPExperts(num_mlp_experts, width, config.mlp_ratio * config.embed_dim, rngs=rngs)
-        self.cross_expert = CrossExpert(width, rngs=rngs)
-        self.dot_expert = DotCompressionExpert(num_tokens, config.embed_dim, rngs=rngs)
-        self.mix = dense(3 * width, width, ("mlp", "embed"), rngs=rngs, fp8=config.fp8_recipe)
+        self.norm = rms_norm(width, rngs=rngs, dtype=config.dtype)
+        self.mlp_expert = MLPExperts(num_mlp_experts, width, config.mlp_ratio * config.embed_dim, rngs=rngs, dtype=config.dtype)
+        self.cross_expert = CrossExpert(width, rngs=rngs, dtype=config.dtype)
+        self.dot_expert = DotCompressionExpert(num_tokens, config.embed_dim, rngs=rngs, dtype=config.dtype)
+        self.mix = dense(3 * width, width, ("mlp", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         b, f, d = tokens.shape

@@ -101,7 +101,10 @@ def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
     per_token += 2 * d * 2 * d + attn * lq  # pooled attention: k/v projection, Lq queries
     per_token += 2 * d * 2 * d + attn * f  # feature_to_history: k/v projection, F queries
 
-    per_pair = config.num_seq_layers * attn / 2  # causal: lower triangle
+    # Causal self-attention over L tokens has L (L + 1) / 2 (query, key) pairs: L**2 / 2 of
+    # them in the per-pair term, the L / 2 of the diagonal's half in the per-token term.
+    per_pair = config.num_seq_layers * attn / 2
+    per_token += config.num_seq_layers * attn / 2
 
     per_example = 0.0
     per_example += f0 * 2 * d * 2 * d  # history_context k/v of feature tokens

@@ -22,28 +22,33 @@ NUM_BASE_TOKENS = len(UserField) + 2  # user fields, candidate item, candidate g
 
 
 class FeatureEmbeddings(nnx.Module):
-    """Embedding tables for history events, user fields and the candidate."""
+    """Embedding tables for history events, user fields and the candidate.
 
-    def __init__(self, spec: FeatureSpec, dim: int, *, rngs: nnx.Rngs):
+    Tables are float32 parameters; rows are summed in float32 and the
+    tokens returned in `dtype`, the model's compute dtype.
+    """
+
+    def __init__(self, spec: FeatureSpec, dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+        self.dtype = dtype
         self.item = EmbeddingTable(spec.num_items, dim, rngs=rngs)  # shared by history and candidate
         self.action = EmbeddingTable(spec.num_actions, dim, rngs=rngs)
         self.time_bucket = EmbeddingTable(spec.num_time_buckets, dim, rngs=rngs)
         self.user = nnx.List([EmbeddingTable(size, dim, rngs=rngs) for size in spec.user_vocab_sizes()])
-        self.genres = dense(spec.num_genres, dim, (None, "embed"), rngs=rngs)
+        self.genres = dense(spec.num_genres, dim, (None, "embed"), rngs=rngs, dtype=dtype)
 
     def history(self, values: jax.Array) -> jax.Array:
-        """int32 `[T_cap, 3]` -> `[T_cap, d]`: sum of item, action and time-bucket embeddings."""
+        """int32 `[T_cap, 3]` -> `[T_cap, d]` in `dtype`: sum of item, action and time-bucket embeddings."""
         return (
             self.item(values[:, HistoryField.ITEM])
             + self.action(values[:, HistoryField.ACTION])
             + self.time_bucket(values[:, HistoryField.TIME_BUCKET])
-        )
+        ).astype(self.dtype)
 
     def feature_tokens(self, batch: Batch) -> jax.Array:
-        """`[B, NUM_BASE_TOKENS, d]`: one token per user field, the candidate item, its genres."""
-        users = [table(batch.user[:, field]) for field, table in zip(UserField, self.user)]
+        """`[B, NUM_BASE_TOKENS, d]` in `dtype`: one token per user field, the candidate item, its genres."""
+        lookups = [table(batch.user[:, field]) for field, table in zip(UserField, self.user)] + [self.item(batch.candidate_item)]
         genres = batch.candidate_genres / jnp.maximum(batch.candidate_genres.sum(-1, keepdims=True), 1.0)
-        return jnp.stack(users + [self.item(batch.candidate_item), self.genres(genres)], axis=1)
+        return jnp.stack([row.astype(self.dtype) for row in lookups] + [self.genres(genres)], axis=1)
 
 
 class GEMModel(nnx.Module):
@@ -67,7 +72,7 @@ class GEMModel(nnx.Module):
         self.config = config
         self.spec = spec
         self.num_tokens = NUM_BASE_TOKENS + config.num_pooled_queries
-        self.embed = FeatureEmbeddings(spec, d, rngs=rngs)
+        self.embed = FeatureEmbeddings(spec, d, rngs=rngs, dtype=config.dtype)
         # A learned embedding per feature-token slot: tells the tokens apart, and keeps a token
         # whose features are empty (no genres, an empty history's pooled output) away from the
         # zero vector, where RMSNorm's gradient is 1/sqrt(eps).
@@ -78,26 +83,28 @@ class GEMModel(nnx.Module):
         self.sequence_tower = SequenceTower(config, rngs=rngs)
         self.feature_to_history = CrossAttention(config, rngs=rngs)
         self.cross_tower = CrossFeatureTower(self.num_tokens, config, rngs=rngs)
-        self.head_norm = rms_norm(self.num_tokens * d, rngs=rngs)
-        self.heads = nnx.List([MLP(self.num_tokens * d, config.head_hidden, 1, rngs=rngs) for _ in Task])
+        self.head_norm = rms_norm(self.num_tokens * d, rngs=rngs, dtype=config.dtype)
+        self.heads = nnx.List(
+            [MLP(self.num_tokens * d, config.head_hidden, 1, rngs=rngs, dtype=config.dtype, float32_output=True) for _ in Task]
+        )
 
     def __call__(self, batch: Batch) -> jax.Array:
         """Returns float32 logits `[B, len(Task)]`."""
-        dtype = jnp.dtype(self.config.compute_dtype)
+        dtype = self.config.dtype
         history = batch.history
         b, base = batch.batch_size, NUM_BASE_TOKENS
         token_type = self.token_type[...].astype(dtype)
-        tokens = self.embed.feature_tokens(batch).astype(dtype) + token_type[:base]
-        x = self.embed.history(history.values).astype(dtype)
+        tokens = self.embed.feature_tokens(batch) + token_type[:base]
+        x = self.embed.history(history.values)
         x = self.history_context(
             x, history.offsets, history.max_seq_len, tokens.reshape(b * base, -1), uniform_offsets(b, base), base
         )
         x, pooled = self.sequence_tower(x, history.replace_values(x))
-        tokens = jnp.concatenate([tokens, pooled.astype(dtype) + token_type[base:]], axis=1)
+        tokens = jnp.concatenate([tokens, pooled + token_type[base:]], axis=1)
         f = self.num_tokens
         tokens = self.feature_to_history(
             tokens.reshape(b * f, -1), uniform_offsets(b, f), f, x, history.offsets, history.max_seq_len
         ).reshape(b, f, -1)
         tokens = self.cross_tower(tokens)
         flat = self.head_norm(tokens.reshape(b, -1))
-        return jnp.concatenate([head(flat) for head in self.heads], axis=-1).astype(jnp.float32)
+        return jnp.concatenate([head(flat) for head in self.heads], axis=-1)

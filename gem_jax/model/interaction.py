@@ -23,19 +23,21 @@ class CrossAttention(nnx.Module):
     """Jagged queries attend to jagged context with GELU attention (GDPA), residual added.
 
     The sum over keys is divided by sqrt(context length) to keep its scale bounded;
-    an empty context adds only the output bias.
+    an empty context adds only the output bias. The division is applied to the values
+    (each context row by its own sequence's factor), which GDPA takes as a separate
+    buffer anyway, instead of to the attention output in a pass of its own.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d = config.embed_dim
         self.config = config
-        self.q_in = rms_norm(d, rngs=rngs)
-        self.kv_in = rms_norm(d, rngs=rngs)
-        self.q = dense(d, d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
-        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
-        self.q_norm = rms_norm(config.head_dim, rngs=rngs)
-        self.k_norm = rms_norm(config.head_dim, rngs=rngs)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe)
+        self.q_in = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.kv_in = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.q = dense(d, d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
 
     def __call__(self, x, x_offsets, max_len_x: int, context, context_offsets, max_len_context: int) -> jax.Array:
         """x `[Tq, d]` with offsets `[B+1]`; context `[Tkv, d]` with offsets `[B+1]` -> `[Tq, d]`."""
@@ -43,10 +45,13 @@ class CrossAttention(nnx.Module):
         h, hd = cfg.num_heads, cfg.head_dim
         q = self.q_norm(self.q(self.q_in(x)).reshape(x.shape[0], h, hd))
         kv = self.kv(self.kv_in(context)).reshape(context.shape[0], 2, h, hd)
+        context_len = jnp.maximum(context_offsets[1:] - context_offsets[:-1], 1).astype(jnp.float32)
+        seq_scale = jnp.append(jax.lax.rsqrt(context_len), 0.0).astype(kv.dtype)  # 0 for slack rows
+        row_scale = seq_scale[segment_ids(context_offsets, context.shape[0])]
         attn = pallas_kernels.gdpa(
             q,
             self.k_norm(kv[:, 0]),
-            kv[:, 1],
+            kv[:, 1] * row_scale[:, None, None],
             x_offsets,
             context_offsets,
             max_seq_len_q=max_len_x,
@@ -54,6 +59,4 @@ class CrossAttention(nnx.Module):
             activation="gelu",
             implementation=attention_implementations(cfg).gelu,
         )
-        context_len = jnp.maximum(context_offsets[1:] - context_offsets[:-1], 1).astype(x.dtype)
-        row_scale = jnp.append(jax.lax.rsqrt(context_len), 0.0)[segment_ids(x_offsets, x.shape[0])]  # 0 on slack rows
-        return x + self.out(attn.reshape(x.shape[0], -1) * row_scale[:, None])
+        return x + self.out(attn.reshape(x.shape[0], -1))

@@ -15,7 +15,7 @@ from flax import nnx
 import pallas_kernels
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import ModelConfig, attention_implementations
-from gem_jax.nn.layers import MLP, apply_rope, dense, rms_norm
+from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, rms_norm, rope_table
 
 
 class SelfAttentionBlock(nnx.Module):
@@ -24,21 +24,22 @@ class SelfAttentionBlock(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, hd = config.embed_dim, config.head_dim
         self.config = config
-        self.norm_attn = rms_norm(d, rngs=rngs)
-        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
-        self.q_norm = rms_norm(hd, rngs=rngs)
-        self.k_norm = rms_norm(hd, rngs=rngs)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe)
-        self.norm_mlp = rms_norm(d, rngs=rngs)
-        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe)
+        self.norm_attn = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        # float32 outputs: RoPE follows in float32, and rounds once to the compute dtype.
+        self.q_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
+        self.k_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
 
-    def __call__(self, x: jax.Array, history: Jagged, positions: jax.Array) -> jax.Array:
-        """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence."""
+    def __call__(self, x: jax.Array, history: Jagged, rope: RopeTable) -> jax.Array:
+        """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence; `rope` of the history's positions."""
         cfg = self.config
         t = x.shape[0]
         qkv = self.qkv(self.norm_attn(x)).reshape(t, 3, cfg.num_heads, cfg.head_dim)
-        q = apply_rope(self.q_norm(qkv[:, 0]), positions, cfg.rope_base)
-        k = apply_rope(self.k_norm(qkv[:, 1]), positions, cfg.rope_base)
+        q = apply_rope(self.q_norm(qkv[:, 0]), rope, cfg.dtype)
+        k = apply_rope(self.k_norm(qkv[:, 1]), rope, cfg.dtype)
         attn = pallas_kernels.jagged_flash_attention(
             q,
             k,
@@ -67,10 +68,10 @@ class PooledAttention(nnx.Module):
                 rngs.params(), (config.num_pooled_queries, config.num_heads, config.head_dim)
             )
         )
-        self.norm = rms_norm(d, rngs=rngs)
-        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe)
-        self.k_norm = rms_norm(config.head_dim, rngs=rngs)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs)
+        self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, dtype=config.dtype)
 
     def __call__(self, x: jax.Array, history: Jagged) -> jax.Array:
         cfg = self.config
@@ -99,13 +100,14 @@ class SequenceTower(nnx.Module):
     """Event embeddings `[T_cap, d]` -> (contextual tokens `[T_cap, d]`, pooled `[B, Lq, d]`)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
         self.blocks = nnx.List([SelfAttentionBlock(config, rngs=rngs) for _ in range(config.num_seq_layers)])
-        self.final_norm = rms_norm(config.embed_dim, rngs=rngs)
+        self.final_norm = rms_norm(config.embed_dim, rngs=rngs, dtype=config.dtype)
         self.pool = PooledAttention(config, rngs=rngs)
 
     def __call__(self, x: jax.Array, history: Jagged) -> tuple[jax.Array, jax.Array]:
-        positions = history.positions()
+        rope = rope_table(history.positions(), self.config.head_dim, self.config.rope_base)
         for block in self.blocks:
-            x = block(x, history, positions)
+            x = block(x, history, rope)
         x = self.final_norm(x)
         return x, self.pool(x, history)

@@ -7,6 +7,7 @@ Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `table_rows
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from flax import nnx
 
 from gem_jax.nn import embeddings
 from gem_jax.quant.dense import Fp8Linear, Fp8Recipe
+from pallas_kernels.mixed_precision import dot_general_float32
 
 EMBEDDING_PARAM = "embedding"  # name of every embedding-table parameter (the sparse optimizer's partition key)
 
@@ -26,16 +28,33 @@ def dense(
     rngs: nnx.Rngs,
     use_bias: bool = True,
     fp8: Fp8Recipe | None = None,
+    dtype: jnp.dtype | None = None,
+    float32_output: bool = False,
 ) -> nnx.Linear | Fp8Linear:
     """A dense layer whose kernel `[in, out]` carries the logical axis names `axes`.
 
     `nnx.Linear`, or with an `fp8` recipe the drop-in `Fp8Linear` (same parameters).
+    Parameters are float32; `dtype` is the compute dtype: input, kernel and bias are
+    cast to it before the matmul, so no float32 operand reaches a bfloat16 model's
+    GEMMs (None: the promoted dtype of input and parameters). `float32_output`
+    returns the matmul's float32 accumulator (plus the bias) instead of rounding it to
+    `dtype`, with the backward GEMMs still in `dtype`
+    (`pallas_kernels.mixed_precision`): for logits. Not with `fp8`.
+
+    Raises:
+      ValueError: `float32_output` together with an `fp8` recipe.
     """
-    layer = nnx.Linear if fp8 is None else functools.partial(Fp8Linear, recipe=fp8)
+    if fp8 is None:
+        layer = functools.partial(nnx.Linear, dot_general=dot_general_float32) if float32_output else nnx.Linear
+    elif float32_output:
+        raise ValueError(f"dense {in_features}->{out_features}: float32_output is not supported by the FP8 layer")
+    else:
+        layer = functools.partial(Fp8Linear, recipe=fp8)
     return layer(
         in_features,
         out_features,
         use_bias=use_bias,
+        dtype=dtype,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), axes),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axes[1],)),
         rngs=rngs,
@@ -69,36 +88,70 @@ class EmbeddingTable(nnx.Module):
         return embeddings.lookup(getattr(self, EMBEDDING_PARAM)[...], ids, self.num_rows, self.placement)
 
 
-def rms_norm(dim: int, *, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    """RMSNorm (Zhang & Sennrich, 2019) over the last axis of width `dim`, scale on logical axis `norm`."""
-    return nnx.RMSNorm(dim, epsilon=1e-6, scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",)), rngs=rngs)
+def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None) -> nnx.RMSNorm:
+    """RMSNorm (Zhang & Sennrich, 2019) over the last axis of width `dim`, scale on logical axis `norm`.
+
+    Statistics are computed in float32 (flax's `nnx.RMSNorm`); the output is in `dtype`
+    (None: the promoted dtype of input and scale).
+    """
+    scale_init = nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",))
+    return nnx.RMSNorm(dim, epsilon=1e-6, dtype=dtype, scale_init=scale_init, rngs=rngs)
 
 
 class MLP(nnx.Module):
-    """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`)."""
+    """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`).
 
-    def __init__(self, dim: int, hidden: int, out: int | None = None, *, rngs: nnx.Rngs, fp8: Fp8Recipe | None = None):
-        self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs, fp8=fp8)
-        self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs, fp8=fp8)
+    `dtype` is the compute dtype of both layers; `float32_output` applies to the
+    second (see `dense`).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        out: int | None = None,
+        *,
+        rngs: nnx.Rngs,
+        fp8: Fp8Recipe | None = None,
+        dtype: jnp.dtype | None = None,
+        float32_output: bool = False,
+    ):
+        self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs, fp8=fp8, dtype=dtype)
+        self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs, fp8=fp8, dtype=dtype, float32_output=float32_output)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.up(x)))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-    """Rotary position embedding (Su et al., "RoFormer", 2021), rotate-half form.
+class RopeTable(NamedTuple):
+    """Rotation angles of every row, shared by all heads and layers: float32 `[T, 1, D/2]` each."""
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rope_table(positions: jax.Array, dim: int, base: float) -> RopeTable:
+    """Cosines and sines of the RoPE angles (Su et al., "RoFormer", 2021) of `positions`.
+
+    Computed once per forward pass and shared by the queries and keys of every layer.
 
     Args:
-      x: `[T, H, D]` with D even.
       positions: int `[T]` position of each row inside its own sequence.
+      dim: head dimension D (even).
       base: wavelength base.
-
-    Returns:
-      `[T, H, D]`, x.dtype; computed in float32.
     """
-    half = x.shape[-1] // 2
+    half = dim // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    angles = positions.astype(jnp.float32)[:, None, None] * freqs  # [T, 1, D/2]
+    return RopeTable(jnp.cos(angles), jnp.sin(angles))
+
+
+def apply_rope(x: jax.Array, table: RopeTable, dtype: jnp.dtype | None = None) -> jax.Array:
+    """Rotary position embedding, rotate-half form: `[T, H, D]` -> `[T, H, D]` in `dtype` (default x.dtype).
+
+    Computed in float32: give it the float32 output of the QK-norm and the compute
+    dtype as `dtype`, and norm and rotation are one elementwise pass with one rounding.
+    """
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    cos, sin = table
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype or x.dtype)

@@ -2,8 +2,10 @@
 
 `out_b = act((Q_b K_b^T) * scale) V_b` per sequence, no softmax. Q and KV are
 jagged with separate offsets; both are padded to their static maxima inside
-(B x Nq x Nkv work, never a T x T matrix over the packed batch). Scores and the
-activation run in float32.
+(B x Nq x Nkv work, never a T x T matrix over the packed batch). The matmuls take
+their operands in the inputs' dtype and accumulate in float32; scores and the
+activation run in float32, and the activated scores are cast to V's dtype for the
+second matmul, as the kernels do (no float32 GEMM for bfloat16 inputs).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.jagged_layout import from_padded, to_padded
+from pallas_kernels.mixed_precision import einsum_float32
 
 
 class Activation(enum.StrEnum):
@@ -62,12 +65,12 @@ def gdpa_padded(q, k, v, q_lengths, kv_lengths, *, activation, scale: float):
     float32 `[B, Nq, H, D]`.
     """
     act = activation_fn(activation)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = einsum_float32("bqhd,bkhd->bhqk", q, k) * scale
     q_pos = jnp.arange(q.shape[1])
     kv_pos = jnp.arange(k.shape[1])
     mask = (q_pos[None, :] < q_lengths[:, None])[:, None, :, None] & (kv_pos[None, :] < kv_lengths[:, None])[:, None, None, :]
     p = jnp.where(mask, act(jnp.where(mask, s, 0.0)), 0.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
+    return einsum_float32("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
 
 
 def gdpa(

@@ -1,7 +1,10 @@
 """Pure-jnp jagged softmax attention: the semantic spec of JFA and its "xla" path.
 
 Each sequence is padded to the static `max_seq_len` inside (B x N x N work, never
-a T x T matrix over the packed batch); scores and softmax run in float32.
+a T x T matrix over the packed batch). The matmuls take their operands in the
+inputs' dtype and accumulate in float32; scores and softmax run in float32, and the
+probabilities are cast to V's dtype for the second matmul, as the kernels do (no
+float32 GEMM for bfloat16 inputs).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.jagged_layout import from_padded, to_padded
+from pallas_kernels.mixed_precision import einsum_float32
 
 
 def attention_padded(q, k, v, lengths, *, causal: bool, scale: float):
@@ -19,7 +23,7 @@ def attention_padded(q, k, v, lengths, *, causal: bool, scale: float):
     lse = -inf.
     """
     n = q.shape[1]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = einsum_float32("bqhd,bkhd->bhqk", q, k) * scale
     pos = jnp.arange(n)
     mask = (pos[None, :] < lengths[:, None])[:, None, None, :]  # keys inside the sequence
     mask = mask & (pos[None, :] < lengths[:, None])[:, None, :, None]  # real query rows
@@ -31,7 +35,7 @@ def attention_padded(q, k, v, lengths, *, causal: bool, scale: float):
     p = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
+    out = einsum_float32("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
     lse = jnp.where(denom[..., 0] > 0, m_safe[..., 0] + jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)), -jnp.inf)
     return out, lse
 

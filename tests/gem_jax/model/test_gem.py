@@ -8,7 +8,7 @@ from gem_jax.batch import Batch, FeatureSpec, HistoryField
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.gem import GEMModel
-from gem_jax.nn.layers import apply_rope
+from gem_jax.nn.layers import apply_rope, rope_table
 
 SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8, num_genres=5, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=12)
 CONFIG = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=16)
@@ -99,7 +99,7 @@ def test_rope_preserves_norm_and_relative_positions():
     rng = np.random.default_rng()
     q = jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32)
-    rot = lambda x, p: apply_rope(x, jnp.array([p]), 10_000.0)
+    rot = lambda x, p: apply_rope(x, rope_table(jnp.array([p]), 8, 10_000.0))
     np.testing.assert_allclose(jnp.linalg.norm(rot(q, 5)), jnp.linalg.norm(q), rtol=1e-6)
     # <R_m q, R_n k> depends on m - n only.
     d1 = jnp.sum(rot(q, 7) * rot(k, 3))
@@ -125,9 +125,9 @@ def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
 
     batch = make_batch(np.random.default_rng(), [0, 5, 12, 3], capacity=32)
     x = jnp.asarray(np.random.default_rng().normal(size=(32, CONFIG.embed_dim)), jnp.float32)
-    history, positions = batch.history, batch.history.positions()
-    ref = np.asarray(ref_block(x, history, positions))[:20]
-    out = np.asarray(fp8_block(x, history, positions))[:20]
+    history, rope = batch.history, rope_table(batch.history.positions(), CONFIG.head_dim, CONFIG.rope_base)
+    ref = np.asarray(ref_block(x, history, rope))[:20]
+    out = np.asarray(fp8_block(x, history, rope))[:20]
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert 0 < rel < 0.05  # E4M3 keeps 3 mantissa bits: a few percent per block, and not zero
 
