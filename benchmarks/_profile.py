@@ -53,7 +53,9 @@ _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]scatter|
 _PALLAS = re.compile(r"mosaic|^(gdpa|jfa|jagged_flash|mxfp8)")
 _CUDNN = re.compile(r"cudnn|sdpa|fmha")
 _GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|^sm\d+_")
-_F32_GEMM = re.compile(r"tf32|sgemm|nvjet_s")
+# cuBLAS names its float32 GEMMs `..._tf32...` or `sgemm`; nvjet kernels spell the operand types
+# in three letters after an optional `sm90_` (`tst`: bf16 in and out; `sss`: float32 in and out).
+_F32_GEMM = re.compile(r"tf32|sgemm|nvjet_(?:sm\d+_)?s[a-z]{2}_")
 _GATHER_SCATTER = re.compile(r"gather|scatter|dynamic[-_]slice|dynamic[-_]update[-_]slice")
 _XLA_FUSION = re.compile(r"^(loop|input|wrapped)_|fusion")
 

@@ -19,6 +19,8 @@ KERNELS = [
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas", "gemm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
     ("nvjet_hsh_256x128_64x4_2x1_v_bz_TNN", "gemm"),
+    ("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_TNT", "gemm"),  # seen on the H200: bf16, not float32
+    ("nvjet_sm90_sss_128x128_64x4_1x2_h_bz_NNT", "gemm_f32_tf32"),
     ("cutlass3x_sm90_tensorop_gemm_bf16_bf16_f32_bf16_bf16_128x256x64_1x1x1_0_tnn_align8_warpspecialized_cooperative_epi_tma", "gemm"),
     ("cutlass3x_sm90_tensorop_s64x128x8tf32gemm_f32_f32_f32_f32_128x128x32_1x2x1_0_tnn_align4", "gemm_f32_tf32"),
     ("cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, false, false>", "gemm"),
