@@ -7,6 +7,8 @@ slack rows stays out of results and gradients.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,13 +76,22 @@ def positions_in_sequence(offsets: jax.Array, capacity: int) -> jax.Array:
     return jnp.where(seg < offsets.shape[0] - 1, jnp.arange(capacity, dtype=jnp.int32) - starts, 0)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def to_padded(values: jax.Array, offsets: jax.Array, max_seq_len: int, fill_value=0) -> jax.Array:
     """Jagged `[T_cap, ...]` -> padded `[B, max_seq_len, ...]`.
 
     Equivalent to stacking `values[offsets[b]:offsets[b+1]]` padded with
     `fill_value`. Rows past `max_seq_len` in a sequence are not representable:
     validate first. Gathers only real rows, so NaN in slack stays out.
+
+    The gradient is `from_padded` of the cotangent: each real row sits at exactly one
+    padded position, so the transpose of this gather is a gather too (jax's own VJP
+    would be a scatter-add, slow for bf16 on GPUs).
     """
+    return _to_padded(values, offsets, max_seq_len, fill_value)
+
+
+def _to_padded(values, offsets, max_seq_len, fill_value):
     batch = offsets.shape[0] - 1
     pos = jnp.arange(max_seq_len, dtype=jnp.int32)
     rows = offsets[:-1, None] + pos[None, :]
@@ -93,11 +104,17 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_seq_len: int, fill_valu
     return jnp.where(mask, gathered, jnp.asarray(fill_value, values.dtype))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, fill_value=0) -> jax.Array:
     """Padded `[B, N, ...]` -> jagged values `[capacity, ...]`; slack rows filled.
 
-    The inverse of `to_padded` for the rows that exist.
+    The inverse of `to_padded` for the rows that exist; its gradient is `to_padded` of
+    the cotangent (a gather, as for `to_padded`).
     """
+    return _from_padded(padded, offsets, capacity, fill_value)
+
+
+def _from_padded(padded, offsets, capacity, fill_value):
     batch, max_len = padded.shape[:2]
     seg = segment_ids(offsets, capacity)
     pos = positions_in_sequence(offsets, capacity)
@@ -107,3 +124,27 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, fill_value
     out = flat[idx] if batch * max_len else jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
     mask = valid.reshape(valid.shape + (1,) * (padded.ndim - 2))
     return jnp.where(mask, out, jnp.asarray(fill_value, padded.dtype))
+
+
+def _to_padded_fwd(values, offsets, max_seq_len, fill_value):
+    shape_only = jnp.zeros((values.shape[0], 0), values.dtype)  # carries the capacity to the backward
+    return _to_padded(values, offsets, max_seq_len, fill_value), (offsets, shape_only)
+
+
+def _to_padded_bwd(max_seq_len, fill_value, residuals, cotangent):
+    offsets, shape_only = residuals
+    return _from_padded(cotangent, offsets, shape_only.shape[0], 0).astype(shape_only.dtype), None
+
+
+def _from_padded_fwd(padded, offsets, capacity, fill_value):
+    shape_only = jnp.zeros((0,) + padded.shape[:2], padded.dtype)  # carries B and N to the backward
+    return _from_padded(padded, offsets, capacity, fill_value), (offsets, shape_only)
+
+
+def _from_padded_bwd(capacity, fill_value, residuals, cotangent):
+    offsets, shape_only = residuals
+    return _to_padded(cotangent, offsets, shape_only.shape[2], 0).astype(shape_only.dtype), None
+
+
+to_padded.defvjp(_to_padded_fwd, _to_padded_bwd)
+from_padded.defvjp(_from_padded_fwd, _from_padded_bwd)
