@@ -3,9 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from gem_jax.quant.dense import Fp8Recipe
 from pallas_kernels import Implementation
+
+
+class SequenceAttention(enum.Enum):
+    """What the sequence tower's self-attention blocks attend to (GEM's long-history forms).
+
+    FULL: causal softmax over the whole history (JFA).
+    SLIDING_WINDOW: causal softmax over the `attention_window` previous events and itself (JFA window).
+    BLOCK_LOCAL: softmax inside blocks of `attention_block_size` events aligned to each
+      history's start, RoPE fused into the kernel.
+    CAUSAL_SILU: HSTU's pointwise causal attention, SiLU(QK^T / sqrt(D)) V / max_seq_len (GDPA).
+    """
+
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+    BLOCK_LOCAL = "block_local"
+    CAUSAL_SILU = "causal_silu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +39,9 @@ class ModelConfig:
       head_hidden: hidden width of each task head's MLP.
       rope_base: RoPE wavelength base (Su et al., 2021).
       attention_implementation: "xla", "pallas" or None (pallas on Hopper GPUs).
+      sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).
+      attention_window: events before each event that SLIDING_WINDOW attends to (>= 0).
+      attention_block_size: events per BLOCK_LOCAL block (>= 1; the kernels take 64).
       compute_dtype: activations' dtype ("float32" on CPU, "bfloat16" on GPU).
       fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in higher precision.
@@ -37,11 +57,20 @@ class ModelConfig:
     head_hidden: int = 64
     rope_base: float = 10_000.0
     attention_implementation: Implementation | None = None
+    sequence_attention: SequenceAttention = SequenceAttention.FULL
+    attention_window: int = 256
+    attention_block_size: int = 64
     compute_dtype: str = "float32"
     fp8: bool = False
     fp8_block: int = 32
 
     def __post_init__(self):
+        object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
+        if self.attention_window < 0 or self.attention_block_size < 1:
+            raise ValueError(
+                f"attention_window must be >= 0 and attention_block_size >= 1; "
+                f"got {self.attention_window}, {self.attention_block_size}"
+            )
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}")
         if (self.embed_dim // self.num_heads) % 2:

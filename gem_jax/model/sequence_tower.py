@@ -1,7 +1,9 @@
 """Sequence tower: self-attention over jagged behaviour histories, then pooled attention.
 
 Self-attention blocks use QK-norm (Dehghani et al., 2023; Henry et al., 2020) and RoPE
-over event positions, through `pallas_kernels.jagged_flash_attention` (GEM's JFA).
+over event positions, through `pallas_kernels.jagged_flash_attention` (GEM's JFA; full
+or sliding window), `pallas_kernels.block_local_attention` (RoPE fused) or causal SiLU
+`pallas_kernels.gdpa` (HSTU), as `ModelConfig.sequence_attention` chooses.
 Pooled attention is GEM's GDPA with broadcast learned queries: a few queries attend
 over the whole history with a GELU instead of a softmax.
 """
@@ -14,7 +16,7 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import Jagged
-from gem_jax.model.config import ModelConfig
+from gem_jax.model.config import ModelConfig, SequenceAttention
 from gem_jax.nn.layers import MLP, apply_rope, dense, rms_norm
 
 
@@ -37,17 +39,26 @@ class SelfAttentionBlock(nnx.Module):
         cfg = self.config
         t = x.shape[0]
         qkv = self.qkv(self.norm_attn(x)).reshape(t, 3, cfg.num_heads, cfg.head_dim)
-        q = apply_rope(self.q_norm(qkv[:, 0]), positions, cfg.rope_base)
-        k = apply_rope(self.k_norm(qkv[:, 1]), positions, cfg.rope_base)
-        attn = pallas_kernels.jagged_flash_attention(
-            q,
-            k,
-            qkv[:, 2],
-            history.offsets,
-            max_seq_len=history.max_seq_len,
-            causal=True,
-            implementation=cfg.attention_implementation,
-        )
+        q, k, v = self.q_norm(qkv[:, 0]), self.k_norm(qkv[:, 1]), qkv[:, 2]
+        kind = cfg.sequence_attention
+        common = dict(max_seq_len=history.max_seq_len, implementation=cfg.attention_implementation)
+        if kind is SequenceAttention.BLOCK_LOCAL:
+            attn = pallas_kernels.block_local_attention(
+                q, k, v, history.offsets, block_size=cfg.attention_block_size, positions=positions,
+                rope_base=cfg.rope_base, **common,
+            )
+        else:
+            q, k = apply_rope(q, positions, cfg.rope_base), apply_rope(k, positions, cfg.rope_base)
+            if kind is SequenceAttention.CAUSAL_SILU:
+                attn = pallas_kernels.gdpa(
+                    q, k, v, history.offsets, history.offsets, max_seq_len_q=history.max_seq_len,
+                    max_seq_len_kv=history.max_seq_len, activation="silu", causal=True,
+                    scale=cfg.head_dim**-0.5 / max(history.max_seq_len, 1),
+                    implementation=cfg.attention_implementation,
+                )
+            else:
+                window = (cfg.attention_window, 0) if kind is SequenceAttention.SLIDING_WINDOW else None
+                attn = pallas_kernels.jagged_flash_attention(q, k, v, history.offsets, causal=True, window=window, **common)
         x = x + self.out(attn.reshape(t, -1))
         return x + self.mlp(self.norm_mlp(x))
 

@@ -388,3 +388,30 @@ def test_implementation_errors_name_the_machine():
         f32 = x.astype(jnp.float32)  # inputs the kernels do not take: the machine is named first
         with pytest.raises(ImplementationUnavailableError, match="no Hopper GPU: found cpu"):
             ops.gdpa(f32, f32, f32, offsets, offsets, max_seq_len_q=8, max_seq_len_kv=8, implementation="pallas")
+
+
+def test_causal_reference_matches_per_sequence_silu_loop():
+    lengths = [0, 1, 6, 3]
+    offsets = _offsets(lengths)
+    q, k, v = (jax.random.normal(key, (12, 2, 8), jnp.float32) for key in jax.random.split(jax.random.key(0), 3))
+    got = ops.gdpa(q, k, v, offsets, offsets, max_seq_len_q=6, max_seq_len_kv=6, activation="silu", causal=True,
+                   scale=0.5, implementation=None)
+    want = np.zeros((12, 2, 8))
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    start = 0
+    for n in lengths:
+        for i in range(n):
+            for h in range(2):
+                x = np.array([qn[start + i, h] @ kn[start + j, h] for j in range(i + 1)]) * 0.5
+                want[start + i, h] = (x / (1 + np.exp(-x))) @ vn[start : start + i + 1, h]
+        start += n
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def test_causal_errors_name_the_problem(gpu_interpreter):
+    q = jnp.zeros((8, 1, 64), jnp.bfloat16)
+    off = _offsets([8])
+    with pytest.raises(NotImplementedError, match="causal"):
+        ops.gdpa(q, q, q, off, off, max_seq_len_q=8, max_seq_len_kv=8, causal=True, implementation="pallas")
+    with pytest.raises(ValueError, match="broadcast_q"):
+        ops.gdpa(q, q, q, None, off, max_seq_len_kv=8, causal=True, broadcast_q=True, implementation="xla")

@@ -52,9 +52,10 @@ def _naive(q, k, v, lengths, causal, scale):
     return out
 
 
-def _value_and_grads(impl, q, k, v, dout, offsets, *, max_seq_len, causal):
+def _value_and_grads(impl, q, k, v, dout, offsets, *, max_seq_len, causal, window=None):
     fn = functools.partial(
-        ops.jagged_flash_attention, offsets=offsets, max_seq_len=max_seq_len, causal=causal, implementation=impl
+        ops.jagged_flash_attention, offsets=offsets, max_seq_len=max_seq_len, causal=causal, implementation=impl,
+        window=window,
     )
     out, vjp = jax.vjp(fn, q, k, v)
     return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(dout))]
@@ -323,14 +324,15 @@ def test_tail_rows_zero_outside_real_data():
 CAPACITY, BATCH, HEADS, DIM = 336, 8, 2, 64
 
 
-def _check_kernel(lengths, causal, inputs=None, dtype=jnp.bfloat16, capacity=CAPACITY, heads=HEADS, dim=DIM):
+def _check_kernel(lengths, causal, inputs=None, dtype=jnp.bfloat16, capacity=CAPACITY, heads=HEADS, dim=DIM,
+                  window=None):
     lengths = list(lengths) + [0] * (BATCH - len(lengths))
     q, k, v, dout = inputs or _inputs(lengths, capacity, heads, dim, dtype, np.random.randint(1 << 30))
     offsets, end = _offsets(lengths), int(sum(lengths))
     max_seq_len = max(max(lengths), 1)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        got = _value_and_grads("pallas", q, k, v, dout, offsets, max_seq_len=max_seq_len, causal=causal)
-    want = _value_and_grads("xla", q, k, v, dout, offsets, max_seq_len=max_seq_len, causal=causal)
+        got = _value_and_grads("pallas", q, k, v, dout, offsets, max_seq_len=max_seq_len, causal=causal, window=window)
+    want = _value_and_grads("xla", q, k, v, dout, offsets, max_seq_len=max_seq_len, causal=causal, window=window)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         _assert_close(a[:end], b[:end], dtype, name)
         assert np.all(a[end:] == 0), f"{name}: slack rows must be 0"
@@ -341,6 +343,33 @@ def test_kernels_match_reference_edge_lengths(causal):
     # Zero, one, around one and two 64-row warpgroup slices and 128-row tiles, the
     # maximum (130), unaligned starts; slack rows and their output cotangents hold NaN.
     _check_kernel([0, 1, 63, 64, 65, 0, 7, 130], causal)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (1, 0)), (False, (70, 5)), (False, (300, 300)), (True, (130, 0))])
+def test_sliding_window_kernels_match_reference(causal, window):
+    # Windows of one key, wider than a 128-row tile on one side, and wider than any sequence.
+    _check_kernel([0, 1, 63, 64, 65, 0, 7, 130], causal, window=window)
+
+
+def test_reference_window_matches_band_of_per_sequence_loop():
+    lengths = [0, 5, 9]
+    q, k, v, _ = _inputs(lengths, 16, 1, 8, jnp.float32, 0)
+    got = reference.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=9, window=(2, 1))
+    want = np.zeros((16, 1, 8))
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    for start, n in ((0, 5), (5, 9)):
+        for i in range(n):
+            js = [j for j in range(n) if i - 2 <= j <= i + 1]
+            x = np.array([qn[start + i, 0] @ kn[start + j, 0] for j in js]) * 8**-0.5
+            p = np.exp(x - x.max())
+            want[start + i, 0] = (p / p.sum()) @ vn[[start + j for j in js], 0]
+    np.testing.assert_allclose(np.asarray(got)[:14], want[:14], atol=1e-5)
+
+
+def test_window_errors_name_the_problem():
+    q = jnp.zeros((8, 1, 8), jnp.float32)
+    with pytest.raises(ValueError, match="window must be"):
+        ops.jagged_flash_attention(q, q, q, _offsets([8]), max_seq_len=8, window=(-1, 0))
 
 
 def test_kernels_all_zero_length_batch():

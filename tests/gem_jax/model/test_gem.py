@@ -144,3 +144,20 @@ def test_gradient_norms_bounded_at_init_with_empty_features(split_model):
     norms = {jax.tree_util.keystr(path): float(jnp.linalg.norm(g)) for path, g in jax.tree_util.tree_leaves_with_path(grads)}
     worst = max(norms, key=norms.get)
     assert norms[worst] < 100.0, (worst, norms[worst])
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "block_local", "causal_silu"])
+def test_sequence_attention_kinds_run_and_differ_from_full(split_model, kind):
+    """Each `ModelConfig.sequence_attention` runs with the same parameters; a history
+    longer than the window / block attends differently from full attention."""
+    import dataclasses
+
+    graphdef, params = split_model
+    batch = make_batch(np.random.default_rng(0), [12, 0, 3], capacity=20)
+    config = dataclasses.replace(CONFIG, sequence_attention=kind, attention_window=2, attention_block_size=4)
+    with nnx.use_eager_sharding(False):
+        other_graphdef, _ = nnx.split(GEMModel(SPEC, config, rngs=nnx.Rngs(0)))
+    full = np.asarray(nnx.merge(graphdef, params)(batch))
+    logits = np.asarray(nnx.merge(other_graphdef, params)(batch))
+    assert np.isfinite(logits).all()
+    assert not np.allclose(logits[0], full[0])
