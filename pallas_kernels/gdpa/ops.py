@@ -69,9 +69,10 @@ def gdpa(
       causal: jagged self-attention where query i of a sequence sees keys
         0..i of the same sequence (HSTU's pointwise causal attention, Zhai et
         al., 2024; HSTU's division by the max length is the caller's `scale`).
-        Needs `q_offsets == kv_offsets` in effect (not checked under `jit`) and
-        no `broadcast_q`. The Mosaic GPU kernels do not take it yet: None picks
-        the jnp reference and "pallas" raises NotImplementedError.
+        Needs `q_offsets == kv_offsets` (concrete ones are checked; traced ones
+        are the caller's guarantee) and no `broadcast_q`. The kernels skip the
+        tiles above the diagonal (their work list visits only column steps on
+        the causal side of each row tile) and mask the diagonal tiles.
       implementation: "xla" (the jnp reference), "pallas" (the Mosaic GPU kernels;
         Hopper, bf16/f16 inputs, D in {64, 128}) or None: "pallas" on a Hopper GPU
         when the kernels take these inputs, else "xla". GDPA has no "cudnn" path
@@ -93,7 +94,6 @@ def gdpa(
         "pallas", inputs the kernels do not take (dtype, head dim).
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside
         Mosaic GPU interpret mode).
-      NotImplementedError: "pallas" with `causal`.
     """
     container = q if jagged_args.is_jagged(q) else None
     if broadcast_q and container is not None:
@@ -123,8 +123,8 @@ def gdpa(
     reference.activation_fn(activation)  # validates the name
     if causal and broadcast_q:
         raise ValueError("causal needs jagged queries (self-attention), not broadcast_q")
-    if causal and dispatch.parse(implementation) is None:
-        implementation = dispatch.Implementation.XLA  # the kernels do not take causal yet
+    if causal:
+        jagged_args.check_same("q_offsets", q_offsets, "kv_offsets", kv_offsets)
     impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
     kwargs = dict(
         max_seq_len_q=max_seq_len_q,
@@ -135,10 +135,8 @@ def gdpa(
     )
     if impl is dispatch.Implementation.XLA:
         out = reference.gdpa(q, k, v, q_offsets, kv_offsets, causal=causal, **kwargs)
-    elif causal:
-        raise NotImplementedError("gdpa: the Mosaic GPU kernels do not take causal=True; use implementation='xla' or None")
     else:
         from pallas_kernels.gdpa import vjp  # Mosaic GPU; imported only when used
 
-        out = vjp.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)
+        out = vjp.gdpa(q, k, v, q_offsets, kv_offsets, causal=causal, **kwargs)
     return out if container is None else jagged_args.with_values(container, out)

@@ -187,3 +187,21 @@ def test_kernels_strongly_negative_logits(logit):
 
 def test_kernels_all_zero_length_batch():
     _check_kernel([0, 0], 10000.0, capacity=24)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_kernels_lower_for_hopper(dim):
+    """Forward and backward lower through Mosaic GPU (layouts, TMA shapes), with and without RoPE."""
+    from pallas_kernels.block_local_attention import vjp
+
+    offsets = _offsets([70, 0, 130, 5, 301])
+    x = jax.ShapeDtypeStruct((509, 4, dim), jnp.bfloat16)
+    for rope_base in (None, 10000.0):
+
+        def fwd_bwd(q, k, v):
+            f = lambda q, k, v: vjp.block_local_attention(q, k, v, offsets, block_size=64, rope_base=rope_base)
+            out, pullback = jax.vjp(f, q, k, v)
+            return out, pullback(out)
+
+        lowered = jax.jit(fwd_bwd).trace(x, x, x).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("mosaic_gpu") >= 2

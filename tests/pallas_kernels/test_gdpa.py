@@ -311,10 +311,11 @@ def test_kernels_lower_for_hopper():
     """All three passes lower through Mosaic GPU (layouts, TMA shapes) for jagged odd-sized and broadcast batches."""
     heads, d = 4, 128
     cases = [
-        ([70, 0, 130, 5, 301], [40, 17, 0, 64, 250], False),  # odd rows everywhere
-        ([27], [100, 3, 0, 64], True),  # shared queries, Lq not a multiple of 8
+        ([70, 0, 130, 5, 301], [40, 17, 0, 64, 250], False, False),  # odd rows everywhere
+        ([27], [100, 3, 0, 64], True, False),  # shared queries, Lq not a multiple of 8
+        ([70, 0, 130, 5, 250], [70, 0, 130, 5, 250], False, True),  # causal self-attention
     ]
-    for q_lens, kv_lens, broadcast_q in cases:
+    for q_lens, kv_lens, broadcast_q, causal in cases:
         q_offsets = None if broadcast_q else _offsets(q_lens)
         kv_offsets = _offsets(kv_lens)
         tq = q_lens[0] if broadcast_q else sum(q_lens) + 3
@@ -323,7 +324,8 @@ def test_kernels_lower_for_hopper():
 
         def fwd_bwd(q, k, v):
             f = lambda q, k, v: gdpa_vjp.gdpa(
-                q, k, v, q_offsets, kv_offsets, max_seq_len_q=320, max_seq_len_kv=256, broadcast_q=broadcast_q
+                q, k, v, q_offsets, kv_offsets, max_seq_len_q=320, max_seq_len_kv=256, broadcast_q=broadcast_q,
+                causal=causal,
             )
             out, vjp = jax.vjp(f, q, k, v)
             return out, vjp(out)
@@ -408,10 +410,23 @@ def test_causal_reference_matches_per_sequence_silu_loop():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
-def test_causal_errors_name_the_problem(gpu_interpreter):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_causal_kernels_match_reference(monkeypatch, streamed):
+    """Causal SiLU self-attention (HSTU): resident and streamed keys (64-key blocks), so the
+    work list skips column steps above the diagonal in both engine modes."""
+    lens = [0, 1, 63, 64, 65, 130] if not streamed else [200, 7, 131]
+    if streamed:
+        real_choose = config.choose
+        monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**{**kw, "block_cols": 64}))
+    q, k, v, d_out = _batch(21, lens, lens, heads=1, q_slack=5, kv_slack=5)
+    _compare(q, k, v, d_out, lens, lens, max_seq_len_q=max(lens), max_seq_len_kv=max(lens), activation="silu",
+             causal=True, scale=0.1)
+
+
+def test_causal_errors_name_the_problem():
     q = jnp.zeros((8, 1, 64), jnp.bfloat16)
     off = _offsets([8])
-    with pytest.raises(NotImplementedError, match="causal"):
-        ops.gdpa(q, q, q, off, off, max_seq_len_q=8, max_seq_len_kv=8, causal=True, implementation="pallas")
+    with pytest.raises(ValueError, match="q_offsets and kv_offsets disagree"):
+        ops.gdpa(q, q, q, _offsets([3, 5]), _offsets([4, 4]), max_seq_len_q=8, max_seq_len_kv=8, causal=True, implementation="xla")
     with pytest.raises(ValueError, match="broadcast_q"):
         ops.gdpa(q, q, q, None, off, max_seq_len_kv=8, causal=True, broadcast_q=True, implementation="xla")

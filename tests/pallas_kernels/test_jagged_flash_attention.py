@@ -397,3 +397,21 @@ def test_kernels_strongly_negative_logits_half_filled_tile(logit):
 
 def test_kernels_head_dim_128_unaligned_capacity():
     _check_kernel([70, 1, 129], causal=True, capacity=203, heads=1, dim=128)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (256, 0)), (False, (64, 64))])
+def test_sliding_window_kernels_lower_for_hopper(causal, window):
+    """Forward, dQ and dK/dV with a window lower through Mosaic GPU (layouts, TMA shapes)."""
+    from pallas_kernels.jagged_flash_attention import vjp
+
+    offsets = _offsets([70, 0, 130, 5, 301])
+    x = jax.ShapeDtypeStruct((509, 4, 128), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v):
+        f = lambda q, k, v: vjp.jagged_flash_attention(q, k, v, offsets, max_seq_len=301, causal=causal, window=window,
+                                                       num_ctas=132)
+        out, pullback = jax.vjp(f, q, k, v)
+        return out, pullback(out)
+
+    lowered = jax.jit(fwd_bwd).trace(x, x, x).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("mosaic_gpu") >= 3
