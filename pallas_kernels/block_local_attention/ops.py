@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels import jagged_layout
 from pallas_kernels._src import dispatch, jagged_args
 from pallas_kernels.block_local_attention import reference
-from pallas_kernels.block_local_attention.config import SUPPORTED_HEAD_DIMS
+from pallas_kernels.block_local_attention.config import KERNEL_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 
 SUPPORT = dispatch.OpSupport(
     "block_local_attention",
@@ -59,7 +59,7 @@ def block_local_attention(
       scale: multiplies the scores; default `1/sqrt(D)`.
       implementation: "xla" (the jnp reference), "pallas" (Mosaic GPU kernels;
         Hopper, bf16/f16, D in {64, 128}, block_size 64), or None: pallas on a
-        Hopper GPU when the kernels take the inputs, else xla
+        Hopper GPU when the kernels take the inputs and block_size, else xla
         (`pallas_kernels.describe_choice` says which and why).
 
     Returns:
@@ -92,6 +92,8 @@ def block_local_attention(
         raise ValueError(f"RoPE needs an even head dim; got D={q.shape[-1]}")
     jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)
     impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
+    if impl is dispatch.Implementation.PALLAS and implementation is None and block_size not in KERNEL_BLOCK_SIZES:
+        impl = dispatch.Implementation.XLA  # the kernels take 64-row blocks only
     kwargs = dict(block_size=block_size, positions=positions, rope_base=rope_base, scale=scale)
     if impl is dispatch.Implementation.XLA:
         out = reference.block_local_attention(q, k, v, offsets, max_seq_len=max_seq_len, **kwargs)

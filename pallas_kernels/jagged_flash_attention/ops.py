@@ -56,8 +56,8 @@ def jagged_flash_attention(
         position i sees the keys at positions i - left ..= i + right of its
         sequence (with `causal`, right is 0 in effect: causal sliding window
         `(w, 0)`). The kernels skip key blocks wholly outside the window and
-        mask the edge blocks; cuDNN takes only causal left windows. None: the
-        whole sequence. Source: GEM engineering description (Meta, 2025),
+        mask the edge blocks; cuDNN takes only causal left windows (None then
+        picks xla where it would pick cudnn). None: the whole sequence. Source: GEM engineering description (Meta, 2025),
         sliding-window self-attention over long histories.
       implementation: "xla" (the jnp reference), "pallas" (Mosaic GPU kernels;
         Hopper, bf16/f16, D in {64, 128}), "cudnn" (`jax.nn.dot_product_attention`
@@ -94,6 +94,9 @@ def jagged_flash_attention(
         window = tuple(window)
     jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)
     impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
+    cudnn_window = window is None or (causal and window[1] == 0)
+    if impl is dispatch.Implementation.CUDNN and implementation is None and not cudnn_window:
+        impl = dispatch.Implementation.XLA  # cuDNN takes only causal left windows
     kwargs = dict(max_seq_len=max_seq_len, causal=causal, scale=scale, window=window)
     if impl is dispatch.Implementation.XLA:
         out = reference.jagged_flash_attention(q, k, v, offsets, **kwargs)

@@ -205,3 +205,16 @@ def test_kernels_lower_for_hopper(dim):
 
         lowered = jax.jit(fwd_bwd).trace(x, x, x).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("mosaic_gpu") >= 2
+
+
+def test_default_implementation_takes_the_kernels_only_for_64_row_blocks(monkeypatch):
+    from pallas_kernels._src import dispatch
+    from pallas_kernels.block_local_attention import vjp
+
+    monkeypatch.setattr(dispatch, "is_hopper_gpu", lambda device=None: True)
+    called = []
+    monkeypatch.setattr(vjp, "block_local_attention", lambda q, *a, **kw: called.append(kw["block_size"]) or q)
+    x = jnp.zeros((8, 1, 64), jnp.bfloat16)
+    for block in (64, 32):
+        block_local_attention(x, x, x, _offsets([8]), max_seq_len=8, block_size=block)
+    assert called == [64]

@@ -415,3 +415,16 @@ def test_sliding_window_kernels_lower_for_hopper(causal, window):
 
     lowered = jax.jit(fwd_bwd).trace(x, x, x).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("mosaic_gpu") >= 3
+
+
+def test_default_implementation_leaves_cudnn_for_two_sided_windows(monkeypatch):
+    from pallas_kernels._src import dispatch
+
+    monkeypatch.setattr(dispatch, "is_nvidia_gpu", lambda device=None: True)
+    monkeypatch.setattr(dispatch.OpSupport, "cudnn_problem", lambda self, *a: None)
+    called = []
+    monkeypatch.setattr(cudnn, "jagged_flash_attention", lambda q, *a, **kw: called.append(kw["window"]) or q)
+    x = jnp.zeros((8, 1, 64), jnp.bfloat16)
+    for causal, window in ((True, (4, 0)), (False, (4, 0)), (False, (2, 3))):
+        ops.jagged_flash_attention(x, x, x, _offsets([8]), max_seq_len=8, causal=causal, window=window)
+    assert called == [(4, 0)]
