@@ -224,10 +224,12 @@ def test_jagged_container_errors_name_the_problem():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_padded_dot_product_attention_layout_matches_reference(causal):
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_padded_dot_product_attention_layout_matches_reference(causal, window):
     """The cuDNN path's jagged -> padded -> jagged plumbing, run with jax's "xla" attention.
 
-    Zero-length and full-length sequences, NaN slack rows; forward and gradients.
+    Zero-length and full-length sequences, NaN slack rows; forward and gradients; a
+    sliding window passes as `local_window_size` with the same meaning.
     """
     lengths = [0, 5, 1, 11]
     capacity, heads, dim = 21, 2, 8
@@ -235,7 +237,7 @@ def test_padded_dot_product_attention_layout_matches_reference(causal):
     offsets, end = _offsets(lengths), sum(lengths)
 
     def run(fn):
-        out, vjp = jax.vjp(lambda *x: fn(*x, offsets, max_seq_len=11, causal=causal, scale=0.3), q, k, v)
+        out, vjp = jax.vjp(lambda *x: fn(*x, offsets, max_seq_len=11, causal=causal, scale=0.3, window=window), q, k, v)
         return [np.asarray(x) for x in (out, *vjp(dout))]
 
     got = run(functools.partial(cudnn.jagged_flash_attention, implementation="xla"))
