@@ -24,9 +24,11 @@ from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 LAYOUT = plgpu.Layout.WGMMA
 
 
-def operand_smem(head_dim: int, dtype) -> plgpu.RefUnion:
-    """`[64, D]` shared memory with a plain view (TMA in and out) and a swizzled view (wgmma)."""
-    return plgpu.RefUnion(plgpu.SMEM((BLOCK, head_dim), dtype), mgpu_common.swizzled_smem((BLOCK, head_dim), dtype))
+def operand_smem(head_dim: int, dtype, *extra) -> plgpu.RefUnion:
+    """`[64, D]` shared memory with a plain view (TMA in and out), a swizzled view (wgmma)
+    and any `extra` views of the same bytes (for values that replace the operand once read)."""
+    plain = plgpu.SMEM((BLOCK, head_dim), dtype)
+    return plgpu.RefUnion(plain, mgpu_common.swizzled_smem((BLOCK, head_dim), dtype), *extra)
 
 
 def read_block(table_ref, blk) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -86,7 +88,7 @@ def swizzle_operand(union, rows, tables=None) -> None:
     RoPE is applied first (in float32, rounded once to the operand dtype, as
     the unfused `rope` does). The caller commits shared memory before wgmma.
     """
-    plain, swizzled = union
+    plain, swizzled = union[0], union[1]
     x = plgpu.load(plain, layout=LAYOUT, optimized=False).astype(jnp.float32)
     if tables is not None:
         x = rotate(x, tables)

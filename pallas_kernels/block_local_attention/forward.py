@@ -52,7 +52,7 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool):
     c2 = scale * LOG2E
 
     def kernel(table_ref, live_ref, end_ref, pos_ref, freq_ref, q_ref, k_ref, v_ref, qt_ref, kt_ref, vt_ref,
-               out_ref, q_smem, k_smem, v_smem, p_smem, pos_smem, freq_smem, bars):
+               out_ref, q_smem, k_smem, v_smem, pos_smem, freq_smem, bars):
         blk, head = lax.axis_index("blk"), lax.axis_index("head")
         start, rows, keys = _mgpu.read_block(table_ref, blk)
         end_row = end_ref[0]
@@ -78,6 +78,7 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool):
             m = s.max(axis=1)
             p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
             inv_l = 1.0 / p.sum(axis=1)
+            p_smem = q_smem[2]  # the QK^T wgmma has read q: P takes its bytes
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
             out = _mgpu.matmul(p_smem, v_smem[1], (BLOCK, head_dim))
@@ -94,10 +95,9 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool):
         kernel,
         out_type=jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype),
         scratch_types=(
+            _mgpu.operand_smem(head_dim, dtype, mgpu_common.swizzled_smem((BLOCK, BLOCK), dtype)),
             _mgpu.operand_smem(head_dim, dtype),
             _mgpu.operand_smem(head_dim, dtype),
-            _mgpu.operand_smem(head_dim, dtype),
-            mgpu_common.swizzled_smem((BLOCK, BLOCK), dtype),
             plgpu.SMEM((BLOCK,), jnp.float32),
             plgpu.SMEM((head_dim // 2,), jnp.float32),
             plgpu.Barrier(num_barriers=5),
