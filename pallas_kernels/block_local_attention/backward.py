@@ -14,7 +14,9 @@ One CTA per (block, head) recomputes the block's softmax (no residual beyond
 q, k, v), so dQ and dK/dV come from one kernel without atomics. The
 transposed products use the transposed frame (S^T = K Q^T with the row
 statistics read back as column vectors), as jax's `attention_mgpu` backward
-does.
+does. Each gradient leaves through the plain view of an operand that is no
+longer read (dQ through k's, dV through v's, dK through q's), so a CTA holds
+72 KiB of shared memory at D=128.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
 
     def kernel(table_ref, live_ref, end_ref, pos_ref, freq_ref, q_ref, k_ref, v_ref, do_ref,
                qt_ref, kt_ref, vt_ref, dot_ref, dq_ref, dk_ref, dv_ref,
-               q_smem, k_smem, v_smem, do_smem, ds_smem, dq_smem, lse_smem, delta_smem, pos_smem, freq_smem, bars):
+               q_smem, k_smem, v_smem, do_smem, ds_smem, lse_smem, delta_smem, pos_smem, freq_smem, bars):
         blk, head = lax.axis_index("blk"), lax.axis_index("head")
         start, rows, keys = _mgpu.read_block(table_ref, blk)
         end_row = end_ref[0]
@@ -91,10 +93,11 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             dq = _mgpu.matmul(ds_smem, ks, (BLOCK, head_dim)) * scale
             if rope:
                 dq = _mgpu.rotate(dq, tables, inverse=True)
-            _mgpu.store_block(dq.astype(dtype), dq_smem, dq_ref, start, rows, head)
+            dq = dq.astype(dtype)
 
             # Key frame (rows are keys, columns queries): dV and dK.
             st = _mgpu.mask_keys(_mgpu.matmul(ks, qs.transpose((1, 0)), shape) * c2, rows, axis=0)
+            _mgpu.store_block(dq, k_smem[0], dq_ref, start, rows, head)  # k is read for the last time
             lse_col = plgpu.load(lse_smem, layout=_mgpu.LAYOUT.reduce(0))
             delta_col = plgpu.load(delta_smem, layout=_mgpu.LAYOUT.reduce(0))
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse_col, shape, [1]))
@@ -103,14 +106,13 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             ds_smem[...] = pt.astype(dtype)  # dS (query frame) is no longer read: reuse for P^T
             plgpu.commit_smem()
             dv = _mgpu.matmul(ds_smem, dos, (BLOCK, head_dim))
-            plgpu.commit_smem()  # the dV wgmma has read P^T before dS^T replaces it
+            _mgpu.store_block(dv.astype(dtype), v_smem[0], dv_ref, start, rows, head)  # v and dO are done
             ds_smem[...] = dst.astype(dtype)
             plgpu.commit_smem()
             dk = _mgpu.matmul(ds_smem, qs, (BLOCK, head_dim)) * scale
             if rope:
                 dk = _mgpu.rotate(dk, tables, inverse=True)
-            _mgpu.store_block(dv.astype(dtype), v_smem[0], dv_ref, start, rows, head)
-            _mgpu.store_block(dk.astype(dtype), k_smem[0], dk_ref, start, rows, head)
+            _mgpu.store_block(dk.astype(dtype), q_smem[0], dk_ref, start, rows, head)
 
         @pl.when((blk < live_ref[0]) & (keys == 0))
         def _slack():
@@ -127,7 +129,6 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
         scratch_types=(
             *(_mgpu.operand_smem(head_dim, dtype) for _ in range(4)),
             mgpu_common.swizzled_smem((BLOCK, BLOCK), dtype),
-            plgpu.SMEM((BLOCK, head_dim), dtype),
             plgpu.SMEM((BLOCK,), jnp.float32),
             plgpu.SMEM((BLOCK,), jnp.float32),
             plgpu.SMEM((BLOCK,), jnp.float32),
