@@ -116,16 +116,7 @@ class StepContext:
         return staging
 
 
-class Causal:
-    """Causal passes of self-attention (rows and columns of one sequence, one position grid).
-
-    KEYS_UP_TO_ROW: rows are queries, columns keys; column c is kept for row r when c <= r.
-    QUERIES_FROM_ROW: rows are keys, columns queries; column c is kept for row r when c >= r.
-    Column steps wholly on the other side of a row tile are skipped.
-    """
-
-    KEYS_UP_TO_ROW = "keys_up_to_row"
-    QUERIES_FROM_ROW = "queries_from_row"
+Causal = schedule.Causal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,10 +229,10 @@ def run(
             """Column steps `[lo, hi)` that row tile t visits (all of them unless causal)."""
             if causal is None:
                 return jnp.int32(0), n_col
+            visited = schedule.causal_col_steps(causal, t, n_col, RT, C)
             if causal == Causal.KEYS_UP_TO_ROW:
-                return jnp.int32(0), jnp.minimum(n_col, lax.div(t * RT + RT - 1, jnp.int32(C)) + 1)
-            lo = jnp.minimum(lax.div(t * RT, jnp.int32(C)), n_col)
-            return lo, n_col
+                return jnp.int32(0), visited
+            return n_col - visited, n_col
 
         @pl.when(wg == NUM_COMPUTE_WGS)
         def _memory():

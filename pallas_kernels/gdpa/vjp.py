@@ -235,6 +235,7 @@ def _run(
     form the slack pseudo-sequence, which gets zeros.
     """
     cfg, plan, padded_out_rows = build_plan(
+        causal=causal,
         rows=rows,
         row_starts=row_starts,
         row_len=row_len,
@@ -280,6 +281,7 @@ def build_plan(
     max_rows,
     max_cols,
     block_cols=None,
+    causal=None,
 ) -> tuple[config.TileConfig, schedule.Plan, int]:
     """Tile config, work list and padded output rows of one pass (arguments as `_run`)."""
     _, heads, head_dim = rows[0].shape
@@ -319,6 +321,7 @@ def build_plan(
         block_cols=block,
         max_col_steps=cfg.max_col_tiles,
         num_ctas=cfg.num_ctas,
+        causal=causal,
     )
     return cfg, plan, padded_out_rows
 

@@ -158,6 +158,22 @@ def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
     assert all(r[3] == r[2] for r in dealt[len(live) :])
 
 
+@pytest.mark.parametrize("causal", [schedule.Causal.KEYS_UP_TO_ROW, schedule.Causal.QUERIES_FROM_ROW])
+def test_causal_work_list_counts_the_visited_column_steps(causal):
+    """One 640-row self-attention sequence, items of one 128-row tile, 128-row column steps:
+    tile t visits t + 1 steps (queries) or 5 - t (keys); items come heaviest first."""
+    lens = jnp.array([640, 0], jnp.int32)
+    plan = schedule.build(
+        lens, jnp.array([640, 0], jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
+        jnp.zeros((2, 1), jnp.int32), out_rows=640, heads=1, rows_per_tile=128, tiles_per_item=1,
+        block_cols=128, max_col_steps=5, num_ctas=1, causal=causal,
+    )
+    tiles = [int(r[2]) for r in np.asarray(plan.sched)[0] if r[3] > r[2]]
+    assert tiles == ([4, 3, 2, 1, 0] if causal == schedule.Causal.KEYS_UP_TO_ROW else [0, 1, 2, 3, 4])
+    steps = [int(schedule.causal_col_steps(causal, jnp.int32(t), jnp.int32(5), 128, 128)) for t in range(5)]
+    assert steps == ([1, 2, 3, 4, 5] if causal == schedule.Causal.KEYS_UP_TO_ROW else [5, 4, 3, 2, 1])
+
+
 @pytest.mark.parametrize("max_work", [11, 1000])
 def test_heaviest_first_is_a_stable_descending_argsort(max_work):
     """Exact up to MAX_WORK_LEVELS values; past that, sorted by the quantized work."""
