@@ -4,12 +4,14 @@ Standalone: this package never imports `gem_jax`.
 """
 
 from pallas_kernels._src.dispatch import Choice, Implementation, ImplementationUnavailableError
+from pallas_kernels.block_local_attention import block_local_attention
 from pallas_kernels.choice import describe_choice, implementations
 from pallas_kernels.gdpa import gdpa
 from pallas_kernels.jagged_flash_attention import jagged_flash_attention
 from pallas_kernels.mxfp8 import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
 
 __all__ = [
+    "block_local_attention",
     "Choice",
     "Implementation",
     "ImplementationUnavailableError",

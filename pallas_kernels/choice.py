@@ -10,11 +10,12 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels._src import dispatch
+from pallas_kernels.block_local_attention import ops as block_local_ops
 from pallas_kernels.gdpa import ops as gdpa_ops
 from pallas_kernels.jagged_flash_attention import ops as jfa_ops
 from pallas_kernels.mxfp8 import ops as mxfp8_ops
 
-_OPS = {op.name: op for op in (jfa_ops.SUPPORT, gdpa_ops.SUPPORT, mxfp8_ops.SUPPORT)}
+_OPS = {op.name: op for op in (jfa_ops.SUPPORT, gdpa_ops.SUPPORT, block_local_ops.SUPPORT, mxfp8_ops.SUPPORT)}
 
 
 def _support(op_name: str) -> dispatch.OpSupport:
@@ -44,7 +45,7 @@ def describe_choice(
     """The implementation `op_name` runs for q/k/v of `dtype` and `head_dim`, and a one-line reason.
 
     Args:
-      op_name: "jagged_flash_attention", "gdpa" or "mxfp8_matmul".
+      op_name: "jagged_flash_attention", "gdpa", "block_local_attention" or "mxfp8_matmul".
       dtype: the inputs' dtype (e.g. jnp.bfloat16).
       head_dim: the attention head dim D (None for mxfp8_matmul).
       implementation: the setting the op will get (None: the op chooses).

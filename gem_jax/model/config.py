@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import NamedTuple
 
 import jax.numpy as jnp
 
 from gem_jax.quant.dense import Fp8Recipe
 from pallas_kernels import Implementation, describe_choice
+
+
+class SequenceAttention(enum.Enum):
+    """What the sequence tower's self-attention blocks attend to (GEM's long-history forms).
+
+    FULL: causal softmax over the whole history (JFA).
+    SLIDING_WINDOW: causal softmax over the `attention_window` previous events and itself (JFA window).
+    BLOCK_LOCAL: softmax inside blocks of `attention_block_size` events aligned to each
+      history's start, RoPE fused into the kernel.
+    CAUSAL_SILU: HSTU's pointwise causal attention, SiLU(QK^T / sqrt(D)) V / max_seq_len (GDPA).
+    """
+
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+    BLOCK_LOCAL = "block_local"
+    CAUSAL_SILU = "causal_silu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +43,9 @@ class ModelConfig:
       rope_base: RoPE wavelength base (Su et al., 2021).
       attention_implementation: "xla", "pallas", "cudnn" or None (pallas on Hopper GPUs);
         see `attention_implementations` for what each attention op runs.
+      sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).
+      attention_window: events before each event that SLIDING_WINDOW attends to (>= 0).
+      attention_block_size: events per BLOCK_LOCAL block (>= 1; the kernels take 64).
       compute_dtype: activations' dtype ("float32" on CPU, "bfloat16" on GPU).
       fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in higher precision.
@@ -41,11 +61,20 @@ class ModelConfig:
     head_hidden: int = 64
     rope_base: float = 10_000.0
     attention_implementation: Implementation | None = None
+    sequence_attention: SequenceAttention = SequenceAttention.FULL
+    attention_window: int = 256
+    attention_block_size: int = 64
     compute_dtype: str = "float32"
     fp8: bool = False
     fp8_block: int = 32
 
     def __post_init__(self):
+        object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
+        if self.attention_window < 0 or self.attention_block_size < 1:
+            raise ValueError(
+                f"attention_window must be >= 0 and attention_block_size >= 1; "
+                f"got {self.attention_window}, {self.attention_block_size}"
+            )
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}")
         if (self.embed_dim // self.num_heads) % 2:
@@ -73,11 +102,13 @@ class AttentionImplementations(NamedTuple):
       softmax: for `pallas_kernels.jagged_flash_attention` (the sequence tower's causal
         self-attention).
       gelu: for every `pallas_kernels.gdpa` call (history/feature cross attention, pooled
-        attention, the cross tower's token attention).
+        attention, the cross tower's token attention, causal SiLU self-attention).
+      block_local: for `pallas_kernels.block_local_attention`.
     """
 
     softmax: Implementation | str | None
     gelu: Implementation | str | None
+    block_local: Implementation | str | None
 
 
 def attention_implementations(config: ModelConfig) -> AttentionImplementations:
@@ -87,13 +118,13 @@ def attention_implementations(config: ModelConfig) -> AttentionImplementations:
     attention on the padded layout with sequence lengths
     (`jax.nn.dot_product_attention(..., implementation="cudnn")`, through
     `jagged_flash_attention(implementation="cudnn")`) for the softmax attention and, since
-    cuDNN has no GELU attention, GDPA's jnp reference (XLA) for the rest. Any other value
-    (None, "xla", "pallas") goes to both ops unchanged.
+    cuDNN has no GELU or block-local attention, the jnp references (XLA) for the rest. Any
+    other value (None, "xla", "pallas") goes to every op unchanged.
     """
     implementation = config.attention_implementation
     if implementation == Implementation.CUDNN:
-        return AttentionImplementations(softmax=implementation, gelu=Implementation.XLA)
-    return AttentionImplementations(softmax=implementation, gelu=implementation)
+        return AttentionImplementations(softmax=implementation, gelu=Implementation.XLA, block_local=Implementation.XLA)
+    return AttentionImplementations(softmax=implementation, gelu=implementation, block_local=implementation)
 
 
 def describe_attention(config: ModelConfig) -> list[str]:
@@ -107,9 +138,15 @@ def describe_attention(config: ModelConfig) -> list[str]:
         (e.g. "pallas" without a Hopper GPU), as the op would raise it in the step.
     """
     chosen = attention_implementations(config)
+    self_attention = {
+        SequenceAttention.FULL: ("jagged_flash_attention", chosen.softmax),
+        SequenceAttention.SLIDING_WINDOW: ("jagged_flash_attention", chosen.softmax),
+        SequenceAttention.BLOCK_LOCAL: ("block_local_attention", chosen.block_local),
+        SequenceAttention.CAUSAL_SILU: ("gdpa", chosen.gelu),
+    }[config.sequence_attention]
     lines = []
     for label, op, implementation in (
-        ("causal self-attention", "jagged_flash_attention", chosen.softmax),
+        (f"self-attention ({config.sequence_attention.value})", *self_attention),
         ("GELU attention (GDPA)", "gdpa", chosen.gelu),
     ):
         choice = describe_choice(op, config.compute_dtype, config.head_dim, implementation=implementation)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from gem_jax.batch import FeatureSpec, Task
-from gem_jax.model.config import ModelConfig
+from gem_jax.model.config import ModelConfig, SequenceAttention
 from gem_jax.model.gem import NUM_BASE_TOKENS
 
 TRAIN_FLOPS_PER_FORWARD = 3.0
@@ -25,10 +25,40 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionPairs:
+    """Exact number of (query, key) pairs a history of length L attends over, beyond a quadratic.
+
+    kind "window": causal sliding window of `size` previous events (each query
+    sees min(i, size) + 1 keys): `sum_i min(i + 1, size + 1)`.
+    kind "block": softmax inside blocks of `size` events aligned to the start
+    (the last one partial): `(L // size) * size**2 + (L % size)**2`.
+    """
+
+    kind: str
+    size: int
+
+    def __post_init__(self):
+        if self.kind not in ("window", "block") or self.size < (1 if self.kind == "block" else 0):
+            raise ValueError(f"AttentionPairs: kind must be 'window' (size >= 0) or 'block' (size >= 1); got {self}")
+
+    def __call__(self, length: np.ndarray) -> np.ndarray:
+        """Pairs per history, float64, for float64 lengths `length` (integers >= 0)."""
+        if self.kind == "block":
+            full, rest = np.floor_divide(length, self.size), np.mod(length, self.size)
+            return full * self.size**2 + rest**2
+        w = self.size + 1  # keys of a query with a full window, itself included
+        head = np.minimum(length, w)
+        return head * (head + 1) / 2 + (length - head) * w
+
+
+@dataclasses.dataclass(frozen=True)
 class Workload:
     """FLOPs of one sample as a function of its history length L.
 
-        workload(L) = per_example + per_token * L + per_token_pair * L**2
+        workload(L) = per_example + per_token * L + per_token_pair * P(L)
+
+    with `P(L) = L**2`, or `pairs(L)` when `pairs` is set (windowed and
+    block-local attention, whose pair counts are piecewise in L).
 
     One model serves MFU accounting (`total` of the real lengths of a step) and
     load balancing (`gem_jax.data.bbs` weighs samples by it). `flop_model` gives the
@@ -37,9 +67,11 @@ class Workload:
     Attributes:
       per_token: a, FLOPs per history token of the dense (token-wise) layers,
         >= 0.
-      per_token_pair: b, FLOPs per L**2 of attention, >= 0 (for causal
-        attention half the per-pair cost, since a causal sequence has
+      per_token_pair: b, FLOPs per unit of P(L), >= 0 (for causal attention
+        with `pairs` None, half the per-pair cost, since a causal sequence has
         L (L + 1) / 2 pairs; the + L/2 diagonal term is folded into a).
+      pairs: exact (query, key) pair count per history (`AttentionPairs`), or
+        None for the quadratic `L**2`.
       per_example: FLOPs that do not depend on L (cross-feature tower, heads),
         >= 0. Every per-device batch holds the same number of samples, so this
         term does not change a balanced assignment; it does lower the relative
@@ -49,6 +81,7 @@ class Workload:
     per_token: float
     per_token_pair: float
     per_example: float = 0.0
+    pairs: AttentionPairs | None = None
 
     def __post_init__(self):
         for name in ("per_token", "per_token_pair", "per_example"):
@@ -76,7 +109,8 @@ class Workload:
         if np.any(length < 0):
             i = int(np.flatnonzero(length.ravel() < 0)[0])
             raise ValueError(f"Workload: length {length.ravel()[i]:g} at index {i} is negative")
-        return self.per_example + self.per_token * length + self.per_token_pair * length * length
+        pairs = length * length if self.pairs is None else self.pairs(length)
+        return self.per_example + self.per_token * length + self.per_token_pair * pairs
 
     def total(self, lengths) -> float:
         """Sum of `self(lengths)`: the FLOPs of a batch whose real histories have `lengths`."""
@@ -84,7 +118,7 @@ class Workload:
 
     def scaled(self, factor: float) -> Workload:
         """Every term times `factor` (e.g. `TRAIN_FLOPS_PER_FORWARD` for forward + backward)."""
-        return Workload(self.per_token * factor, self.per_token_pair * factor, self.per_example * factor)
+        return Workload(self.per_token * factor, self.per_token_pair * factor, self.per_example * factor, self.pairs)
 
 
 def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
@@ -101,10 +135,18 @@ def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
     per_token += 2 * d * 2 * d + attn * lq  # pooled attention: k/v projection, Lq queries
     per_token += 2 * d * 2 * d + attn * f  # feature_to_history: k/v projection, F queries
 
-    # Causal self-attention over L tokens has L (L + 1) / 2 (query, key) pairs: L**2 / 2 of
-    # them in the per-pair term, the L / 2 of the diagonal's half in the per-token term.
-    per_pair = config.num_seq_layers * attn / 2
-    per_token += config.num_seq_layers * attn / 2
+    # Self-attention: the causal full forms have L (L + 1) / 2 (query, key) pairs: L**2 / 2 of
+    # them in the per-pair term, the L / 2 of the diagonal's half in the per-token term; window
+    # and block forms count their exact pairs (`AttentionPairs`, diagonal included).
+    kind = config.sequence_attention
+    seq_pairs = None
+    if kind is SequenceAttention.SLIDING_WINDOW:
+        seq_pairs = AttentionPairs("window", config.attention_window)
+    elif kind is SequenceAttention.BLOCK_LOCAL:
+        seq_pairs = AttentionPairs("block", config.attention_block_size)
+    per_pair = config.num_seq_layers * attn / (2 if seq_pairs is None else 1)
+    if seq_pairs is None:
+        per_token += config.num_seq_layers * attn / 2
 
     per_example = 0.0
     per_example += f0 * 2 * d * 2 * d  # history_context k/v of feature tokens
@@ -116,7 +158,7 @@ def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
     dhen = 2 * (width * m + m * width) + 2 * 2 * width * width + 2 * f * f * d + 2 * pairs * width + 2 * 3 * width * width
     per_example += config.num_dhen_layers * dhen
     per_example += len(Task) * 2 * (width * config.head_hidden + config.head_hidden)
-    return Workload(per_token=per_token, per_token_pair=per_pair, per_example=per_example)
+    return Workload(per_token=per_token, per_token_pair=per_pair, per_example=per_example, pairs=seq_pairs)
 
 
 def train_workload(config: ModelConfig, spec: FeatureSpec) -> Workload:

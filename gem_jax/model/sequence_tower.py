@@ -1,7 +1,9 @@
 """Sequence tower: self-attention over jagged behaviour histories, then pooled attention.
 
 Self-attention blocks use QK-norm (Dehghani et al., 2023; Henry et al., 2020) and RoPE
-over event positions, through `pallas_kernels.jagged_flash_attention` (GEM's JFA).
+over event positions, through `pallas_kernels.jagged_flash_attention` (GEM's JFA; full
+or sliding window), `pallas_kernels.block_local_attention` (RoPE fused) or causal SiLU
+`pallas_kernels.gdpa` (HSTU), as `ModelConfig.sequence_attention` chooses.
 Pooled attention is GEM's GDPA with broadcast learned queries: a few queries attend
 over the whole history with a GELU instead of a softmax.
 """
@@ -14,7 +16,7 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import Jagged
-from gem_jax.model.config import ModelConfig, attention_implementations
+from gem_jax.model.config import ModelConfig, SequenceAttention, attention_implementations
 from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, rms_norm, rope_table
 
 
@@ -38,17 +40,28 @@ class SelfAttentionBlock(nnx.Module):
         cfg = self.config
         t = x.shape[0]
         qkv = self.qkv(self.norm_attn(x)).reshape(t, 3, cfg.num_heads, cfg.head_dim)
-        q = apply_rope(self.q_norm(qkv[:, 0]), rope, cfg.dtype)
-        k = apply_rope(self.k_norm(qkv[:, 1]), rope, cfg.dtype)
-        attn = pallas_kernels.jagged_flash_attention(
-            q,
-            k,
-            qkv[:, 2],
-            history.offsets,
-            max_seq_len=history.max_seq_len,
-            causal=True,
-            implementation=attention_implementations(cfg).softmax,
-        )
+        q, k, v = self.q_norm(qkv[:, 0]), self.k_norm(qkv[:, 1]), qkv[:, 2]
+        kind = cfg.sequence_attention
+        chosen = attention_implementations(cfg)
+        if kind is SequenceAttention.BLOCK_LOCAL:  # RoPE inside the kernel, at each row's position in its sequence
+            attn = pallas_kernels.block_local_attention(
+                q.astype(cfg.dtype), k.astype(cfg.dtype), v, history.offsets, block_size=cfg.attention_block_size,
+                rope_base=cfg.rope_base, max_seq_len=history.max_seq_len, implementation=chosen.block_local,
+            )
+        else:
+            q, k = apply_rope(q, rope, cfg.dtype), apply_rope(k, rope, cfg.dtype)
+            if kind is SequenceAttention.CAUSAL_SILU:
+                attn = pallas_kernels.gdpa(
+                    q, k, v, history.offsets, history.offsets, max_seq_len_q=history.max_seq_len,
+                    max_seq_len_kv=history.max_seq_len, activation="silu", causal=True,
+                    scale=cfg.head_dim**-0.5 / max(history.max_seq_len, 1), implementation=chosen.gelu,
+                )
+            else:
+                window = (cfg.attention_window, 0) if kind is SequenceAttention.SLIDING_WINDOW else None
+                attn = pallas_kernels.jagged_flash_attention(
+                    q, k, v, history.offsets, max_seq_len=history.max_seq_len, causal=True, window=window,
+                    implementation=chosen.softmax,
+                )
         x = x + self.out(attn.reshape(t, -1))
         return x + self.mlp(self.norm_mlp(x))
 

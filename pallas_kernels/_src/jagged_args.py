@@ -57,11 +57,16 @@ def shared_offsets(explicit, explicit_name: str, **operands):
         return None
     (first_name, first), *rest = sources
     for name, other in rest:
-        _check_same(first_name, first, name, other)
+        check_same(first_name, first, name, other)
     return first
 
 
-def _check_same(a_name: str, a, b_name: str, b) -> None:
+def check_same(a_name: str, a, b_name: str, b) -> None:
+    """Checks that offsets `a` and `b` agree (see `shared_offsets`).
+
+    Raises:
+      ValueError: different shapes, or concrete values that differ (naming the first index).
+    """
     if a is b:
         return
     if np.shape(a) != np.shape(b):

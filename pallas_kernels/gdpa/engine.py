@@ -68,6 +68,8 @@ class StepContext:
     accs: wgmma accumulator refs `[64, D]` float32.
     col_lo, col_hi: int32 scalars; the columns of the sequence are [col_lo, col_hi).
     lhs_staging: per register operand, an SMEM tile (interpreter only) or None.
+    row_offset: int32 scalar, the sequence position of row 0 minus that of column 0.
+    causal: None, or which (row, column) pairs a causal pass keeps (`Causal`).
     """
 
     rows: Sequence
@@ -76,6 +78,8 @@ class StepContext:
     col_lo: jax.Array
     col_hi: jax.Array
     lhs_staging: Sequence
+    row_offset: jax.Array | None = None
+    causal: str | None = None
 
     def scores(self, pairs: Sequence[tuple]) -> list[jax.Array]:
         """`[a @ b.T for a, b in pairs]` as float32 `[64, block_cols]`, issued together."""
@@ -89,10 +93,14 @@ class StepContext:
         return pl.run_scoped(body, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
 
     def valid(self) -> jax.Array:
-        """bool `[64, block_cols]`: the column is inside the sequence."""
+        """bool `[64, block_cols]`: the column is inside the sequence (and on the causal side of the row)."""
         shape = (WG_ROWS, self.cols[0].shape[0])
         col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        return (col >= self.col_lo) & (col < self.col_hi)
+        valid = (col >= self.col_lo) & (col < self.col_hi)
+        if self.causal is None:
+            return valid
+        row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + self.row_offset
+        return valid & ((col <= row) if self.causal == Causal.KEYS_UP_TO_ROW else (col >= row))
 
     def lhs(self, index: int, value: jax.Array):
         """A register tile as the left operand of a wgmma.
@@ -106,6 +114,9 @@ class StepContext:
         staging[...] = value
         plgpu.commit_smem()
         return staging
+
+
+Causal = schedule.Causal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +149,7 @@ def run(
     tails: Sequence[jax.Array],
     *,
     out_rows: int,
+    causal: str | None = None,
 ) -> list[jax.Array]:
     """Runs the engine.
 
@@ -152,6 +164,9 @@ def run(
         T a multiple of 8.
       tails: per column operand, `schedule.tail_window(col, end, block_cols)`.
       out_rows: rows of each output.
+      causal: None, or a `Causal` pass: rows and columns must then share their
+        starts (self-attention), and each row tile visits only the column steps
+        on its causal side.
 
     Returns:
       `n_accs` outputs `[out_rows, H, D]` in the operands' dtype; with
@@ -209,6 +224,15 @@ def run(
             col_len = seq_field(b, schedule.S_COL_LEN)
             steps = lax.div(col_len + seq_field(b, schedule.S_COL_DELTA) + (C - 1), jnp.int32(C))
             return jnp.where(col_len > 0, steps, 0)
+
+        def col_range(t, n_col):
+            """Column steps `[lo, hi)` that row tile t visits (all of them unless causal)."""
+            if causal is None:
+                return jnp.int32(0), n_col
+            visited = schedule.causal_col_steps(causal, t, n_col, RT, C)
+            if causal == Causal.KEYS_UP_TO_ROW:
+                return jnp.int32(0), visited
+            return n_col - visited, n_col
 
         @pl.when(wg == NUM_COMPUTE_WGS)
         def _memory():
@@ -280,7 +304,8 @@ def run(
                         load_cols(b, h, j, slot)
                         return col_cnt + 1
 
-                    return row_cnt, lax.fori_loop(0, n_col, col_body, col_cnt)
+                    j_lo, j_hi = col_range(t, n_col)
+                    return row_cnt, lax.fori_loop(j_lo, jnp.maximum(j_lo, j_hi), col_body, col_cnt)
 
                 row_cnt, col_cnt = lax.fori_loop(t0, t1, row_body, (row_cnt, col_cnt))
                 return row_cnt, col_cnt, k
@@ -361,6 +386,8 @@ def run(
                                             col_lo=col_lo - j * C,
                                             col_hi=col_hi - j * C,
                                             lhs_staging=lhs_tiles,
+                                            row_offset=row_base - j * C,
+                                            causal=causal,
                                         )
                                     )
 
@@ -371,7 +398,8 @@ def run(
                             _when(owns(j if resident else cslot, w), consume)
                             return col_cnt + 1
 
-                        col_cnt_out = lax.fori_loop(0, n_col, col_body, col_cnt)
+                        j_lo, j_hi = col_range(t, n_col)
+                        col_cnt_out = lax.fori_loop(j_lo, jnp.maximum(j_lo, j_hi), col_body, col_cnt)
                         return tuple(acc[...] for acc in acc_refs), col_cnt_out
 
                     accs, col_cnt = pl.run_scoped(

@@ -30,6 +30,7 @@ def gdpa(
     activation: str | Activation = Activation.GELU,
     scale: float | None = None,
     broadcast_q: bool = False,
+    causal: bool = False,
     implementation: str | dispatch.Implementation | None = None,
 ):
     """Generalized dot-product attention (GEM's GDPA): an activation instead of softmax.
@@ -65,6 +66,13 @@ def gdpa(
         see `pallas_kernels.gdpa.activations`).
       scale: applied to the scores before the activation; default `1/sqrt(D)`.
       broadcast_q: pooled attention with dense learned queries.
+      causal: jagged self-attention where query i of a sequence sees keys
+        0..i of the same sequence (HSTU's pointwise causal attention, Zhai et
+        al., 2024; HSTU's division by the max length is the caller's `scale`).
+        Needs `q_offsets == kv_offsets` (concrete ones are checked; traced ones
+        are the caller's guarantee) and no `broadcast_q`. The kernels skip the
+        tiles above the diagonal (their work list visits only column steps on
+        the causal side of each row tile) and mask the diagonal tiles.
       implementation: "xla" (the jnp reference), "pallas" (the Mosaic GPU kernels;
         Hopper, bf16/f16 inputs, D in {64, 128}) or None: "pallas" on a Hopper GPU
         when the kernels take these inputs, else "xla". GDPA has no "cudnn" path
@@ -113,6 +121,10 @@ def gdpa(
     if not broadcast_q:
         jagged_layout.check_offsets(q_offsets, q.shape[0], max_seq_len_q, name="q_offsets")
     reference.activation_fn(activation)  # validates the name
+    if causal and broadcast_q:
+        raise ValueError("causal needs jagged queries (self-attention), not broadcast_q")
+    if causal:
+        jagged_args.check_same("q_offsets", q_offsets, "kv_offsets", kv_offsets)
     impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
     kwargs = dict(
         max_seq_len_q=max_seq_len_q,
@@ -122,9 +134,9 @@ def gdpa(
         broadcast_q=broadcast_q,
     )
     if impl is dispatch.Implementation.XLA:
-        out = reference.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)
+        out = reference.gdpa(q, k, v, q_offsets, kv_offsets, causal=causal, **kwargs)
     else:
         from pallas_kernels.gdpa import vjp  # Mosaic GPU; imported only when used
 
-        out = vjp.gdpa(q, k, v, q_offsets, kv_offsets, **kwargs)
+        out = vjp.gdpa(q, k, v, q_offsets, kv_offsets, causal=causal, **kwargs)
     return out if container is None else jagged_args.with_values(container, out)

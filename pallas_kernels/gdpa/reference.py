@@ -58,10 +58,11 @@ def _gelu_poly6(x):
     return 0.5 * x + x2 * (c2 + x2 * (-c2 / 6.0 + x2 * (c2 / 40.0)))
 
 
-def gdpa_padded(q, k, v, q_lengths, kv_lengths, *, activation, scale: float):
+def gdpa_padded(q, k, v, q_lengths, kv_lengths, *, activation, scale: float, causal: bool = False):
     """`act(Q K^T * scale) V` on padded inputs; q `[B, Nq, H, D]`, k/v `[B, Nkv, H, D]`.
 
-    Padded KV positions contribute nothing; padded query rows give 0. Returns
+    Padded KV positions contribute nothing; padded query rows give 0; with
+    `causal`, keys after the query's position contribute nothing. Returns
     float32 `[B, Nq, H, D]`.
     """
     act = activation_fn(activation)
@@ -69,6 +70,8 @@ def gdpa_padded(q, k, v, q_lengths, kv_lengths, *, activation, scale: float):
     q_pos = jnp.arange(q.shape[1])
     kv_pos = jnp.arange(k.shape[1])
     mask = (q_pos[None, :] < q_lengths[:, None])[:, None, :, None] & (kv_pos[None, :] < kv_lengths[:, None])[:, None, None, :]
+    if causal:
+        mask = mask & (kv_pos[None, :] <= q_pos[:, None])[None, None]
     p = jnp.where(mask, act(jnp.where(mask, s, 0.0)), 0.0)
     return einsum_float32("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
 
@@ -85,6 +88,7 @@ def gdpa(
     activation: str | Activation = Activation.GELU,
     scale: float | None = None,
     broadcast_q: bool = False,
+    causal: bool = False,
 ):
     """Reference for `pallas_kernels.gdpa` (same arguments)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -98,5 +102,5 @@ def gdpa(
         return out.reshape((batch * lq,) + q.shape[1:]).astype(q.dtype)
     qp = to_padded(q, q_offsets, max_seq_len_q)
     q_lengths = q_offsets[1:] - q_offsets[:-1]
-    out = gdpa_padded(qp, kp, vp, q_lengths, kv_lengths, activation=activation, scale=scale)
+    out = gdpa_padded(qp, kp, vp, q_lengths, kv_lengths, activation=activation, scale=scale, causal=causal)
     return from_padded(out, q_offsets, q.shape[0]).astype(q.dtype)

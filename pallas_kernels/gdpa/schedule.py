@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import jagged_layout
 from pallas_kernels.gdpa import config
@@ -87,6 +88,7 @@ def build(
     block_cols: int,
     max_col_steps: int,
     num_ctas: int,
+    causal: str | None = None,
 ) -> Plan:
     """Sorted, zigzag-dealt work list.
 
@@ -102,6 +104,9 @@ def build(
       max_col_steps: static bound on a sequence's column steps (a longer one is
         ordered as if it had this many).
       num_ctas: persistent CTAs C.
+      causal: None, or a `Causal` mode: an
+        item's work then counts only the column steps each of its row tiles
+        visits (`causal_col_steps`).
 
     Returns:
       A `Plan`.
@@ -124,7 +129,14 @@ def build(
     t0 = jnp.where(live, t0, 0)
     t1 = jnp.where(live, t1, 0)
     col_steps = jnp.minimum(steps(col_lens[seq], col_delta[seq], block_cols), max_col_steps)
-    work = jnp.where(live, (t1 - t0) * (col_steps + 1), -1)
+    if causal is None:
+        work = (t1 - t0) * (col_steps + 1)
+    else:
+        work = sum(
+            jnp.where(t0 + i < t1, causal_col_steps(causal, t0 + i, col_steps, rows_per_tile, block_cols) + 1, 0)
+            for i in range(tiles_per_item)
+        )
+    work = jnp.where(live, work, -1)
 
     # Items of all heads: item (i, h) -> index i * H + h.
     n_items = per_head * heads
@@ -144,6 +156,30 @@ def build(
     head_cols = [row_lens, col_lens, row_delta.astype(jnp.int32), col_delta.astype(jnp.int32)]
     seqs = jnp.concatenate([jnp.stack(head_cols, axis=1), columns.astype(jnp.int32)], axis=1)
     return Plan(sched=sched.astype(jnp.int32), seqs=seqs)
+
+
+class Causal:
+    """Causal passes of self-attention (rows and columns of one sequence, one position grid).
+
+    KEYS_UP_TO_ROW: rows are queries, columns keys; column c is kept for row r when c <= r.
+    QUERIES_FROM_ROW: rows are keys, columns queries; column c is kept for row r when c >= r.
+    Column steps wholly on the other side of a row tile are skipped.
+    """
+
+    KEYS_UP_TO_ROW = "keys_up_to_row"
+    QUERIES_FROM_ROW = "queries_from_row"
+
+
+def causal_col_steps(causal: str, t, n_col, rows_per_tile: int, block_cols: int):
+    """How many of its `n_col` column steps row tile `t` visits under `causal` (a `Causal` mode).
+
+    KEYS_UP_TO_ROW visits the first ones, QUERIES_FROM_ROW the last ones. Used
+    by the kernels (non-negative int32 scalars) and by the work estimate.
+    """
+    c = jnp.int32(block_cols)
+    if causal == Causal.KEYS_UP_TO_ROW:
+        return jnp.minimum(n_col, lax.div(t * rows_per_tile + rows_per_tile - 1, c) + 1)
+    return n_col - jnp.minimum(lax.div(t * rows_per_tile, c), n_col)
 
 
 def heaviest_first(work: jax.Array, max_work: int) -> jax.Array:

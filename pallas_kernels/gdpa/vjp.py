@@ -34,6 +34,7 @@ class Static:
     activation: Activation
     scale: float
     broadcast_q: bool
+    causal: bool = False
 
 
 def gdpa(
@@ -48,6 +49,7 @@ def gdpa(
     activation: str | Activation = Activation.GELU,
     scale: float | None = None,
     broadcast_q: bool = False,
+    causal: bool = False,
 ) -> jax.Array:
     """`act((Q_b K_b^T) * scale) V_b` per sequence with the Mosaic GPU kernels (differentiable).
 
@@ -58,9 +60,12 @@ def gdpa(
     hold anything. Without any key or output rows (or a zero maximum length) the
     result is zeros and no kernel runs.
 
+    With `causal`, q_offsets and kv_offsets must be equal (self-attention): the
+    passes skip the tiles above the diagonal and mask the diagonal ones.
+
     Raises:
       ValueError: dtype other than bfloat16/float16, head dim other than 64 or 128,
-        or a negative maximum length.
+        a negative maximum length, or causal with broadcast_q.
     """
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"pallas GDPA needs bfloat16 or float16 q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -69,6 +74,8 @@ def gdpa(
         raise ValueError(f"pallas GDPA takes head dim {config.SUPPORTED_HEAD_DIMS}; got {head_dim}")
     if max_seq_len_q < 0 or max_seq_len_kv < 0:
         raise ValueError(f"max_seq_len_q and max_seq_len_kv must be >= 0; got {max_seq_len_q}, {max_seq_len_kv}")
+    if causal and broadcast_q:
+        raise ValueError("causal GDPA needs jagged queries (self-attention), not broadcast_q")
     kv_offsets = kv_offsets.astype(jnp.int32)
     q_offsets = jnp.zeros((1,), jnp.int32) if broadcast_q else q_offsets.astype(jnp.int32)
     q, k, v, q_offsets, kv_offsets = manual_axes.match_axes(q, k, v, q_offsets, kv_offsets)
@@ -83,6 +90,7 @@ def gdpa(
         activation=Activation(activation),
         scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
         broadcast_q=bool(broadcast_q),
+        causal=bool(causal),
     )
     return _gdpa(q, k, v, q_offsets, kv_offsets, static)
 
@@ -219,6 +227,7 @@ def _run(
     max_rows: int,
     max_cols: int,
     block_cols: int | None = None,
+    causal: str | None = None,
 ) -> list[jax.Array]:
     """Builds the work list and runs one engine pass; returns outputs `[out_rows, H, D]`.
 
@@ -226,6 +235,7 @@ def _run(
     form the slack pseudo-sequence, which gets zeros.
     """
     cfg, plan, padded_out_rows = build_plan(
+        causal=causal,
         rows=rows,
         row_starts=row_starts,
         row_len=row_len,
@@ -249,6 +259,7 @@ def _run(
         [_padded_rows(x, block) for x in cols],
         [schedule.tail_window(x, e, block) for x, e in zip(cols, col_ends)],
         out_rows=padded_out_rows,
+        causal=causal,
     )
     if cfg.split is config.Split.COLS:
         outs = [(o[0].astype(jnp.float32) + o[1].astype(jnp.float32)).astype(o.dtype) for o in outs]
@@ -270,6 +281,7 @@ def build_plan(
     max_rows,
     max_cols,
     block_cols=None,
+    causal=None,
 ) -> tuple[config.TileConfig, schedule.Plan, int]:
     """Tile config, work list and padded output rows of one pass (arguments as `_run`)."""
     _, heads, head_dim = rows[0].shape
@@ -309,6 +321,7 @@ def build_plan(
         block_cols=block,
         max_col_steps=cfg.max_col_tiles,
         num_ctas=cfg.num_ctas,
+        causal=causal,
     )
     return cfg, plan, padded_out_rows
 
@@ -351,9 +364,17 @@ def pass_arguments(name: str, q, k, v, d_out, q_offsets, kv_offsets, static: Sta
     raise ValueError(f"unknown pass {name!r}")
 
 
+def causal_pass(name: str, static: Static) -> str | None:
+    """The engine's `Causal` mode of pass `name` (rows are queries for "fwd" and "dq", keys for "dkv")."""
+    if not static.causal:
+        return None
+    return engine.Causal.QUERIES_FROM_ROW if name == "dkv" else engine.Causal.KEYS_UP_TO_ROW
+
+
 def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
     spec = forward.spec(static.activation, static.scale, q.dtype)
-    (out,) = _run(spec, **pass_arguments("fwd", q, k, v, None, q_offsets, kv_offsets, static))
+    args = pass_arguments("fwd", q, k, v, None, q_offsets, kv_offsets, static)
+    (out,) = _run(spec, causal=causal_pass("fwd", static), **args)
     if static.broadcast_q:
         out = _broadcast_rows(out, kv_offsets.shape[0] - 1, q.shape[0], pad=False)
     return out
@@ -361,7 +382,8 @@ def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
 
 def _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
     spec = backward.dq_spec(static.activation, static.scale, q.dtype)
-    (dq,) = _run(spec, **pass_arguments("dq", q, k, v, d_out, q_offsets, kv_offsets, static))
+    args = pass_arguments("dq", q, k, v, d_out, q_offsets, kv_offsets, static)
+    (dq,) = _run(spec, causal=causal_pass("dq", static), **args)
     if static.broadcast_q:
         # One partial dQ per sequence (rows b * Lq8 ...): the shared queries get their sum.
         batch = kv_offsets.shape[0] - 1
@@ -373,5 +395,6 @@ def _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
 
 def _backward_dkv(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
     spec = backward.dkv_spec(static.activation, static.scale, q.dtype)
-    dk, dv = _run(spec, **pass_arguments("dkv", q, k, v, d_out, q_offsets, kv_offsets, static))
+    args = pass_arguments("dkv", q, k, v, d_out, q_offsets, kv_offsets, static)
+    dk, dv = _run(spec, causal=causal_pass("dkv", static), **args)
     return dk, dv

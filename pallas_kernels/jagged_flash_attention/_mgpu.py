@@ -148,9 +148,10 @@ def iota(shape: tuple[int, int], dim: int) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def visible(q_pos: jax.Array, k_pos: jax.Array, item: Item, causal: bool, *, inside: str = "keys") -> jax.Array:
+def visible(q_pos: jax.Array, k_pos: jax.Array, item: Item, causal: bool, window=None, *, inside: str = "keys") -> jax.Array:
     """Which (query, key) window positions attend: `inside` ("keys" or "queries")
-    the sequence, and causal.
+    the sequence, causal, and inside the sliding `window = (left, right)`
+    (`q - left <= k <= q + right`; None: unbounded).
 
     The other side is left unmasked: its rows are never stored.
     """
@@ -158,7 +159,29 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, item: Item, causal: bool, *, ins
     mask = (pos >= item.lo) & (pos < item.hi)
     if causal:
         mask = mask & (k_pos <= q_pos)
+    if window is not None:
+        mask = mask & (k_pos >= q_pos - window[0]) & (k_pos <= q_pos + window[1])
     return mask
+
+
+def window_steps(item: Item, block: int, causal: bool, window, *, rows: str) -> tuple[jax.Array, jax.Array]:
+    """`(first, n)`: the `block`-row blocks of the other side that a sliding-window item visits.
+
+    `rows` names what the item's 128 rows are ("queries" or "keys"); the other
+    side's rows it needs are those within `window = (left, right)` of its own
+    rows inside the sequence (right taken as 0 when `causal`). Blocks wholly
+    outside the window are skipped.
+    """
+    left, right = window[0], (0 if causal else window[1])
+    own_lo = jnp.maximum(item.tile * TILE_ROWS, item.lo)
+    own_hi = jnp.minimum(item.tile * TILE_ROWS + TILE_ROWS, item.hi)
+    if rows == "queries":  # keys k with q - left <= k <= q + right
+        lo, hi = own_lo - left, own_hi + right
+    else:  # queries q with k - right <= q <= k + left
+        lo, hi = own_lo - right, own_hi + left
+    lo, hi = jnp.maximum(lo, item.lo), jnp.minimum(hi, item.hi)
+    first = lo // block
+    return first, jnp.maximum((hi + block - 1) // block - first, 0) * item.keys
 
 
 def step_segments(n, head_masked, tail_masked) -> tuple[jax.Array, jax.Array]:

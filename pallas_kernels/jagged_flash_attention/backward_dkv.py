@@ -41,14 +41,17 @@ from pallas_kernels.jagged_flash_attention.config import (
 _BLOCKS_PER_TILE = TILE_ROWS // BWD_BLOCK
 
 
-def dkv_steps(item: _mgpu.Item, causal: bool):
+def dkv_steps(item: _mgpu.Item, causal: bool, window=None):
     """First query block a key tile visits, and how many blocks it visits."""
+    if window is not None:
+        return _mgpu.window_steps(item, BWD_BLOCK, causal, window, rows="keys")
     blocks = (item.hi + BWD_BLOCK - 1) // BWD_BLOCK
     first = item.tile * _BLOCKS_PER_TILE if causal else jnp.int32(0)
     return first, jnp.maximum(blocks - first, 0) * item.keys
 
 
-def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool, scale: float, num_ctas: int):
+def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool, scale: float, num_ctas: int,
+                 window=None):
     """Runs the dK/dV kernel.
 
     Args:
@@ -56,7 +59,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
       lse: `[H, NT * 128]` f32, the forward's base-2 log-sum-exp in tile space.
       delta: `[H, NT * 128]` f32, `rowsum(dout * out)` in tile space.
       plan: the batch's work list (`kv_table` order).
-      causal, scale, num_ctas: as for the forward.
+      causal, scale, num_ctas, window: as for the forward.
 
     Returns:
       `(dk, dv)`, each `[T, H, D]` in q.dtype; slack rows are 0.
@@ -84,7 +87,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                 _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
 
             def stream(item, gstep, n):
-                first, _ = dkv_steps(item, causal)
+                first, _ = dkv_steps(item, causal, window)
 
                 def step(i, carry):
                     g = gstep + i
@@ -106,7 +109,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                 lax.fori_loop(0, n, step, None)
 
             steps = _mgpu.issue_items(
-                table_ref, heads, num_ctas, cta, rounds, lambda item: dkv_steps(item, causal)[1],
+                table_ref, heads, num_ctas, cta, rounds, lambda item: dkv_steps(item, causal, window)[1],
                 load_rows, stream, item_free, item_go,
             )
             _mgpu.drain_rings(steps, ring_free)
@@ -118,7 +121,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
 
             def item_body(r, gstep):
                 item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
-                first, n = dkv_steps(item, causal)
+                first, n = dkv_steps(item, causal, window)
                 lo_w, hi_w = item.wg_rows(wg)
                 plgpu.barrier_wait(item_go)
                 k_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
@@ -142,7 +145,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                         if masked:
                             mask = _mgpu.visible(
                                 (first + i) * BWD_BLOCK + _mgpu.iota(shape, 1), k_pos0 + _mgpu.iota(shape, 0),
-                                item, causal, inside="queries",
+                                item, causal, window, inside="queries",
                             )
                             p_t = jnp.where(mask, p_t, 0.0)
                         plgpu.barrier_wait(do_bar.at[slot])
@@ -157,7 +160,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                         plgpu.barrier_arrive(ring_free.at[slot])
                         return dk, dv
 
-                    head = 2 if causal else (item.lo > 0).astype(jnp.int32)
+                    head = n if window is not None else (2 if causal else (item.lo > 0).astype(jnp.int32))
                     plain_lo, plain_hi = _mgpu.step_segments(n, head, 1)
                     carry = (_mgpu.zeros_tile(WG_ROWS, head_dim), _mgpu.zeros_tile(WG_ROWS, head_dim))
                     carry = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), carry)

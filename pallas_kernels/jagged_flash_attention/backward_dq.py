@@ -31,6 +31,7 @@ from pallas_kernels.jagged_flash_attention.config import (
     BWD_BLOCK,
     COMPUTE_REGISTERS,
     MEMORY_REGISTERS,
+    ROW_ALIGN,
     NUM_COMPUTE_WGS,
     NUM_STAGES,
     TILE_ROWS,
@@ -38,15 +39,18 @@ from pallas_kernels.jagged_flash_attention.config import (
 )
 
 
-def dq_steps(item: _mgpu.Item, causal: bool):
-    """Number of 64-row key blocks a query tile visits."""
+def dq_steps(item: _mgpu.Item, causal: bool, window=None):
+    """`(first, n)`: the 64-row key blocks a query tile visits."""
+    if window is not None:
+        return _mgpu.window_steps(item, BWD_BLOCK, causal, window, rows="queries")
     blocks = (item.hi + BWD_BLOCK - 1) // BWD_BLOCK
     if causal:
         blocks = jnp.minimum(blocks, (item.tile + 1) * (TILE_ROWS // BWD_BLOCK))
-    return blocks * item.keys
+    return jnp.int32(0), blocks * item.keys
 
 
-def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool, scale: float, num_ctas: int):
+def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool, scale: float, num_ctas: int,
+                window=None):
     """Runs the dQ kernel.
 
     Args:
@@ -54,7 +58,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
       lse: `[H, NT * 128]` f32, the forward's base-2 log-sum-exp in tile space.
       delta: `[H, NT * 128]` f32, `rowsum(dout * out)` in tile space.
       plan: the batch's work list.
-      causal, scale, num_ctas: as for the forward.
+      causal, scale, num_ctas, window: as for the forward.
 
     Returns:
       dq `[T, H, D]` in q.dtype; slack rows are 0.
@@ -86,10 +90,12 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
 
             def stream(item, gstep, n):
                 kv = [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)]
-                _mgpu.stream_blocks(n, gstep, item.base, BWD_BLOCK, item.head, end_row, kv, (k_free, v_free))
+                first = dq_steps(item, causal, window)[0]
+                base = pl.multiple_of(item.base + first * BWD_BLOCK, ROW_ALIGN)
+                _mgpu.stream_blocks(n, gstep, base, BWD_BLOCK, item.head, end_row, kv, (k_free, v_free))
 
             steps = _mgpu.issue_items(
-                table_ref, heads, num_ctas, cta, rounds, lambda item: dq_steps(item, causal),
+                table_ref, heads, num_ctas, cta, rounds, lambda item: dq_steps(item, causal, window)[1],
                 load_rows, stream, item_free, item_go,
             )
             _mgpu.drain_rings(steps, k_free, v_free)
@@ -101,7 +107,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
 
             def item_body(r, gstep):
                 item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
-                n = dq_steps(item, causal)
+                first, n = dq_steps(item, causal, window)
                 lo_w, hi_w = item.wg_rows(wg)
                 plgpu.barrier_wait(item_go)
                 q_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
@@ -130,7 +136,8 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                         ds = p * (dp - lax.broadcast_in_dim(delta_i, shape, [0]))
                         if masked:
                             mask = _mgpu.visible(
-                                q_pos0 + _mgpu.iota(shape, 0), i * BWD_BLOCK + _mgpu.iota(shape, 1), item, causal
+                                q_pos0 + _mgpu.iota(shape, 0), (first + i) * BWD_BLOCK + _mgpu.iota(shape, 1), item,
+                                causal, window,
                             )
                             ds = jnp.where(mask, ds, 0.0)
                         dq = _mgpu.matmul_acc(dq, ds.astype(dtype), k_smem.at[slot], ds_stage)
@@ -138,7 +145,8 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                         return dq
 
                     tail = 2 if causal else 1
-                    plain_lo, plain_hi = _mgpu.step_segments(n, (item.lo > 0).astype(jnp.int32), tail)
+                    head_masked = n if window is not None else (item.lo > 0).astype(jnp.int32)
+                    plain_lo, plain_hi = _mgpu.step_segments(n, head_masked, tail)
                     dq = _mgpu.zeros_tile(WG_ROWS, head_dim)
                     dq = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), dq)
                     dq = _mgpu.loop(plain_lo, plain_hi, functools.partial(step, masked=False), dq)

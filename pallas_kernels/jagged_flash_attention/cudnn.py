@@ -16,14 +16,14 @@ from pallas_kernels.jagged_layout import from_padded, to_padded
 
 
 def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool = False, scale: float | None = None,
-                           implementation: str = "cudnn") -> jax.Array:
+                           window: tuple[int, int] | None = None, implementation: str = "cudnn") -> jax.Array:
     """Jagged softmax attention through `jax.nn.dot_product_attention` on a padded layout.
 
     Equivalent jnp::
 
         lengths = offsets[1:] - offsets[:-1]
         qp, kp, vp = (to_padded(x, offsets, max_seq_len) for x in (q, k, v))   # [B, N, H, D]
-        out = jax.nn.dot_product_attention(qp, kp, vp, scale=scale, is_causal=causal,
+        out = jax.nn.dot_product_attention(qp, kp, vp, scale=scale, is_causal=causal, local_window_size=window,
                                            query_seq_lengths=lengths, key_value_seq_lengths=lengths)
         return from_padded(out, offsets, T)                                        # slack rows 0
 
@@ -37,6 +37,8 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
       max_seq_len: static bound on every sequence length: the padded length N.
       causal: mask keys after the query position within each sequence.
       scale: multiplies the scores; default `1/sqrt(D)`.
+      window: `(left, right)` sliding window; cuDNN takes only `causal` with
+        `(left, 0)` (passed as `local_window_size`).
       implementation: passed to `jax.nn.dot_product_attention` ("cudnn"; "xla" in tests).
 
     Returns:
@@ -47,6 +49,8 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
     if capacity == 0 or batch == 0 or max_seq_len == 0:
         return jnp.zeros_like(q)
     scale = head_dim**-0.5 if scale is None else float(scale)
+    if window is not None and implementation == "cudnn" and not (causal and window[1] == 0):
+        raise ValueError(f"cuDNN attention takes only causal left windows (left, 0); got window={window}, causal={causal}")
     lengths = (offsets[1:] - offsets[:-1]).astype(jnp.int32)
     qp, kp, vp = (to_padded(x, offsets, max_seq_len) for x in (q, k, v))
     out = jax.nn.dot_product_attention(
@@ -55,6 +59,7 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
         vp,
         scale=scale,
         is_causal=causal,
+        local_window_size=window,
         query_seq_lengths=lengths,
         key_value_seq_lengths=lengths,
         implementation=implementation,

@@ -43,26 +43,31 @@ from pallas_kernels.jagged_flash_attention.config import (
     MEMORY_REGISTERS,
     NUM_COMPUTE_WGS,
     NUM_STAGES,
+    ROW_ALIGN,
     TILE_ROWS,
     WG_ROWS,
 )
 
 
-def forward_steps(item: _mgpu.Item, causal: bool):
-    """Number of key blocks an item visits: all of its window, or up to its diagonal."""
+def forward_steps(item: _mgpu.Item, causal: bool, window=None):
+    """`(first, n)`: the key blocks an item visits: all of its sequence, up to its
+    diagonal, or those a sliding window reaches."""
+    if window is not None:
+        return _mgpu.window_steps(item, FWD_BLOCK_KV, causal, window, rows="queries")
     blocks = (item.hi + FWD_BLOCK_KV - 1) // FWD_BLOCK_KV
     if causal:
         blocks = jnp.minimum(blocks, item.tile + 1)
-    return blocks * item.keys
+    return jnp.int32(0), blocks * item.keys
 
 
-def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_ctas: int, save_lse: bool):
+def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_ctas: int, save_lse: bool,
+            window=None):
     """Runs the forward kernel.
 
     Args:
       q, k, v: `[T, H, D]` bf16 or f16, D in {64, 128}.
       plan: the batch's work list (`schedule.build_plan`).
-      causal, scale: as in `jagged_flash_attention`.
+      causal, scale, window: as in `jagged_flash_attention`.
       num_ctas: persistent CTAs to launch (the GPU's SM count).
       save_lse: also return the log-sum-exp.
 
@@ -94,10 +99,12 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
 
             def stream(item, gstep, n):
                 kv = [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)]
-                _mgpu.stream_blocks(n, gstep, item.base, FWD_BLOCK_KV, item.head, end_row, kv, (k_free, v_free))
+                first = forward_steps(item, causal, window)[0]
+                base = pl.multiple_of(item.base + first * FWD_BLOCK_KV, ROW_ALIGN)
+                _mgpu.stream_blocks(n, gstep, base, FWD_BLOCK_KV, item.head, end_row, kv, (k_free, v_free))
 
             steps = _mgpu.issue_items(
-                table_ref, heads, num_ctas, cta, rounds, lambda item: forward_steps(item, causal),
+                table_ref, heads, num_ctas, cta, rounds, lambda item: forward_steps(item, causal, window)[1],
                 load_rows, stream, q_free, item_go,
             )
             _mgpu.drain_rings(steps, k_free, v_free)
@@ -110,7 +117,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
 
             def item_body(r, gstep):
                 item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
-                n = forward_steps(item, causal)
+                first, n = forward_steps(item, causal, window)
                 lo_w, hi_w = item.wg_rows(wg)
                 plgpu.barrier_wait(item_go)
                 q_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
@@ -130,12 +137,16 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                         if masked:
                             shape = (WG_ROWS, FWD_BLOCK_KV)
                             mask = _mgpu.visible(
-                                q_pos0 + _mgpu.iota(shape, 0), i * FWD_BLOCK_KV + _mgpu.iota(shape, 1), item, causal
+                                q_pos0 + _mgpu.iota(shape, 0), (first + i) * FWD_BLOCK_KV + _mgpu.iota(shape, 1), item,
+                                causal, window,
                             )
                             s = jnp.where(mask, s, -jnp.inf)
                         m_new = jnp.maximum(m_i, s.max(axis=1) * c2)
-                        alpha = jnp.exp2(m_i - m_new)
-                        p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        # Under a sliding window a row may see no key of its first blocks:
+                        # its max stays -inf, and exp2(-inf - -inf) must not give NaN.
+                        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if window is not None else m_new
+                        alpha = jnp.exp2(m_i - m_use)
+                        p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
                         l_i = l_i * alpha + p.sum(axis=1)
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                         plgpu.barrier_wait(v_bar.at[slot])
@@ -148,7 +159,9 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                         _mgpu.row_vector(-jnp.inf, WG_ROWS),
                         _mgpu.row_vector(0.0, WG_ROWS),
                     )
-                    plain_lo, plain_hi = _mgpu.step_segments(n, (item.lo > 0).astype(jnp.int32), 1)
+                    # A sliding window masks every step (both band edges can cross any block).
+                    head_masked = n if window is not None else (item.lo > 0).astype(jnp.int32)
+                    plain_lo, plain_hi = _mgpu.step_segments(n, head_masked, 1)
                     carry = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), carry)
                     carry = _mgpu.loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
                     acc, m_i, l_i = _mgpu.loop(plain_hi, n, functools.partial(step, masked=True), carry)

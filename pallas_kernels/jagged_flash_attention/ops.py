@@ -27,6 +27,7 @@ def jagged_flash_attention(
     max_seq_len: int | None = None,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
     implementation: str | dispatch.Implementation | None = None,
 ):
     """Softmax attention inside each sequence of a jagged batch (GEM's JFA).
@@ -51,6 +52,13 @@ def jagged_flash_attention(
       max_seq_len: static bound on every sequence length; default q's container's.
       causal: mask keys after the query position within each sequence.
       scale: multiplies the scores; default `1/sqrt(D)`.
+      window: sliding window `(left, right)` of non-negative ints: the query at
+        position i sees the keys at positions i - left ..= i + right of its
+        sequence (with `causal`, right is 0 in effect: causal sliding window
+        `(w, 0)`). The kernels skip key blocks wholly outside the window and
+        mask the edge blocks; cuDNN takes only causal left windows (None then
+        picks xla where it would pick cudnn). None: the whole sequence. Source: GEM engineering description (Meta, 2025),
+        sliding-window self-attention over long histories.
       implementation: "xla" (the jnp reference), "pallas" (Mosaic GPU kernels;
         Hopper, bf16/f16, D in {64, 128}), "cudnn" (`jax.nn.dot_product_attention`
         on a padded `[B, max_seq_len, H, D]` copy; NVIDIA GPUs, bf16/f16), or None:
@@ -65,8 +73,9 @@ def jagged_flash_attention(
     Raises:
       ValueError: mismatched shapes, offsets missing or disagreeing, a missing
         max_seq_len, malformed concrete offsets (naming the first bad index;
-        traced offsets under `jit` are the caller's guarantee), an unknown
-        implementation, or "cudnn" with inputs cuDNN does not take.
+        traced offsets under `jit` are the caller's guarantee), a malformed
+        window, an unknown implementation, or "cudnn" with inputs cuDNN does
+        not take (including a window that is not a causal left window).
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside Mosaic
         GPU interpret mode), "cudnn" without an NVIDIA GPU.
       NotImplementedError: "pallas" asked for inputs the kernels do not take.
@@ -79,9 +88,16 @@ def jagged_flash_attention(
     q, k, v = (jagged_args.values_of(x) for x in (q, k, v))
     if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one [T, H, D] shape; got {q.shape}, {k.shape}, {v.shape}")
+    if window is not None:
+        if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
+            raise ValueError(f"window must be (left, right) of non-negative ints; got {window!r}")
+        window = tuple(window)
     jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)
     impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
-    kwargs = dict(max_seq_len=max_seq_len, causal=causal, scale=scale)
+    cudnn_window = window is None or (causal and window[1] == 0)
+    if impl is dispatch.Implementation.CUDNN and implementation is None and not cudnn_window:
+        impl = dispatch.Implementation.XLA  # cuDNN takes only causal left windows
+    kwargs = dict(max_seq_len=max_seq_len, causal=causal, scale=scale, window=window)
     if impl is dispatch.Implementation.XLA:
         out = reference.jagged_flash_attention(q, k, v, offsets, **kwargs)
     elif impl is dispatch.Implementation.CUDNN:

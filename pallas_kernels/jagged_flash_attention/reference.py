@@ -15,9 +15,10 @@ from pallas_kernels.jagged_layout import from_padded, to_padded
 from pallas_kernels.mixed_precision import einsum_float32
 
 
-def attention_padded(q, k, v, lengths, *, causal: bool, scale: float):
+def attention_padded(q, k, v, lengths, *, causal: bool, scale: float, window=None):
     """Masked softmax attention on padded `[B, N, H, D]` inputs.
 
+    `window = (left, right)` keeps keys `q - left ..= q + right` (None: all).
     Returns `(out [B, N, H, D] float32, lse [B, H, N] float32)`. Query rows with no
     visible key (padding rows, or a zero-length sequence) give 0 output and
     lse = -inf.
@@ -29,6 +30,9 @@ def attention_padded(q, k, v, lengths, *, causal: bool, scale: float):
     mask = mask & (pos[None, :] < lengths[:, None])[:, None, :, None]  # real query rows
     if causal:
         mask = mask & (pos[None, :] <= pos[:, None])[None, None]
+    if window is not None:
+        band = (pos[None, :] >= pos[:, None] - window[0]) & (pos[None, :] <= pos[:, None] + window[1])
+        mask = mask & band[None, None]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -40,7 +44,7 @@ def attention_padded(q, k, v, lengths, *, causal: bool, scale: float):
     return out, lse
 
 
-def jagged_flash_attention_with_lse(q, k, v, offsets, *, max_seq_len: int, causal: bool, scale: float):
+def jagged_flash_attention_with_lse(q, k, v, offsets, *, max_seq_len: int, causal: bool, scale: float, window=None):
     """Jagged attention returning `(out [T, H, D] q.dtype, lse [T, H] float32)`.
 
     Slack rows (at or past `offsets[B]`) get out = 0 and lse = -inf.
@@ -48,13 +52,16 @@ def jagged_flash_attention_with_lse(q, k, v, offsets, *, max_seq_len: int, causa
     capacity = q.shape[0]
     lengths = offsets[1:] - offsets[:-1]
     qp, kp, vp = (to_padded(x, offsets, max_seq_len) for x in (q, k, v))
-    out, lse = attention_padded(qp, kp, vp, lengths, causal=causal, scale=scale)
+    out, lse = attention_padded(qp, kp, vp, lengths, causal=causal, scale=scale, window=window)
     out = from_padded(out, offsets, capacity).astype(q.dtype)
     lse = from_padded(jnp.swapaxes(lse, 1, 2), offsets, capacity, fill_value=-jnp.inf)
     return out, lse
 
 
-def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool = False, scale: float | None = None):
+def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool = False, scale: float | None = None,
+                           window=None):
     """Reference for `pallas_kernels.jagged_flash_attention` (same arguments)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return jagged_flash_attention_with_lse(q, k, v, offsets, max_seq_len=max_seq_len, causal=causal, scale=scale)[0]
+    return jagged_flash_attention_with_lse(
+        q, k, v, offsets, max_seq_len=max_seq_len, causal=causal, scale=scale, window=window
+    )[0]

@@ -23,7 +23,7 @@ _INTERPRET_CTAS = 1  # persistent CTAs simulated by the CPU interpreter
 
 
 def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool = False, scale: float | None = None,
-                           num_ctas: int | None = None) -> jax.Array:
+                           window: tuple[int, int] | None = None, num_ctas: int | None = None) -> jax.Array:
     """Jagged softmax attention with the Pallas Mosaic GPU kernels (Hopper, sm_90a).
 
     Same contract as `pallas_kernels.jagged_flash_attention` (which see); the
@@ -48,6 +48,8 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
       max_seq_len: static bound on every sequence length (unused by the kernels).
       causal: mask keys after the query position within each sequence.
       scale: multiplies the scores; default `1/sqrt(D)`.
+      window: `(left, right)`: query q sees keys q - left ..= q + right (key
+        blocks wholly outside are skipped); None: the whole sequence.
       num_ctas: persistent CTAs per kernel; default the GPU's SM count.
 
     Returns:
@@ -77,27 +79,27 @@ def jagged_flash_attention(q, k, v, offsets, *, max_seq_len: int, causal: bool =
         q, k, v = (jnp.pad(x, ((0, padded - capacity), (0, 0), (0, 0))) for x in (q, k, v))
     offsets = offsets.astype(jnp.int32)
     q, k, v, offsets = manual_axes.match_axes(q, k, v, offsets)
-    out = _attention(q, k, v, offsets, causal, scale, num_ctas)
+    out = _attention(q, k, v, offsets, causal, scale, num_ctas, None if window is None else tuple(window))
     return out[:capacity]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, offsets, causal, scale, num_ctas):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, offsets, causal, scale, num_ctas, window):
     plan = schedule.build_plan(offsets, q.shape[0], causal=causal)
-    out, _ = forward(q, k, v, plan, causal=causal, scale=scale, num_ctas=num_ctas, save_lse=False)
+    out, _ = forward(q, k, v, plan, causal=causal, scale=scale, num_ctas=num_ctas, save_lse=False, window=window)
     return out
 
 
-def _attention_fwd(q, k, v, offsets, causal, scale, num_ctas):
+def _attention_fwd(q, k, v, offsets, causal, scale, num_ctas, window):
     plan = schedule.build_plan(offsets, q.shape[0], causal=causal)
-    out, lse = forward(q, k, v, plan, causal=causal, scale=scale, num_ctas=num_ctas, save_lse=True)
+    out, lse = forward(q, k, v, plan, causal=causal, scale=scale, num_ctas=num_ctas, save_lse=True, window=window)
     return out, (q, k, v, out, lse, plan)
 
 
-def _attention_bwd(causal, scale, num_ctas, residuals, dout):
+def _attention_bwd(causal, scale, num_ctas, window, residuals, dout):
     q, k, v, out, lse, plan = residuals
     delta = schedule.to_tile_space(jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1), plan)
-    kwargs = dict(causal=causal, scale=scale, num_ctas=num_ctas)
+    kwargs = dict(causal=causal, scale=scale, num_ctas=num_ctas, window=window)
     dq = backward_dq(q, k, v, dout, lse, delta, plan, **kwargs)
     dk, dv = backward_dkv(q, k, v, dout, lse, delta, plan, **kwargs)
     return dq, dk, dv, None

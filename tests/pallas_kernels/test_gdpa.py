@@ -160,6 +160,22 @@ def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
     assert all(r[3] == r[2] for r in dealt[len(live) :])
 
 
+@pytest.mark.parametrize("causal", [schedule.Causal.KEYS_UP_TO_ROW, schedule.Causal.QUERIES_FROM_ROW])
+def test_causal_work_list_counts_the_visited_column_steps(causal):
+    """One 640-row self-attention sequence, items of one 128-row tile, 128-row column steps:
+    tile t visits t + 1 steps (queries) or 5 - t (keys); items come heaviest first."""
+    lens = jnp.array([640, 0], jnp.int32)
+    plan = schedule.build(
+        lens, jnp.array([640, 0], jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
+        jnp.zeros((2, 1), jnp.int32), out_rows=640, heads=1, rows_per_tile=128, tiles_per_item=1,
+        block_cols=128, max_col_steps=5, num_ctas=1, causal=causal,
+    )
+    tiles = [int(r[2]) for r in np.asarray(plan.sched)[0] if r[3] > r[2]]
+    assert tiles == ([4, 3, 2, 1, 0] if causal == schedule.Causal.KEYS_UP_TO_ROW else [0, 1, 2, 3, 4])
+    steps = [int(schedule.causal_col_steps(causal, jnp.int32(t), jnp.int32(5), 128, 128)) for t in range(5)]
+    assert steps == ([1, 2, 3, 4, 5] if causal == schedule.Causal.KEYS_UP_TO_ROW else [5, 4, 3, 2, 1])
+
+
 @pytest.mark.parametrize("max_work", [11, 1000])
 def test_heaviest_first_is_a_stable_descending_argsort(max_work):
     """Exact up to MAX_WORK_LEVELS values; past that, sorted by the quantized work."""
@@ -313,10 +329,11 @@ def test_kernels_lower_for_hopper():
     """All three passes lower through Mosaic GPU (layouts, TMA shapes) for jagged odd-sized and broadcast batches."""
     heads, d = 4, 128
     cases = [
-        ([70, 0, 130, 5, 301], [40, 17, 0, 64, 250], False),  # odd rows everywhere
-        ([27], [100, 3, 0, 64], True),  # shared queries, Lq not a multiple of 8
+        ([70, 0, 130, 5, 301], [40, 17, 0, 64, 250], False, False),  # odd rows everywhere
+        ([27], [100, 3, 0, 64], True, False),  # shared queries, Lq not a multiple of 8
+        ([70, 0, 130, 5, 250], [70, 0, 130, 5, 250], False, True),  # causal self-attention
     ]
-    for q_lens, kv_lens, broadcast_q in cases:
+    for q_lens, kv_lens, broadcast_q, causal in cases:
         q_offsets = None if broadcast_q else _offsets(q_lens)
         kv_offsets = _offsets(kv_lens)
         tq = q_lens[0] if broadcast_q else sum(q_lens) + 3
@@ -325,7 +342,8 @@ def test_kernels_lower_for_hopper():
 
         def fwd_bwd(q, k, v):
             f = lambda q, k, v: gdpa_vjp.gdpa(
-                q, k, v, q_offsets, kv_offsets, max_seq_len_q=320, max_seq_len_kv=256, broadcast_q=broadcast_q
+                q, k, v, q_offsets, kv_offsets, max_seq_len_q=320, max_seq_len_kv=256, broadcast_q=broadcast_q,
+                causal=causal,
             )
             out, vjp = jax.vjp(f, q, k, v)
             return out, vjp(out)
@@ -390,3 +408,44 @@ def test_implementation_errors_name_the_machine():
         f32 = x.astype(jnp.float32)  # inputs the kernels do not take: the machine is named first
         with pytest.raises(ImplementationUnavailableError, match="no Hopper GPU: found cpu"):
             ops.gdpa(f32, f32, f32, offsets, offsets, max_seq_len_q=8, max_seq_len_kv=8, implementation="pallas")
+
+
+def test_causal_reference_matches_per_sequence_silu_loop():
+    lengths = [0, 1, 6, 3]
+    offsets = _offsets(lengths)
+    q, k, v = (jax.random.normal(key, (12, 2, 8), jnp.float32) for key in jax.random.split(jax.random.key(0), 3))
+    got = ops.gdpa(q, k, v, offsets, offsets, max_seq_len_q=6, max_seq_len_kv=6, activation="silu", causal=True,
+                   scale=0.5, implementation=None)
+    want = np.zeros((12, 2, 8))
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    start = 0
+    for n in lengths:
+        for i in range(n):
+            for h in range(2):
+                x = np.array([qn[start + i, h] @ kn[start + j, h] for j in range(i + 1)]) * 0.5
+                want[start + i, h] = (x / (1 + np.exp(-x))) @ vn[start : start + i + 1, h]
+        start += n
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("streamed,short", [(False, False), (True, False), (False, True)])
+def test_causal_kernels_match_reference(monkeypatch, streamed, short):
+    """Causal SiLU self-attention (HSTU): resident and streamed keys (64-key blocks), so the
+    work list skips column steps above the diagonal in both engine modes; sequences of at
+    most 64 rows run with the warpgroups splitting the column steps."""
+    lens = [200, 7, 131] if streamed else ([0, 1, 40, 64, 9] if short else [0, 1, 63, 64, 65, 130])
+    if streamed:
+        real_choose = config.choose
+        monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**{**kw, "block_cols": 64}))
+    q, k, v, d_out = _batch(21, lens, lens, heads=1, q_slack=5, kv_slack=5)
+    _compare(q, k, v, d_out, lens, lens, max_seq_len_q=max(lens), max_seq_len_kv=max(lens), activation="silu",
+             causal=True, scale=0.1)
+
+
+def test_causal_errors_name_the_problem():
+    q = jnp.zeros((8, 1, 64), jnp.bfloat16)
+    off = _offsets([8])
+    with pytest.raises(ValueError, match="q_offsets and kv_offsets disagree"):
+        ops.gdpa(q, q, q, _offsets([3, 5]), _offsets([4, 4]), max_seq_len_q=8, max_seq_len_kv=8, causal=True, implementation="xla")
+    with pytest.raises(ValueError, match="broadcast_q"):
+        ops.gdpa(q, q, q, None, off, max_seq_len_kv=8, causal=True, broadcast_q=True, implementation="xla")

@@ -52,9 +52,10 @@ def _naive(q, k, v, lengths, causal, scale):
     return out
 
 
-def _value_and_grads(impl, q, k, v, dout, offsets, *, max_seq_len, causal):
+def _value_and_grads(impl, q, k, v, dout, offsets, *, max_seq_len, causal, window=None):
     fn = functools.partial(
-        ops.jagged_flash_attention, offsets=offsets, max_seq_len=max_seq_len, causal=causal, implementation=impl
+        ops.jagged_flash_attention, offsets=offsets, max_seq_len=max_seq_len, causal=causal, implementation=impl,
+        window=window,
     )
     out, vjp = jax.vjp(fn, q, k, v)
     return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(dout))]
@@ -223,10 +224,12 @@ def test_jagged_container_errors_name_the_problem():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_padded_dot_product_attention_layout_matches_reference(causal):
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_padded_dot_product_attention_layout_matches_reference(causal, window):
     """The cuDNN path's jagged -> padded -> jagged plumbing, run with jax's "xla" attention.
 
-    Zero-length and full-length sequences, NaN slack rows; forward and gradients.
+    Zero-length and full-length sequences, NaN slack rows; forward and gradients; a
+    sliding window passes as `local_window_size` with the same meaning.
     """
     lengths = [0, 5, 1, 11]
     capacity, heads, dim = 21, 2, 8
@@ -234,7 +237,7 @@ def test_padded_dot_product_attention_layout_matches_reference(causal):
     offsets, end = _offsets(lengths), sum(lengths)
 
     def run(fn):
-        out, vjp = jax.vjp(lambda *x: fn(*x, offsets, max_seq_len=11, causal=causal, scale=0.3), q, k, v)
+        out, vjp = jax.vjp(lambda *x: fn(*x, offsets, max_seq_len=11, causal=causal, scale=0.3, window=window), q, k, v)
         return [np.asarray(x) for x in (out, *vjp(dout))]
 
     got = run(functools.partial(cudnn.jagged_flash_attention, implementation="xla"))
@@ -323,16 +326,17 @@ def test_tail_rows_zero_outside_real_data():
 CAPACITY, BATCH, HEADS, DIM = 336, 8, 2, 64
 
 
-def _check_kernel(lengths, causal, inputs=None, dtype=jnp.bfloat16, capacity=CAPACITY, heads=HEADS, dim=DIM):
+def _check_kernel(lengths, causal, inputs=None, dtype=jnp.bfloat16, capacity=CAPACITY, heads=HEADS, dim=DIM,
+                  window=None):
     lengths = list(lengths) + [0] * (BATCH - len(lengths))
     q, k, v, dout = inputs or _inputs(lengths, capacity, heads, dim, dtype, np.random.randint(1 << 30))
     offsets, end = _offsets(lengths), int(sum(lengths))
     max_seq_len = max(max(lengths), 1)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        got = _value_and_grads("pallas", q, k, v, dout, offsets, max_seq_len=max_seq_len, causal=causal)
+        got = _value_and_grads("pallas", q, k, v, dout, offsets, max_seq_len=max_seq_len, causal=causal, window=window)
     # The reference on float32 copies of the inputs: exact up to float32 rounding.
     exact = (x.astype(jnp.float32) for x in (q, k, v, dout))
-    want = _value_and_grads("xla", *exact, offsets, max_seq_len=max_seq_len, causal=causal)
+    want = _value_and_grads("xla", *exact, offsets, max_seq_len=max_seq_len, causal=causal, window=window)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         _assert_close(a[:end], b[:end], dtype, name)
         assert np.all(a[end:] == 0), f"{name}: slack rows must be 0"
@@ -343,6 +347,33 @@ def test_kernels_match_reference_edge_lengths(causal):
     # Zero, one, around one and two 64-row warpgroup slices and 128-row tiles, the
     # maximum (130), unaligned starts; slack rows and their output cotangents hold NaN.
     _check_kernel([0, 1, 63, 64, 65, 0, 7, 130], causal)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (1, 0)), (False, (70, 5)), (False, (300, 300)), (True, (130, 0))])
+def test_sliding_window_kernels_match_reference(causal, window):
+    # Windows of one key, wider than a 128-row tile on one side, and wider than any sequence.
+    _check_kernel([0, 1, 63, 64, 65, 0, 7, 130], causal, window=window)
+
+
+def test_reference_window_matches_band_of_per_sequence_loop():
+    lengths = [0, 5, 9]
+    q, k, v, _ = _inputs(lengths, 16, 1, 8, jnp.float32, 0)
+    got = reference.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=9, window=(2, 1))
+    want = np.zeros((16, 1, 8))
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    for start, n in ((0, 5), (5, 9)):
+        for i in range(n):
+            js = [j for j in range(n) if i - 2 <= j <= i + 1]
+            x = np.array([qn[start + i, 0] @ kn[start + j, 0] for j in js]) * 8**-0.5
+            p = np.exp(x - x.max())
+            want[start + i, 0] = (p / p.sum()) @ vn[[start + j for j in js], 0]
+    np.testing.assert_allclose(np.asarray(got)[:14], want[:14], atol=1e-5)
+
+
+def test_window_errors_name_the_problem():
+    q = jnp.zeros((8, 1, 8), jnp.float32)
+    with pytest.raises(ValueError, match="window must be"):
+        ops.jagged_flash_attention(q, q, q, _offsets([8]), max_seq_len=8, window=(-1, 0))
 
 
 def test_kernels_all_zero_length_batch():
@@ -370,3 +401,34 @@ def test_kernels_strongly_negative_logits_half_filled_tile(logit):
 
 def test_kernels_head_dim_128_unaligned_capacity():
     _check_kernel([70, 1, 129], causal=True, capacity=203, heads=1, dim=128)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (256, 0)), (False, (64, 64))])
+def test_sliding_window_kernels_lower_for_hopper(causal, window):
+    """Forward, dQ and dK/dV with a window lower through Mosaic GPU (layouts, TMA shapes)."""
+    from pallas_kernels.jagged_flash_attention import vjp
+
+    offsets = _offsets([70, 0, 130, 5, 301])
+    x = jax.ShapeDtypeStruct((509, 4, 128), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v):
+        f = lambda q, k, v: vjp.jagged_flash_attention(q, k, v, offsets, max_seq_len=301, causal=causal, window=window,
+                                                       num_ctas=132)
+        out, pullback = jax.vjp(f, q, k, v)
+        return out, pullback(out)
+
+    lowered = jax.jit(fwd_bwd).trace(x, x, x).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("mosaic_gpu") >= 3
+
+
+def test_default_implementation_leaves_cudnn_for_two_sided_windows(monkeypatch):
+    from pallas_kernels._src import dispatch
+
+    monkeypatch.setattr(dispatch, "is_nvidia_gpu", lambda device=None: True)
+    monkeypatch.setattr(dispatch.OpSupport, "cudnn_problem", lambda self, *a: None)
+    called = []
+    monkeypatch.setattr(cudnn, "jagged_flash_attention", lambda q, *a, **kw: called.append(kw["window"]) or q)
+    x = jnp.zeros((8, 1, 64), jnp.bfloat16)
+    for causal, window in ((True, (4, 0)), (False, (4, 0)), (False, (2, 3))):
+        ops.jagged_flash_attention(x, x, x, _offsets([8]), max_seq_len=8, causal=causal, window=window)
+    assert called == [(4, 0)]

@@ -62,3 +62,33 @@ def test_padding_waste():
         padding_waste([1], 0)
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         padding_waste([1, -1], 4)
+
+
+def test_attention_pairs_count_window_and_block_pairs_exactly():
+    from gem_jax.model.flops import AttentionPairs
+
+    for n in (0, 1, 5, 63, 64, 65, 130, 300):
+        causal_band = sum(min(i, 7) + 1 for i in range(n))
+        blocks = sum(min(64, n - b) ** 2 for b in range(0, n, 64))
+        assert AttentionPairs("window", 7)(np.float64(n)) == causal_band
+        assert AttentionPairs("block", 64)(np.float64(n)) == blocks
+    with pytest.raises(ValueError, match="kind must be"):
+        AttentionPairs("block", 0)
+
+
+def test_flop_model_counts_each_sequence_attention_kind():
+    from gem_jax.model.config import SequenceAttention
+
+    spec = FeatureSpec(num_items=50, num_users=10, num_actions=11, num_time_buckets=8, num_genres=5)
+    base = dict(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=8)
+    full = flop_model(ModelConfig(**base), spec)
+    window = flop_model(ModelConfig(**base, sequence_attention=SequenceAttention.SLIDING_WINDOW, attention_window=10), spec)
+    block = flop_model(ModelConfig(**base, sequence_attention="block_local", attention_block_size=64), spec)
+    silu = flop_model(ModelConfig(**base, sequence_attention=SequenceAttention.CAUSAL_SILU), spec)
+    per_pair = 2 * 4 * 16  # layers x (QK^T and PV) x H x head dim
+    n = 200
+    assert window(n) - full(n) == pytest.approx(per_pair * (sum(min(i, 10) + 1 for i in range(n)) - n * n / 2))
+    assert block(n) - full(n) == pytest.approx(per_pair * (3 * 64**2 + 8**2 - n * n / 2))
+    assert silu(n) == full(n)
+    with pytest.raises(ValueError, match="sequence_attention|SequenceAttention|valid"):
+        ModelConfig(**base, sequence_attention="sparse")

@@ -172,3 +172,20 @@ def test_attention_implementation_reaches_each_op(monkeypatch, setting, softmax,
     logits = model(make_batch(np.random.default_rng(), [3, 0, 7], capacity=16))
     assert np.isfinite(np.asarray(logits)).all()
     assert seen == {"jfa": {softmax}, "gdpa": {gelu}}
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "block_local", "causal_silu"])
+def test_sequence_attention_kinds_run_and_differ_from_full(split_model, kind):
+    """Each `ModelConfig.sequence_attention` runs with the same parameters; a history
+    longer than the window / block attends differently from full attention."""
+    import dataclasses
+
+    graphdef, params = split_model
+    batch = make_batch(np.random.default_rng(0), [12, 0, 3], capacity=20)
+    config = dataclasses.replace(CONFIG, sequence_attention=kind, attention_window=2, attention_block_size=4)
+    with nnx.use_eager_sharding(False):
+        other_graphdef, _ = nnx.split(GEMModel(SPEC, config, rngs=nnx.Rngs(0)))
+    full = np.asarray(nnx.merge(graphdef, params)(batch))
+    logits = np.asarray(nnx.merge(other_graphdef, params)(batch))
+    assert np.isfinite(logits).all()
+    assert not np.allclose(logits[0], full[0])

@@ -1,0 +1,69 @@
+"""Block-local attention on Hopper: the Mosaic GPU forward and backward kernels wired with `jax.custom_vjp`.
+
+The backward recomputes each block's softmax from q and k, so the only
+residuals are the inputs; RoPE's backward (rotation by minus the angle) is
+applied to dQ and dK inside the backward kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._src import manual_axes
+from pallas_kernels.block_local_attention import reference, schedule
+from pallas_kernels.block_local_attention.backward import backward
+from pallas_kernels.block_local_attention.config import KERNEL_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from pallas_kernels.block_local_attention.forward import forward
+from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN
+
+
+def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, rope_base: float | None = None,
+                          scale: float | None = None) -> jax.Array:
+    """Block-local softmax attention with fused RoPE on the Mosaic GPU kernels (Hopper, sm_90a).
+
+    Same contract as `pallas_kernels.block_local_attention` (which see).
+
+    Raises:
+      NotImplementedError: dtype, head dimension or block size the kernels do not support.
+    """
+    capacity, _, head_dim = q.shape
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(f"the block-local kernels take bf16 or f16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"the block-local kernels take head dim D in {SUPPORTED_HEAD_DIMS}; got {head_dim}")
+    if block_size not in KERNEL_BLOCK_SIZES:
+        raise NotImplementedError(f"the block-local kernels take block_size in {KERNEL_BLOCK_SIZES}; got {block_size}")
+    if capacity == 0:
+        return jnp.zeros_like(q)
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    padded = -(-capacity // ROW_ALIGN) * ROW_ALIGN
+    if padded != capacity:
+        q, k, v = (jnp.pad(x, ((0, padded - capacity), (0, 0), (0, 0))) for x in (q, k, v))
+        if positions is not None:
+            positions = jnp.pad(positions, (0, padded - capacity))
+    rope = rope_base is not None
+    freqs = reference.rope_frequencies(head_dim, rope_base if rope else 1.0)
+    plan = schedule.build_plan(offsets.astype(jnp.int32), padded, positions if rope else None)
+    q, k, v = manual_axes.match_axes(q, k, v)
+    return _attention(q, k, v, freqs, plan, scale, rope)[:capacity]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, freqs, plan, scale, rope):
+    return forward(q, k, v, freqs, plan, scale=scale, rope=rope)
+
+
+def _attention_fwd(q, k, v, freqs, plan, scale, rope):
+    return forward(q, k, v, freqs, plan, scale=scale, rope=rope), (q, k, v, freqs, plan)
+
+
+def _attention_bwd(scale, rope, residuals, dout):
+    q, k, v, freqs, plan = residuals
+    dq, dk, dv = backward(q, k, v, dout, freqs, plan, scale=scale, rope=rope)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

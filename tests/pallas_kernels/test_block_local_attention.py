@@ -1,0 +1,220 @@
+"""Block-local attention: the jnp reference against a per-block float64 loop, the work
+list, and the Mosaic GPU kernels (CPU interpret mode) against the reference, forward
+and gradients, with and without fused RoPE."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import block_local_attention
+from pallas_kernels.block_local_attention import reference, schedule
+
+BUDGET = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float32): 1e-5}
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 130, 200]  # 200: past several blocks, partial last block
+
+
+def _offsets(lengths):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def _inputs(lengths, capacity, heads, dim, dtype, seed, scale=1.0, shift=0.0):
+    """q, k, v, dout `[capacity, H, D]`; rows past the real data hold NaN."""
+    end = int(sum(lengths))
+    xs = []
+    for i, key in enumerate(jax.random.split(jax.random.key(seed), 4)):
+        x = jax.random.normal(key, (capacity, heads, dim), jnp.float32) * (scale if i < 2 else 1.0)
+        xs.append(x.astype(dtype).at[end:].set(jnp.nan))
+    return xs
+
+
+def _naive(q, k, v, lengths, block, scale, rope_base=None):
+    """float64 block-local attention, one block and head at a time; RoPE from float64 angles."""
+    q, k, v = (np.asarray(x.astype(jnp.float32)).astype(np.float64) for x in (q, k, v))
+    out = np.zeros_like(q)
+    start = 0
+    for n in lengths:
+        pos = np.arange(n)
+        if rope_base is not None:
+            half = q.shape[-1] // 2
+            ang = pos[:, None] * rope_base ** (-np.arange(half) / half)[None, :]
+            c, s = np.cos(ang)[:, None], np.sin(ang)[:, None]
+            rot = lambda x: np.concatenate([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s], -1)
+            qs, ks = rot(q[start : start + n]), rot(k[start : start + n])
+        else:
+            qs, ks = q[start : start + n], k[start : start + n]
+        for b0 in range(0, n, block):
+            b = slice(b0, min(b0 + block, n))
+            for h in range(q.shape[1]):
+                x = qs[b, h] @ ks[b, h].T * scale
+                p = np.exp(x - x.max(-1, keepdims=True))
+                out[start + b0 : start + b.stop, h] = (p / p.sum(-1, keepdims=True)) @ v[start:][b, h]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("rope_base", [None, 100.0])
+@pytest.mark.parametrize("block", [64, 5])
+def test_reference_matches_per_block_loop(rope_base, block):
+    lengths = [0, 1, 7, 12, 70]
+    q, k, v, _ = _inputs(lengths, 100, 2, 8, jnp.float32, 0)
+    got = reference.block_local_attention(q, k, v, _offsets(lengths), block_size=block, max_seq_len=70,
+                                          rope_base=rope_base)
+    want = _naive(q, k, v, lengths, block, 8**-0.5, rope_base)
+    end = sum(lengths)
+    np.testing.assert_allclose(np.asarray(got)[:end], want[:end], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[end:], 0.0)
+
+
+def test_reference_rope_matches_gem_jax_apply_rope():
+    # The op must not import gem_jax; its RoPE convention must still be the model's.
+    from gem_jax.nn.layers import apply_rope
+
+    x = jax.random.normal(jax.random.key(1), (9, 2, 16), jnp.float32).astype(jnp.bfloat16)
+    pos = jnp.asarray([0, 1, 2, 0, 1, 5, 100, 4095, 3], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(reference.rope(x, pos, 10000.0), np.float32),
+                                  np.asarray(apply_rope(x, pos, 10000.0), np.float32))
+
+
+def test_fused_rope_equals_unfused_apply_rope_then_attention():
+    from gem_jax.nn.layers import apply_rope
+    from pallas_kernels.jagged_layout import positions_in_sequence
+
+    lengths = [3, 70, 0, 9]
+    offsets = _offsets(lengths)
+    q, k, v, dout = _inputs(lengths, 90, 2, 16, jnp.float32, 2)
+    pos = positions_in_sequence(offsets, 90)
+    fused = lambda q, k, v: block_local_attention(q, k, v, offsets, max_seq_len=70, rope_base=500.0, implementation="xla")
+    unfused = lambda q, k, v: block_local_attention(apply_rope(q, pos, 500.0), apply_rope(k, pos, 500.0), v, offsets,
+                                                    max_seq_len=70, implementation="xla")
+    for a, b in zip(jax.vjp(fused, q, k, v)[1](dout), jax.vjp(unfused, q, k, v)[1](dout)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(fused(q, k, v)), np.asarray(unfused(q, k, v)), atol=1e-6)
+
+
+def test_explicit_positions_place_the_rotation():
+    lengths = [5, 4]
+    offsets = _offsets(lengths)
+    q, k, v, _ = _inputs(lengths, 9, 1, 8, jnp.float32, 3)
+    from pallas_kernels.jagged_layout import positions_in_sequence
+
+    default = block_local_attention(q, k, v, offsets, max_seq_len=5, rope_base=10.0, implementation="xla")
+    given = block_local_attention(q, k, v, offsets, max_seq_len=5, rope_base=10.0, implementation="xla",
+                                  positions=positions_in_sequence(offsets, 9) + 7)
+    # Relative rotations are shift-invariant: scores (and so outputs) do not change.
+    np.testing.assert_allclose(np.asarray(default), np.asarray(given), atol=1e-5)
+
+
+def test_bad_input_errors_name_the_problem():
+    q = jnp.zeros((8, 1, 8), jnp.float32)
+    off = _offsets([8])
+    with pytest.raises(ValueError, match="positions given without rope_base"):
+        block_local_attention(q, q, q, off, max_seq_len=8, positions=jnp.zeros(8))
+    with pytest.raises(ValueError, match="block_size"):
+        block_local_attention(q, q, q, off, max_seq_len=8, block_size=0)
+    with pytest.raises(ValueError, match="positions must be"):
+        block_local_attention(q, q, q, off, max_seq_len=8, rope_base=1.0, positions=jnp.zeros(3))
+    qb = jnp.zeros((8, 1, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="block_size"):
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            block_local_attention(qb, qb, qb, off, max_seq_len=8, block_size=32, implementation="pallas")
+
+
+def test_work_list_owns_every_row_once():
+    lengths = np.array([0, 1, 63, 64, 65, 130, 0, 7])
+    capacity = int(lengths.sum()) + 70
+    plan = schedule.build_plan(_offsets(lengths), capacity, None)
+    live = int(plan.live[0])
+    t = np.asarray(plan.table)[:live]
+    owner = np.zeros(capacity, int)
+    for start, rows, _ in t:
+        assert 1 <= rows <= 64
+        owner[start : start + rows] += 1
+    assert np.all(owner == 1) and live <= plan.table.shape[0]
+    assert int(t[:, schedule.F_KEYS].sum()) == int(np.sum(np.ceil(lengths / 64)))
+    pos = np.asarray(plan.positions)[:live]
+    assert pos[t[:, 0].tolist().index(1 + 63 + 64 + 65 + 64), :2].tolist() == [64.0, 65.0]  # 130's second block
+
+
+# --- the Mosaic GPU kernels, interpreted on the CPU ---------------------------------------
+
+
+def _value_and_grads(impl, q, k, v, dout, offsets, max_seq_len, rope_base):
+    fn = functools.partial(block_local_attention, offsets=offsets, max_seq_len=max_seq_len, rope_base=rope_base,
+                           implementation=impl)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(dout))]
+
+
+def _check_kernel(lengths, rope_base, dim=64, heads=1, scale=1.0, shift=0.0, capacity=None):
+    capacity = capacity or sum(lengths) + 13
+    q, k, v, dout = _inputs(lengths, capacity, heads, dim, jnp.bfloat16, 7, scale=scale)
+    if shift:
+        # Scores near `shift` for every key: q . k = shift * sqrt(D) after the 1/sqrt(D) scale.
+        q = jnp.ones_like(q) * jnp.sqrt(jnp.float32(dim)).astype(q.dtype)
+        k = (jnp.ones_like(k) * (shift / dim) + 0.1 * k.astype(jnp.float32)).astype(k.dtype)
+        end = sum(lengths)
+        q, k = q.at[end:].set(jnp.nan), k.at[end:].set(jnp.nan)
+    offsets = _offsets(lengths)
+    args = (q, k, v, dout, offsets, max(max(lengths), 1), rope_base)
+    want = _value_and_grads("xla", *args)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        got = _value_and_grads("pallas", *args)
+    end = sum(lengths)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert np.all(np.isfinite(g)), name
+        np.testing.assert_array_equal(g[end:], 0.0, err_msg=f"{name}: slack rows")
+        err = np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-6)
+        assert err < BUDGET[jnp.dtype(jnp.bfloat16)], f"{name}: relative error {err}"
+
+
+@pytest.mark.parametrize("rope_base", [None, 10000.0])
+def test_kernels_match_reference_edge_lengths(rope_base):
+    _check_kernel(EDGE_LENGTHS, rope_base)
+
+
+def test_kernels_head_dim_128_with_rope():
+    _check_kernel([3, 66], 10000.0, dim=128, heads=2)
+
+
+@pytest.mark.parametrize("logit", [-12.0, -20.0])
+def test_kernels_strongly_negative_logits(logit):
+    _check_kernel([5, 64, 70], None, shift=logit)
+
+
+def test_kernels_all_zero_length_batch():
+    _check_kernel([0, 0], 10000.0, capacity=24)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_kernels_lower_for_hopper(dim):
+    """Forward and backward lower through Mosaic GPU (layouts, TMA shapes), with and without RoPE."""
+    from pallas_kernels.block_local_attention import vjp
+
+    offsets = _offsets([70, 0, 130, 5, 301])
+    x = jax.ShapeDtypeStruct((509, 4, dim), jnp.bfloat16)
+    for rope_base in (None, 10000.0):
+
+        def fwd_bwd(q, k, v):
+            f = lambda q, k, v: vjp.block_local_attention(q, k, v, offsets, block_size=64, rope_base=rope_base)
+            out, pullback = jax.vjp(f, q, k, v)
+            return out, pullback(out)
+
+        lowered = jax.jit(fwd_bwd).trace(x, x, x).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("mosaic_gpu") >= 2
+
+
+def test_default_implementation_takes_the_kernels_only_for_64_row_blocks(monkeypatch):
+    from pallas_kernels._src import dispatch
+    from pallas_kernels.block_local_attention import vjp
+
+    monkeypatch.setattr(dispatch, "is_hopper_gpu", lambda device=None: True)
+    called = []
+    monkeypatch.setattr(vjp, "block_local_attention", lambda q, *a, **kw: called.append(kw["block_size"]) or q)
+    x = jnp.zeros((8, 1, 64), jnp.bfloat16)
+    for block in (64, 32):
+        block_local_attention(x, x, x, _offsets([8]), max_seq_len=8, block_size=block)
+    assert called == [64]
