@@ -87,8 +87,9 @@ def test_flop_model_counts_each_sequence_attention_kind():
     silu = flop_model(ModelConfig(**base, sequence_attention=SequenceAttention.CAUSAL_SILU), spec)
     per_pair = 2 * 4 * 16  # layers x (QK^T and PV) x H x head dim
     n = 200
-    assert window(n) - full(n) == pytest.approx(per_pair * (sum(min(i, 10) + 1 for i in range(n)) - n * n / 2))
-    assert block(n) - full(n) == pytest.approx(per_pair * (3 * 64**2 + 8**2 - n * n / 2))
+    causal = n * (n + 1) / 2  # full causal attention: the lower triangle with its diagonal
+    assert window(n) - full(n) == pytest.approx(per_pair * (sum(min(i, 10) + 1 for i in range(n)) - causal))
+    assert block(n) - full(n) == pytest.approx(per_pair * (3 * 64**2 + 8**2 - causal))
     assert silu(n) == full(n)
     with pytest.raises(ValueError, match="sequence_attention|SequenceAttention|valid"):
         ModelConfig(**base, sequence_attention="sparse")
