@@ -61,7 +61,7 @@ from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
 from pallas_kernels import Implementation
 from gem_jax.nn.embeddings import check_lookup_stats
-from gem_jax.train import compile_cache
+from gem_jax.train import compile_cache, config_tree
 from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.train.run_record import code_version
 from gem_jax.train.setup import setup_training
@@ -225,7 +225,7 @@ def run_mode(base: TrainConfig, mode: str, args) -> dict:
     section = {"attention": mode, "attention_implementation": None, "model": None, "runs": [], "errors": []}
     for impl in MODES[mode]:
         config = dataclasses.replace(base, model=dataclasses.replace(base.model, attention_implementation=impl))
-        section.update(attention_implementation=impl or "auto (pallas on Hopper)", model=dataclasses.asdict(config.model), runs=[])
+        section.update(attention_implementation=impl or "auto (pallas on Hopper)", model=config_tree.to_tree(config.model), runs=[])
         try:
             for n in args.devices:
                 print(f"--- {n} device(s), attention {mode} ({impl or 'auto'})", flush=True)
