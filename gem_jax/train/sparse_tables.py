@@ -18,8 +18,9 @@ This equals the dense update exactly when the tables' optimizer is row-wise: ele
 wise in (gradient, state, parameter), with a zero gradient leaving parameter and
 state unchanged. Adagrad without weight decay (`optax.adagrad`, the tables' optimizer
 in `gem_jax.train.optimizer`) is; Adam is not (its moments decay on untouched rows).
-The technique is TensorFlow's `SparseApplyAdagrad` over `IndexedSlices` gradients and
-PyTorch's `nn.Embedding(sparse=True)` with `SparseAdagrad`-style updates.
+The technique is TensorFlow's `SparseApplyAdagrad` over `IndexedSlices` gradients, and
+PyTorch's `nn.Embedding(sparse=True)` whose sparse gradients `torch.optim.Adagrad`
+applies to the touched rows only.
 
 The optimizer state keeps its structure and shardings (checkpoints are unchanged), and
 the metric `grad_norm` is the dense gradient's norm (a distinct row's summed gradient
@@ -141,20 +142,20 @@ def apply_sparse_updates(optimizer: optax.GradientTransformation, grads: SparseG
     param_leaves, param_def = jax.tree.flatten(params)
     state_leaves, state_def = jax.tree.flatten(opt_state)
     index = {path_keys(path): i for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(params))}
-    # The table leaf of `rows` each state leaf mirrors (the Adagrad accumulator), or None.
-    state_table = [None if keys is None else index[keys] for keys in mirrored_params(opt_state, params)]
-    state_table = [i if i in rows else None for i in state_table]
+    # The rows of the row-wise table each leaf is (parameters) or mirrors (the Adagrad accumulator), or None.
+    param_rows = [rows.get(i) for i in range(len(param_leaves))]
+    state_rows = [None if keys is None else rows.get(index[keys]) for keys in mirrored_params(opt_state, params)]
 
-    def view(leaf, i):
-        return leaf if i is None else leaf.at[rows[i]].get(mode="fill", fill_value=0)
+    def view(leaf, r):
+        return leaf if r is None else leaf.at[r].get(mode="fill", fill_value=0)
 
-    def scatter(leaf, new, i):
-        return new if i is None else leaf.at[rows[i]].set(new, mode="drop")
+    def scatter(leaf, new, r):
+        return new if r is None else leaf.at[r].set(new, mode="drop")
 
-    param_view = param_def.unflatten([view(x, i if i in rows else None) for i, x in enumerate(param_leaves)])
-    state_view = state_def.unflatten([view(x, i) for x, i in zip(state_leaves, state_table)])
+    param_view = param_def.unflatten([view(x, r) for x, r in zip(param_leaves, param_rows)])
+    state_view = state_def.unflatten([view(x, r) for x, r in zip(state_leaves, state_rows)])
     updates, new_state_view = optimizer.update(grads.grads, state_view, param_view)
     new_param_view = jax.tree.leaves(optax.apply_updates(param_view, updates))
-    new_params = [scatter(x, new, i if i in rows else None) for i, (x, new) in enumerate(zip(param_leaves, new_param_view))]
-    new_state = [scatter(x, new, i) for x, new, i in zip(state_leaves, jax.tree.leaves(new_state_view), state_table)]
+    new_params = [scatter(x, new, r) for x, new, r in zip(param_leaves, new_param_view, param_rows)]
+    new_state = [scatter(x, new, r) for x, new, r in zip(state_leaves, jax.tree.leaves(new_state_view), state_rows)]
     return param_def.unflatten(new_params), state_def.unflatten(new_state)
