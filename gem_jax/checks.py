@@ -44,3 +44,14 @@ def check_float(obj: Any, name: str, *, minimum: float | None = None, positive: 
         raise ValueError(f"{_where(obj, name)} must be > 0, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{_where(obj, name)} must be >= {minimum}, got {value}")
+
+
+def check_bool(obj: Any, name: str) -> None:
+    """`obj.name` is a bool (not an int or string).
+
+    Raises:
+      TypeError: not a bool (the field, value and its type named).
+    """
+    value = getattr(obj, name)
+    if not isinstance(value, bool):
+        raise TypeError(f"{_where(obj, name)} must be a bool, got {value!r} ({type(value).__name__})")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
+
 
 def path_keys(path: Sequence) -> tuple:
     """A `jax.tree_util` key path as a tuple of plain keys (dict key, attribute name or index)."""
@@ -13,3 +15,28 @@ def path_keys(path: Sequence) -> tuple:
 def path_str(path: Sequence) -> str:
     """A key path as `a/b/0/c`."""
     return "/".join(str(k) for k in path_keys(path))
+
+
+
+def mirrored_params(tree, params) -> list[tuple | None]:
+    """The parameter each leaf of `tree` (an optimizer state) mirrors.
+
+    A leaf mirrors the parameter whose key path ends the leaf's key path and whose
+    shape it has (Adam moments, Adagrad accumulators); step counts and masked
+    placeholders mirror none.
+
+    Args:
+      tree: any pytree, e.g. an optax state of `params`.
+      params: the parameter pytree.
+
+    Returns:
+      One entry per leaf of `tree` (`jax.tree.leaves` order): the mirrored
+      parameter's key path as plain keys (`path_keys`), or None.
+    """
+    shapes = {path_keys(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+    def pick(path, leaf):
+        keys = path_keys(path)
+        return next((keys[start:] for start in range(len(keys)) if shapes.get(keys[start:]) == leaf.shape), None)
+
+    return [pick(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]

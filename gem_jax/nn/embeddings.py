@@ -313,7 +313,9 @@ def lookup(table: jax.Array, ids: jax.Array, num_rows: int, placement: TablePlac
 
     Outside a sharded step (`placement` None or REPLICATED) `table` is the whole
     parameter; inside one (`gem_jax.parallel.spmd`), it is this device's shard and the
-    exchange of the module docstring runs over the named mesh axes.
+    exchange of the module docstring runs over the named mesh axes. An unsharded
+    table's lookup records its ids, and adds a row delta instead of differentiating
+    `table`, when the active context carries `shard_context.TableRows`.
 
     Equivalent jnp (ids in range)::
 
@@ -338,8 +340,12 @@ def lookup(table: jax.Array, ids: jax.Array, num_rows: int, placement: TablePlac
     flat, valid, num_bad = apply_id_policy(ids.reshape(-1), num_rows, policy)
     context.record(f"{name}/out_of_range", num_bad)
     d = table.shape[-1]
-    if placement is None or placement.generation is Generation.REPLICATED or flat.shape[0] == 0:
-        rows = jnp.where(valid[:, None], table[flat], 0)
+    unsharded = placement is None or placement.generation is Generation.REPLICATED
+    if unsharded or flat.shape[0] == 0:
+        # Row gradients without a dense table gradient (`shard_context.TableRows`).
+        delta = context.row_delta(name, jnp.where(valid, flat, table.shape[0])) if unsharded else None
+        rows = table[flat] if delta is None else jax.lax.stop_gradient(table)[flat] + delta.astype(table.dtype)
+        rows = jnp.where(valid[:, None], rows, 0)
         return rows.reshape(*ids.shape, d)
     ctx = context.active()
     if ctx is None:

@@ -1,10 +1,11 @@
-"""The per-device context of a sharded step: mesh axis sizes and lookup statistics.
+"""The per-device context of a sharded step: mesh axis sizes, lookup statistics, table row gradients.
 
 Model code (embedding tables, the DHEN expert group) runs unchanged on one device and
 inside the `shard_map` of `gem_jax.parallel.spmd`. Inside, it needs the sizes of the
 named mesh axes for its collectives, and a place to report counters (out-of-range ids,
 buffer overflows) that the step returns as metrics. `shard_context` provides both for
-the duration of one trace.
+the duration of one trace. A step that updates unsharded tables row by row
+(`gem_jax.train.sparse_tables`) also passes `TableRows` through it.
 """
 
 from __future__ import annotations
@@ -19,17 +20,60 @@ import jax.numpy as jnp
 
 
 @dataclasses.dataclass
+class TableRows:
+    """Per-lookup row gradients of unsharded embedding tables, without a dense table gradient.
+
+    Every lookup of an unsharded table records its ids. For the tables named in
+    `deltas`, the lookup also gathers from the stop-gradient table and adds its next
+    delta, a zero `[n, d]` input of the loss: the loss's gradient w.r.t. that delta is
+    the gradient of each looked-up row, and no `[rows, d]` table gradient is formed
+    (the technique of TensorFlow's `IndexedSlices` and PyTorch's
+    `nn.Embedding(sparse=True)`).
+
+    Attributes:
+      deltas: by table name, one float `[n_i, d]` per lookup in trace order; None:
+        record the ids only (a shape probe).
+      ids: recorded by table name, one int32 `[n_i]` per lookup: the row looked up,
+        or the table's parameter row count where the id policy rejected the id.
+    """
+
+    deltas: dict[str, list[jax.Array]] | None
+    ids: dict[str, list[jax.Array]] = dataclasses.field(default_factory=dict)
+
+    def take(self, name: str, ids: jax.Array) -> jax.Array | None:
+        """Records `ids` of a lookup of table `name`; returns its delta, or None when the table has none.
+
+        Raises:
+          ValueError: the table is looked up more often than it has deltas, or a
+            delta's length is not the lookup's.
+        """
+        recorded = self.ids.setdefault(name, [])
+        recorded.append(ids)
+        if self.deltas is None or name not in self.deltas:
+            return None
+        deltas = self.deltas[name]
+        if len(recorded) > len(deltas):
+            raise ValueError(f"table {name!r}: lookup {len(recorded)} has no row delta (only {len(deltas)} were traced)")
+        delta = deltas[len(recorded) - 1]
+        if delta.shape[0] != ids.shape[0]:
+            raise ValueError(f"table {name!r}: lookup {len(recorded)} has {ids.shape[0]} ids but a delta of {delta.shape[0]} rows")
+        return delta
+
+
+@dataclasses.dataclass
 class ShardContext:
     """Attributes:
     axis_sizes: size of every mesh axis, outermost first.
     exchange_dtype: dtype in which activations cross the network (embedding rows);
       None keeps theirs.
     stats: int32 scalar counters recorded during the trace, by name (summed per name).
+    rows: the row gradients of unsharded tables, or None (tables get dense gradients).
     """
 
     axis_sizes: dict[str, int]
     exchange_dtype: jnp.dtype | None = None
     stats: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    rows: TableRows | None = None
 
     def record(self, name: str, value: jax.Array) -> None:
         """Adds an int32 scalar to counter `name`."""
@@ -41,9 +85,9 @@ _ACTIVE: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar("g
 
 
 @contextlib.contextmanager
-def shard_context(axis_sizes: dict[str, int], exchange_dtype=None) -> Iterator[ShardContext]:
+def shard_context(axis_sizes: dict[str, int], exchange_dtype=None, rows: TableRows | None = None) -> Iterator[ShardContext]:
     """Makes a fresh `ShardContext` the active one inside the `with` block."""
-    ctx = ShardContext(dict(axis_sizes), None if exchange_dtype is None else jnp.dtype(exchange_dtype))
+    ctx = ShardContext(dict(axis_sizes), None if exchange_dtype is None else jnp.dtype(exchange_dtype), rows=rows)
     token = _ACTIVE.set(ctx)
     try:
         yield ctx
@@ -61,3 +105,9 @@ def record(name: str, value: jax.Array) -> None:
     ctx = active()
     if ctx is not None:
         ctx.record(name, value)
+
+
+def row_delta(name: str, ids: jax.Array) -> jax.Array | None:
+    """`TableRows.take` of the active context; None outside one or without `rows`."""
+    ctx = active()
+    return None if ctx is None or ctx.rows is None else ctx.rows.take(name, ids)

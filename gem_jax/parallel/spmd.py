@@ -112,7 +112,7 @@ class ShardedModel:
         """Spec of every stacked-batch leaf: leading device axis over every live mesh axis."""
         return spec_from_axes(live_axes(self.plan.axis_sizes), 1)
 
-    def _forward(self, params: dict, batch: Batch):
+    def _forward(self, params: dict, batch: Batch, rows: context.TableRows | None = None):
         """Per device: (logits [b, K], stats, the local batch)."""
         sizes = self.plan.axis_sizes
         local = jax.tree.map(lambda x: x[0], batch)
@@ -126,14 +126,29 @@ class ShardedModel:
             roles,
             is_leaf=lambda x: _is_spec(x) or isinstance(x, Role),
         )
-        with context.shard_context(sizes, dtype) as ctx:
+        with context.shard_context(sizes, dtype, rows) as ctx:
             model = nnx.merge(self.graphdef, full)
             embeddings.bind_tables(model, self.plan.tables)
             logits = model(local)
         return logits, dict(ctx.stats), local
 
-    def _shard_map(self, body, out_specs):
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.plan.specs, self.batch_spec), out_specs=out_specs)
+    def _shard_map(self, body, out_specs, *extra_specs):
+        in_specs = (self.plan.specs, self.batch_spec, *extra_specs)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def _local_loss(self, params: dict, batch: Batch, rows: context.TableRows | None):
+        """Per device: `(loss, (bce [K], stats, logits [1, b, K]))` over the global batch."""
+        logits, stats, local = self._forward(params, batch, rows)
+        axes = live_axes(self.plan.axis_sizes)
+        weight = local.weights.sum()
+        total = loss_lib.weighted_bce(logits, local.labels, local.weights) * jnp.maximum(weight, 1.0)
+        total, weight = _psum((total, weight), axes)
+        bce = total / jnp.maximum(weight, 1.0)
+        return bce.sum(), (bce, _psum(stats, axes), logits[None])
+
+    def _loss_specs(self):
+        axes = live_axes(self.plan.axis_sizes)
+        return (PartitionSpec(), (PartitionSpec(), PartitionSpec(), spec_from_axes(axes, 3)))
 
     def loss(self, params: dict, batch: Batch):
         """`(loss, (bce [K], stats, logits [B, K]))` over the global batch; differentiable in `params`.
@@ -149,19 +164,37 @@ class ShardedModel:
             `<table>/overflow`).
           logits: float32, examples in global order.
         """
+        body = lambda params, batch: self._local_loss(params, batch, None)  # noqa: E731
+        loss, (bce, stats, logits) = self._shard_map(body, self._loss_specs())(params, batch)
+        return loss, (bce, stats, logits.reshape(-1, logits.shape[-1]))
+
+    def loss_with_rows(self, params: dict, batch: Batch, deltas: dict[str, list[jax.Array]] | None = None):
+        """`loss` whose unsharded tables' lookups take row deltas (`gem_jax.nn.shard_context.TableRows`).
+
+        Args:
+          params, batch: as `loss`.
+          deltas: by table name (module path, "embed/item"), one float `[D, n_i, d]`
+            per lookup in trace order (`D` devices, `n_i` ids per device; zeros);
+            the gradient w.r.t. each is the gradient of the rows that lookup gathered.
+            None: a shape probe (no deltas; run it under `jax.eval_shape`).
+
+        Returns:
+          `(loss, (bce, stats, logits, ids))`: as `loss`, and `ids` by table name, one
+          int32 `[D, n_i]` per lookup of every unsharded table: the row looked up, or the
+          table's parameter row count where the id policy rejected the id.
+        """
         axes = live_axes(self.plan.axis_sizes)
 
-        def body(params, batch):
-            logits, stats, local = self._forward(params, batch)
-            weight = local.weights.sum()
-            total = loss_lib.weighted_bce(logits, local.labels, local.weights) * jnp.maximum(weight, 1.0)
-            total, weight = _psum((total, weight), axes)
-            bce = total / jnp.maximum(weight, 1.0)
-            return bce.sum(), (bce, _psum(stats, axes), logits[None])
+        def body(params, batch, local_deltas):
+            rows = context.TableRows(None if deltas is None else jax.tree.map(lambda x: x[0], local_deltas))
+            loss, aux = self._local_loss(params, batch, rows)
+            return loss, (*aux, jax.tree.map(lambda x: x[None], rows.ids))
 
-        out_specs = (PartitionSpec(), (PartitionSpec(), PartitionSpec(), spec_from_axes(axes, 3)))
-        loss, (bce, stats, logits) = self._shard_map(body, out_specs)(params, batch)
-        return loss, (bce, stats, logits.reshape(-1, logits.shape[-1]))
+        loss_spec, aux_specs = self._loss_specs()
+        out_specs = (loss_spec, (*aux_specs, spec_from_axes(axes, 2)))
+        mapped = self._shard_map(body, out_specs, spec_from_axes(axes, 3))
+        loss, (bce, stats, logits, ids) = mapped(params, batch, {} if deltas is None else deltas)
+        return loss, (bce, stats, logits.reshape(-1, logits.shape[-1]), ids)
 
     def logits(self, params: dict, batch: Batch) -> jax.Array:
         """float32 `[B, K]` logits of the stacked batch, examples in global order."""

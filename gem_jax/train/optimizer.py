@@ -13,7 +13,7 @@ import enum
 import jax
 import optax
 
-from gem_jax.checks import check_float, check_int
+from gem_jax.checks import check_bool, check_float, check_int
 from gem_jax.nn.layers import EMBEDDING_PARAM
 from gem_jax.pytree import path_keys
 
@@ -34,6 +34,11 @@ class OptimConfig:
       weight_decay: AdamW decoupled weight decay (dense only).
       embedding_learning_rate: Adagrad learning rate of embedding tables.
       grad_clip_norm: global gradient-norm clip of the dense group (0 disables).
+      sparse_embedding_updates: update unsharded tables row by row, only the rows a
+        step looks up (`gem_jax.train.sparse_tables`): the same Adagrad update
+        without a dense table gradient and a dense optimizer pass over every row.
+        False differentiates and updates the whole table (the reference path).
+        Sharded tables always take the dense gradient of their shard.
     """
 
     learning_rate: float = 2e-3
@@ -42,6 +47,7 @@ class OptimConfig:
     weight_decay: float = 1e-4
     embedding_learning_rate: float = 0.05
     grad_clip_norm: float = 1.0
+    sparse_embedding_updates: bool = True
 
     def __post_init__(self):
         check_float(self, "learning_rate", positive=True)
@@ -50,6 +56,7 @@ class OptimConfig:
         check_float(self, "weight_decay", minimum=0.0)
         check_float(self, "embedding_learning_rate", positive=True)
         check_float(self, "grad_clip_norm", minimum=0.0)
+        check_bool(self, "sparse_embedding_updates")
 
 
 def learning_rate_schedule(config: OptimConfig) -> optax.Schedule:

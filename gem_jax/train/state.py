@@ -18,7 +18,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from gem_jax.parallel import rules as rules_lib
-from gem_jax.pytree import path_keys
+from gem_jax.pytree import mirrored_params, path_keys
 from gem_jax.parallel.spmd import ShardedModel
 
 
@@ -64,22 +64,12 @@ class StateSetup:
 
 
 def mirror_param_shardings(opt_state, params, param_shardings, default):
-    """Shardings for an optimizer state: a leaf whose key path ends with a parameter's
-    path and has its shape (Adam moments, Adagrad accumulators) takes that parameter's
-    sharding; every other leaf (step counts, masked placeholders) gets `default`."""
-    by_path = {}
-    for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings)):
-        by_path[path_keys(path)] = (leaf.shape, sharding)
-
-    def pick(path, leaf):
-        keys = path_keys(path)
-        for start in range(len(keys)):
-            match = by_path.get(keys[start:])
-            if match and match[0] == leaf.shape:
-                return match[1]
-        return default
-
-    return jax.tree_util.tree_map_with_path(pick, opt_state)
+    """Shardings for an optimizer state: a leaf that mirrors a parameter
+    (`gem_jax.pytree.mirrored_params`: Adam moments, Adagrad accumulators) takes that
+    parameter's sharding; every other leaf (step counts, masked placeholders) gets `default`."""
+    by_path = {path_keys(path): sharding for (path, _), sharding in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings))}
+    picked = [default if keys is None else by_path[keys] for keys in mirrored_params(opt_state, params)]
+    return jax.tree.unflatten(jax.tree.structure(opt_state), picked)
 
 
 def _init_fn(model_factory: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int):

@@ -10,11 +10,13 @@ import optax
 
 from gem_jax.batch import Batch
 from gem_jax.parallel.placement import BatchPlacement
-from gem_jax.train import metrics
+from gem_jax.train import metrics, sparse_tables
 from gem_jax.train.state import StateSetup, TrainState
 
 
-def make_train_step(setup: StateSetup, optimizer: optax.GradientTransformation, placement: BatchPlacement) -> Callable:
+def make_train_step(
+    setup: StateSetup, optimizer: optax.GradientTransformation, placement: BatchPlacement, *, sparse_embedding_updates: bool = True
+) -> Callable:
     """`train_step(state, batch) -> (state, metrics)`, jitted with donation of `state`.
 
     `batch` is a stacked per-device batch (`placement.put(host_batch)`). The loss is
@@ -22,13 +24,22 @@ def make_train_step(setup: StateSetup, optimizer: optax.GradientTransformation, 
     scalars or `[K]`): loss, per-task BCE and NE against the batch's base rate, the
     global gradient norm; int32 lookup counters `<table>/out_of_range` and
     `<table>/overflow` (check them with `gem_jax.nn.embeddings.check_lookup_stats`).
+
+    With `sparse_embedding_updates`, unsharded tables are updated row by row
+    (`gem_jax.train.sparse_tables`: the same update, without a dense table gradient);
+    `optimizer` must then be row-wise on the tables (`gem_jax.train.optimizer`'s is).
     """
     model = setup.sharded_model()
 
     def train_step(state: TrainState, batch: Batch):
-        (loss, (bce, stats, _)), grads = jax.value_and_grad(model.loss, has_aux=True)(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if sparse_embedding_updates:
+            (loss, (bce, stats)), sparse = sparse_tables.sparse_value_and_grad(model, state.params, batch)
+            params, opt_state = sparse_tables.apply_sparse_updates(optimizer, sparse, state.params, state.opt_state)
+            grads = sparse.grads
+        else:
+            (loss, (bce, stats, _)), grads = jax.value_and_grad(model.loss, has_aux=True)(state.params, batch)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         labels, weights = batch.labels.reshape(-1, batch.labels.shape[-1]), batch.weights.reshape(-1)
         base_rate = (weights[:, None] * labels).sum(0) / jnp.maximum(weights.sum(), 1.0)
         out = {

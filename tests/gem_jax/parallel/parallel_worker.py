@@ -269,6 +269,47 @@ def equivalence(out: Path) -> None:
     out.write_text(json.dumps(report, indent=1))
 
 
+def sparse(out: Path) -> None:
+    """2 train steps on mesh 2x2x2 with row-wise and with dense table updates (user/0 replicated, the others sharded)."""
+    import dataclasses
+
+    from gem_jax.train import sparse_tables
+    from gem_jax.train.setup import setup_training
+
+    config, _ = tiny_setup()
+    rules = dataclasses.replace(config.rules, tables=config.rules.tables + (("embed/user/0", TableSharding(Generation.REPLICATED, OutOfRange.HASH)),))
+    report = {}
+    for mode in (True, False):
+        optim = dataclasses.replace(config.optim, sparse_embedding_updates=mode)
+        training, state = setup_training(dataclasses.replace(config, rules=rules, optim=optim))
+        iterator = training.dataset.train_iterator()
+        batches = [training.placement.put(next(iterator)) for _ in range(2)]
+        model = training.state.sharded_model()
+        probe = jax.eval_shape(lambda p, b: model.loss_with_rows(p, b)[1][3], state.params, batches[0])
+        norms = []
+        for batch in batches:
+            state, m = timed(f"sparse={mode} step", training.train_step, state, batch)
+            norms.append(float(m["grad_norm"]))
+        report[mode] = {
+            "state": jax.device_get(state),
+            "norms": norms,
+            "row_wise": sorted(sparse_tables.row_wise_tables(state.params, probe).values()),
+            "tables": {k: p.generation.name for k, p in training.state.plan.tables.items()},
+        }
+    out.write_text(
+        json.dumps(
+            {
+                "state_err": tree_rel_err(report[True]["state"], report[False]["state"]),
+                "worst": worst_leaf(report[True]["state"], report[False]["state"]),
+                "norms": [report[True]["norms"], report[False]["norms"]],
+                "row_wise": report[True]["row_wise"],
+                "tables": report[True]["tables"],
+            },
+            indent=1,
+        )
+    )
+
+
 # ---------------------------------------------------------------- checkpoints
 
 
@@ -367,6 +408,8 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "equivalence":
         equivalence(out)
+    elif mode == "sparse":
+        sparse(out)
     elif mode == "reshard":
         reshard(out, Path(sys.argv[3]))
     elif mode == "process":

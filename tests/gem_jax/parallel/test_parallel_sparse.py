@@ -1,0 +1,27 @@
+"""8 fake CPU devices, mesh (2,2,2): row-wise updates of a replicated table train as the dense path,
+next to gen-3 / gen-2 sharded tables, which keep their dense shard gradients.
+
+Runs in one subprocess (`parallel_worker.py sparse`), since this test process already
+initialised jax with one device.
+"""
+
+import pytest
+
+pytestmark = pytest.mark.multidevice
+
+
+@pytest.fixture(scope="module")
+def report(run_worker, tmp_path_factory):
+    return run_worker("sparse", tmp_path_factory.mktemp("sparse"))
+
+
+def test_only_the_replicated_table_with_few_ids_is_row_wise(report):
+    assert report["tables"]["embed/user/0"] == "REPLICATED"
+    assert report["tables"]["embed/item"] == "NODE_SPLIT"
+    assert report["row_wise"] == ["embed/user/0"]
+
+
+def test_row_wise_training_matches_the_dense_path(report):
+    assert report["state_err"] < 1e-6, report["worst"]
+    sparse, dense = report["norms"]
+    assert sparse == pytest.approx(dense, rel=1e-6)
