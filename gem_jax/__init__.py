@@ -12,7 +12,7 @@ the trainer load only when a name that needs them is touched).
 
 from __future__ import annotations
 
-import importlib
+from gem_jax.exports import lazy_exports
 
 _EXPORTS = {
     # data layout
@@ -45,13 +45,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'gem_jax' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ Names are imported on first use, so the config classes do not pull in grain.
 
 from __future__ import annotations
 
-import importlib
+from gem_jax.exports import lazy_exports
 
 _EXPORTS = {
     "BBSConfig": "gem_jax.data.config",
@@ -21,9 +21,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'gem_jax.data' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

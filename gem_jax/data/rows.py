@@ -18,8 +18,11 @@ import dataclasses
 import enum
 import csv
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class OnBadRow(enum.Enum):
@@ -104,6 +107,21 @@ class RowChecker:
             raise BadRowError(self.path, where, kind, detail)
         self._counts[kind] = self._counts.get(kind, 0) + 1
         self._first.setdefault(kind, where)
+
+    def parse(self, location: str | int, parse: Callable[[], T], not_a_number: str) -> T | None:
+        """`parse()`, or None after reporting the row: OUT_OF_RANGE for an `OverflowError`
+        (an int64 field out of range), NOT_A_NUMBER with `not_a_number` for a `ValueError`.
+
+        Raises:
+          BadRowError: under `OnBadRow.RAISE`, as `bad`.
+        """
+        try:
+            return parse()
+        except OverflowError as error:
+            self.bad(location, BadRowKind.OUT_OF_RANGE, str(error))
+        except ValueError:
+            self.bad(location, BadRowKind.NOT_A_NUMBER, not_a_number)
+        return None
 
     def skipped(self) -> tuple[SkippedRows, ...]:
         """The skipped-row counts of this file, one entry per kind, in `BadRowKind` order."""

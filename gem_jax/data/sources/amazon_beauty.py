@@ -46,13 +46,8 @@ def _read_sequences(path: Path, on_bad_row: OnBadRow) -> tuple[list[list[int]], 
         if len(fields) < 2:
             check.bad(line, BadRowKind.FIELD_COUNT, f"expected a user id and at least one item id, got {len(fields)} field(s)")
             continue
-        try:
-            ids = [int64_field(x, "id") for x in fields]
-        except OverflowError as error:
-            check.bad(line, BadRowKind.OUT_OF_RANGE, str(error))
-            continue
-        except ValueError:
-            check.bad(line, BadRowKind.NOT_A_NUMBER, f"a field of {text.strip()[:80]!r} is not an integer")
+        ids = check.parse(line, lambda: [int64_field(x, "id") for x in fields], f"a field of {text.strip()[:80]!r} is not an integer")
+        if ids is None:
             continue
         user, items = ids[0], ids[1:]
         if min(ids) < 1:

@@ -149,14 +149,14 @@ def read_ml_100k(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRow.RAISE)
         if len(fields) != 4:
             check.bad(line, BadRowKind.FIELD_COUNT, f"expected 4 tab-separated fields (user item rating timestamp), got {len(fields)}")
             continue
-        try:
-            user, item, rating, ts = (int64_field(x, name) for x, name in zip(fields, ("user id", "item id", "rating", "timestamp")))
-        except OverflowError as error:
-            check.bad(line, BadRowKind.OUT_OF_RANGE, str(error))
+        parsed = check.parse(
+            line,
+            lambda: tuple(int64_field(x, name) for x, name in zip(fields, ("user id", "item id", "rating", "timestamp"))),
+            f"fields {fields!r}",
+        )
+        if parsed is None:
             continue
-        except ValueError:
-            check.bad(line, BadRowKind.NOT_A_NUMBER, f"fields {fields!r}")
-            continue
+        user, item, rating, ts = parsed
         if not 1 <= rating <= 5:
             check.bad(line, BadRowKind.OUT_OF_RANGE, f"rating {rating} is not in 1..5")
         elif ts < 0:

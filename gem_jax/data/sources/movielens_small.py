@@ -63,13 +63,8 @@ def read_movies(path: Path, on_bad_row: OnBadRow) -> tuple[dict[int, list[str]],
         if len(fields) != 3:
             check.bad(line, BadRowKind.FIELD_COUNT, f"expected 3 fields (movieId,title,genres), got {len(fields)}")
             continue
-        try:
-            movie = int64_field(fields[0], "movieId")
-        except OverflowError as error:
-            check.bad(line, BadRowKind.OUT_OF_RANGE, str(error))
-            continue
-        except ValueError:
-            check.bad(line, BadRowKind.NOT_A_NUMBER, f"movieId {fields[0]!r}")
+        movie = check.parse(line, lambda: int64_field(fields[0], "movieId"), f"movieId {fields[0]!r}")
+        if movie is None:
             continue
         genres = fields[2].split("|")
         if movie in movies:
@@ -110,15 +105,14 @@ def read_ml_latest_small(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRo
         if len(fields) != 4:
             check.bad(line, BadRowKind.FIELD_COUNT, f"expected 4 fields (userId,movieId,rating,timestamp), got {len(fields)}")
             continue
-        try:
-            user, movie = int64_field(fields[0], "userId"), int64_field(fields[1], "movieId")
-            rating, ts = float(fields[2]), int64_field(fields[3], "timestamp")
-        except OverflowError as error:
-            check.bad(line, BadRowKind.OUT_OF_RANGE, str(error))
+        parsed = check.parse(
+            line,
+            lambda: (int64_field(fields[0], "userId"), int64_field(fields[1], "movieId"), float(fields[2]), int64_field(fields[3], "timestamp")),
+            f"fields {fields!r}",
+        )
+        if parsed is None:
             continue
-        except ValueError:
-            check.bad(line, BadRowKind.NOT_A_NUMBER, f"fields {fields!r}")
-            continue
+        user, movie, rating, ts = parsed
         if not (0.5 <= rating <= 5.0) or rating * 2 != round(rating * 2):
             check.bad(line, BadRowKind.OUT_OF_RANGE, f"rating {fields[2]!r} is not a half-star in [0.5, 5]")
         elif ts < 0:
