@@ -23,6 +23,6 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[st
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
-        return sorted(set(exports) | set(importlib.import_module(package).__dict__))
+        return sorted(exports)
 
     return __getattr__, __dir__

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField
+from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField, validate_ids
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.cross_tower import CrossFeatureTower, uniform_offsets
 from gem_jax.model.interaction import CrossAttention
@@ -89,7 +89,14 @@ class GEMModel(nnx.Module):
         )
 
     def __call__(self, batch: Batch) -> jax.Array:
-        """Returns float32 logits `[B, len(Task)]`."""
+        """Returns float32 logits `[B, len(Task)]`.
+
+        Raises:
+          ValueError: a batch field of the wrong shape (`Batch` documents the layout), or,
+            for a concrete batch (called outside `jit`), an id outside its vocabulary
+            (field and position named; inside the trainer the loop checks ids on the host).
+        """
+        self._check_layout(batch)
         dtype = self.config.dtype
         history = batch.history
         b, base = batch.batch_size, NUM_BASE_TOKENS
@@ -108,3 +115,22 @@ class GEMModel(nnx.Module):
         tokens = self.cross_tower(tokens)
         flat = self.head_norm(tokens.reshape(b, -1))
         return jnp.concatenate([head(flat) for head in self.heads], axis=-1)
+
+    def _check_layout(self, batch: Batch) -> None:
+        b = batch.batch_size
+        expected = {
+            "history.values": ((None, len(HistoryField)), batch.history.values.shape),
+            "user": ((b, len(UserField)), batch.user.shape),
+            "candidate_genres": ((b, self.spec.num_genres), batch.candidate_genres.shape),
+            "labels": ((b, len(Task)), batch.labels.shape),
+            "weights": ((b,), batch.weights.shape),
+        }
+        for name, (want, got) in expected.items():
+            if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
+                shown = tuple("T" if w is None else w for w in want)
+                raise ValueError(
+                    f"Batch.{name} has shape {tuple(got)}, expected {shown} "
+                    "(history values are (item, action, time bucket) id columns; see gem_jax.Batch)"
+                )
+        if not isinstance(batch.history.values, jax.core.Tracer):
+            validate_ids(batch, self.spec, where="GEMModel input")

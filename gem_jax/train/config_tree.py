@@ -90,6 +90,8 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if value == tp.__name__:  # `--set data.bbs=BBSConfig`: the defaults
+            return tp()
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
         return from_tree(tp, value, where)
@@ -117,6 +119,13 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    """`int`, `Source`, `BBSConfig | None`, `tuple[float, ...]`: short names, no module paths."""
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        return " | ".join("None" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        inner = f"{_type_name(args[0])}, ..." if len(args) == 2 and args[1] is Ellipsis else ", ".join(map(_type_name, args))
+        return f"tuple[{inner}]"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -181,7 +190,10 @@ def _replace_path(obj: Any, keys: Sequence[str], value: Any, override: str) -> A
     if key not in names:
         raise ConfigError(f"override {override!r}: {type(obj).__name__} has no field {key!r}; fields: {', '.join(names)}")
     if len(keys) > 1:
-        new = _replace_path(getattr(obj, key), keys[1:], value, override)
+        inner = getattr(obj, key)
+        if inner is None:  # an optional part that is off: `data.bbs.minibatch_size=64` turns it on with its defaults
+            inner = _default_of(_field_types(type(obj))[key], override)
+        new = _replace_path(inner, keys[1:], value, override)
     else:
         tp = _field_types(type(obj))[key]
         if isinstance(value, str) and "," in value and (typing.get_origin(tp) is tuple or tp is tuple):
@@ -194,6 +206,15 @@ def _replace_path(obj: Any, keys: Sequence[str], value: Any, override: str) -> A
         return dataclasses.replace(obj, **{key: new})
     except (TypeError, ValueError) as error:
         raise ConfigError(f"override {override!r}: {error}") from error
+
+
+def _default_of(tp: Any, override: str) -> Any:
+    """The default instance of the dataclass in an optional field's type."""
+    options = typing.get_args(tp) if typing.get_origin(tp) in (types.UnionType, typing.Union) else (tp,)
+    for option in options:
+        if isinstance(option, type) and dataclasses.is_dataclass(option):
+            return option()
+    raise ConfigError(f"override {override!r}: {_type_name(tp)} has no fields to set")
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -99,7 +99,10 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
         start = 0
         if restored:
             start, state = restored
-            print(f"gem-train: resuming from step {start} ({checkpointer.step_path(start)})", flush=True)
+            if start >= config.loop.num_steps:
+                print(f"gem-train: the run finished at step {start} ({checkpointer.step_path(start)}); reporting its summary", flush=True)
+            else:
+                print(f"gem-train: resuming from step {start} ({checkpointer.step_path(start)})", flush=True)
 
         peak = flops_lib.peak_flops()
         train_step = training.train_step

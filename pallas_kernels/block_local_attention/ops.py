@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import jagged_layout
-from pallas_kernels._src import dispatch, jagged_args
+from pallas_kernels._src import dispatch, jagged_args, shared_lowering
 from pallas_kernels.block_local_attention import reference
 from pallas_kernels.block_local_attention.config import KERNEL_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 
@@ -100,5 +100,6 @@ def block_local_attention(
     else:
         from pallas_kernels.block_local_attention import vjp  # Mosaic GPU; imported only when used
 
-        out = vjp.block_local_attention(q, k, v, offsets, **kwargs)
+        static = {name: value for name, value in kwargs.items() if name != "positions"}
+        out = shared_lowering.call(vjp.block_local_attention, q, k, v, offsets, static=static, positions=positions)
     return out if container is None else jagged_args.with_values(container, out)

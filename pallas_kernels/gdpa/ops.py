@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import jagged_layout
-from pallas_kernels._src import dispatch, jagged_args
+from pallas_kernels._src import dispatch, jagged_args, shared_lowering
 from pallas_kernels.gdpa import config, reference
 from pallas_kernels.gdpa.reference import Activation
 
@@ -138,5 +138,5 @@ def gdpa(
     else:
         from pallas_kernels.gdpa import vjp  # Mosaic GPU; imported only when used
 
-        out = vjp.gdpa(q, k, v, q_offsets, kv_offsets, causal=causal, **kwargs)
+        out = shared_lowering.call(vjp.gdpa, q, k, v, q_offsets, kv_offsets, static=dict(kwargs, causal=causal))
     return out if container is None else jagged_args.with_values(container, out)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import jagged_layout
-from pallas_kernels._src import dispatch, jagged_args
+from pallas_kernels._src import dispatch, jagged_args, shared_lowering
 from pallas_kernels.jagged_flash_attention import reference
 from pallas_kernels.jagged_flash_attention.config import SUPPORTED_HEAD_DIMS
 
@@ -107,5 +107,5 @@ def jagged_flash_attention(
     else:
         from pallas_kernels.jagged_flash_attention import vjp  # Mosaic GPU; imported only when used
 
-        out = vjp.jagged_flash_attention(q, k, v, offsets, **kwargs)
+        out = shared_lowering.call(vjp.jagged_flash_attention, q, k, v, offsets, static=kwargs)
     return out if container is None else jagged_args.with_values(container, out)

@@ -44,3 +44,23 @@ def test_a_model_builds_and_runs_outside_the_trainer():
     )
     logits = model(jax.tree.map(jax.numpy.asarray, batch))
     assert logits.shape == (3, 2) and np.all(np.isfinite(logits))
+
+
+def test_a_malformed_batch_is_refused_with_the_field_named():
+    spec = gem_jax.FeatureSpec(num_items=50, num_users=10, num_actions=11, num_time_buckets=8, num_genres=5, max_seq_len=4)
+    model = gem_jax.GEMModel(spec, gem_jax.ModelConfig(embed_dim=16, num_pooled_queries=2), rngs=nnx.Rngs(0))
+
+    def batch(values):
+        return gem_jax.Batch(
+            history=gem_jax.Jagged.from_lengths(values, [2, 1], max_seq_len=4),
+            user=np.array([[1, 0, 0, 0], [2, 0, 0, 0]], np.int32),
+            candidate_item=np.array([3, 4], np.int32),
+            candidate_genres=np.zeros((2, 5), np.float32),
+            labels=np.zeros((2, 2), np.float32),
+            weights=np.ones(2, np.float32),
+        )
+
+    with pytest.raises(ValueError, match=r"Batch\.history\.values has shape \(3,\), expected \('T', 3\)"):
+        model(batch(np.ones(3, np.int32)))
+    with pytest.raises(ValueError, match="history item id 99 at index 0 is outside the vocabulary"):
+        model(batch(np.full((3, 3), 99, np.int32)))

@@ -88,3 +88,22 @@ def test_cli_help_lists_the_fields_and_rejects_bad_overrides(repo_root, capsys):
         train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", "/nonexistent", "--set", "model.embed_dim=x"])
     assert done.value.code == 2
     assert "model.embed_dim: expected an int" in capsys.readouterr().err
+
+
+def test_an_optional_part_is_turned_on_by_name_or_by_one_of_its_fields(repo_root):
+    config = load_config(repo_root / "configs" / "movielens.py")
+    assert config.data.bbs is None
+    by_name = config_tree.apply_overrides(config, ["data.bbs=BBSConfig"]).data.bbs
+    by_field = config_tree.apply_overrides(config, ["data.bbs.minibatch_size=64"]).data.bbs
+    assert by_name is not None and by_name.minibatch_size == 128 and by_field.minibatch_size == 64
+
+
+def test_a_missing_data_set_is_refused_without_a_traceback(repo_root, tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        train_main(
+            ["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--no-progress",
+             "--set", "data.source=ML_100K", f"data.path={tmp_path / 'nowhere'}"]
+        )
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "ML_100K data set not found" in err and "Traceback" not in err
