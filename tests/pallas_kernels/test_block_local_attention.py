@@ -71,24 +71,24 @@ def test_reference_matches_per_block_loop(rope_base, block):
 
 def test_reference_rope_matches_gem_jax_apply_rope():
     # The op must not import gem_jax; its RoPE convention must still be the model's.
-    from gem_jax.nn.layers import apply_rope
+    from gem_jax.nn.layers import apply_rope, rope_table
 
     x = jax.random.normal(jax.random.key(1), (9, 2, 16), jnp.float32).astype(jnp.bfloat16)
     pos = jnp.asarray([0, 1, 2, 0, 1, 5, 100, 4095, 3], jnp.int32)
     np.testing.assert_array_equal(np.asarray(reference.rope(x, pos, 10000.0), np.float32),
-                                  np.asarray(apply_rope(x, pos, 10000.0), np.float32))
+                                  np.asarray(apply_rope(x, rope_table(pos, 16, 10000.0)), np.float32))
 
 
 def test_fused_rope_equals_unfused_apply_rope_then_attention():
-    from gem_jax.nn.layers import apply_rope
+    from gem_jax.nn.layers import apply_rope, rope_table
     from pallas_kernels.jagged_layout import positions_in_sequence
 
     lengths = [3, 70, 0, 9]
     offsets = _offsets(lengths)
     q, k, v, dout = _inputs(lengths, 90, 2, 16, jnp.float32, 2)
-    pos = positions_in_sequence(offsets, 90)
+    table = rope_table(positions_in_sequence(offsets, 90), 16, 500.0)
     fused = lambda q, k, v: block_local_attention(q, k, v, offsets, max_seq_len=70, rope_base=500.0, implementation="xla")
-    unfused = lambda q, k, v: block_local_attention(apply_rope(q, pos, 500.0), apply_rope(k, pos, 500.0), v, offsets,
+    unfused = lambda q, k, v: block_local_attention(apply_rope(q, table), apply_rope(k, table), v, offsets,
                                                     max_seq_len=70, implementation="xla")
     for a, b in zip(jax.vjp(fused, q, k, v)[1](dout), jax.vjp(unfused, q, k, v)[1](dout)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
