@@ -92,3 +92,26 @@ def bound(explicit: int | None, container, explicit_name: str, what: str) -> int
     if bound_ is None:
         raise ValueError(f"{explicit_name} missing: pass it, or {what} as a jagged container with a max_seq_len")
     return bound_
+
+
+def self_attention_operands(q, k, v, offsets, max_seq_len):
+    """The operands of a jagged self-attention op (one offsets array for q, k and v), unpacked.
+
+    q, k, v may be arrays or jagged containers; offsets and the bound default from them.
+
+    Returns:
+      `(container, q, k, v, offsets, max_seq_len)`: the container q came in (None for an
+      array), the three `[T, H, D]` value arrays, the offsets and the bound.
+
+    Raises:
+      ValueError: offsets missing or disagreeing, a missing bound, or q, k, v of different shapes.
+    """
+    container = q if is_jagged(q) else None
+    offsets = shared_offsets(offsets, "offsets", q=q, k=k, v=v)
+    if offsets is None:
+        raise ValueError("offsets missing: pass offsets=, or q, k, v as jagged containers (with .values and .offsets)")
+    max_seq_len = bound(max_seq_len, container, "max_seq_len", "q")
+    q, k, v = (values_of(x) for x in (q, k, v))
+    if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must share one [T, H, D] shape; got {q.shape}, {k.shape}, {v.shape}")
+    return container, q, k, v, offsets, max_seq_len

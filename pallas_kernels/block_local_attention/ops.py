@@ -74,14 +74,7 @@ def block_local_attention(
         Mosaic GPU interpret mode).
       NotImplementedError: "pallas" asked for inputs the kernels do not take.
     """
-    container = q if jagged_args.is_jagged(q) else None
-    offsets = jagged_args.shared_offsets(offsets, "offsets", q=q, k=k, v=v)
-    if offsets is None:
-        raise ValueError("offsets missing: pass offsets=, or q, k, v as jagged containers (with .values and .offsets)")
-    max_seq_len = jagged_args.bound(max_seq_len, container, "max_seq_len", "q")
-    q, k, v = (jagged_args.values_of(x) for x in (q, k, v))
-    if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must share one [T, H, D] shape; got {q.shape}, {k.shape}, {v.shape}")
+    container, q, k, v, offsets, max_seq_len = jagged_args.self_attention_operands(q, k, v, offsets, max_seq_len)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
     if positions is not None and rope_base is None:

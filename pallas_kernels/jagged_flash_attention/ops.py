@@ -80,14 +80,7 @@ def jagged_flash_attention(
         GPU interpret mode), "cudnn" without an NVIDIA GPU.
       NotImplementedError: "pallas" asked for inputs the kernels do not take.
     """
-    container = q if jagged_args.is_jagged(q) else None
-    offsets = jagged_args.shared_offsets(offsets, "offsets", q=q, k=k, v=v)
-    if offsets is None:
-        raise ValueError("offsets missing: pass offsets=, or q, k, v as jagged containers (with .values and .offsets)")
-    max_seq_len = jagged_args.bound(max_seq_len, container, "max_seq_len", "q")
-    q, k, v = (jagged_args.values_of(x) for x in (q, k, v))
-    if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must share one [T, H, D] shape; got {q.shape}, {k.shape}, {v.shape}")
+    container, q, k, v, offsets, max_seq_len = jagged_args.self_attention_operands(q, k, v, offsets, max_seq_len)
     if window is not None:
         if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
             raise ValueError(f"window must be (left, right) of non-negative ints; got {window!r}")
