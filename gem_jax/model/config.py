@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from gem_jax.quant.dense import Fp8Recipe
+from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels import Implementation, describe_choice
 
 

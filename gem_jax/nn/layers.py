@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.nn import embeddings
-from gem_jax.quant.dense import Fp8Linear, Fp8Recipe
+from gem_jax.quant.dense import Fp8Linear
+from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels.mixed_precision import dot_general_float32
 
 EMBEDDING_PARAM = "embedding"  # name of every embedding-table parameter (the sparse optimizer's partition key)

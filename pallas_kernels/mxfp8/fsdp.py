@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from pallas_kernels.mxfp8 import quantize_mxfp8
+from pallas_kernels.mxfp8.ops import quantize_mxfp8
 
 
 def _gather_bytes(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
