@@ -17,7 +17,6 @@ Run on the GPU machine from the repository root::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import json
@@ -30,16 +29,7 @@ import numpy as np
 import pallas_kernels
 from benchmarks import _timing
 from benchmarks.jfa_bench import HEADS, lognormal_lengths, offsets_of, packed_inputs, real_flops, to_padded
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Jagged:
-    """A jagged container shaped like gem_jax's `Jagged` (values, offsets, static max_seq_len)."""
-
-    values: jax.Array
-    offsets: jax.Array
-    max_seq_len: int = dataclasses.field(metadata=dict(static=True))
+from gem_jax.jagged import Jagged
 
 
 def choices() -> dict:

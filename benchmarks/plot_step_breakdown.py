@@ -27,6 +27,17 @@ REPO = Path(__file__).resolve().parent.parent
 COLORS = dict(zip(_profile.GROUPS, plt.get_cmap("tab10").colors))
 
 
+def _bar(config: str, label: str, measured: dict) -> dict:
+    """One bar from a measured step (`profile.groups_ms`, `median_step_s`, optional `mfu_per_device`)."""
+    return {
+        "panel": Path(config).stem,
+        "label": label,
+        "groups_ms": measured["profile"]["groups_ms"],
+        "step_ms": 1e3 * measured["median_step_s"],
+        "mfu": measured.get("mfu_per_device"),
+    }
+
+
 def bars(record: dict, path: str) -> list[dict]:
     """`[{panel, label, groups_ms, step_ms, mfu}]` of one result file's profiled steps.
 
@@ -36,13 +47,7 @@ def bars(record: dict, path: str) -> list[dict]:
     commit = str(record.get("git_commit", "?"))[:7]
     if "cases" in record:
         found = [
-            {
-                "panel": Path(c["config"]).stem,
-                "label": f"before {commit}: {c.get('attention', '')}{' fp8' if c.get('fp8') else ''}",
-                "groups_ms": c["profile"]["groups_ms"],
-                "step_ms": 1e3 * c["median_step_s"],
-                "mfu": c.get("mfu_per_device"),
-            }
+            _bar(c["config"], f"before {commit}: {c.get('attention', '')}{' fp8' if c.get('fp8') else ''}", c)
             for c in record["cases"]
             if "profile" in c
         ]
@@ -50,13 +55,7 @@ def bars(record: dict, path: str) -> list[dict]:
         sections = [record] + list(record.get("peers", {}).values())
         fp8 = " fp8" if (record.get("model") or {}).get("fp8") else ""
         found = [
-            {
-                "panel": Path(record["config"]).stem,
-                "label": f"{commit}: {section['attention']}{fp8}, {run['num_devices']} GPU",
-                "groups_ms": run["profile"]["groups_ms"],
-                "step_ms": 1e3 * run["median_step_s"],
-                "mfu": run.get("mfu_per_device"),
-            }
+            _bar(record["config"], f"{commit}: {section['attention']}{fp8}, {run['num_devices']} GPU", run)
             for section in sections
             for run in section.get("runs", [])
             if "groups_ms" in (run.get("profile") or {})

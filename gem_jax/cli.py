@@ -55,6 +55,7 @@ def train_main(argv: list[str] | None = None) -> None:
 
     import jax
 
+    from gem_jax.data.rows import BadRowError, DataFormatError
     from gem_jax.model.config import describe_attention
     from gem_jax.parallel import distributed
     from gem_jax.train import compile_cache, config_tree
@@ -63,9 +64,9 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.train.integrity import CorruptCheckpointError
     from gem_jax.train.loop import train_and_evaluate
     from gem_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from gem_jax.data.rows import BadRowError, DataFormatError
     from gem_jax.train.run_record import RunMismatchError
     from gem_jax.train.workdir_lock import WorkdirLockedError
+    from pallas_kernels import ImplementationUnavailableError
 
     try:
         config = config_tree.apply_overrides(load_config(args.config), args.overrides)
@@ -80,8 +81,12 @@ def train_main(argv: list[str] | None = None) -> None:
     where = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
     print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}", flush=True)
     print(f"gem-train: compilation cache {cache or 'off'}", flush=True)
-    for line in describe_attention(config.model):
-        print(f"gem-train: {line}", flush=True)
+    try:
+        for line in describe_attention(config.model):
+            print(f"gem-train: {line}", flush=True)
+    except (ImplementationUnavailableError, ValueError) as error:  # e.g. "pallas" asked for on a machine without a Hopper GPU
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         train_and_evaluate(
             config,

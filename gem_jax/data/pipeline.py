@@ -327,7 +327,16 @@ LENGTH_SAMPLE = 1 << 17  # train examples whose lengths set the token buckets
 
 
 def token_buckets(config: DataConfig, train_lengths: Callable[[np.ndarray], np.ndarray], num_train_examples: int) -> TokenBuckets:
-    """The `TokenBuckets` of the lengths of up to `LENGTH_SAMPLE` train examples spread evenly over the split."""
+    """The `TokenBuckets` of the lengths of up to `LENGTH_SAMPLE` train examples spread evenly over the split.
+
+    Args:
+      config: `max_seq_len`, `capacity_step` and `capacity_sigmas` are used.
+      train_lengths: int64 train example indices `[m]` -> their history lengths `[m]` (rows).
+      num_train_examples: size of the train split.
+
+    Raises:
+      ValueError: `num_train_examples` is 0 (see `TokenBuckets.from_lengths`).
+    """
     sample = np.unique(np.linspace(0, num_train_examples - 1, min(num_train_examples, LENGTH_SAMPLE)).astype(np.int64))
     return TokenBuckets.from_lengths(train_lengths(sample), config.max_seq_len, config.capacity_step, config.capacity_sigmas)
 

@@ -52,6 +52,7 @@ from flax import nnx
 
 from gem_jax.nn import shard_context as context
 from gem_jax.mesh import GROUP_AXES, INTRA_NODE_AXES, MESH_AXES, NODE, ZONE, live_axes
+from gem_jax.pytree import path_str
 
 MAX_ROW_MULTIPLE = 1024
 
@@ -286,8 +287,7 @@ def _node_exchange(table, ids, valid, placement: TablePlacement, capacity: int, 
     """Gen 3: all-to-all between nodes, all-gather / reduce-scatter inside the owning node."""
     node_axes = placement.live((NODE,))
     intra = placement.live(INTRA_NODE_AXES)
-    sizes = dict(placement.axis_sizes)
-    nodes, per_node = math.prod(sizes[a] for a in node_axes), math.prod(sizes[a] for a in intra)
+    nodes, per_node = placement.size(node_axes), placement.size(intra)
     r = placement.rows_per_shard
     owner = jnp.where(valid, ids // (r * per_node), nodes)
     pos, fits, overflow = _buckets(owner, nodes, capacity)
@@ -367,7 +367,7 @@ def bind_tables(model: nnx.Module, placements: dict[str, TablePlacement]) -> Non
     """Sets `placement` on the embedding tables of `model` named by `placements` (module
     paths such as "embed/item", "embed/user/0"), so that their lookups run sharded."""
     for path, module in nnx.iter_modules(model):
-        key = "/".join(str(p) for p in path)
+        key = path_str(path)
         if key in placements:
             module.placement = placements[key]
 

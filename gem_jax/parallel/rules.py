@@ -174,7 +174,7 @@ def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules:
     placements: dict[str, TablePlacement] = {}
     for path, module in nnx.iter_modules(abstract_model):
         if isinstance(module, EmbeddingTable):
-            name = "/".join(str(p) for p in path)
+            name = path_str(path)
             padded = getattr(module, EMBEDDING_PARAM).shape[0]
             placements[name] = place_table(name, module.num_rows, padded, rules.table(name), axis_sizes)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
@@ -183,7 +183,7 @@ def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules:
     def spec_of(path, names, leaf):
         keys = path_keys(path)
         if keys and keys[-1] == EMBEDDING_PARAM:
-            placement = placements["/".join(str(k) for k in keys[:-1])]
+            placement = placements[path_str(keys[:-1])]
             return spec_from_axes(placement.row_axes, len(leaf.shape))
         names = tuple(names) if isinstance(names, PartitionSpec) else (None,) * len(leaf.shape)
         return logical_to_spec(names, rules, leaf.shape, axis_sizes)

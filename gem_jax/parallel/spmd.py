@@ -31,6 +31,7 @@ from gem_jax.nn.layers import EMBEDDING_PARAM
 from gem_jax.nn import embeddings
 from gem_jax.nn import shard_context as context
 from gem_jax.mesh import live_axes
+from gem_jax.pytree import path_keys
 from gem_jax.parallel.rules import ShardingPlan, spec_from_axes
 from gem_jax.model import loss as loss_lib
 
@@ -55,7 +56,7 @@ def param_roles(plan: ShardingPlan) -> dict:
     """Pure-dict tree of `Role`s, parallel to `plan.specs`."""
 
     def role(path, names):
-        if getattr(path[-1], "key", None) == EMBEDDING_PARAM:
+        if path_keys(path)[-1] == EMBEDDING_PARAM:
             return Role.TABLE
         return Role.EXPERT if "expert" in tuple(names) else Role.DENSE
 

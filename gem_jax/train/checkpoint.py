@@ -66,6 +66,7 @@ class Checkpointer:
         )
 
     def step_path(self, step: int) -> Path:
+        """The folder of checkpoint step `step` (absolute; it need not exist)."""
         return self.directory / str(step)
 
     def should_save(self, step: int) -> bool:

@@ -56,14 +56,13 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
-        errors = []
         for option in options:
             if option is type(None):
                 continue
             try:
                 return _decode(option, value, where)
-            except ConfigError as error:
-                errors.append(str(error))
+            except ConfigError:
+                continue
         raise ConfigError(f"{where}: {value!r} fits none of {_type_name(tp)}")
     if origin is tuple or tp is tuple:
         if not isinstance(value, (list, tuple)):

@@ -35,6 +35,7 @@ def _files(step_dir: Path) -> list[Path]:
 
 
 def has_manifest(step_dir: str | Path) -> bool:
+    """Whether `<step_dir>/checksums.json` exists (a finished step whose manifest was written)."""
     return (Path(step_dir) / MANIFEST).is_file()
 
 

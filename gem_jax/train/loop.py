@@ -13,16 +13,16 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from gem_jax.data.pipeline import load_dataset
-from gem_jax.train import run_record
-from gem_jax.train.config import TrainConfig
 from gem_jax.batch import validate_ids
 from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
-from gem_jax.nn.embeddings import check_lookup_stats
+from gem_jax.data.pipeline import load_dataset
 from gem_jax.model import flops as flops_lib
+from gem_jax.nn.embeddings import check_lookup_stats
+from gem_jax.train import run_record
 from gem_jax.train.baseline import item_mean_label_auc
 from gem_jax.train.checkpoint import Checkpointer
-from gem_jax.train.divergence import FiniteTracker, NonFiniteLossError  # noqa: F401  (raised here; part of this module's face)
+from gem_jax.train.config import TrainConfig
+from gem_jax.train.divergence import FiniteTracker
 from gem_jax.train.metric_log import MetricLogger, train_line
 from gem_jax.train.optimizer import learning_rate_schedule
 from gem_jax.train.preemption import Preempted, StopSignals
@@ -173,7 +173,6 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
                 tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
                 window_start = time.perf_counter()
             progress_bar.update(1)
-        progress_bar.close()
 
         final_step = done
         if final_step and checkpointer.latest_step() != final_step:

@@ -102,6 +102,11 @@ def row_wise_tables(params: dict, lookup_ids: dict[str, list]) -> dict[int, str]
 def sparse_value_and_grad(model: ShardedModel, params: dict, batch: Batch):
     """The loss and its gradients, row-wise for the unsharded tables that qualify (`row_wise_tables`).
 
+    Args:
+      model: the sharded model (`StateSetup.sharded_model()`).
+      params: the parameter tree, as `TrainState.params`.
+      batch: a stacked per-device batch (`BatchPlacement.put`).
+
     Returns:
       `((loss, (bce [K], stats)), SparseGrads)`, loss and metrics as `ShardedModel.loss`.
     """

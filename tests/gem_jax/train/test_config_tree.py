@@ -107,3 +107,14 @@ def test_a_missing_data_set_is_refused_without_a_traceback(repo_root, tmp_path, 
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "ML_100K data set not found" in err and "Traceback" not in err
+
+
+def test_an_implementation_this_machine_lacks_is_refused_at_start_up(repo_root, tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        train_main(
+            ["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--no-progress",
+             "--set", "model.attention_implementation=pallas"]
+        )
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "no Hopper GPU" in err and "Traceback" not in err
