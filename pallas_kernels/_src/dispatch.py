@@ -91,6 +91,7 @@ def interpreting() -> bool:
 
 
 def default_device() -> jax.Device:
+    """The device an op decides for when none is given: the first of `jax.devices()`."""
     return jax.devices()[0]
 
 

@@ -74,10 +74,12 @@ def rotate(x: jax.Array, tables, *, inverse: bool = False) -> jax.Array:
 
 
 def row_iota(cols: int) -> jax.Array:
+    """int32 `[64, cols]` row index of each element, in the kernels' register layout."""
     return plgpu.broadcasted_iota(jnp.int32, (BLOCK, cols), 0, layout=LAYOUT)
 
 
 def col_iota(cols: int) -> jax.Array:
+    """int32 `[64, cols]` column index of each element, in the kernels' register layout."""
     return plgpu.broadcasted_iota(jnp.int32, (BLOCK, cols), 1, layout=LAYOUT)
 
 
@@ -135,4 +137,5 @@ def store_block(value: jax.Array, plain, dst_ref, start, rows, head) -> None:
 
 
 def zeros(cols: int) -> jax.Array:
+    """float32 `[64, cols]` zeros in the kernels' register layout (an accumulator's start)."""
     return plgpu.layout_cast(jnp.zeros((BLOCK, cols), jnp.float32), LAYOUT)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import jagged_layout
 from pallas_kernels.block_local_attention.config import BLOCK
 
 # Columns of a block record (int32).
@@ -71,8 +72,7 @@ def build_plan(offsets: jax.Array, capacity: int, positions: jax.Array | None) -
     first = last - per_seq
     slots = num_block_slots(capacity, offsets.shape[0] - 1)
     t = jnp.arange(slots, dtype=jnp.int32)
-    marks = jnp.zeros((slots + 1,), jnp.int32).at[jnp.minimum(first, slots)].add(1)
-    seq = jnp.clip(jnp.cumsum(marks)[:slots] - 1, 0, starts.shape[0] - 1)
+    seq = jagged_layout.segment_ids(first, slots)  # sequence of each slot
     live = t < last[-1]
     j = t - first[seq]
     start = jnp.where(live, starts[seq] + j * BLOCK, 0)

@@ -141,10 +141,12 @@ def row_vector(value: float, n: int) -> jax.Array:
 
 
 def zeros_tile(rows: int, cols: int) -> jax.Array:
+    """float32 `[rows, cols]` zeros in the WGMMA register layout (an accumulator's start)."""
     return plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
 
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:
+    """int32 `shape` index along `dim` of each element, in the WGMMA register layout."""
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 

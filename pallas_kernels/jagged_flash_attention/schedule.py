@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import jagged_layout
 from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN, TAIL_BEFORE, TAIL_ROWS, TILE_ROWS
 
 # Columns of a tile record (int32). Window positions count rows from F_BASE.
@@ -106,10 +107,8 @@ def build_plan(offsets: jax.Array, capacity: int, *, causal: bool) -> Plan:
 
     slots = num_tile_slots(capacity, offsets.shape[0] - 1)
     t = jnp.arange(slots, dtype=jnp.int32)
-    # Window of tile t: the last window whose first tile is <= t (a scatter and a
-    # cumsum; a binary search costs one small kernel per step on the GPU).
-    marks = jnp.zeros((slots + 1,), jnp.int32).at[jnp.minimum(first_tile, slots)].add(1)
-    seq = jnp.clip(jnp.cumsum(marks)[:slots] - 1, 0, starts.shape[0] - 1)
+    # Window of tile t: the last window whose first tile is <= t.
+    seq = jagged_layout.segment_ids(first_tile, slots)
     live = t < last_tile[-1]
     j = t - first_tile[seq]
     base = starts[seq] - lo_seq[seq]
