@@ -162,3 +162,18 @@ def test_sparse_update_equals_the_dense_optimizer_step():
 def test_the_switch_is_a_bool():
     with pytest.raises(TypeError, match="OptimConfig.sparse_embedding_updates must be a bool"):
         OptimConfig(sparse_embedding_updates=1)
+
+
+def test_table_rows_record_ids_and_refuse_mismatched_deltas():
+    probe = context.TableRows(deltas=None)
+    assert probe.take("embed/item", jnp.arange(3)) is None
+    assert [ids.tolist() for ids in probe.ids["embed/item"]] == [[0, 1, 2]]
+
+    delta = jnp.zeros((3, 4))
+    rows = context.TableRows(deltas={"embed/item": [delta]})
+    assert rows.take("embed/user/0", jnp.arange(2)) is None  # a table without deltas: ids recorded only
+    assert rows.take("embed/item", jnp.arange(3)) is delta
+    with pytest.raises(ValueError, match=r"'embed/item': lookup 2 has no row delta \(only 1 were traced\)"):
+        rows.take("embed/item", jnp.arange(3))
+    with pytest.raises(ValueError, match="lookup 1 has 5 ids but a delta of 3 rows"):
+        context.TableRows(deltas={"embed/item": [delta]}).take("embed/item", jnp.arange(5))
