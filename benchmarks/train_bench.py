@@ -148,8 +148,10 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
     t_first = time.perf_counter()
     lowered = train_step.lower(state, batches[0])  # trace + lower (Python; Mosaic GPU kernels lower here)
     lower_end = time.perf_counter()
-    lowered.compile()  # XLA compile, or a load from the persistent cache
+    compiled = lowered.compile()  # XLA compile, or a load from the persistent cache
     compile_end = time.perf_counter()
+    memory = compiled_memory(compiled)
+    print(f"  compiled step memory (bytes per device): {memory}", flush=True)
     state, metrics = train_step(state, batches[0])  # same program: cached trace, cached executable
     jax.block_until_ready(state)
     first_step_end = time.perf_counter()
@@ -209,11 +211,30 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
     }
     stats = mesh.devices.flat[0].memory_stats() or {}
     result["peak_bytes_in_use_device0"] = stats.get("peak_bytes_in_use")
+    result["compiled_memory_bytes"] = memory
     if profile:
         result["profile"] = breakdown
     del state, batches, train_step
     gc.collect()
     return result
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """XLA's buffer assignment of the compiled step, per device: arguments, outputs, aliased, temporaries.
+
+    `temp` is what the step allocates beyond its inputs and outputs (activations kept for
+    the backward, workspace); `peak_estimate = argument + output - alias + temp`. None where
+    the backend gives no analysis.
+    """
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    sizes = {
+        name: int(getattr(analysis, f"{name}_size_in_bytes"))
+        for name in ("argument", "output", "alias", "temp", "generated_code")
+    }
+    sizes["peak_estimate"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+    return sizes
 
 
 def run_mode(base: TrainConfig, mode: str, args) -> dict:
@@ -268,6 +289,10 @@ def main(argv: list[str] | None = None) -> None:
         "--compile-cache", default=None, metavar="DIR|off",
         help=f"jax's persistent compilation cache (default: ${compile_cache.ENV_VAR}, else off)",
     )
+    parser.add_argument(
+        "--set", dest="overrides", nargs="+", default=[], metavar="PATH=VALUE",
+        help="config overrides, as gem-train's --set (e.g. model.fp8=True model.fp8_block=128)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.num_batches < 1:
@@ -277,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = compile_cache.enable(compile_cache.cache_dir(None, args.compile_cache or os.environ.get(compile_cache.ENV_VAR) or compile_cache.OFF))
     jax.monitoring.register_event_listener(_count_cache_event)
-    base = load_config(args.config)
+    base = config_tree.apply_overrides(load_config(args.config), args.overrides)
     if args.max_seq_len is not None:
         base = dataclasses.replace(base, data=dataclasses.replace(base.data, max_seq_len=args.max_seq_len))
     version = code_version()
@@ -295,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": args.config,
         "per_device_batch": args.per_device_batch,
         "max_seq_len": base.data.max_seq_len,
+        "overrides": args.overrides,
         "synthetic": dataclasses.asdict(base.data.synthetic),
         "steps": args.steps,
         "warmup": args.warmup,
