@@ -1,11 +1,14 @@
-"""Model-level FP8 check: eval NE of the MovieLens demo with FP8 towers against full precision.
+"""Model quality of runs that differ in one setting: final eval NE and train loss against a reference run.
 
-Reads the `metrics.jsonl` of finished `gem-train` runs (same config but `ModelConfig.fp8`),
-writes a JSON summary and a figure of both training curves.
+Reads the `metrics.jsonl` of finished `gem-train` runs (same config and seed, one setting
+changed, e.g. `ModelConfig.fp8` or `ModelConfig.fp8_saved_activations`), writes a JSON
+summary (final eval NE per task, the mean train loss of the last `--loss-window` logged
+steps, each relative to the first run) and a figure of the NE curves.
 
     gem-train --config configs/movielens.py --workdir runs/f32
     gem-train --config configs/movielens_fp8.py --workdir runs/fp8
-    python benchmarks/fp8_movielens.py --run full=runs/f32 --run fp8_32=runs/fp8 \
+    python benchmarks/compare_runs.py --run full=runs/f32 --run fp8_32=runs/fp8 \
+        --title "MovieLens latest-small: FP8 towers vs full precision" \
         --out benchmarks/results/fp8_movielens_cpu.json --figure benchmarks/figures/fp8_movielens_ne.png
 """
 
@@ -34,10 +37,13 @@ def main() -> None:
     parser.add_argument("--run", action="append", required=True, help="name=workdir; the first is the reference")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
+    parser.add_argument("--title", default="eval and train NE per run")
+    parser.add_argument("--loss-window", type=int, default=5, help="train records averaged for the final loss")
     args = parser.parse_args()
     runs = {name: read_run(Path(path)) for name, path in (r.split("=", 1) for r in args.run)}
     reference = next(iter(runs))
     final = {name: run["eval"][-1] for name, run in runs.items()}
+    loss = {name: sum(r["loss"] for r in run["train"][-args.loss_window:]) / len(run["train"][-args.loss_window:]) for name, run in runs.items()}
     summary = {
         "date": datetime.date.today().isoformat(),
         "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
@@ -48,6 +54,8 @@ def main() -> None:
             name: {task: final[name][f"ne_{task}"] / final[reference][f"ne_{task}"] - 1 for task in ("primary", "secondary")}
             for name in runs
         },
+        "final_train_loss": loss,
+        "train_loss_relative_change_vs_reference": {name: loss[name] / loss[reference] - 1 for name in runs},
         "curves": {name: {"train": run["train"], "eval": run["eval"]} for name, run in runs.items()},
     }
     args.out.write_text(json.dumps(summary, indent=1))
@@ -57,11 +65,11 @@ def main() -> None:
         ax.plot([r["step"] for r in run["eval"]], [r["ne_primary"] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
     ax.set_xlabel("step")
     ax.set_ylabel("NE, primary task (rating >= 4)")
-    ax.set_title("MovieLens latest-small: FP8 towers vs full precision")
+    ax.set_title(args.title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.figure, dpi=120)
-    print(json.dumps(summary["ne_relative_change_vs_reference"], indent=1))
+    print(json.dumps({k: summary[k] for k in ("ne_relative_change_vs_reference", "train_loss_relative_change_vs_reference")}, indent=1))
 
 
 if __name__ == "__main__":
