@@ -50,6 +50,12 @@ class ModelConfig:
       fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in higher precision.
       fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).
+      fp8_saved_activations: keep the sequence tower's largest saved activations for the
+        backward as FP8 E4M3 with 1x128 block scales (`gem_jax.quant.saved_activations`):
+        each MLP's pre-GELU `h [T, mlp_ratio * d]` (GELU recomputed in the backward) and the
+        inputs of the QKV, MLP-up and pooled-KV projections (their `dx` stays exact). The
+        forward is unchanged; gradients carry E4M3's rounding (~2.7% relative). False keeps
+        bf16 residuals (bit-identical to a model without the option).
     """
 
     embed_dim: int = 64
@@ -67,6 +73,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     fp8: bool = False
     fp8_block: int = 32
+    fp8_saved_activations: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
