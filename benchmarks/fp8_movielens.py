@@ -1,7 +1,9 @@
-"""Model-level FP8 check: eval NE of the MovieLens demo with FP8 towers against full precision.
+"""Model-level FP8 check: final eval NE and loss of `gem-train` runs against a reference run.
 
-Reads the `metrics.jsonl` of finished `gem-train` runs (same config but `ModelConfig.fp8`),
-writes a JSON summary and a figure of both training curves.
+Reads the `metrics.jsonl` of finished `gem-train` runs (the same config but for an FP8
+option: `ModelConfig.fp8`, `ModelConfig.fp8_saved_activations`), writes a JSON summary (the
+final eval record of each run, and per task the relative change of its NE and BCE, and of the
+last logged train loss, against the first run) and a figure of the training curves.
 
     gem-train --config configs/movielens.py --workdir runs/f32
     gem-train --config configs/movielens_fp8.py --workdir runs/fp8
@@ -34,10 +36,12 @@ def main() -> None:
     parser.add_argument("--run", action="append", required=True, help="name=workdir; the first is the reference")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
+    parser.add_argument("--title", default="MovieLens latest-small: FP8 towers vs full precision")
     args = parser.parse_args()
     runs = {name: read_run(Path(path)) for name, path in (r.split("=", 1) for r in args.run)}
     reference = next(iter(runs))
     final = {name: run["eval"][-1] for name, run in runs.items()}
+    tasks = sorted(k[len("ne_"):] for k in final[reference] if k.startswith("ne_"))
     summary = {
         "date": datetime.date.today().isoformat(),
         "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
@@ -45,23 +49,28 @@ def main() -> None:
         "reference": reference,
         "final_eval": final,
         "ne_relative_change_vs_reference": {
-            name: {task: final[name][f"ne_{task}"] / final[reference][f"ne_{task}"] - 1 for task in ("primary", "secondary")}
-            for name in runs
+            name: {task: final[name][f"ne_{task}"] / final[reference][f"ne_{task}"] - 1 for task in tasks} for name in runs
+        },
+        "eval_bce_relative_change_vs_reference": {
+            name: {task: final[name][f"bce_{task}"] / final[reference][f"bce_{task}"] - 1 for task in tasks} for name in runs
+        },
+        "last_train_loss_relative_change_vs_reference": {
+            name: run["train"][-1]["loss"] / runs[reference]["train"][-1]["loss"] - 1 for name, run in runs.items()
         },
         "curves": {name: {"train": run["train"], "eval": run["eval"]} for name, run in runs.items()},
     }
     args.out.write_text(json.dumps(summary, indent=1))
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, run in runs.items():
-        line = ax.plot([r["step"] for r in run["train"]], [r["ne_primary"] for r in run["train"]], label=f"{name} train NE")[0]
-        ax.plot([r["step"] for r in run["eval"]], [r["ne_primary"] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
+        line = ax.plot([r["step"] for r in run["train"]], [r[f"ne_{tasks[0]}"] for r in run["train"]], label=f"{name} train NE")[0]
+        ax.plot([r["step"] for r in run["eval"]], [r[f"ne_{tasks[0]}"] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
     ax.set_xlabel("step")
-    ax.set_ylabel("NE, primary task (rating >= 4)")
-    ax.set_title("MovieLens latest-small: FP8 towers vs full precision")
+    ax.set_ylabel(f"NE, {tasks[0]} task")
+    ax.set_title(args.title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.figure, dpi=120)
-    print(json.dumps(summary["ne_relative_change_vs_reference"], indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k.endswith("_vs_reference")}, indent=1))
 
 
 if __name__ == "__main__":
