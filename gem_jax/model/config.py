@@ -54,8 +54,10 @@ class ModelConfig:
         backward as FP8 E4M3 with 1x128 block scales (`gem_jax.quant.saved_activations`):
         each MLP's pre-GELU `h [T, mlp_ratio * d]` (GELU recomputed in the backward) and the
         inputs of the QKV, MLP-up and pooled-KV projections (their `dx` stays exact). The
-        forward is unchanged; gradients carry E4M3's rounding (~2.7% relative). False keeps
-        bf16 residuals (bit-identical to a model without the option).
+        forward is unchanged; gradients carry E4M3's rounding (~2.7% relative). The
+        attention kernels' own residuals (q, k, v, out) stay in `compute_dtype`. With `fp8`
+        the projections already keep FP8 inputs, and the MLP's down layer re-quantizes
+        `gelu(h~)` (up to ~2x the error). False keeps today's residuals, bit for bit.
     """
 
     embed_dim: int = 64
