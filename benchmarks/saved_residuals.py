@@ -40,6 +40,7 @@ from gem_jax.jagged import Jagged
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.loss import weighted_bce
+from gem_jax.train import config_tree
 from gem_jax.train.config import load_config
 
 
@@ -128,7 +129,7 @@ def main(argv=None) -> None:
     if args.fp8_saved_activations:
         variants["fp8_saved_activations"] = dataclasses.replace(base, fp8_saved_activations=True)
     interpret = base.attention_implementation == "pallas" and jax.devices()[0].platform != "gpu"
-    record = {"config": args.config, "tokens": args.tokens, "batch": args.batch, "model": dataclasses.asdict(base) | {"attention_implementation": str(base.attention_implementation)}, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "variants": {}}
+    record = {"config": args.config, "tokens": args.tokens, "batch": args.batch, "model": config_tree.to_tree(base), "device": jax.devices()[0].device_kind, "jax": jax.__version__, "variants": {}}
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret else contextlib.nullcontext():
         for name, model in variants.items():
             rows = list_residuals(model, args.tokens, args.batch, config.data.max_seq_len)
