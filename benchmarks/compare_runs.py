@@ -1,9 +1,10 @@
-"""Model quality of runs that differ in one setting: final eval NE and train loss against a reference run.
+"""Model quality of runs that differ in one setting: final eval NE/BCE and train loss against a reference run.
 
 Reads the `metrics.jsonl` of finished `gem-train` runs (same config and seed, one setting
 changed, e.g. `ModelConfig.fp8` or `ModelConfig.fp8_saved_activations`), writes a JSON
-summary (final eval NE per task, the mean train loss of the last `--loss-window` logged
-steps, each relative to the first run) and a figure of the NE curves.
+summary (the final eval record of each run; per task the relative change of its NE and BCE,
+and of the mean train loss of the last `--loss-window` logged steps, against the first run)
+and a figure of the NE curves.
 
     gem-train --config configs/movielens.py --workdir runs/f32
     gem-train --config configs/movielens_fp8.py --workdir runs/fp8
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import jax
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -38,12 +40,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
     parser.add_argument("--title", default="eval and train NE per run")
-    parser.add_argument("--loss-window", type=int, default=5, help="train records averaged for the final loss")
+    parser.add_argument("--loss-window", type=int, default=5, help="last logged train steps averaged for the final loss")
     args = parser.parse_args()
     runs = {name: read_run(Path(path)) for name, path in (r.split("=", 1) for r in args.run)}
     reference = next(iter(runs))
     final = {name: run["eval"][-1] for name, run in runs.items()}
-    loss = {name: sum(r["loss"] for r in run["train"][-args.loss_window:]) / len(run["train"][-args.loss_window:]) for name, run in runs.items()}
+    loss = {name: float(np.mean([r["loss"] for r in run["train"][-args.loss_window:]])) for name, run in runs.items()}
+    tasks = sorted(k[len("ne_"):] for k in final[reference] if k.startswith("ne_"))
     summary = {
         "date": datetime.date.today().isoformat(),
         "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
@@ -51,8 +54,10 @@ def main() -> None:
         "reference": reference,
         "final_eval": final,
         "ne_relative_change_vs_reference": {
-            name: {task: final[name][f"ne_{task}"] / final[reference][f"ne_{task}"] - 1 for task in ("primary", "secondary")}
-            for name in runs
+            name: {task: final[name][f"ne_{task}"] / final[reference][f"ne_{task}"] - 1 for task in tasks} for name in runs
+        },
+        "eval_bce_relative_change_vs_reference": {
+            name: {task: final[name][f"bce_{task}"] / final[reference][f"bce_{task}"] - 1 for task in tasks} for name in runs
         },
         "final_train_loss": loss,
         "train_loss_relative_change_vs_reference": {name: loss[name] / loss[reference] - 1 for name in runs},
@@ -61,15 +66,15 @@ def main() -> None:
     args.out.write_text(json.dumps(summary, indent=1))
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, run in runs.items():
-        line = ax.plot([r["step"] for r in run["train"]], [r["ne_primary"] for r in run["train"]], label=f"{name} train NE")[0]
-        ax.plot([r["step"] for r in run["eval"]], [r["ne_primary"] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
+        line = ax.plot([r["step"] for r in run["train"]], [r[f"ne_{tasks[0]}"] for r in run["train"]], label=f"{name} train NE")[0]
+        ax.plot([r["step"] for r in run["eval"]], [r[f"ne_{tasks[0]}"] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
     ax.set_xlabel("step")
-    ax.set_ylabel("NE, primary task (rating >= 4)")
+    ax.set_ylabel(f"NE, {tasks[0]} task")
     ax.set_title(args.title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.figure, dpi=120)
-    print(json.dumps({k: summary[k] for k in ("ne_relative_change_vs_reference", "train_loss_relative_change_vs_reference")}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k.endswith("_vs_reference")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,14 @@ class ModelConfig:
       fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in higher precision.
       fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).
+      fp8_saved_activations: keep the sequence tower's largest saved activations for the
+        backward as FP8 E4M3 with 1x128 block scales (`gem_jax.quant.saved_activations`):
+        each MLP's pre-GELU `h [T, mlp_ratio * d]` (GELU recomputed in the backward) and the
+        inputs of the QKV, MLP-up and pooled-KV projections (their `dx` stays exact). The
+        forward is unchanged; gradients carry E4M3's rounding (~2.7% relative). The
+        attention kernels' own residuals (q, k, v, out) stay in `compute_dtype`. With `fp8`
+        the projections already keep FP8 inputs, and the MLP's down layer re-quantizes
+        `gelu(h~)` (up to ~2x the error). False keeps today's residuals, bit for bit.
     """
 
     embed_dim: int = 64
@@ -67,6 +75,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     fp8: bool = False
     fp8_block: int = 32
+    fp8_saved_activations: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))

@@ -18,6 +18,12 @@ import pallas_kernels
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import ModelConfig, SequenceAttention, attention_implementations
 from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, rms_norm, rope_table
+from gem_jax.quant.saved_activations import dense_fp8_input
+
+
+def _project(layer: nnx.Module, x: jax.Array, config: ModelConfig) -> jax.Array:
+    """`layer(x)`; with `fp8_saved_activations` the weight gradient reads an FP8 copy of `x`."""
+    return dense_fp8_input(layer, x) if config.fp8_saved_activations else layer(x)
 
 
 class SelfAttentionBlock(nnx.Module):
@@ -33,13 +39,16 @@ class SelfAttentionBlock(nnx.Module):
         self.k_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
         self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.mlp = MLP(
+            d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype,
+            fp8_saved_activations=config.fp8_saved_activations,
+        )
 
     def __call__(self, x: jax.Array, history: Jagged, rope: RopeTable) -> jax.Array:
         """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence; `rope` of the history's positions."""
         cfg = self.config
         t = x.shape[0]
-        qkv = self.qkv(self.norm_attn(x)).reshape(t, 3, cfg.num_heads, cfg.head_dim)
+        qkv = _project(self.qkv, self.norm_attn(x), cfg).reshape(t, 3, cfg.num_heads, cfg.head_dim)
         q, k, v = self.q_norm(qkv[:, 0]), self.k_norm(qkv[:, 1]), qkv[:, 2]
         kind = cfg.sequence_attention
         chosen = attention_implementations(cfg)
@@ -89,7 +98,7 @@ class PooledAttention(nnx.Module):
     def __call__(self, x: jax.Array, history: Jagged) -> jax.Array:
         cfg = self.config
         t = x.shape[0]
-        kv = self.kv(self.norm(x)).reshape(t, 2, cfg.num_heads, cfg.head_dim)
+        kv = _project(self.kv, self.norm(x), cfg).reshape(t, 2, cfg.num_heads, cfg.head_dim)
         q = self.queries[...].astype(x.dtype)
         pooled = pallas_kernels.gdpa(
             q,

@@ -15,6 +15,7 @@ from flax import nnx
 
 from gem_jax.nn import embeddings
 from gem_jax.quant.dense import Fp8Linear
+from gem_jax.quant.saved_activations import dense_fp8_input, gelu_dense_fp8_input
 from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels.mixed_precision import dot_general_float32
 
@@ -103,7 +104,8 @@ class MLP(nnx.Module):
     """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`).
 
     `dtype` is the compute dtype of both layers; `float32_output` applies to the
-    second (see `dense`).
+    second (see `dense`). `fp8_saved_activations` keeps only FP8 copies of the input and
+    of the hidden pre-activation for the backward (`gem_jax.quant.saved_activations`).
     """
 
     def __init__(
@@ -116,11 +118,15 @@ class MLP(nnx.Module):
         fp8: Fp8Recipe | None = None,
         dtype: jnp.dtype | None = None,
         float32_output: bool = False,
+        fp8_saved_activations: bool = False,
     ):
+        self.fp8_saved_activations = fp8_saved_activations
         self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs, fp8=fp8, dtype=dtype)
         self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs, fp8=fp8, dtype=dtype, float32_output=float32_output)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fp8_saved_activations:
+            return gelu_dense_fp8_input(self.down, dense_fp8_input(self.up, x))
         return self.down(jax.nn.gelu(self.up(x)))
 
 

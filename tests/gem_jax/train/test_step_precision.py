@@ -3,7 +3,8 @@
 Float32 operands make XLA run TF32 GEMMs on Hopper (half the bf16 rate). Master weights,
 optimizer state, accumulation (a dot's float32 *result*) and softmax/norm statistics stay
 float32; a float32 *operand* of a dot is a bug. The check walks the lowered StableHLO of the
-whole jitted train step (forward, backward and update) of the tiny MovieLens model.
+whole jitted train step (forward, backward and update) of the tiny MovieLens model, with
+bf16 and with FP8 saved activations (whose backward dequantizes to bf16).
 """
 
 import dataclasses
@@ -45,10 +46,12 @@ def float32_contractions(module) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def bf16_step_module(repo_root):
+@pytest.fixture(scope="module", params=[False, True], ids=["bf16_residuals", "fp8_saved_activations"])
+def bf16_step_module(repo_root, request):
     config = load_config(str(repo_root / "configs" / "movielens_tiny.py"))
-    model = dataclasses.replace(config.model, compute_dtype="bfloat16", attention_implementation="xla")
+    model = dataclasses.replace(
+        config.model, compute_dtype="bfloat16", attention_implementation="xla", fp8_saved_activations=request.param
+    )
     training, state = setup_training(dataclasses.replace(config, model=model))
     batch = next(iter(training.dataset.train_iterator()))
     return training.train_step.lower(state, training.placement.put(batch)).compiler_ir("stablehlo")
