@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Model quality of one setting against a reference: trains the same config and seed once per
+# variant, all at once on one GPU (each process gets GEM_MEM_FRACTION of its memory), then
+# compares the runs with benchmarks/compare_runs.py (final eval NE/BCE and train loss, relative
+# to the first variant).
+#
+#   benchmarks/quality_runs.sh OUT_NAME CONFIG "COMMON OVERRIDES" NAME="OVERRIDES" [NAME="OVERRIDES" ...]
+#
+# e.g. benchmarks/quality_runs.sh fp8_saved_movielens_h200 configs/movielens.py "model.compute_dtype=bfloat16" \
+#          bf16_residuals="" fp8_saved_activations="model.fp8_saved_activations=True"
+# writes runs/quality/OUT_NAME/<name>/ (workdirs and logs), benchmarks/results/OUT_NAME.json and
+# benchmarks/figures/OUT_NAME.png. Run from the repository root with gem_jax importable.
+set -euo pipefail
+out_name=$1 config=$2 common=$3
+shift 3
+root=runs/quality/$out_name
+mkdir -p "$root"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${GEM_MEM_FRACTION:-0.18}
+pids=() runs=()
+for variant in "$@"; do
+  name=${variant%%=*} overrides=${variant#*=}
+  read -r -a settings <<< "$common $overrides"
+  set_args=()
+  [ ${#settings[@]} -eq 0 ] || set_args=(--set "${settings[@]}")
+  python3 -m gem_jax.cli --config "$config" --workdir "$root/$name" --no-progress --force-new \
+    "${set_args[@]}" > "$root/$name.log" 2>&1 &
+  pids+=($!) runs+=(--run "$name=$root/$name")
+done
+status=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || { echo "run ${runs[$((2 * i + 1))]} failed: see its log" >&2; status=1; }
+done
+[ "$status" -eq 0 ] || exit 1
+python3 benchmarks/compare_runs.py "${runs[@]}" --title "$out_name" \
+  --out "benchmarks/results/$out_name.json" --figure "benchmarks/figures/$out_name.png"
