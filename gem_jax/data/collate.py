@@ -1,7 +1,8 @@
 """Gather examples into `Batch`es of B examples whose history holds exactly its real rows.
 
-A batch always has its static number of examples (B, or a process's share of
-B, `gem_jax.data.shard`): a short list is completed with padding examples (weight 0, empty history, PAD_ID everywhere). The packed history has
+A batch always has its static number of examples (B, or one process's share of
+B, `gem_jax.data.shard`): a short list, or none, is completed with padding
+examples (weight 0, empty history, PAD_ID everywhere). The packed history has
 no slack rows (`T_cap` = the real rows): the static, bucketed capacities a
 jitted step sees are chosen once, per device, when the batch is placed
 (`gem_jax.parallel.placement.stack_batch` with the data set's
