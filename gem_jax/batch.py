@@ -114,3 +114,76 @@ def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"{where}: {name} id {int(ids[i])} at index {i} is outside the vocabulary [0, {size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShard:
+    """The per-device chunks of every global batch that one process builds.
+
+    Data parallelism cuts a global batch of B examples into D contiguous chunks of
+    B/D examples, chunk d for the device at position d of the batch sharding
+    (`gem_jax.parallel.placement`). In a multi-process run each process builds only
+    the chunks of its own devices.
+
+    Attributes:
+      num_chunks: D, the devices a global batch is split over.
+      chunks: the chunk indices this process builds, ascending, each in [0, D).
+
+    Raises:
+      ValueError: D < 1, or `chunks` empty, unsorted, repeated or outside [0, D).
+    """
+
+    num_chunks: int
+    chunks: tuple[int, ...]
+
+    def __post_init__(self):
+        chunks = tuple(int(c) for c in self.chunks)
+        object.__setattr__(self, "chunks", chunks)
+        if isinstance(self.num_chunks, bool) or not isinstance(self.num_chunks, (int, np.integer)) or self.num_chunks < 1:
+            raise ValueError(f"BatchShard.num_chunks must be a positive int, got {self.num_chunks!r}")
+        if not chunks or list(chunks) != sorted(set(chunks)) or chunks[0] < 0 or chunks[-1] >= self.num_chunks:
+            raise ValueError(f"BatchShard.chunks must be distinct ascending indices in [0, {self.num_chunks}), got {chunks}")
+
+    @classmethod
+    def whole(cls, num_chunks: int) -> BatchShard:
+        """Every chunk: the shard of a single-process run."""
+        return cls(num_chunks, tuple(range(num_chunks)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalBatch:
+    """One process's part of a global batch, and the global facts every process shares.
+
+    Every process knows the example indices and history lengths of each whole
+    global batch (they come from the shuffle seed and the data set's metadata, not
+    from reading the examples), so all of them choose the same static token
+    capacity and count the same real examples without communicating.
+
+    Attributes:
+      batch: the host `Batch` of `shard.chunks`, chunk after chunk:
+        `len(shard.chunks) * B / D` examples; its real examples come first.
+      shard: which chunks `batch` holds.
+      lengths: int64 `[B]`: the history rows of every example of the global
+        batch, in global order; 0 for padding examples.
+      num_real: real examples of the global batch; they hold positions
+        `0 .. num_real - 1`, the padding examples (weight 0) the rest.
+    """
+
+    batch: Batch
+    shard: BatchShard
+    lengths: np.ndarray
+    num_real: int
+
+    @property
+    def global_batch_size(self) -> int:
+        """B, the examples of the global batch."""
+        return int(self.lengths.shape[0])
+
+    @property
+    def real(self) -> np.ndarray:
+        """bool `[B]`: which examples of the global batch are real."""
+        return np.arange(self.global_batch_size) < self.num_real
+
+    def chunk_rows(self) -> np.ndarray:
+        """int64 `[D]`: history rows of each chunk of the global batch."""
+        return self.lengths.reshape(self.shard.num_chunks, -1).sum(axis=1)

@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
             "example: gem-train --config configs/movielens.py --workdir runs/lr --set optim.learning_rate=3e-3 loop.num_steps=800\n\n"
             "SIGTERM, SIGINT and SIGUSR1 stop after the current step with a checkpoint (a second signal aborts).\n"
             "exit status: 0 done; 2 refused (bad arguments or config, workdir in use or holding another run, "
-            "corrupt checkpoint with --no-fallback); 3 the loss diverged (NaN/Inf); 75 stopped by a signal, "
+            "corrupt checkpoint with --no-fallback, processes holding different data sets); 3 the loss diverged (NaN/Inf); 75 stopped by a signal, "
             "run the same command again to resume"
         ),
     )
@@ -58,6 +58,7 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.data.rows import BadRowError, DataFormatError
     from gem_jax.model.config import describe_attention
     from gem_jax.parallel import distributed
+    from gem_jax.parallel.distributed import ProcessMismatchError
     from gem_jax.train import compile_cache, config_tree
     from gem_jax.train.config import load_config
     from gem_jax.train.divergence import NonFiniteLossError
@@ -99,8 +100,10 @@ def train_main(argv: list[str] | None = None) -> None:
     except Preempted as error:
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
-    except (RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError) as error:
-        # refused: the run, the workdir or the data set is not usable as given (the message says why)
+    except (
+        RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError, ProcessMismatchError
+    ) as error:
+        # refused: the run, the workdir or the data set is not usable as given, or the processes hold different data (the message says why)
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except NonFiniteLossError as error:

@@ -1,6 +1,7 @@
 """Gather examples into `Batch`es of B examples whose history holds exactly its real rows.
 
-A batch always has B examples: a short list is completed with padding
+A batch always has its static number of examples (B, or one process's share of
+B, `gem_jax.data.shard`): a short list, or none, is completed with padding
 examples (weight 0, empty history, PAD_ID everywhere). The packed history has
 no slack rows (`T_cap` = the real rows): the static, bucketed capacities a
 jitted step sees are chosen once, per device, when the batch is placed
@@ -44,19 +45,24 @@ class BatchBuilder:
         self.spec = spec
         self.batch_size = batch_size
 
-    def __call__(self, indices: Sequence[int]) -> Batch:
-        """Returns the `Batch` of examples `indices` (1..B of them), then padding.
+    def __call__(self, indices: Sequence[int], batch_size: int | None = None) -> Batch:
+        """Returns the `Batch` of examples `indices`, then padding examples up to the batch size.
 
-        The history values are `[offsets[B], F]`: the real rows, no slack.
+        The history values are `[offsets[b], F]`: the real rows, no slack.
+
+        Args:
+          indices: 0..b example indices (none: a batch of padding only, as one
+            process's part of an epoch's last batch can be).
+          batch_size: b, the examples of the batch (default: B).
 
         Raises:
-          ValueError: no index, more than B, or an index out of range.
+          ValueError: more than b indices, or an index out of range.
         """
-        idx = np.asarray(indices, dtype=np.int64)
-        n, b = idx.shape[0], self.batch_size
-        if not 1 <= n <= b:
-            raise ValueError(f"a batch takes 1..{b} examples, got {n}")
-        if idx.min() < 0 or idx.max() >= len(self.examples):
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n, b = idx.shape[0], self.batch_size if batch_size is None else batch_size
+        if n > b:
+            raise ValueError(f"a batch takes 0..{b} examples, got {n}")
+        if n and (idx.min() < 0 or idx.max() >= len(self.examples)):
             raise ValueError(f"example index out of range [0, {len(self.examples)}): {idx.min()}..{idx.max()}")
         log, ex = self.log, self.examples
         target = ex.target_event[idx]

@@ -17,6 +17,10 @@ so the stream does not depend on the number of grain workers. The train iterator
 grain's `DatasetIterator`: its `get_state()` / `set_state()` restore the exact
 position, so a resumed run yields exactly the remaining batches.
 
+In a multi-process run each process iterates `local_train_iterator(shard)` and
+`local_eval_batches(shard)`: the same global batches, of which it builds only its
+devices' chunks (`gem_jax.data.shard`).
+
 Labels per source (`Task.PRIMARY`, `Task.SECONDARY`):
 - ml-latest-small: rating >= 4, rating >= 4.5.
 - ml-100k: rating >= 4, rating == 5.
@@ -33,14 +37,14 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grain
 import numpy as np
 
 from gem_jax.data.sources.amazon_beauty import read_amazon_beauty
-from gem_jax.batch import Batch, FeatureSpec, Task
+from gem_jax.batch import Batch, BatchShard, FeatureSpec, LocalBatch, Task
 from gem_jax.data.bbs import BalancedBatchOrder, check_shard_split
 from gem_jax.data.collate import BatchBuilder
 from gem_jax.jagged import TokenBuckets
@@ -52,6 +56,7 @@ from gem_jax.data.sources.movielens_small import read_ml_latest_small
 from gem_jax.data.paths import fingerprint, resolve_path
 from gem_jax.data.rows import OnBadRow, SkippedRows
 from gem_jax.data.sampling import ShuffledBatchIndices
+from gem_jax.data.shard import LocalBatchBuilder
 from gem_jax.data.split import Split, split_by_time
 from gem_jax.data.sources.synthetic import (
     EVAL_STREAM,
@@ -141,13 +146,15 @@ class Dataset:
         the train length distribution; the batches themselves hold no slack.
       seed: default shuffle seed of `train_iterator`.
       prefetch_batches: batches built ahead in a background thread.
-      train_batch: builds the `Batch` of a list of train example indices.
-      eval_batch: builds the `Batch` of a list of eval example indices.
+      train_batch: `(indices, batch_size=None) -> Batch` of a list of train
+        example indices, padded to `batch_size` examples (default B).
+      eval_batch: the same for eval example indices.
       item_mean_labels: float32 `[num_items, 2]`: mean train label of each
         candidate item (the train mean where an item is never a train
         candidate); the item-popularity baseline scores `[candidate_item]`.
       train_lengths: maps int64 train example indices `[n]` to their history
         lengths `[n]` (what `train_batch` packs; BBS weighs examples by it).
+      eval_lengths: the same for eval example indices.
       bbs: base batch shuffling of the train batches (`DataConfig.bbs`); None: off.
     """
 
@@ -157,10 +164,11 @@ class Dataset:
     token_buckets: TokenBuckets
     seed: int
     prefetch_batches: int
-    train_batch: Callable[[Sequence[int]], Batch]
-    eval_batch: Callable[[Sequence[int]], Batch]
+    train_batch: Callable[..., Batch]
+    eval_batch: Callable[..., Batch]
     item_mean_labels: np.ndarray
     train_lengths: Callable[[np.ndarray], np.ndarray]
+    eval_lengths: Callable[[np.ndarray], np.ndarray]
     bbs: BBSConfig | None = None
 
     @property
@@ -175,6 +183,7 @@ class Dataset:
 
     @property
     def num_eval_batches(self) -> int:
+        """Eval batches (the last one padded)."""
         return -(-self.info.num_eval_examples // self.batch_size)
 
     def _read_options(self) -> grain.ReadOptions:
@@ -262,10 +271,37 @@ class Dataset:
         """
         return iter(self.train_dataset(seed, num_epochs).to_iter_dataset(self._read_options()))
 
+    def local_train_iterator(self, shard: BatchShard, seed: int | None = None, num_epochs: int | None = None) -> grain.DatasetIterator:
+        """Checkpointable iterator over this process's parts of the train batches (`LocalBatch`es).
+
+        The global batches are `train_indices(seed, num_epochs)`'s, the same on
+        every process; each element holds only the examples of `shard.chunks`
+        (`gem_jax.data.shard.LocalBatchBuilder`). With `BatchShard.whole(D)` its
+        `batch` is `train_iterator`'s batch. Every process yields the same number
+        of elements (`steps_per_epoch` per epoch, from the global example count).
+        `get_state()` / `set_state()` work as for `train_iterator`.
+
+        Raises:
+          ValueError: as `train_indices`; `shard.num_chunks` does not divide B.
+        """
+        local = LocalBatchBuilder(self.train_batch, self.train_lengths, self.batch_size, shard)
+        return iter(self.train_indices(seed, num_epochs).map(local).to_iter_dataset(self._read_options()))
+
+    def _eval_indices(self) -> grain.MapDataset:
+        return ShuffledBatchIndices(self.info.num_eval_examples, self.batch_size, None, 1)
+
     def eval_batches(self) -> Iterator[Batch]:
         """Every eval example exactly once, in a fixed order; the last batch padded."""
-        ds = ShuffledBatchIndices(self.info.num_eval_examples, self.batch_size, None, 1).map(self.eval_batch)
-        return iter(ds.to_iter_dataset(self._read_options()))
+        return iter(self._eval_indices().map(self.eval_batch).to_iter_dataset(self._read_options()))
+
+    def local_eval_batches(self, shard: BatchShard) -> Iterator[LocalBatch]:
+        """This process's parts of `eval_batches()`: `num_eval_batches` `LocalBatch`es on every process.
+
+        Raises:
+          ValueError: `shard.num_chunks` does not divide B.
+        """
+        local = LocalBatchBuilder(self.eval_batch, self.eval_lengths, self.batch_size, shard)
+        return iter(self._eval_indices().map(local).to_iter_dataset(self._read_options()))
 
     def item_mean_label(self, task: Task = Task.PRIMARY) -> np.ndarray:
         """float32 `[num_items]`: the item-popularity baseline score of each candidate item."""
@@ -380,6 +416,7 @@ def _load_file_source(config: DataConfig) -> Dataset:
         fingerprint=fingerprint(path),
     )
     train_lengths = functools.partial(np.take, train.history_length)
+    eval_lengths = functools.partial(np.take, evals.history_length)
     return Dataset(
         spec=spec,
         info=info,
@@ -391,6 +428,7 @@ def _load_file_source(config: DataConfig) -> Dataset:
         eval_batch=BatchBuilder(log, evals, spec, config.batch_size),
         item_mean_labels=item_mean_labels(train, log.num_items),
         train_lengths=train_lengths,
+        eval_lengths=eval_lengths,
         bbs=config.bbs,
     )
 
@@ -414,7 +452,8 @@ def _load_synthetic(config: DataConfig) -> Dataset:
         fingerprint=hashlib.sha256(json.dumps([dataclasses.asdict(syn), config.seed, config.max_seq_len]).encode()).hexdigest(),
     )
     build = functools.partial(SyntheticBatchBuilder, syn, spec, config.batch_size, config.seed)
-    train_lengths = functools.partial(synthetic_lengths, config.seed, TRAIN_STREAM, config=syn, max_seq_len=config.max_seq_len)
+    lengths = functools.partial(synthetic_lengths, config.seed, config=syn, max_seq_len=config.max_seq_len)
+    train_lengths = functools.partial(lengths, TRAIN_STREAM)
     return Dataset(
         spec=spec,
         info=info,
@@ -426,6 +465,7 @@ def _load_synthetic(config: DataConfig) -> Dataset:
         eval_batch=build(EVAL_STREAM),
         item_mean_labels=table,
         train_lengths=train_lengths,
+        eval_lengths=functools.partial(lengths, EVAL_STREAM),
         bbs=config.bbs,
     )
 

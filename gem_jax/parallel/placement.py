@@ -11,26 +11,30 @@ device under `shard_map` (`gem_jax.parallel.spmd`). Example order is kept: devic
 holds global examples `d*B/D ... (d+1)*B/D - 1`, so a balanced per-device order from the
 data pipeline (BBS) maps to devices as it was dealt.
 
-Multi-host: every process builds the same global batch (the pipeline is deterministic)
-and materialises only the slices of its own devices
-(`jax.make_array_from_callback`).
+Multi-host: each process builds only the chunks of its own devices
+(`gem_jax.batch.LocalBatch`, `gem_jax.data.shard`), stacks them, and
+`jax.make_array_from_process_local_data` assembles the global `[D, ...]` arrays. The
+token capacity comes from the rows of every chunk of the global batch, which each
+process knows from the examples' lengths, so all processes choose the same static
+shape without communicating.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from gem_jax.batch import Batch
+from gem_jax.batch import Batch, BatchShard, LocalBatch
 from gem_jax.jagged import Jagged, TokenBuckets, pick_capacity
 from gem_jax.mesh import live_axes
 from gem_jax.parallel.rules import spec_from_axes
 
 
-def stack_batch(batch: Batch, num_shards: int, buckets: TokenBuckets) -> Batch:
+def stack_batch(batch: Batch, num_shards: int, buckets: TokenBuckets, *, fullest_rows: int | None = None) -> Batch:
     """Splits a host (numpy) batch into `num_shards` per-device jagged batches, stacked.
 
     Args:
@@ -38,6 +42,9 @@ def stack_batch(batch: Batch, num_shards: int, buckets: TokenBuckets) -> Batch:
       num_shards: devices D; must divide B.
       buckets: `T_local` is the smallest of `buckets.capacities(B/D)` that
         holds the fullest device's rows.
+      fullest_rows: the rows of the fullest device of the whole global batch
+        when `batch` is one process's part of it (`BatchPlacement.put_local`);
+        None: the fullest of `batch`'s own D devices.
 
     Returns:
       A `Batch` whose leaves have a leading `[D]` axis: history values
@@ -45,7 +52,8 @@ def stack_batch(batch: Batch, num_shards: int, buckets: TokenBuckets) -> Batch:
       per-example arrays `[D, B/D, ...]`.
 
     Raises:
-      ValueError: D does not divide B.
+      ValueError: D does not divide B, or a device of `batch` has more rows
+        than `fullest_rows`.
       JaggedError: a device's rows exceed every capacity (a history is longer
         than `buckets.max_seq_len`).
     """
@@ -57,7 +65,12 @@ def stack_batch(batch: Batch, num_shards: int, buckets: TokenBuckets) -> Batch:
     offsets = np.asarray(history.offsets)
     values = np.asarray(history.values)
     starts = offsets[: b + 1 : per]  # [D+1]: first row of each device's examples
-    capacity = pick_capacity(int(np.diff(starts).max(initial=0)), buckets.capacities(per))
+    fullest = int(np.diff(starts).max(initial=0))
+    if fullest_rows is not None:
+        if fullest > fullest_rows:
+            raise ValueError(f"a device of this batch holds {fullest} history rows, more than the fullest device's {fullest_rows}")
+        fullest = fullest_rows
+    capacity = pick_capacity(fullest, buckets.capacities(per))
     local_values = np.zeros((num_shards, capacity) + values.shape[1:], values.dtype)
     local_offsets = np.empty((num_shards, per + 1), np.int32)
     for d in range(num_shards):
@@ -101,13 +114,51 @@ class BatchPlacement:
         axes = live_axes(self.mesh)
         return NamedSharding(self.mesh, spec_from_axes(axes, 1))
 
-    def put(self, batch: Batch) -> Batch:
-        """Host `Batch` (global) -> stacked `Batch` of global `jax.Array`s on the mesh.
+    @functools.cached_property
+    def shard(self) -> BatchShard:
+        """The chunks of each global batch this process's devices hold (all of them in a single process)."""
+        chunks = set()
+        for index in self.sharding.addressable_devices_indices_map((self.num_shards,)).values():
+            chunks.update(range(*index[0].indices(self.num_shards)))
+        return BatchShard(self.num_shards, tuple(sorted(chunks)))
 
-        Each process materialises only its addressable devices' slices.
+    def _assemble(self, stacked: Batch) -> Batch:
+        """This process's stacked chunks `[len(shard.chunks), ...]` -> global `[D, ...]` arrays."""
+        sharding = self.sharding
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, (self.num_shards,) + x.shape[1:]), stacked)
+
+    def put(self, batch: Batch) -> Batch:
+        """Host `Batch` (the whole global batch, on every process) -> stacked `Batch` of global `jax.Array`s.
+
+        Each process stacks every device's chunk and places its own devices' chunks.
+        A training job uses `put_local`, which builds only those.
         """
         stacked = stack_batch(batch, self.num_shards, self.buckets)
-        sharding = self.sharding
-        return jax.tree.map(
-            lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index]), stacked
-        )
+        chunks = np.asarray(self.shard.chunks)
+        return self._assemble(jax.tree.map(lambda x: x[chunks], stacked))
+
+    def put_local(self, local: LocalBatch) -> Batch:
+        """This process's part of a global batch -> stacked `Batch` of global `jax.Array`s on the mesh.
+
+        Every process passes its own part of the same global batch: history values
+        become `[D, T_local, F]` with one `T_local` for all processes (the smallest
+        capacity holding the fullest chunk of the global batch, from `local.lengths`),
+        offsets `[D, B/D + 1]`, per-example arrays `[D, B/D, ...]`; device d holds
+        chunk d. With a whole shard the result equals `put(local.batch)`.
+
+        Raises:
+          ValueError: `local.shard` is not this process's shard, or its batch
+            does not hold the rows `local.lengths` gives its chunks.
+          JaggedError: the fullest chunk exceeds every capacity.
+        """
+        if local.shard != self.shard:
+            raise ValueError(f"a local batch of chunks {local.shard} was given to the process holding chunks {self.shard}")
+        rows = local.chunk_rows()
+        stacked = stack_batch(local.batch, len(self.shard.chunks), self.buckets, fullest_rows=int(rows.max()))
+        built = np.asarray(stacked.history.offsets)[:, -1]
+        if not np.array_equal(built, rows[list(self.shard.chunks)]):
+            raise ValueError(
+                f"the local batch holds {built.tolist()} history rows in chunks {list(self.shard.chunks)}, "
+                f"but the global batch's lengths give {rows[list(self.shard.chunks)].tolist()}"
+            )
+        return self._assemble(stacked)

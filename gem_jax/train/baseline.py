@@ -13,13 +13,15 @@ from gem_jax.data.pipeline import Dataset
 from gem_jax.train.metrics import auc
 
 
-def item_mean_label_auc(dataset: Dataset) -> dict[str, float]:
-    """Eval AUC per task of the item-mean-label baseline, as `{"baseline_auc_<task>": value}`."""
-    scores, labels, weights = [], [], []
-    for batch in dataset.eval_batches():
-        items = np.asarray(batch.candidate_item)
-        scores.append(np.stack([dataset.item_mean_label(task)[items] for task in Task], axis=1))
-        labels.append(np.asarray(batch.labels))
-        weights.append(np.asarray(batch.weights))
-    scores, labels, weights = np.concatenate(scores), np.concatenate(labels), np.concatenate(weights)
+def item_mean_label_auc(dataset: Dataset, candidate_item: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> dict[str, float]:
+    """Eval AUC per task of the item-mean-label baseline, as `{"baseline_auc_<task>": value}`.
+
+    Args:
+      dataset: gives each item's mean train label (`Dataset.item_mean_label`).
+      candidate_item: int `[N]`, the eval examples' candidate items.
+      labels: float32 `[N, K]`.
+      weights: float32 `[N]`; weight-0 (padding) examples are left out.
+    """
+    items = np.asarray(candidate_item)
+    scores = np.stack([dataset.item_mean_label(task)[items] for task in Task], axis=1)
     return {f"baseline_auc_{name}": auc(scores[:, k], labels[:, k], weights) for k, name in enumerate(dataset.task_names)}

@@ -18,8 +18,8 @@ from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
 from gem_jax.data.pipeline import load_dataset
 from gem_jax.model import flops as flops_lib
 from gem_jax.nn.embeddings import check_lookup_stats
+from gem_jax.parallel.distributed import check_processes_agree
 from gem_jax.train import run_record
-from gem_jax.train.baseline import item_mean_label_auc
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.divergence import FiniteTracker
@@ -60,7 +60,13 @@ def train_and_evaluate(
     Returns:
       The final summary record (eval metrics, baseline AUC, throughput).
 
+    In a multi-process run every process calls it with the same arguments; each
+    builds only its devices' part of every batch (`gem_jax.data.shard`), and process
+    0 writes the run record and the metrics.
+
     Raises:
+      ProcessMismatchError: the processes of a multi-process run loaded different
+        data sets (each differing process and field named); nothing is trained.
       WorkdirLockedError: another run holds `workdir` (host and pid named).
       RunMismatchError: `workdir` holds a run whose config or data set differ (the
         fields are named), or `loop.num_steps` is below its newest checkpoint;
@@ -83,9 +89,14 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
             print(f"gem-train: the earlier run in {workdir} was moved to {moved}")
     dataset = load_dataset(config.data)
     print(dataset.info.summary(), flush=True)
+    identity = dataset.info.identity()
+    # Before any step: processes with different data would build different global batches or run
+    # out at different steps. The path may differ between hosts; the fingerprint compares content.
+    check_processes_agree({k: v for k, v in identity.items() if k != "path"}, "data set")
     checkpoint_dir = workdir / "checkpoints"
     has_checkpoints = checkpoint_dir.is_dir() and any(checkpoint_dir.iterdir())
-    run_record.check_run(workdir, run_record.make_record(config, dataset.info.identity(), dataset.spec), has_checkpoints=has_checkpoints)
+    primary = jax.process_index() == 0  # writes the run record and the metrics of the shared workdir
+    run_record.check_run(workdir, run_record.make_record(config, identity, dataset.spec), has_checkpoints=has_checkpoints, write=primary)
     checkpointer = Checkpointer(checkpoint_dir, config.checkpoint)
     logger, progress_bar = None, None
     try:
@@ -94,7 +105,7 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
         dataset, setup, workload, sharding = training.dataset, training.state, training.workload, training.placement
         spec = dataset.spec
         num_shards = training.mesh.devices.size
-        train_iter = dataset.train_iterator()
+        train_iter = dataset.local_train_iterator(sharding.shard)
         restored = checkpointer.restore_latest(setup.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
         start = 0
         if restored:
@@ -116,7 +127,7 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
         num_steps = config.loop.num_steps
         last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
         trains = start < last_step  # False for a finished run started again: it only re-reports
-        logger = MetricLogger(workdir, resume_step=start) if trains else None
+        logger = MetricLogger(workdir, resume_step=start, write=primary) if trains else None
         window_metrics, window_flops, window_examples, window_imbalance, window_slack = [], 0.0, 0, [], []
         window_start, train_seconds, train_flops, train_examples = time.perf_counter(), 0.0, 0.0, 0
         record: dict = {}
@@ -126,16 +137,15 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
             if signals.stop_requested():
                 stopped = True
                 break
-            batch = next(train_iter)
-            validate_ids(batch, spec, where=f"train batch {step}")
-            real = np.asarray(batch.weights) > 0
-            all_lengths = np.diff(np.asarray(batch.history.offsets))
+            local = next(train_iter)  # this process's part of the global batch
+            validate_ids(local.batch, spec, where=f"train batch {step}")
+            real, all_lengths = local.real, local.lengths  # of the global batch
             lengths = all_lengths[real]
             window_flops += workload.total(lengths)
-            window_examples += int(real.sum())
+            window_examples += local.num_real
             # Balance across the devices' contiguous chunks; slack: 1 - real rows / placed rows (D x T_local).
             window_imbalance.append(load_imbalance(shard_loads(workload(all_lengths) * real, num_shards)))
-            placed = sharding.put(batch)
+            placed = sharding.put_local(local)
             window_slack.append(padding_waste(lengths, math.prod(placed.history.values.shape[:-1])))
             state, step_metrics = train_step(state, placed)
             window_metrics.append(step_metrics)
@@ -185,7 +195,7 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
         summary = {"step": final_step, "finished": final_step == num_steps}
         eval_keys: set[str] = set()
         if final_step == num_steps:
-            eval_record = training.evaluate(state.params) | item_mean_label_auc(dataset)
+            eval_record = training.evaluate(state.params, baseline=True)
             eval_keys = set(eval_record)
             summary.update(eval_record)
             if trains:

@@ -54,9 +54,14 @@ class MetricLogger:
       workdir: the run's workdir.
       resume_step: the step training resumes from; records of later steps (written
         by a start that stopped before its next checkpoint) are removed.
+      write: False: open nothing and drop every record (the processes other than
+        process 0 of a multi-process run, which share its workdir and its records).
     """
 
-    def __init__(self, workdir: Path, resume_step: int = 0):
+    def __init__(self, workdir: Path, resume_step: int = 0, *, write: bool = True):
+        self.write = write
+        if not write:
+            return
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / "metrics.jsonl"
         if path.exists():
@@ -69,6 +74,8 @@ class MetricLogger:
 
         Keys in `not_in_tensorboard` go to the JSONL record only (values already plotted under another kind).
         """
+        if not self.write:
+            return
         clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}
         self.jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
         self.jsonl.flush()
@@ -77,6 +84,8 @@ class MetricLogger:
                 self.tensorboard.add_scalar(f"{kind}/{key}", value, step)
 
     def close(self) -> None:
+        if not self.write:
+            return
         self.jsonl.close()
         self.tensorboard.close()
 

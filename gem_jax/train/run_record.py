@@ -108,8 +108,11 @@ def mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any,
     return rows
 
 
-def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: bool) -> dict[str, Any]:
+def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: bool, write: bool = True) -> dict[str, Any]:
     """Verifies that `record` continues the run in `workdir`, or records it as a new run.
+
+    `write` False checks without writing (the processes other than process 0 of a
+    multi-process run, whose workdir process 0 keeps).
 
     Returns:
       The record in force (the recorded one, for a restart).
@@ -127,7 +130,8 @@ def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: b
                 f"{workdir} holds checkpoints but no {RUN_FILE}: it was not written by this version of gem-train, "
                 "so its config cannot be checked; use a new workdir or --force-new (the old files are moved aside)"
             )
-        write_record(workdir, record)
+        if write:
+            write_record(workdir, record)
         return record
     rows = mismatches(old, record)
     if rows:
@@ -137,7 +141,7 @@ def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: b
             "Use a new workdir, restore the recorded values, or pass --force-new to start a new run here "
             f"(the old run is moved to {workdir / ARCHIVE_DIR})."
         )
-    if old.get("version") != record["version"]:
+    if write and old.get("version") != record["version"]:
         old.setdefault("resumed_with", []).append(record["version"])
         write_record(workdir, old)
     return old

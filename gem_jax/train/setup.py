@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 import optax
 
 from gem_jax.data.pipeline import Dataset, load_dataset
@@ -19,6 +20,7 @@ from gem_jax.mesh import make_mesh
 from gem_jax.model.flops import Workload, train_workload
 from gem_jax.model.gem import GEMModel
 from gem_jax.parallel.placement import BatchPlacement
+from gem_jax.train.baseline import item_mean_label_auc
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.metrics import EvalAccumulator
 from gem_jax.train.optimizer import make_optimizer
@@ -36,10 +38,12 @@ class Training:
       mesh: the device mesh of `config.topology`.
       optimizer: the optax transformation of `config.optim`.
       state: shapes, shardings and the sharding plan of the train state.
-      placement: puts host batches on the mesh (one jagged batch per device).
+      placement: puts host batches on the mesh (one jagged batch per device);
+        `placement.shard` is the part of each global batch this process builds.
       workload: training FLOPs per example as a function of its history length.
       train_step: `(state, placed batch) -> (state, metrics)`, jitted, donates `state`.
-      eval_step: `(params, placed batch) -> logits [B, K]`, jitted.
+      eval_step: `(params, placed batch) -> {"logits", "labels", "weights",
+        "candidate_item"}`, jitted, replicated (`gem_jax.train.step.make_eval_step`).
     """
 
     config: TrainConfig
@@ -52,13 +56,29 @@ class Training:
     train_step: Callable
     eval_step: Callable
 
-    def evaluate(self, params) -> dict[str, float]:
-        """Per-task AUC, NE and BCE of `params` over every eval example once."""
+    def evaluate(self, params, *, baseline: bool = False) -> dict[str, float]:
+        """Per-task AUC, NE and BCE of `params` over every eval example once.
+
+        Each process builds its part of each eval batch (`Dataset.local_eval_batches`);
+        all run the same `num_eval_batches` steps, and the weight-0 padding of the last
+        batch is left out of every metric. Every process returns the same record.
+
+        Args:
+          params: the sharded parameters.
+          baseline: also report the item-mean-label baseline's AUC
+            (`baseline_auc_<task>`, `gem_jax.train.baseline`).
+        """
+        outs = [
+            jax.device_get(self.eval_step(params, self.placement.put_local(local)))
+            for local in self.dataset.local_eval_batches(self.placement.shard)
+        ]
+        out = {key: np.concatenate([o[key] for o in outs]) for key in outs[0]}
         acc = EvalAccumulator(self.dataset.task_names)
-        for batch in self.dataset.eval_batches():
-            logits = self.eval_step(params, self.placement.put(batch))
-            acc.add(logits, batch.labels, batch.weights)
-        return acc.result()
+        acc.add(out["logits"], out["labels"], out["weights"])
+        record = acc.result()
+        if baseline:
+            record |= item_mean_label_auc(self.dataset, out["candidate_item"], out["labels"], out["weights"])
+        return record
 
 
 def model_factory(dataset_or_spec, config: TrainConfig) -> Callable:

@@ -57,7 +57,23 @@ def make_train_step(
 
 
 def make_eval_step(setup: StateSetup, placement: BatchPlacement) -> Callable:
-    """`eval_step(params, batch) -> logits [B, K]` (float32, replicated, global example order), jitted."""
+    """`eval_step(params, batch) -> dict`, jitted; every output replicated on every device, examples in global order.
+
+    The dict holds `logits` float32 `[B, K]` and the batch's `labels` float32
+    `[B, K]`, `weights` float32 `[B]` and `candidate_item` int32 `[B]`: in a
+    multi-process run each process builds only its part of the batch, so the
+    metrics are computed from these outputs, which every process holds whole.
+    """
     model = setup.sharded_model()
     replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-    return jax.jit(model.logits, in_shardings=(setup.shardings.params, placement.sharding), out_shardings=replicated)
+
+    def eval_step(params, batch: Batch) -> dict[str, jax.Array]:
+        labels = batch.labels
+        return {
+            "logits": model.logits(params, batch),
+            "labels": labels.reshape(-1, labels.shape[-1]),
+            "weights": batch.weights.reshape(-1),
+            "candidate_item": batch.candidate_item.reshape(-1),
+        }
+
+    return jax.jit(eval_step, in_shardings=(setup.shardings.params, placement.sharding), out_shardings=replicated)

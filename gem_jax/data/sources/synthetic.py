@@ -120,19 +120,24 @@ class SyntheticBatchBuilder:
         self.seed = seed
         self.stream = stream
 
-    def __call__(self, indices: Sequence[int]) -> Batch:
-        """Returns the `Batch` of examples `indices` (1..B of them), then padding.
+    def __call__(self, indices: Sequence[int], batch_size: int | None = None) -> Batch:
+        """Returns the `Batch` of examples `indices`, then padding examples up to the batch size.
 
-        The history values are `[offsets[B], F]`: the real rows, no slack
+        The history values are `[offsets[b], F]`: the real rows, no slack
         (`gem_jax.data.collate`).
 
+        Args:
+          indices: 0..b example indices (none: a batch of padding only).
+          batch_size: b, the examples of the batch (default: B).
+
         Raises:
-          ValueError: no index or more than B.
+          ValueError: more than b indices.
         """
-        idx = np.asarray(indices, dtype=np.int64)
-        n, b, spec, s, t = idx.shape[0], self.batch_size, self.spec, self.seed, self.stream
-        if not 1 <= n <= b:
-            raise ValueError(f"a batch takes 1..{b} examples, got {n}")
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        b = self.batch_size if batch_size is None else batch_size
+        n, spec, s, t = idx.shape[0], self.spec, self.seed, self.stream
+        if n > b:
+            raise ValueError(f"a batch takes 0..{b} examples, got {n}")
         lengths = synthetic_lengths(s, t, idx, self.config, spec.max_seq_len)
         offsets = np.zeros(b + 1, np.int32)
         np.cumsum(lengths, out=offsets[1 : n + 1])

@@ -202,16 +202,19 @@ def _reference_example(log, ex, k, num_time_buckets):
     return hist, [u, *log.user_features[u]]
 
 
-@pytest.mark.parametrize("batch_size,max_len,n", [(8, 5, 8), (16, 12, 11), (4, 40, 1)])
-def test_batch_builder_matches_reference(batch_size, max_len, n):
+@pytest.mark.parametrize("batch_size,max_len,n", [(8, 5, 8), (16, 12, 11), (4, 40, 1), (4, 6, 0)])
+@pytest.mark.parametrize("per_call", [False, True])
+def test_batch_builder_matches_reference(batch_size, max_len, n, per_call):
     rng = np.random.default_rng()
     log = random_log(rng)
     split = split_by_time(log, 0.2)
     ex = rating_examples(log, split.train_targets, max_seq_len=max_len, thresholds=(4.0, 4.5))
     spec = spec_of(log, max_len)
-    build = BatchBuilder(log, ex, spec, batch_size)
     idx = rng.choice(len(ex), size=n, replace=False)
-    batch = build(idx.tolist())
+    if per_call:  # a process's share of a global batch: the size is given per call
+        batch = BatchBuilder(log, ex, spec, 3 * batch_size)(idx.tolist(), batch_size=batch_size)
+    else:
+        batch = BatchBuilder(log, ex, spec, batch_size)(idx.tolist())
 
     offsets = np.asarray(batch.history.offsets)
     values = np.asarray(batch.history.values)
@@ -246,10 +249,10 @@ def test_batch_builder_rejects_bad_calls():
     log = random_log(rng)
     ex = rating_examples(log, np.arange(log.num_events), max_seq_len=4, thresholds=(4.0, 4.5))
     build = BatchBuilder(log, ex, spec_of(log, 4), 4)
-    with pytest.raises(ValueError, match="1..4 examples, got 5"):
+    with pytest.raises(ValueError, match="0..4 examples, got 5"):
         build([0, 1, 2, 3, 4])
-    with pytest.raises(ValueError, match="1..4 examples, got 0"):
-        build([])
+    with pytest.raises(ValueError, match="0..2 examples, got 3"):
+        build([0, 1, 2], batch_size=2)
     with pytest.raises(ValueError, match="out of range"):
         build([len(ex)])
     with pytest.raises(JaggedError, match="longer than max_seq_len 3"):

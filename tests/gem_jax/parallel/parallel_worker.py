@@ -8,6 +8,8 @@ MODE:
                meshes (2,2,2) and (1,2,4), against single-device references.
   reshard      a checkpoint written on 8 devices restored onto 4.
   process      one of two `jax.distributed` processes (GEM_* env): train, save, restore.
+  loop         `train_and_evaluate` of one uneven epoch and an uneven eval set, alone or as one
+               of two processes (GEM_* env), recording the examples this process built.
 
 Writes a JSON report to OUT.json; the pytest files assert on it.
 """
@@ -404,6 +406,81 @@ def process(out: Path, workdir: Path) -> None:
     )
 
 
+class Recorder:
+    """Wraps a batch builder and records the example indices of every call."""
+
+    def __init__(self, build):
+        self.build, self.calls = build, []
+
+    def __call__(self, indices, batch_size=None):
+        self.calls.append(np.asarray(indices, np.int64).tolist())
+        return self.build(indices, batch_size=batch_size)
+
+
+LOOP_OVERRIDES = [  # 4 devices in 1 or 2 processes; 70 = 32 + 32 + 6 train examples, 52 = 32 + 20 eval examples
+    "topology.zones=1",
+    "data.synthetic.num_train_examples=70",
+    "data.synthetic.num_eval_examples=52",
+    "data.bbs.minibatch_size=8",
+    "loop.num_steps=3",
+]
+
+
+class CompiledThenBarrier:
+    """A jitted step compiled ahead of each new input shape, after which every process meets at a barrier
+    (`barrier`: gloo fails a collective that one process reaches 30 s after another)."""
+
+    def __init__(self, step, name: str):
+        self.step, self.name, self.compiled = step, name, {}
+
+    def __call__(self, *args):
+        key = str(jax.tree.map(lambda x: (x.shape, x.dtype), args))
+        if key not in self.compiled:
+            self.compiled[key] = self.step.lower(*args).compile()
+            if jax.process_count() > 1:
+                barrier(f"{self.name}-{len(self.compiled)}")
+        return self.compiled[key](*args)
+
+
+def loop(out: Path, workdir: Path) -> None:
+    """`train_and_evaluate` of the tiny sharded config for one epoch (its last batch uneven) and a final eval."""
+    import dataclasses
+
+    from gem_jax.parallel import distributed
+    from gem_jax.train import loop as loop_lib
+    from gem_jax.train.config_tree import apply_overrides
+
+    jax.config.update("jax_disable_most_optimizations", True)  # tiny shapes: compile time dominates
+    distributed.initialize()
+    config = apply_overrides(load_config(TINY), LOOP_OVERRIDES)
+    recorders = {}
+
+    def recording_load(data_config):
+        dataset = load_dataset(data_config)
+        recorders.update(train=Recorder(dataset.train_batch), eval=Recorder(dataset.eval_batch))
+        return dataclasses.replace(dataset, train_batch=recorders["train"], eval_batch=recorders["eval"])
+
+    def synchronized_setup(*args, **kwargs):
+        training, state = setup_training(*args, **kwargs)
+        steps = {"train_step": CompiledThenBarrier(training.train_step, "train"), "eval_step": CompiledThenBarrier(training.eval_step, "eval")}
+        return dataclasses.replace(training, **steps), state
+
+    setup_training = loop_lib.setup_training
+    loop_lib.load_dataset, loop_lib.setup_training = recording_load, synchronized_setup
+    summary = loop_lib.train_and_evaluate(config, workdir, progress=False)
+    out.write_text(
+        json.dumps(
+            {
+                "process_index": jax.process_index(),
+                "process_count": jax.process_count(),
+                "train": recorders["train"].calls,
+                "eval": recorders["eval"].calls,
+                "summary": summary,
+            }
+        )
+    )
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "equivalence":
@@ -414,5 +491,7 @@ if __name__ == "__main__":
         reshard(out, Path(sys.argv[3]))
     elif mode == "process":
         process(out, Path(sys.argv[3]))
+    elif mode == "loop":
+        loop(out, Path(sys.argv[3]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")

@@ -4,9 +4,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from gem_jax.parallel.distributed import layout_from_env
+from gem_jax.parallel.distributed import check_processes_agree, describe_mismatch, encode_values, layout_from_env
 
 
 def test_explicit_layout():
@@ -39,3 +40,22 @@ def test_xla_flags_parse_with_the_pinned_jaxlib(repo_root):
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.ones(2).block_until_ready()"], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]  # XLA aborts on an unknown flag
+
+
+def test_mismatch_report_names_each_differing_process_and_field():
+    identity = {"source": "SYNTHETIC", "fingerprint": "ab" * 32, "num_train_examples": 80, "num_eval_examples": 64, "skipped_rows": 0}
+    other = {**identity, "num_train_examples": 70, "fingerprint": "cd" * 32}
+    renamed = {k.upper(): v for k, v in identity.items()}
+    gathered = np.stack([encode_values(v) for v in (identity, identity, other, renamed)])
+    assert gathered.shape == (4, 6, 8) and gathered.dtype == np.uint8
+    assert describe_mismatch(gathered, identity) == [
+        "process 2: fingerprint differs, num_train_examples 70 (process 0: 80)",
+        "process 3: holds other fields than process 0",
+    ]
+    assert describe_mismatch(gathered[:2], identity) == []
+    negative = {"n": -(2**40)}
+    assert describe_mismatch(np.stack([encode_values(negative), encode_values({"n": 3})]), negative) == ["process 1: n 3 (process 0: -1099511627776)"]
+
+
+def test_a_single_process_agrees_without_communicating():
+    check_processes_agree({"num_train_examples": 1}, "data set")  # no jax.distributed here: returns at once

@@ -1,4 +1,8 @@
-"""Two CPU processes through `jax.distributed` on loopback (gloo): train, checkpoint, restore, replay."""
+"""Two CPU processes through `jax.distributed` on loopback (gloo): train, checkpoint, restore, replay; per-process
+input (each process builds its share of every batch; different data sets are refused; uneven epochs and eval
+sets end on both processes; the same losses as one process).
+
+Every process runs under `timeout -k 5` (conftest): a hang fails the test."""
 
 import json
 import socket
@@ -15,18 +19,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_checkpoint_and_restore(start_worker, tmp_path):
+def process_envs() -> list[dict]:
+    """The GEM_* variables of two `jax.distributed` processes on loopback."""
     port = free_port()
-    procs, outs = [], []
-    for pid in range(2):
-        out = tmp_path / f"process{pid}.json"
-        procs.append(
-            start_worker(
-                "process", out, tmp_path / "ckpt", devices=2,
-                GEM_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", GEM_NUM_PROCESSES="2", GEM_PROCESS_ID=str(pid),
-            )
-        )
-        outs.append(out)
+    return [{"GEM_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "GEM_NUM_PROCESSES": "2", "GEM_PROCESS_ID": str(pid)} for pid in range(2)]
+
+
+def test_two_processes_train_checkpoint_and_restore(start_worker, tmp_path):
+    outs = [tmp_path / f"process{pid}.json" for pid in range(2)]
+    procs = [start_worker("process", out, tmp_path / "ckpt", devices=2, **env) for out, env in zip(outs, process_envs())]
     logs = [p.communicate(timeout=900)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
@@ -37,3 +38,60 @@ def test_two_processes_train_checkpoint_and_restore(start_worker, tmp_path):
         assert len(r["losses"]) == 3 and np.isfinite(r["losses"]).all()
         assert r["replay"] == r["losses"][2:]  # step 3 after restoring step 2: bit-exact
     assert reports[0]["losses"] == reports[1]["losses"]  # one global computation
+
+
+def test_processes_with_different_data_sets_are_refused(start_cli, repo_root, tmp_path):
+    """Process 1's data set has 70 train examples, process 0's 80: both stop at start-up with exit 2, naming process 1."""
+    procs = [
+        start_cli(
+            "--config", repo_root / "configs" / "gem_sharded_tiny.py", "--workdir", tmp_path / "run", "--no-progress", "--compile-cache", "off",
+            "--set", "topology.zones=1", f"data.synthetic.num_train_examples={n}", devices=2, timeout=300, **env,
+        )
+        for n, env in zip((80, 70), process_envs())
+    ]
+    logs = [p.communicate(timeout=330)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 2, log[-4000:]
+        assert "the processes hold different data sets" in log
+        assert "process 1: fingerprint differs, num_train_examples 70 (process 0: 80)" in log
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_two_processes_run_an_uneven_epoch_like_one_process(start_worker, run_worker, tmp_path):
+    """One epoch of 70 examples in global batches of 32 (the last batch's 6 real examples all on process 0's
+    devices) and an eval set of 52 (the last batch 20): both processes finish every step and eval batch; each
+    built a disjoint share of the examples, together all of them; the losses and eval metrics are those of one
+    process running the same global batches on 4 devices."""
+    outs = [tmp_path / f"loop{pid}.json" for pid in range(2)]
+    procs = [start_worker("loop", out, tmp_path / "two", devices=2, timeout=600, **env) for out, env in zip(outs, process_envs())]
+    logs = [p.communicate(timeout=630)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    reports = [json.loads(o.read_text()) for o in outs]
+    one = run_worker("loop", tmp_path, tmp_path / "one", devices=4, timeout=600)
+
+    assert [r["process_index"] for r in reports] == [0, 1] and one["process_count"] == 1
+    for kind, total, calls in (("train", 70, 3), ("eval", 52, 2)):
+        shares = [np.concatenate([np.asarray(c, np.int64) for c in r[kind]]) for r in reports]
+        assert [len(r[kind]) for r in reports] == [calls, calls]  # every step on both processes
+        assert not set(shares[0].tolist()) & set(shares[1].tolist())
+        np.testing.assert_array_equal(np.sort(np.concatenate(shares)), np.arange(total))
+    assert [len(c) for c in reports[1]["train"]] == [16, 16, 0]  # padding only in the last batch
+    assert [len(c) for c in reports[1]["eval"]] == [16, 4]
+
+    two_train, one_train = (train_losses(tmp_path / name) for name in ("two", "one"))
+    assert len(two_train) == 3
+    assert two_train[0] == one_train[0]  # the same global batch and parameters: the same loss, bit for bit
+    np.testing.assert_allclose(two_train, one_train, rtol=1e-5, atol=0)  # later steps: gradient sums in another order
+    for key in ("eval_examples", "auc_primary", "ne_primary", "baseline_auc_primary"):
+        assert reports[0]["summary"][key] == reports[1]["summary"][key]
+        np.testing.assert_allclose(reports[0]["summary"][key], one["summary"][key], rtol=1e-6)
+    assert reports[0]["summary"]["eval_examples"] == 52
+
+
+def train_losses(workdir) -> list[float]:
+    """The train records' losses of `workdir/metrics.jsonl`, in step order (written by process 0 alone)."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1))
+    return [r["loss"] for r in train]
