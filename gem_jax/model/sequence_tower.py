@@ -16,7 +16,7 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import Jagged
-from gem_jax.model.config import ModelConfig, SequenceAttention, attention_implementations
+from gem_jax.model.config import Fp8Region, ModelConfig, SequenceAttention, attention_implementations
 from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, rms_norm, rope_table
 
 
@@ -26,14 +26,15 @@ class SelfAttentionBlock(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, hd = config.embed_dim, config.head_dim
         self.config = config
+        fp8 = config.fp8_for(Fp8Region.SEQ_ATTENTION)
         self.norm_attn = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         # float32 outputs: RoPE follows in float32, and rounds once to the compute dtype.
         self.q_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
         self.k_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
         self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.mlp = MLP(d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_for(Fp8Region.SEQ_MLP), dtype=config.dtype)
 
     def __call__(self, x: jax.Array, history: Jagged, rope: RopeTable) -> jax.Array:
         """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence; `rope` of the history's positions."""
@@ -82,7 +83,8 @@ class PooledAttention(nnx.Module):
             )
         )
         self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        fp8 = config.fp8_for(Fp8Region.POOLED)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, dtype=config.dtype)
 
