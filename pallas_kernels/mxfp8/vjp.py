@@ -1,18 +1,23 @@
-"""FP8 dense matmul: MXFP8 forward and input-gradient GEMMs, higher-precision weight gradient (custom_vjp).
+"""FP8 dense matmul: MXFP8 forward and input-gradient GEMMs, bf16 weight gradient (custom_vjp).
 
 For `y = x @ w` (`x [T, in]`, `w [in, out]`) with square-block weight quantization
 `(wq, sw) = quantize(w)`:
 
-    forward   y  = mxfp8_matmul(q(x), wq.T)          # b = w^T [out, in], K = in
-    dgrad     dx = mxfp8_matmul(q(dy), wq)            # b = w   [in, out], K = out: the same
-                                                      # quantization, untransposed bytes
-    wgrad     dw = deq(q(x)).T @ dy                   # bf16 inputs, float32 accumulation
+    forward   y  = mxfp8_matmul(q(x), wq)             # b = wq [in, out] = [K, N]
+    dgrad     dx = mxfp8_matmul(q(dy), wq)            # b = wq [in, out] = [N, K], K = out
+    wgrad     dw = deq(q(x))^T dy                     # bf16 operands, float32 accumulation:
+                                                      # dot_general contracting dim 0 of both
 
-The square weight tiles are what let the backward reuse the forward quantization (one
-quantization of w per step; only the 8-bit bytes are transposed for the K-major
-forward operand). The weight gradient uses the saved FP8 input dequantized to bf16,
-which is the exact gradient of the quantized forward with respect to the quantized
-weight (straight-through for the rounding), and keeps 8-bit residuals.
+No operand is transposed and nothing is quantized twice: the weight is quantized once per
+step with square tiles, so the same bytes and scales serve the forward (contracted over
+dim 0) and dgrad (over dim 1); the input and the output gradient are quantized once each,
+in the layout the model has, and the weight gradient contracts the token axis of both
+operands in place (cuBLAS takes the transposed operand as it is). Only the Pallas GEMM
+needs one copy: Hopper's FP8 wgmma reads K-major operands, so the forward copies the 8-bit
+weight to `[out, in]` (`mxfp8_matmul`, `b_contracting_dim=0`). The weight gradient uses
+the saved FP8 input dequantized to bf16, the exact gradient of the quantized forward with
+respect to the quantized weight (straight-through for the rounding), and keeps 8-bit
+residuals.
 
 Sources: GEM engineering description (Meta, 2025): MXFP8 32x32 blocks, weight gradients
 in higher precision, last layers in BF16, weights quantized before the FSDP all-gather;
@@ -109,7 +114,9 @@ def _fp8_matmul_fwd(x, w, key, recipe, w_dtype):
     del w_dtype
     xq, sx = quantize_mxfp8(x, block=recipe.act_block)
     wq, sw = quantize_weight(w, recipe)
-    y = mxfp8_matmul(xq, sx, wq.T, sw.T, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config)
+    y = mxfp8_matmul(
+        xq, sx, wq, sw, b_contracting_dim=0, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config
+    )
     # `w` (the master weight, alive anyway) only lends its sharding to the weight gradient.
     return y, (xq, sx, wq, sw, key, w)
 
@@ -125,7 +132,8 @@ def _fp8_matmul_bwd(recipe, w_dtype, residuals, dy):
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key)
     dx = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
-    dw = jnp.dot(x16.T, dy.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    token_axis = (((0,), (0,)), ((), ()))  # dw = x16^T dy without transposing either operand
+    dw = jax.lax.dot_general(x16, dy.astype(jnp.bfloat16), token_axis, preferred_element_type=jnp.float32)
     return _with_sharding_of(dx, xq), _with_sharding_of(dw.astype(w_dtype), w), None
 
 
