@@ -22,7 +22,7 @@ from flax.nnx.nn.dtypes import promote_dtype
 
 import pallas_kernels
 from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
-from gem_jax.nn.layers import dense, rms_norm
+from gem_jax.nn.layers import dense, norm_dense, rms_norm
 from gem_jax.nn.experts import expert_parallel
 
 MLP_EXPERTS = 4  # MLP experts per DHEN layer; expert parallelism needs experts_per_node to divide it
@@ -49,7 +49,7 @@ class TokenAttention(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
         b, f, d = tokens.shape
-        qkv = self.qkv(self.norm(tokens)).reshape(b * f, 3, cfg.num_heads, cfg.head_dim)
+        qkv = norm_dense(self.norm, self.qkv, tokens).reshape(b * f, 3, cfg.num_heads, cfg.head_dim)
         offsets = uniform_offsets(b, f)
         attn = pallas_kernels.gdpa(
             self.q_norm(qkv[:, 0]),

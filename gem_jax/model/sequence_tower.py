@@ -17,7 +17,7 @@ from flax import nnx
 import pallas_kernels
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import Fp8Region, ModelConfig, SequenceAttention, attention_implementations
-from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, rms_norm, rope_table
+from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, norm_dense, rms_norm, rope_table
 
 
 class SelfAttentionBlock(nnx.Module):
@@ -40,7 +40,7 @@ class SelfAttentionBlock(nnx.Module):
         """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence; `rope` of the history's positions."""
         cfg = self.config
         t = x.shape[0]
-        qkv = self.qkv(self.norm_attn(x)).reshape(t, 3, cfg.num_heads, cfg.head_dim)
+        qkv = norm_dense(self.norm_attn, self.qkv, x).reshape(t, 3, cfg.num_heads, cfg.head_dim)
         q, k, v = self.q_norm(qkv[:, 0]), self.k_norm(qkv[:, 1]), qkv[:, 2]
         kind = cfg.sequence_attention
         chosen = attention_implementations(cfg)
@@ -64,7 +64,7 @@ class SelfAttentionBlock(nnx.Module):
                     implementation=chosen.softmax,
                 )
         x = x + self.out(attn.reshape(t, -1))
-        return x + self.mlp(self.norm_mlp(x))
+        return x + self.mlp(x, norm=self.norm_mlp)
 
 
 class PooledAttention(nnx.Module):
@@ -91,7 +91,7 @@ class PooledAttention(nnx.Module):
     def __call__(self, x: jax.Array, history: Jagged) -> jax.Array:
         cfg = self.config
         t = x.shape[0]
-        kv = self.kv(self.norm(x)).reshape(t, 2, cfg.num_heads, cfg.head_dim)
+        kv = norm_dense(self.norm, self.kv, x).reshape(t, 2, cfg.num_heads, cfg.head_dim)
         q = self.queries[...].astype(x.dtype)
         pooled = pallas_kernels.gdpa(
             q,

@@ -99,11 +99,17 @@ def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None) -> nnx
     return nnx.RMSNorm(dim, epsilon=1e-6, dtype=dtype, scale_init=scale_init, rngs=rngs)
 
 
+def norm_dense(norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array) -> jax.Array:
+    """`layer(norm(x))`; an `Fp8Linear` quantizes the normed rows in the norm's own pass (`Fp8Linear(norm=)`)."""
+    return layer(x, norm=norm) if isinstance(layer, Fp8Linear) else layer(norm(x))
+
+
 class MLP(nnx.Module):
     """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`).
 
     `dtype` is the compute dtype of both layers; `float32_output` applies to the
-    second (see `dense`).
+    second (see `dense`). With FP8 layers the GELU runs in the second layer's input
+    quantization pass (and a pre-norm passed to the call in the first's).
     """
 
     def __init__(
@@ -120,8 +126,10 @@ class MLP(nnx.Module):
         self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs, fp8=fp8, dtype=dtype)
         self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs, fp8=fp8, dtype=dtype, float32_output=float32_output)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.gelu(self.up(x)))
+    def __call__(self, x: jax.Array, norm: nnx.RMSNorm | None = None) -> jax.Array:
+        """`down(gelu(up(x)))`, or `down(gelu(up(norm(x))))` with a pre-norm."""
+        h = self.up(x) if norm is None else norm_dense(norm, self.up, x)
+        return self.down(h, gelu=True) if isinstance(self.down, Fp8Linear) else self.down(jax.nn.gelu(h))
 
 
 class RopeTable(NamedTuple):

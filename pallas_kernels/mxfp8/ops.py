@@ -235,7 +235,8 @@ def rmsnorm_quantize_mxfp8(
 
     The normalized activation is never written in high precision: only the FP8 data and
     the scales leave the fusion (GEM: quantization fused into the preceding norm).
-    Forward only (not differentiable); the FP8 dense layer quantizes its own input.
+    Forward only: `fp8_matmul(..., prologue=Prologue.RMSNORM)` is the differentiable FP8
+    layer built on it (its backward runs through the norm).
 
     Args:
       x: `[R, C]` float.
