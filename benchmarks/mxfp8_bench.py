@@ -512,7 +512,7 @@ def main():
     p.add_argument("--ours-only", action="store_true", help="only bf16 XLA (the reference peer) and our kernels")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in Mosaic GPU interpret mode (CPU check of this script)")
     p.add_argument("--model-shapes", action="store_true", help="the GEM-width model's GEMM shapes (see the module docstring)")
-    p.add_argument("--time-budget", type=float, default=200.0, help="--model-shapes: seconds after which remaining timings are skipped")
+    p.add_argument("--time-budget", type=float, default=170.0, help="--model-shapes: seconds after which remaining timings are skipped")
     args = p.parse_args()
     if args.smoke:
         global SHAPES, SWEEP_SHAPE, CHECK_SHAPES, SMOKE, ITERS, REPS
