@@ -4,6 +4,15 @@ Run on the GPU machine from the repository root::
 
     PYTHONPATH=. python3 benchmarks/mxfp8_bench.py --out benchmarks/results/mxfp8_h200.json
 
+`--model-shapes` instead times the GEMMs of the GEM-width model (configs/gem_h200.py) at its
+own shapes: M = 168,192 and 655,360 token rows, (K, N) in {(1024, 3072), (1024, 1024),
+(1024, 4096), (4096, 1024)}, forward, dgrad and wgrad-shaped, both block sizes against bf16
+XLA in the model's layouts; a tile sweep at two of them first; and the quantization passes
+(plain, fused with RMSNorm, fused with GELU) with their fusion counts in the optimized HLO::
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=. python3 benchmarks/mxfp8_bench.py --model-shapes \
+        --out benchmarks/results/mxfp8_h200_model_shapes.json
+
 Peers, all on the same `[M, K] x [N, K]^T` problem, timed in the same process:
   bf16_xla            `a @ b.T` in bf16 through XLA (cuBLAS)
   fp8_tensor_xla      per-tensor FP8 through XLA's dequantize->dot pattern (cuBLASLt f8), B pre-transposed
@@ -26,8 +35,10 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
+import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch in the same process
@@ -37,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
-from pallas_kernels.mxfp8 import kernel_matmul, mxfp8_matmul, quantize_mxfp8, random_hadamard  # noqa: E402
+from pallas_kernels.mxfp8 import kernel_matmul, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8  # noqa: E402
 
 SHAPES = [  # (M, N, K)
     (4096, 4096, 4096),
@@ -315,12 +326,193 @@ def layer_check(log, best, sizes=None):
     return res
 
 
+MODEL_M = (168_192, 655_360)  # token rows of gem_h200: ~165K real history tokens (T_cap), and 4x that
+MODEL_KN = ((1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024))  # qkv, attention out / pooled, mlp up, mlp down
+MODEL_SWEEP = {  # (tile_n, k_blocks_per_step, cluster, max_concurrent_steps); the first is the default
+    "ours_32x32": [(128, 2, "n", 4), (128, 2, "m", 4), (128, 2, None, 6), (64, 4, "n", 3)],
+    "ours_128": [(128, 1, "n", 4), (128, 1, "n", 6), (128, 1, "m", 4), (128, 2, "n", 3)],
+}
+quantize_jit = jax.jit(quantize_mxfp8, static_argnames=("block", "rounding"))
+MODEL_SWEEP_SHAPES = ((168_192, 3072, 1024), (168_192, 1024, 4096))  # (M, N, K): K = 1024 and K = 4096
+MODEL_TIMING = {"iters": 5, "reps": 3}
+
+
+def model_problems(ms=MODEL_M, kns=MODEL_KN):
+    """`(kind, M, N, K)` of every distinct GEMM of a dense layer `x [M, K] @ w [K, N]` at the model's shapes.
+
+    forward `x @ w` is (M, N, K); dgrad `dy @ w^T` is (M, K, N); wgrad `x^T dy` is (K, N, M),
+    contracting the token axis. Forward and dgrad problems that coincide are listed once.
+    """
+    seen, out = set(), []
+    for m in ms:
+        for k, n in kns:
+            for kind, shape in (("forward", (m, n, k)), ("dgrad", (m, k, n)), ("wgrad", (k, n, m))):
+                key = (kind == "wgrad", shape)
+                if key not in seen:
+                    seen.add(key)
+                    out.append((kind, *shape))
+    return out
+
+
+def bf16_model_layout(kind):
+    """The bf16 GEMM as the model runs it: forward `x @ w` (NN), dgrad `dy w^T` (NT), wgrad `x^T dy` (TN, float32 out)."""
+    dims = {"forward": (((1,), (0,)), ((), ())), "dgrad": (((1,), (1,)), ((), ())), "wgrad": (((0,), (0,)), ((), ()))}[kind]
+    out = jnp.float32 if kind == "wgrad" else jnp.bfloat16
+    return jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=out))
+
+
+def bf16_model_operands(kind, m, n, k):
+    """Random bf16 operands of `bf16_model_layout(kind)` for the (M, N, K) problem."""
+    ka, kb = jax.random.split(jax.random.key(11))
+    shapes = {"forward": ((m, k), (k, n)), "dgrad": ((m, k), (n, k)), "wgrad": ((k, m), (k, n))}[kind]
+    return tuple(jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip((ka, kb), shapes))
+
+
+def model_sweep(log, deadline):
+    """Tile configs at MODEL_SWEEP_SHAPES; returns ({(name, K): best config}, table)."""
+    best, table = {}, []
+    for m, n, k in MODEL_SWEEP_SHAPES:
+        a, b = inputs(m, n, k)
+        for name, (ab, bb) in BLOCKS.items():
+            a8, sa = quantize_jit(a, block=ab)
+            b8, sb = quantize_jit(b, block=bb)
+            rows = []
+            for tile_n, per_step, cluster, steps in MODEL_SWEEP[name]:
+                row = {"M": m, "N": n, "K": k, "kernel": name, "tile_n": tile_n, "k_blocks_per_step": per_step, "cluster": cluster, "steps": steps}
+                if time.monotonic() > deadline:
+                    row["error"] = "skipped: time budget spent"
+                else:
+                    try:
+                        cfg = kernel_matmul.TuningConfig(tile_n=tile_n, k_blocks_per_step=per_step, cluster=cluster, max_concurrent_steps=steps)
+                        f = jax.jit(lambda *t, c=cfg: mxfp8_matmul(*t, implementation="pallas", config=c))
+                        t = jax_time(f, a8, sa, b8, sb, **MODEL_TIMING)
+                        row.update(seconds=t, tflops=2 * m * n * k / t / 1e12, config=cfg)
+                    except Exception as e:  # noqa: BLE001 -- a config that does not fit is a result
+                        row["error"] = repr(e)[:300]
+                rows.append(row)
+                log(f"model sweep {name} {m}x{n}x{k} {({k_: v for k_, v in row.items() if k_ != 'config'})}")
+            ok = [r for r in rows if "seconds" in r]
+            best[(name, k)] = min(ok, key=lambda r: r["seconds"])["config"] if ok else kernel_matmul.default_config(ab[1])
+            table += rows
+            del a8, sa, b8, sb
+    return best, table
+
+
+def model_gemms(log, best, deadline, problems):
+    """bf16 XLA (model layouts) and our two kernels (pre-quantized, K-major) on every model problem."""
+    rows = []
+    for kind, m, n, k in problems:
+        row = {"kind": kind, "M": m, "N": n, "K": k, "flops": 2 * m * n * k}
+        if time.monotonic() > deadline:
+            row["error"] = "skipped: time budget spent"
+            rows.append(row)
+            continue
+        try:
+            row["bf16_xla"] = jax_time(bf16_model_layout(kind), *bf16_model_operands(kind, m, n, k), **MODEL_TIMING)
+            if kind == "wgrad":  # the same product with both operands already K-major (what an FP8 wgrad would need)
+                row["bf16_xla_k_major"] = jax_time(bf16_model_layout("dgrad"), *bf16_model_operands("dgrad", m, n, k), **MODEL_TIMING)
+        except Exception as e:  # noqa: BLE001
+            row["bf16_error"] = repr(e)[:300]
+        a, b = inputs(m, n, k)
+        for name, (ab, bb) in BLOCKS.items():
+            cfg = best[(name, min((kk for _, _, kk in MODEL_SWEEP_SHAPES), key=lambda kk: abs(kk - k)))]
+            try:
+                a8, sa = quantize_jit(a, block=ab)
+                b8, sb = quantize_jit(b, block=bb)
+                gemm = jax.jit(lambda *t, c=cfg: mxfp8_matmul(*t, implementation="pallas", config=c))
+                row[f"{name}_gemm"] = jax_time(gemm, a8, sa, b8, sb, **MODEL_TIMING)
+                row[f"{name}_config"] = repr(cfg)
+                if kind == "forward" and m == MODEL_M[0]:  # the kernel at these shapes against the dequantized product
+                    ref = jax.jit(lambda *t: mxfp8_matmul(*t, out_dtype=jnp.float32, implementation="xla"))
+                    got, want = gemm(a8, sa, b8, sb).astype(jnp.float32), ref(a8, sa, b8, sb)
+                    row[f"{name}_rel_err_vs_reference_bf16_out"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+                    del got, want
+                del a8, sa, b8, sb
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = repr(e)[:300]
+        del a, b
+        if "bf16_xla" in row:
+            row["speedup_vs_bf16"] = {
+                key: row["bf16_xla"] / v for key, v in row.items() if key.endswith("_gemm") or key == "bf16_xla_k_major"
+            }
+        rows.append(row)
+        shown = {k_: (round(v * 1e6, 1) if k_.endswith("_gemm") or k_.startswith("bf16_xla") else v) for k_, v in row.items()}
+        log(f"model {kind} {m}x{n}x{k} (times in us): " + json.dumps({k_: v for k_, v in shown.items() if k_ not in ("speedup_vs_bf16", "flops")}))
+        if "speedup_vs_bf16" in row:
+            log("  speedup vs bf16: " + json.dumps({k_: round(v, 3) for k_, v in row["speedup_vs_bf16"].items()}))
+    return rows
+
+
+def fusion_count(f, *args) -> dict:
+    """Fusions, custom calls and transposes/copies in the ENTRY computation of `f`'s optimized HLO."""
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    return {
+        "fusions": len(re.findall(r" fusion\(", entry)),
+        "custom_calls": len(re.findall(r" custom-call\(", entry)),
+        "transposes_or_copies": len(re.findall(r" (?:transpose|copy)\(", entry)),
+    }
+
+
+def model_quantization(log, m, deadline, widths=(1024, 4096)):
+    """Quantization passes at `[m, width]` (plain, fused with RMSNorm, fused with GELU) beside a bf16 copy."""
+    res = {}
+    for width in widths:
+        if time.monotonic() > deadline:
+            res[f"{m}x{width}"] = {"error": "skipped: time budget spent"}
+            continue
+        x = jax.random.normal(jax.random.key(5), (m, width), jnp.bfloat16)
+        g = jnp.ones((width,), jnp.bfloat16)
+        fns = {"copy_bf16": lambda x, g: x * 2}
+        for label, block in (("32x32", (32, 32)), ("1x128", (1, 128))):
+            fns[f"quantize_{label}"] = lambda x, g, block=block: quantize_mxfp8(x, block=block)
+            fns[f"rmsnorm_quantize_{label}"] = lambda x, g, block=block: rmsnorm_quantize_mxfp8(x, g, block=block)
+            fns[f"gelu_quantize_{label}"] = lambda x, g, block=block: quantize_mxfp8(jax.nn.gelu(x.astype(jnp.float32)), block=block)
+        for label, fn in fns.items():
+            try:
+                res[f"{m}x{width}_{label}"] = {"seconds": jax_time(jax.jit(fn), x, g, **MODEL_TIMING), **fusion_count(fn, x, g)}
+            except Exception as e:  # noqa: BLE001
+                res[f"{m}x{width}_{label}"] = {"error": repr(e)[:300]}
+            log(f"model quantization {m}x{width} {label}: {res[f'{m}x{width}_{label}']}")
+    return res
+
+
+def run_model_shapes(args, result, log):
+    """The `--model-shapes` run: sweep, GEMMs, quantization passes; the JSON is rewritten after each part."""
+    global MODEL_M, MODEL_KN, MODEL_SWEEP_SHAPES, MODEL_TIMING
+    if args.smoke:
+        MODEL_M, MODEL_KN = (256,), ((128, 384), (512, 128))
+        MODEL_SWEEP_SHAPES, MODEL_TIMING = ((256, 384, 128), (256, 128, 512)), {"iters": 1, "reps": 1}
+        for name in MODEL_SWEEP:
+            MODEL_SWEEP[name] = MODEL_SWEEP[name][:2]
+    deadline = time.monotonic() + args.time_budget
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    result["timing"] = f"median of {MODEL_TIMING['reps']} x mean of {MODEL_TIMING['iters']} back-to-back calls; seconds per call"
+    result["time_budget_s"] = args.time_budget
+    best, result["model_sweep"] = model_sweep(log, deadline)
+    result["model_chosen_configs"] = {f"{name}_K{k}": repr(cfg) for (name, k), cfg in best.items()}
+    save()
+    result["model_gemms"] = []
+    for row in model_gemms(log, best, deadline, model_problems(MODEL_M, MODEL_KN)):
+        result["model_gemms"].append(row)
+        save()
+    result["model_quantization"] = model_quantization(log, MODEL_M[0], deadline, widths=sorted({k for k, _ in MODEL_KN}))
+    save()
+    log(f"wrote {args.out}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--ours-only", action="store_true", help="only bf16 XLA (the reference peer) and our kernels")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in Mosaic GPU interpret mode (CPU check of this script)")
+    p.add_argument("--model-shapes", action="store_true", help="the GEM-width model's GEMM shapes (see the module docstring)")
+    p.add_argument("--time-budget", type=float, default=170.0, help="--model-shapes: seconds after which remaining timings are skipped")
     args = p.parse_args()
     if args.smoke:
         global SHAPES, SWEEP_SHAPE, CHECK_SHAPES, SMOKE, ITERS, REPS
@@ -342,6 +534,8 @@ def main():
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "timing": "median of 5 x mean of 20 back-to-back calls (sweep: 3 x 10); seconds per call",
     }
+    if args.model_shapes:
+        return run_model_shapes(args, result, log)
     try:
         import torch
 

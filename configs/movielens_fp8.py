@@ -1,4 +1,5 @@
-"""configs/movielens.py with the towers' dense layers in FP8 (MXFP8, 32x32 blocks).
+"""configs/movielens.py with the sequence tower's dense layers in FP8 (MXFP8, 32x32 blocks; the default
+`ModelConfig.fp8_regions`).
 
 Compare its eval NE with configs/movielens.py (the same run in full precision).
 """

@@ -28,6 +28,31 @@ class SequenceAttention(enum.Enum):
     CAUSAL_SILU = "causal_silu"
 
 
+class Fp8Region(enum.Enum):
+    """A group of dense layers that `ModelConfig.fp8` can run in FP8 (`gem_jax.quant.Fp8Linear`).
+
+    The per-token layers over the packed history (`T_cap` rows) are where FP8 GEMMs can pay;
+    the task heads, the feature projections and the pooled attention's output projection
+    are never FP8 (GEM keeps the last layers in bf16).
+
+    SEQ_ATTENTION: the sequence tower's self-attention projections (qkv `d -> 3d`, out `d -> d`).
+    SEQ_MLP: the sequence tower's MLPs (`d -> mlp_ratio d -> d`).
+    POOLED: the pooled attention's key/value projection (`d -> 2d`).
+    INTERACTION: both cross attentions between history and feature tokens (q, kv, out).
+    CROSS: the cross-feature tower's token attention (qkv, out) and DHEN mixing layers
+      (`B x F` rows: the last layers before the heads).
+    """
+
+    SEQ_ATTENTION = "seq_attention"
+    SEQ_MLP = "seq_mlp"
+    POOLED = "pooled"
+    INTERACTION = "interaction"
+    CROSS = "cross"
+
+
+SEQUENCE_TOWER_FP8 = (Fp8Region.SEQ_ATTENTION, Fp8Region.SEQ_MLP, Fp8Region.POOLED)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Dimensions of the GEM-style model.
@@ -47,17 +72,19 @@ class ModelConfig:
       attention_window: events before each event that SLIDING_WINDOW attends to (>= 0).
       attention_block_size: events per BLOCK_LOCAL block (>= 1; the kernels take 64).
       compute_dtype: activations' dtype ("float32" on CPU, "bfloat16" on GPU).
-      fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
-        the feature projections and the task heads stay in higher precision.
+      fp8: run the dense layers of `fp8_regions` through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
+        the feature projections and the task heads stay in the compute dtype.
       fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).
       fp8_saved_activations: keep the sequence tower's largest saved activations for the
         backward as FP8 E4M3 with 1x128 block scales (`gem_jax.quant.saved_activations`):
         each MLP's pre-GELU `h [T, mlp_ratio * d]` (GELU recomputed in the backward) and the
         inputs of the QKV, MLP-up and pooled-KV projections (their `dx` stays exact). The
         forward is unchanged; gradients carry E4M3's rounding (~2.7% relative). The
-        attention kernels' own residuals (q, k, v, out) stay in `compute_dtype`. With `fp8`
-        the projections already keep FP8 inputs, and the MLP's down layer re-quantizes
-        `gelu(h~)` (up to ~2x the error). False keeps today's residuals, bit for bit.
+        attention kernels' own residuals (q, k, v, out) stay in `compute_dtype`. FP8 layers
+        (`fp8`) keep FP8 inputs anyway and are left as they are; the option acts on the
+        layers that run in `compute_dtype`. False keeps today's residuals, bit for bit.
+      fp8_regions: the `Fp8Region`s whose layers run in FP8 when `fp8` is on (default: the
+        sequence tower's per-token layers); ignored when `fp8` is off.
     """
 
     embed_dim: int = 64
@@ -76,9 +103,19 @@ class ModelConfig:
     fp8: bool = False
     fp8_block: int = 32
     fp8_saved_activations: bool = False
+    fp8_regions: tuple[Fp8Region, ...] = SEQUENCE_TOWER_FP8
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
+        try:
+            regions = tuple(Fp8Region(r) for r in self.fp8_regions)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"fp8_regions must be a tuple of {[r.name for r in Fp8Region]}; got {self.fp8_regions!r}"
+            ) from None
+        if len(set(regions)) != len(regions):
+            raise ValueError(f"fp8_regions names a region twice: {[r.name for r in regions]}")
+        object.__setattr__(self, "fp8_regions", regions)
         if self.attention_window < 0 or self.attention_block_size < 1:
             raise ValueError(
                 f"attention_window must be >= 0 and attention_block_size >= 1; "
@@ -102,6 +139,10 @@ class ModelConfig:
     def fp8_recipe(self) -> Fp8Recipe | None:
         """The towers' FP8 recipe, or None for plain dense layers."""
         return Fp8Recipe(block=self.fp8_block) if self.fp8 else None
+
+    def fp8_for(self, region: Fp8Region) -> Fp8Recipe | None:
+        """The FP8 recipe of the layers of `region`, or None where they run in the compute dtype."""
+        return self.fp8_recipe if region in self.fp8_regions else None
 
 
 class AttentionImplementations(NamedTuple):
@@ -162,5 +203,8 @@ def describe_attention(config: ModelConfig) -> list[str]:
         lines.append(f"{label}: {choice.implementation.value} ({choice.reason})")
     if config.fp8:
         choice = describe_choice("mxfp8_matmul", "float8_e4m3fn")
-        lines.append(f"FP8 dense layers ({config.fp8_block}-wide blocks): {choice.implementation.value} ({choice.reason})")
+        regions = ", ".join(r.value for r in config.fp8_regions) or "none"
+        lines.append(
+            f"FP8 dense layers ({config.fp8_block}-wide blocks; {regions}): {choice.implementation.value} ({choice.reason})"
+        )
     return lines

@@ -21,8 +21,8 @@ from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype
 
 import pallas_kernels
-from gem_jax.model.config import ModelConfig, attention_implementations
-from gem_jax.nn.layers import dense, rms_norm
+from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
+from gem_jax.nn.layers import dense, norm_dense, rms_norm
 from gem_jax.nn.experts import expert_parallel
 
 MLP_EXPERTS = 4  # MLP experts per DHEN layer; expert parallelism needs experts_per_node to divide it
@@ -39,16 +39,17 @@ class TokenAttention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d = config.embed_dim
         self.config = config
+        fp8 = config.fp8_for(Fp8Region.CROSS)
         self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
         b, f, d = tokens.shape
-        qkv = self.qkv(self.norm(tokens)).reshape(b * f, 3, cfg.num_heads, cfg.head_dim)
+        qkv = norm_dense(self.norm, self.qkv, tokens).reshape(b * f, 3, cfg.num_heads, cfg.head_dim)
         offsets = uniform_offsets(b, f)
         attn = pallas_kernels.gdpa(
             self.q_norm(qkv[:, 0]),
@@ -138,7 +139,7 @@ class DHENLayer(nnx.Module):
         self.mlp_expert = MLPExperts(num_mlp_experts, width, config.mlp_ratio * config.embed_dim, rngs=rngs, dtype=config.dtype)
         self.cross_expert = CrossExpert(width, rngs=rngs, dtype=config.dtype)
         self.dot_expert = DotCompressionExpert(num_tokens, config.embed_dim, rngs=rngs, dtype=config.dtype)
-        self.mix = dense(3 * width, width, ("mlp", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.mix = dense(3 * width, width, ("mlp", "embed"), rngs=rngs, fp8=config.fp8_for(Fp8Region.CROSS), dtype=config.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         b, f, d = tokens.shape

@@ -15,8 +15,8 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import segment_ids
-from gem_jax.model.config import ModelConfig, attention_implementations
-from gem_jax.nn.layers import dense, rms_norm
+from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
+from gem_jax.nn.layers import dense, norm_dense, rms_norm
 
 
 class CrossAttention(nnx.Module):
@@ -31,20 +31,21 @@ class CrossAttention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d = config.embed_dim
         self.config = config
+        fp8 = config.fp8_for(Fp8Region.INTERACTION)
         self.q_in = rms_norm(d, rngs=rngs, dtype=config.dtype)
         self.kv_in = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.q = dense(d, d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
-        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.q = dense(d, d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
 
     def __call__(self, x, x_offsets, max_len_x: int, context, context_offsets, max_len_context: int) -> jax.Array:
         """x `[Tq, d]` with offsets `[B+1]`; context `[Tkv, d]` with offsets `[B+1]` -> `[Tq, d]`."""
         cfg = self.config
         h, hd = cfg.num_heads, cfg.head_dim
-        q = self.q_norm(self.q(self.q_in(x)).reshape(x.shape[0], h, hd))
-        kv = self.kv(self.kv_in(context)).reshape(context.shape[0], 2, h, hd)
+        q = self.q_norm(norm_dense(self.q_in, self.q, x).reshape(x.shape[0], h, hd))
+        kv = norm_dense(self.kv_in, self.kv, context).reshape(context.shape[0], 2, h, hd)
         context_len = jnp.maximum(context_offsets[1:] - context_offsets[:-1], 1).astype(jnp.float32)
         seq_scale = jnp.append(jax.lax.rsqrt(context_len), 0.0).astype(kv.dtype)  # 0 for slack rows
         row_scale = seq_scale[segment_ids(context_offsets, context.shape[0])]

@@ -16,14 +16,8 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import Jagged
-from gem_jax.model.config import ModelConfig, SequenceAttention, attention_implementations
-from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, rms_norm, rope_table
-from gem_jax.quant.saved_activations import dense_fp8_input
-
-
-def _project(layer: nnx.Module, x: jax.Array, config: ModelConfig) -> jax.Array:
-    """`layer(x)`; with `fp8_saved_activations` the weight gradient reads an FP8 copy of `x`."""
-    return dense_fp8_input(layer, x) if config.fp8_saved_activations else layer(x)
+from gem_jax.model.config import Fp8Region, ModelConfig, SequenceAttention, attention_implementations
+from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, norm_dense, rms_norm, rope_table
 
 
 class SelfAttentionBlock(nnx.Module):
@@ -32,15 +26,16 @@ class SelfAttentionBlock(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, hd = config.embed_dim, config.head_dim
         self.config = config
+        fp8 = config.fp8_for(Fp8Region.SEQ_ATTENTION)
         self.norm_attn = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         # float32 outputs: RoPE follows in float32, and rounds once to the compute dtype.
         self.q_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
         self.k_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
-        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype)
+        self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
         self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype)
         self.mlp = MLP(
-            d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_recipe, dtype=config.dtype,
+            d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_for(Fp8Region.SEQ_MLP), dtype=config.dtype,
             fp8_saved_activations=config.fp8_saved_activations,
         )
 
@@ -48,7 +43,8 @@ class SelfAttentionBlock(nnx.Module):
         """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence; `rope` of the history's positions."""
         cfg = self.config
         t = x.shape[0]
-        qkv = _project(self.qkv, self.norm_attn(x), cfg).reshape(t, 3, cfg.num_heads, cfg.head_dim)
+        qkv = norm_dense(self.norm_attn, self.qkv, x, fp8_saved_input=cfg.fp8_saved_activations)
+        qkv = qkv.reshape(t, 3, cfg.num_heads, cfg.head_dim)
         q, k, v = self.q_norm(qkv[:, 0]), self.k_norm(qkv[:, 1]), qkv[:, 2]
         kind = cfg.sequence_attention
         chosen = attention_implementations(cfg)
@@ -72,7 +68,7 @@ class SelfAttentionBlock(nnx.Module):
                     implementation=chosen.softmax,
                 )
         x = x + self.out(attn.reshape(t, -1))
-        return x + self.mlp(self.norm_mlp(x))
+        return x + self.mlp(x, norm=self.norm_mlp)
 
 
 class PooledAttention(nnx.Module):
@@ -91,14 +87,16 @@ class PooledAttention(nnx.Module):
             )
         )
         self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=config.fp8_recipe, dtype=config.dtype)
+        fp8 = config.fp8_for(Fp8Region.POOLED)
+        self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, dtype=config.dtype)
 
     def __call__(self, x: jax.Array, history: Jagged) -> jax.Array:
         cfg = self.config
         t = x.shape[0]
-        kv = _project(self.kv, self.norm(x), cfg).reshape(t, 2, cfg.num_heads, cfg.head_dim)
+        kv = norm_dense(self.norm, self.kv, x, fp8_saved_input=cfg.fp8_saved_activations)
+        kv = kv.reshape(t, 2, cfg.num_heads, cfg.head_dim)
         q = self.queries[...].astype(x.dtype)
         pooled = pallas_kernels.gdpa(
             q,

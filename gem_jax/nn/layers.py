@@ -100,12 +100,25 @@ def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None) -> nnx
     return nnx.RMSNorm(dim, epsilon=1e-6, dtype=dtype, scale_init=scale_init, rngs=rngs)
 
 
+def norm_dense(norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *, fp8_saved_input: bool = False) -> jax.Array:
+    """`layer(norm(x))`; an `Fp8Linear` quantizes the normed rows in the norm's own pass (`Fp8Linear(norm=)`).
+
+    `fp8_saved_input`: a bf16 layer's weight gradient reads an FP8 copy of `norm(x)`
+    (`gem_jax.quant.saved_activations.dense_fp8_input`); an `Fp8Linear` keeps FP8 inputs anyway.
+    """
+    if isinstance(layer, Fp8Linear):
+        return layer(x, norm=norm)
+    return dense_fp8_input(layer, norm(x)) if fp8_saved_input else layer(norm(x))
+
+
 class MLP(nnx.Module):
     """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`).
 
     `dtype` is the compute dtype of both layers; `float32_output` applies to the
-    second (see `dense`). `fp8_saved_activations` keeps only FP8 copies of the input and
-    of the hidden pre-activation for the backward (`gem_jax.quant.saved_activations`).
+    second (see `dense`). With FP8 layers the GELU runs in the second layer's input
+    quantization pass (and a pre-norm passed to the call in the first's).
+    `fp8_saved_activations` keeps only FP8 copies of the bf16 layers' inputs and of the
+    hidden pre-activation for the backward (`gem_jax.quant.saved_activations`).
     """
 
     def __init__(
@@ -124,10 +137,16 @@ class MLP(nnx.Module):
         self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs, fp8=fp8, dtype=dtype)
         self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs, fp8=fp8, dtype=dtype, float32_output=float32_output)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        if self.fp8_saved_activations:
-            return gelu_dense_fp8_input(self.down, dense_fp8_input(self.up, x))
-        return self.down(jax.nn.gelu(self.up(x)))
+    def __call__(self, x: jax.Array, norm: nnx.RMSNorm | None = None) -> jax.Array:
+        """`down(gelu(up(x)))`, or `down(gelu(up(norm(x))))` with a pre-norm."""
+        saved = self.fp8_saved_activations
+        if norm is not None:
+            h = norm_dense(norm, self.up, x, fp8_saved_input=saved)
+        else:
+            h = dense_fp8_input(self.up, x) if saved else self.up(x)
+        if isinstance(self.down, Fp8Linear):
+            return self.down(h, gelu=True)
+        return gelu_dense_fp8_input(self.down, h) if saved else self.down(jax.nn.gelu(h))
 
 
 class RopeTable(NamedTuple):

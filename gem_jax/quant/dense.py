@@ -1,8 +1,9 @@
 """FP8 dense layer: a drop-in `nnx.Linear` whose matmul is `pallas_kernels.mxfp8.vjp.fp8_matmul`.
 
 The quantization recipe, the custom VJP (MXFP8 forward and input-gradient GEMMs, a bf16
-weight gradient) and the on-shard weight quantization live beside the kernels in
-`pallas_kernels.mxfp8`; this module is the Flax layer the model uses.
+weight gradient, the RMSNorm or GELU before the layer fused into its input quantization)
+and the on-shard weight quantization live beside the kernels in `pallas_kernels.mxfp8`;
+this module is the Flax layer the model uses.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.mxfp8 import Rounding
-from pallas_kernels.mxfp8 import Fp8Recipe, fp8_matmul
+from pallas_kernels.mxfp8 import Fp8Recipe, Prologue, Rounding, fp8_matmul
 
 
 class Fp8Linear(nnx.Module):
@@ -67,11 +67,20 @@ class Fp8Linear(nnx.Module):
         self.param_dtype = param_dtype
         self.recipe = recipe
 
-    def __call__(self, inputs: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        """`inputs [..., in] -> [..., out]`; `key` feeds stochastic gradient rounding.
+    def __call__(
+        self, inputs: jax.Array, *, norm: nnx.RMSNorm | None = None, gelu: bool = False, key: jax.Array | None = None
+    ) -> jax.Array:
+        """`inputs [..., in] -> [..., out]`: `self(inputs)`, `self(norm(inputs))` or `self(gelu(inputs))`.
+
+        With `norm` (an `nnx.RMSNorm` over the last axis of width `in`, its parameter left in
+        the norm module) or `gelu=True` (`jax.nn.gelu`, tanh approximation), the norm or GELU
+        runs in float32 in the input's quantization pass and its output is never written in
+        high precision; the backward goes through it (`Prologue`). `key` feeds stochastic
+        gradient rounding.
 
         Raises:
-          ValueError: the last axis is not `in_features`, or stochastic rounding without a key.
+          ValueError: the last axis is not `in_features`, stochastic rounding without a key,
+            both `norm` and `gelu`, or a norm that is not a scaled RMSNorm over `in_features`.
         """
         if inputs.shape[-1] != self.in_features:
             raise ValueError(f"inputs last axis {inputs.shape[-1]} != in_features {self.in_features}")
@@ -80,7 +89,27 @@ class Fp8Linear(nnx.Module):
         kernel = self.kernel[...]
         dtype = self.dtype or jnp.result_type(inputs.dtype, kernel.dtype)
         x = inputs.reshape(-1, self.in_features).astype(dtype)
-        y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype)
+        if norm is not None and gelu:
+            raise ValueError("Fp8Linear: pass norm= or gelu=True, not both")
+        if norm is not None:
+            scale = self._norm_scale(norm, inputs.dtype)
+            y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, prologue=Prologue.RMSNORM, norm_scale=scale, eps=norm.epsilon)
+        else:
+            y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, prologue=Prologue.GELU if gelu else Prologue.NONE)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y.reshape(*inputs.shape[:-1], self.out_features)
+
+    def _norm_scale(self, norm: nnx.RMSNorm, input_dtype) -> jax.Array:
+        """The gain of `norm` in its compute dtype (as `nnx.RMSNorm` casts it), after checking the norm."""
+        if not isinstance(norm, nnx.RMSNorm) or norm.scale is None:
+            raise ValueError(f"Fp8Linear: norm must be an nnx.RMSNorm with a scale, got {type(norm).__name__}")
+        if norm.num_features != self.in_features or norm.reduction_axes not in (-1, (-1,)) or norm.feature_axes not in (-1, (-1,)):
+            raise ValueError(
+                f"Fp8Linear: norm must normalize the last axis of width in_features={self.in_features}; got "
+                f"num_features={norm.num_features}, reduction_axes={norm.reduction_axes}, feature_axes={norm.feature_axes}"
+            )
+        if norm.axis_name is not None:
+            raise ValueError("Fp8Linear: a norm with cross-device statistics (axis_name) cannot be fused")
+        scale = norm.scale[...]
+        return scale.astype(norm.dtype or jnp.result_type(input_dtype, scale.dtype))

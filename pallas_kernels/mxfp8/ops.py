@@ -55,17 +55,18 @@ def mxfp8_matmul(
     b: jax.Array,
     b_scales: jax.Array,
     *,
+    b_contracting_dim: int = 1,
     out_dtype=jnp.bfloat16,
     implementation: str | dispatch.Implementation | None = None,
     config=None,
 ) -> jax.Array:
-    """Block-scaled FP8 GEMM `a @ b.T` with both operands K-major, scales applied in float32.
+    """Block-scaled FP8 GEMM `a @ b.T` (b `[N, K]`) or `a @ b` (b `[K, N]`), scales applied in float32.
 
     Equivalent jnp::
 
         A = a.astype(f32) * repeat(a_scales, blocks)         # dequantize_mxfp8
         B = b.astype(f32) * repeat(b_scales, blocks)
-        out = (A @ B.T).astype(out_dtype)                    # float32 accumulation
+        out = (A @ B.T if b_contracting_dim == 1 else A @ B).astype(out_dtype)   # float32 accumulation
 
     The Pallas kernel (Hopper) runs FP8 wgmma per K block and promotes every block into a
     float32 accumulator on the CUDA cores (DeepSeek-V3, arXiv:2412.19437 section 3.3):
@@ -73,11 +74,20 @@ def mxfp8_matmul(
     has no block-scaled MMA, so the 32-wide promotion costs CUDA-core work of the same
     order as the MMA (see kernel_matmul.py).
 
+    Layouts: Hopper's FP8 wgmma reads only K-major operands, so the kernel path copies a
+    `[K, N]` `b` (`b_contracting_dim=0`) into `[N, K]` first: pass `b` that way only when it is
+    small (a weight), never an activation. The "xla" path takes either layout as it is. The
+    kernel path pads operands (a copy) only when M, N or K is not a multiple of the tile
+    (`TuningConfig.m_multiple`, `n_multiple`, `k_multiple`).
+
     Args:
       a: float8_e4m3fn `[M, K]` (K-major), from `quantize_mxfp8`.
       a_scales: float8_e8m0fnu `[ceil(M/ra), ceil(K/kb)]` with ra in {1, 32, 128}, kb in {32, 128}.
-      b: float8_e4m3fn `[N, K]` (K-major: the weight stored as `[out, in]`).
-      b_scales: float8_e8m0fnu `[ceil(N/rb), ceil(K/kb)]` with rb in {32, 128}, the same kb.
+      b: float8_e4m3fn `[N, K]` (K-major: the weight stored as `[out, in]`), or `[K, N]` with
+        `b_contracting_dim=0` (the weight stored as `[in, out]`).
+      b_scales: float8_e8m0fnu `[ceil(N/rb), ceil(K/kb)]` (or `[ceil(K/kb), ceil(N/rb)]` with
+        `b_contracting_dim=0`) with rb in {32, 128}, the same kb.
+      b_contracting_dim: the axis of `b` that is K: 1 (default) or 0.
       out_dtype: result dtype (bfloat16 or float32).
       implementation: "xla" (reference), "pallas" (Hopper kernel) or None (pallas on a Hopper
         GPU, else xla). There is no "cudnn" path.
@@ -88,23 +98,33 @@ def mxfp8_matmul(
       products outside the float32 normal range overflow to Inf or flush to zero.
 
     Raises:
-      ValueError: wrong dtypes, mismatched shapes, unsupported block granularity, or an
-        unknown implementation (or "cudnn").
+      ValueError: wrong dtypes, mismatched shapes, unsupported block granularity, a
+        `b_contracting_dim` other than 0 or 1, or an unknown implementation (or "cudnn").
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside Mosaic GPU
         interpret mode).
     """
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"a must be [M, K] and b [N, K] with the same K; got {a.shape} and {b.shape}")
+    if b_contracting_dim not in (0, 1):
+        raise ValueError(f"b_contracting_dim must be 0 ([K, N] b) or 1 ([N, K] b), got {b_contracting_dim}")
+    # Shapes of b and its scales as [N, K]: the orientation the checks and the kernel use.
+    b_nk, b_scales_nk = (b.shape, b_scales.shape) if b_contracting_dim == 1 else (b.shape[::-1], b_scales.shape[::-1])
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b_nk[1]:
+        raise ValueError(
+            f"a must be [M, K] and b [N, K] (b_contracting_dim=1) or [K, N] (0) with the same K; "
+            f"got {a.shape} and {b.shape} with b_contracting_dim={b_contracting_dim}"
+        )
     if a.dtype != jnp.float8_e4m3fn or b.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"a and b must be float8_e4m3fn; got {a.dtype} and {b.dtype}")
     if a_scales.dtype != jnp.float8_e8m0fnu or b_scales.dtype != jnp.float8_e8m0fnu:
         raise ValueError(f"scales must be float8_e8m0fnu; got {a_scales.dtype} and {b_scales.dtype}")
-    a_block, b_block = scale_blocks(a.shape, a_scales.shape, b.shape, b_scales.shape)
+    a_block, b_block = scale_blocks(a.shape, a_scales.shape, b_nk, b_scales_nk)
     impl = dispatch.choose(SUPPORT, implementation, [a.dtype, b.dtype]).implementation
-    (m, k), n = a.shape, b.shape[0]
+    (m, k), n = a.shape, b_nk[0]
     if impl is dispatch.Implementation.XLA or m == 0 or n == 0 or k == 0:
-        return reference.matmul(a, a_scales, b, b_scales, a_block=a_block, b_block=b_block, out_dtype=out_dtype)
-    return _pallas_matmul(a, a_scales, b, b_scales, a_block, b_block, out_dtype, config)
+        b_own = b_block if b_contracting_dim == 1 else b_block[::-1]
+        return reference.matmul(
+            a, a_scales, b, b_scales, a_block=a_block, b_block=b_own, b_contracting_dim=b_contracting_dim, out_dtype=out_dtype
+        )
+    return _pallas_matmul(a, a_scales, b, b_scales, a_block, b_block, b_contracting_dim, out_dtype, config)
 
 
 def _pad_to(x: jax.Array, shape, value) -> jax.Array:
@@ -112,22 +132,39 @@ def _pad_to(x: jax.Array, shape, value) -> jax.Array:
     return x if not any(p for _, p in pads) else jnp.pad(x, pads, constant_values=value)
 
 
-def _pallas_matmul(a, a_scales, b, b_scales, a_block, b_block, out_dtype, config):
+def _kernel_scales(scales_k_major: jax.Array, group: int, rows: int, shape) -> jax.Array:
+    """float32 `shape = [K/kb, rows padded]`: one scale per row, from E8M0 `[K/kb, ceil(rows/group)]`.
+
+    Padding rows get scale 1 (their data is 0). The input is the scales' K-block-major
+    layout that the kernel reads; it has `1 / (group * kb)` of the data's elements.
+    """
+    return _pad_to(jnp.repeat(formats.decode_e8m0(scales_k_major), group, axis=1)[:, :rows], shape, 1.0)
+
+
+def _pallas_matmul(a, a_scales, b, b_scales, a_block, b_block, b_contracting_dim, out_dtype, config):
     from pallas_kernels.mxfp8 import kernel_matmul  # Mosaic GPU; imported only when used
 
-    (m, k), n = a.shape, b.shape[0]
+    (m, k) = a.shape
     kb = a_block[1]
+    if b_contracting_dim == 0:
+        # The FP8 wgmma reads K-major operands only: the [K, N] operand (a weight) is copied to [N, K]
+        # once; its scales are already K-block-major.
+        b, b_scales_k_major = b.T, b_scales
+    else:
+        b_scales_k_major = b_scales.T  # [N/rb, K/kb] -> [K/kb, N/rb]: the weight's scales, 1/(rb kb) of its size
+    n = b.shape[0]
     config = config or kernel_matmul.default_config(kb)
     mp = math.ceil(m / config.m_multiple) * config.m_multiple
     np_ = math.ceil(n / config.n_multiple) * config.n_multiple
     kp = math.ceil(k / config.k_multiple(kb)) * config.k_multiple(kb)
-    a8 = _pad_to(a, (mp, kp), 0)
+    a8 = _pad_to(a, (mp, kp), 0)  # no copy when M and K fit the tiles (token capacities are multiples of 128)
     b8 = _pad_to(b, (np_, kp), 0)
-    # Per-row / per-column float32 scales [K/kb, rows]; padding rows get scale 1 (their data is 0).
-    rs = _pad_to(jnp.repeat(formats.decode_e8m0(a_scales).T, a_block[0], axis=1)[:, :m], (kp // kb, mp), 1.0)
-    cs = _pad_to(jnp.repeat(formats.decode_e8m0(b_scales).T, b_block[0], axis=1)[:, :n], (kp // kb, np_), 1.0)
+    # Per-row / per-column float32 scales [K/kb, rows]. The activation's E8M0 scales are turned
+    # K-block-major here (a_scales.T: 1/(ra kb) of the activation's elements), fused into the expansion.
+    rs = _kernel_scales(a_scales.T, a_block[0], m, (kp // kb, mp))
+    cs = _kernel_scales(b_scales_k_major, b_block[0], n, (kp // kb, np_))
     out = kernel_matmul.scaled_matmul(a8, b8, rs, cs, block_k=kb, col_group=b_block[0], out_dtype=out_dtype, config=config)
-    return out[:m, :n]
+    return out if (mp, np_) == (m, n) else out[:m, :n]
 
 def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None) -> tuple[jax.Array, jax.Array]:
     """Block-scaled FP8 quantization with power-of-two (E8M0) scales, one per `block` tile.
@@ -198,7 +235,8 @@ def rmsnorm_quantize_mxfp8(
 
     The normalized activation is never written in high precision: only the FP8 data and
     the scales leave the fusion (GEM: quantization fused into the preceding norm).
-    Forward only (not differentiable); the FP8 dense layer quantizes its own input.
+    Forward only: `fp8_matmul(..., prologue=Prologue.RMSNORM)` is the differentiable FP8
+    layer built on it (its backward runs through the norm).
 
     Args:
       x: `[R, C]` float.

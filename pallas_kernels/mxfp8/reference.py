@@ -142,11 +142,17 @@ def rmsnorm_quantize(x, weight, *, eps=1e-6, block=(32, 32), rounding="nearest",
     return quantize(rmsnorm(x, weight, eps), block=block, rounding=rounding, key=key)
 
 
-def matmul(a, a_scales, b, b_scales, *, a_block, b_block, out_dtype=jnp.bfloat16) -> jax.Array:
-    """`dequantize(a) @ dequantize(b).T` in float32 (HIGHEST precision), cast to `out_dtype`."""
+def matmul(a, a_scales, b, b_scales, *, a_block, b_block, b_contracting_dim=1, out_dtype=jnp.bfloat16) -> jax.Array:
+    """`dequantize(a) @ dequantize(b).T` (b `[N, K]`) or `@ dequantize(b)` (b `[K, N]`, `b_contracting_dim=0`).
+
+    float32 at HIGHEST precision, cast to `out_dtype`; `b_block` is the tile of `b` in its own
+    layout. One `dot_general` contracting dim 1 of `a` with `b_contracting_dim` of `b`: no operand
+    is transposed.
+    """
     af = dequantize(a, a_scales, block=a_block)
     bf = dequantize(b, b_scales, block=b_block)
-    out = jnp.dot(af, bf.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    dims = (((1,), (b_contracting_dim,)), ((), ()))
+    out = jax.lax.dot_general(af, bf, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
 

@@ -1,36 +1,48 @@
-"""FP8 dense matmul: MXFP8 forward and input-gradient GEMMs, higher-precision weight gradient (custom_vjp).
+"""FP8 dense matmul: MXFP8 forward and input-gradient GEMMs, bf16 weight gradient (custom_vjp),
+with an optional RMSNorm or GELU on the input fused into the input's quantization.
 
-For `y = x @ w` (`x [T, in]`, `w [in, out]`) with square-block weight quantization
-`(wq, sw) = quantize(w)`:
+For `y = p(x) @ w` (`x [T, in]`, `w [in, out]`, `p` the identity, an RMSNorm or a GELU) with
+square-block weight quantization `(wq, sw) = quantize(w)`:
 
-    forward   y  = mxfp8_matmul(q(x), wq.T)          # b = w^T [out, in], K = in
-    dgrad     dx = mxfp8_matmul(q(dy), wq)            # b = w   [in, out], K = out: the same
-                                                      # quantization, untransposed bytes
-    wgrad     dw = deq(q(x)).T @ dy                   # bf16 inputs, float32 accumulation
+    forward   xq = quantize(p(x))                     # p(x) never written in high precision
+              y  = mxfp8_matmul(xq, wq)               # b = wq [in, out] = [K, N]
+    dgrad     dp = mxfp8_matmul(q(dy), wq)            # b = wq [in, out] = [N, K], K = out
+              dx = vjp(p)(dp)                         # through the norm or the GELU, float32
+    wgrad     dw = deq(xq)^T dy                       # bf16 operands, float32 accumulation:
+                                                      # dot_general contracting dim 0 of both
 
-The square weight tiles are what let the backward reuse the forward quantization (one
-quantization of w per step; only the 8-bit bytes are transposed for the K-major
-forward operand). The weight gradient uses the saved FP8 input dequantized to bf16,
-which is the exact gradient of the quantized forward with respect to the quantized
-weight (straight-through for the rounding), and keeps 8-bit residuals.
+No operand is transposed and nothing is quantized twice: the weight is quantized once per
+step with square tiles, so the same bytes and scales serve the forward (contracted over
+dim 0) and dgrad (over dim 1); the input and the output gradient are quantized once each,
+in the layout the model has, and the weight gradient contracts the token axis of both
+operands in place (cuBLAS takes the transposed operand as it is). Only the Pallas GEMM
+needs one copy: Hopper's FP8 wgmma reads K-major operands, so the forward copies the 8-bit
+weight to `[out, in]` (`mxfp8_matmul`, `b_contracting_dim=0`). The weight gradient uses
+the saved FP8 input dequantized to bf16, the exact gradient of the quantized forward with
+respect to the quantized weight (straight-through for the rounding), and keeps 8-bit
+residuals.
 
 Sources: GEM engineering description (Meta, 2025): MXFP8 32x32 blocks, weight gradients
-in higher precision, last layers in BF16, weights quantized before the FSDP all-gather;
-DeepSeek-V3 (arXiv:2412.19437) section 3.3 for 1x128 / 128x128 blocks.
+in higher precision, last layers in BF16, weights quantized before the FSDP all-gather,
+quantization fused into the preceding norm; DeepSeek-V3 (arXiv:2412.19437) section 3.3
+for 1x128 / 128x128 blocks; Transformer Engine's LayerNormLinear / LayerNormMLP for the
+norm fused into the FP8 cast.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mxfp8.reference import Rounding
+from pallas_kernels.mxfp8 import reference
 from pallas_kernels.mxfp8.fsdp import quantize_gathered
-from pallas_kernels.mxfp8.ops import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8
+from pallas_kernels.mxfp8.ops import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
+from pallas_kernels.mxfp8.reference import Rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +96,49 @@ def quantize_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[jax.Array, jax.Arr
     return quantize_gathered(w, axis_name=recipe.fsdp_axis, dim=recipe.fsdp_dim, block=recipe.weight_block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fp8_matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, recipe: Fp8Recipe, w_dtype: Any) -> jax.Array:
-    """`x @ w` with FP8 forward and dgrad GEMMs and a bf16/f32 weight gradient.
+class Prologue(enum.Enum):
+    """What `fp8_matmul` applies to its input before quantizing it, in the same fusion.
+
+    NONE: the input itself.
+    RMSNORM: `x * rsqrt(mean(x**2, -1) + eps) * norm_scale` in float32 (`reference.rmsnorm`;
+      Zhang & Sennrich, 2019), quantized by `rmsnorm_quantize_mxfp8`.
+    GELU: `jax.nn.gelu(x)` (tanh approximation) in float32: the MLP's hidden activation.
+    """
+
+    NONE = "none"
+    RMSNORM = "rmsnorm"
+    GELU = "gelu"
+
+
+def _apply_prologue(prologue: Prologue, x: jax.Array, norm_scale, eps: float) -> jax.Array:
+    """float32 `p(x)` (the identity keeps `x`'s dtype)."""
+    if prologue is Prologue.RMSNORM:
+        return reference.rmsnorm(x, norm_scale, eps)
+    if prologue is Prologue.GELU:
+        return jax.nn.gelu(x.astype(jnp.float32))
+    return x
+
+
+def fp8_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    key: jax.Array | None,
+    recipe: Fp8Recipe,
+    w_dtype: Any,
+    *,
+    prologue: Prologue | str = Prologue.NONE,
+    norm_scale: jax.Array | None = None,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """`p(x) @ w` with FP8 forward and dgrad GEMMs and a bf16 weight gradient (float32 accumulation).
 
     Equivalent jnp (forward)::
 
-        dequantize(quantize(x)) @ dequantize(quantize(w))
+        dequantize(quantize(p(x))) @ dequantize(quantize(w))
+
+    with `p` the `prologue`: the identity, `rmsnorm(x) * norm_scale` or `gelu(x)`, computed in
+    float32 and quantized in the same pass (the normed or activated input is never written in
+    high precision). The backward runs through `p` exactly (`jax.vjp` of its float32 form).
 
     Args:
       x: `[T, in]` float; its dtype is the output dtype.
@@ -98,20 +146,50 @@ def fp8_matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, recipe: Fp8Rec
       key: PRNG key for stochastic rounding of the output gradient, or None.
       recipe: the quantization recipe.
       w_dtype: dtype of `w` (the weight gradient is returned in it).
+      prologue: `Prologue` (or its value).
+      norm_scale: `[in]` RMSNorm gain, with `Prologue.RMSNORM` only (its gradient is returned
+        in its dtype).
+      eps: RMSNorm epsilon, added to the mean square.
 
     Returns:
       `[T, out]` in x.dtype.
+
+    Raises:
+      ValueError: `x` or `w` not 2-D or of different inner sizes, an unknown prologue, or
+        `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM.
     """
-    return _fp8_matmul_fwd(x, w, key, recipe, w_dtype)[0]
+    prologue = Prologue(prologue)
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"fp8_matmul: x must be [T, in] and w [in, out]; got {x.shape} and {w.shape}")
+    if (prologue is Prologue.RMSNORM) != (norm_scale is not None):
+        raise ValueError(f"fp8_matmul: norm_scale is required with Prologue.RMSNORM and only with it (prologue={prologue})")
+    if norm_scale is not None and norm_scale.shape != (x.shape[1],):
+        raise ValueError(f"fp8_matmul: norm_scale must be [{x.shape[1]}], got {norm_scale.shape}")
+    return _fp8_matmul(x, norm_scale, w, key, recipe, w_dtype, prologue, float(eps))
 
 
-def _fp8_matmul_fwd(x, w, key, recipe, w_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fp8_matmul(x, norm_scale, w, key, recipe, w_dtype, prologue, eps):
+    return _fp8_matmul_fwd(x, norm_scale, w, key, recipe, w_dtype, prologue, eps)[0]
+
+
+def _quantize_input(x, norm_scale, recipe, prologue, eps):
+    if prologue is Prologue.RMSNORM:
+        return rmsnorm_quantize_mxfp8(x, norm_scale, eps=eps, block=recipe.act_block)
+    return quantize_mxfp8(_apply_prologue(prologue, x, norm_scale, eps), block=recipe.act_block)
+
+
+def _fp8_matmul_fwd(x, norm_scale, w, key, recipe, w_dtype, prologue, eps):
     del w_dtype
-    xq, sx = quantize_mxfp8(x, block=recipe.act_block)
+    xq, sx = _quantize_input(x, norm_scale, recipe, prologue, eps)
     wq, sw = quantize_weight(w, recipe)
-    y = mxfp8_matmul(xq, sx, wq.T, sw.T, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config)
+    y = mxfp8_matmul(
+        xq, sx, wq, sw, b_contracting_dim=0, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config
+    )
+    # The prologue's input is kept for its backward (a plain layer keeps only 8-bit data);
     # `w` (the master weight, alive anyway) only lends its sharding to the weight gradient.
-    return y, (xq, sx, wq, sw, key, w)
+    x_kept = None if prologue is Prologue.NONE else x
+    return y, (x_kept, norm_scale, xq, sx, wq, sw, key, w)
 
 
 def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -120,13 +198,19 @@ def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
     return x if jax.typeof(x).sharding.spec == want else jax.sharding.reshard(x, want)
 
 
-def _fp8_matmul_bwd(recipe, w_dtype, residuals, dy):
-    xq, sx, wq, sw, key, w = residuals
+def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
+    x, norm_scale, xq, sx, wq, sw, key, w = residuals
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key)
-    dx = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
+    dp = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
-    dw = jnp.dot(x16.T, dy.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    return _with_sharding_of(dx, xq), _with_sharding_of(dw.astype(w_dtype), w), None
+    token_axis = (((0,), (0,)), ((), ()))  # dw = x16^T dy without transposing either operand
+    dw = jax.lax.dot_general(x16, dy.astype(jnp.bfloat16), token_axis, preferred_element_type=jnp.float32)
+    dw = _with_sharding_of(dw.astype(w_dtype), w)
+    if prologue is Prologue.NONE:
+        return _with_sharding_of(dp, xq), None, dw, None
+    _, prologue_vjp = jax.vjp(lambda x, s: _apply_prologue(prologue, x, s, eps), x, norm_scale)
+    dx, dscale = prologue_vjp(dp.astype(jnp.float32))
+    return _with_sharding_of(dx.astype(x.dtype), xq), dscale, dw, None
 
 
-fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -65,6 +65,24 @@ def test_xla_reference_path_and_bf16_output():
     assert out_k.dtype == jnp.bfloat16 and _rel(out_k, ref) < 4e-3
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8_32x32", "k128"])
+def test_k_major_and_n_major_b_give_the_same_product(recipe):
+    """`b [K, N]` with `b_contracting_dim=0` (square tiles: the transpose reuses the scales) is `b.T [N, K]`."""
+    (a8, sa, b8, sb), blocks = _operands(96, 256, 128, recipe, seed=11)
+    ref = _dequantized_product(a8, sa, b8, sb, blocks)
+    config = kernel_matmul.TuningConfig(max_concurrent_steps=2, cluster=None)
+    out_xla = mxfp8_matmul(a8, sa, b8.T, sb.T, b_contracting_dim=0, out_dtype=jnp.float32, implementation="xla")
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out_kernel = jax.jit(
+            lambda *t: mxfp8_matmul(*t, b_contracting_dim=0, out_dtype=jnp.float32, implementation="pallas", config=config)
+        )(a8, sa, b8.T, sb.T)
+    assert _rel(out_xla, ref) < 1e-6 and _rel(out_kernel, ref) < 1e-6
+    with pytest.raises(ValueError, match="b_contracting_dim must be 0"):
+        mxfp8_matmul(a8, sa, b8, sb, b_contracting_dim=2)
+    with pytest.raises(ValueError, match="same K"):
+        mxfp8_matmul(a8, sa, b8, sb, b_contracting_dim=0)
+
+
 def test_nan_scale_poisons_only_its_rows():
     (a8, sa, b8, sb), _ = _operands(64, 64, 64, "mxfp8_32x32", seed=5)
     sa = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(sa, jnp.uint8).at[1, 0].set(255), jnp.float8_e8m0fnu)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,9 +8,11 @@ from flax import nnx
 
 from gem_jax.batch import Batch, FeatureSpec, HistoryField
 from gem_jax.jagged import from_lengths
-from gem_jax.model.config import ModelConfig
+from gem_jax.model.config import Fp8Region, ModelConfig
 from gem_jax.model.gem import GEMModel
 from gem_jax.nn.layers import apply_rope, rope_table
+from gem_jax.quant.dense import Fp8Linear
+from gem_jax.train.config_tree import ConfigError, apply_overrides
 
 SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8, num_genres=5, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=12)
 CONFIG = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=16)
@@ -109,10 +113,7 @@ def test_rope_preserves_norm_and_relative_positions():
 
 def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
     """`ModelConfig(fp8=True)`: the towers' dense layers become FP8 layers holding the same parameters."""
-    import dataclasses
-
     from gem_jax.model.sequence_tower import SelfAttentionBlock
-    from gem_jax.quant.dense import Fp8Linear
 
     fp8_config = dataclasses.replace(CONFIG, fp8=True)
     with nnx.use_eager_sharding(False):
@@ -189,3 +190,68 @@ def test_sequence_attention_kinds_run_and_differ_from_full(split_model, kind):
     logits = np.asarray(nnx.merge(other_graphdef, params)(batch))
     assert np.isfinite(logits).all()
     assert not np.allclose(logits[0], full[0])
+
+
+# The dense layers of the test model (2 sequence blocks, 1 DHEN layer) by region.
+LAYERS = {
+    Fp8Region.SEQ_ATTENTION: {f"sequence_tower/blocks/{i}/{n}" for i in (0, 1) for n in ("qkv", "out")},
+    Fp8Region.SEQ_MLP: {f"sequence_tower/blocks/{i}/mlp/{n}" for i in (0, 1) for n in ("up", "down")},
+    Fp8Region.POOLED: {"sequence_tower/pool/kv"},
+    Fp8Region.INTERACTION: {f"{a}/{n}" for a in ("history_context", "feature_to_history") for n in ("q", "kv", "out")},
+    Fp8Region.CROSS: {"cross_tower/token_attention/qkv", "cross_tower/token_attention/out", "cross_tower/dhen/0/mix"},
+}
+ALWAYS_FULL_PRECISION = {
+    "embed/genres", "sequence_tower/pool/out", "cross_tower/dhen/0/dot_expert/proj",
+    *(f"cross_tower/dhen/0/cross_expert/layers/{i}" for i in (0, 1)), *(f"heads/{i}/{n}" for i in (0, 1) for n in ("up", "down")),
+}  # fmt: skip
+
+
+def _dense_layers(config: ModelConfig) -> dict[str, type]:
+    with nnx.use_eager_sharding(False):
+        model = GEMModel(SPEC, config, rngs=nnx.Rngs(0))
+    return {"/".join(map(str, p)): type(m) for p, m in nnx.iter_graph(model) if isinstance(m, (nnx.Linear, Fp8Linear))}
+
+
+@pytest.mark.parametrize(
+    "regions",
+    [None, (), tuple(Fp8Region), (Fp8Region.SEQ_MLP,), (Fp8Region.INTERACTION, Fp8Region.CROSS)],
+    ids=["default", "none", "all", "seq_mlp", "interaction+cross"],
+)
+def test_regions_choose_exactly_their_layers(regions):
+    config = dataclasses.replace(CONFIG, fp8=True) if regions is None else dataclasses.replace(CONFIG, fp8=True, fp8_regions=regions)
+    if regions is None:  # the default: the sequence tower's per-token layers
+        assert config.fp8_regions == (Fp8Region.SEQ_ATTENTION, Fp8Region.SEQ_MLP, Fp8Region.POOLED)
+    layers = _dense_layers(config)
+    assert set(layers) == set().union(*LAYERS.values(), ALWAYS_FULL_PRECISION)
+    want_fp8 = set().union(*(LAYERS[r] for r in config.fp8_regions))
+    assert {name for name, kind in layers.items() if kind is Fp8Linear} == want_fp8
+
+
+def test_regions_are_ignored_without_fp8_and_the_model_is_unchanged():
+    """fp8=False builds plain layers whatever the regions say, with bit-identical logits and gradients."""
+    off = dataclasses.replace(CONFIG, fp8_regions=tuple(Fp8Region))
+    assert all(kind is nnx.Linear for kind in _dense_layers(off).values())
+    batch = make_batch(np.random.default_rng(0), [0, 4, 12, 7], capacity=32)
+
+    def loss_and_grads(config):
+        with nnx.use_eager_sharding(False):
+            graphdef, params = nnx.split(GEMModel(SPEC, config, rngs=nnx.Rngs(3)))
+        loss = lambda p: nnx.merge(graphdef, p)(batch).sum()  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    ref, got = loss_and_grads(CONFIG), loss_and_grads(off)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_regions_are_refused_and_overrides_parse_names():
+    with pytest.raises(ValueError, match="fp8_regions must be a tuple of"):
+        ModelConfig(fp8_regions=("attention",))
+    with pytest.raises(ValueError, match="twice"):
+        ModelConfig(fp8_regions=(Fp8Region.POOLED, Fp8Region.POOLED))
+    assert ModelConfig(fp8_regions=("seq_mlp",)).fp8_regions == (Fp8Region.SEQ_MLP,)
+    config = apply_overrides(CONFIG, ["fp8=True", "fp8_regions=SEQ_MLP,CROSS"])
+    assert config.fp8_regions == (Fp8Region.SEQ_MLP, Fp8Region.CROSS)
+    assert config.fp8_for(Fp8Region.CROSS) == config.fp8_recipe and config.fp8_for(Fp8Region.POOLED) is None
+    with pytest.raises(ConfigError, match="fp8_regions"):
+        apply_overrides(CONFIG, ["fp8_regions=SEQ_MLP,HEADS"])
