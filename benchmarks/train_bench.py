@@ -61,7 +61,7 @@ from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
 from pallas_kernels import Implementation
 from gem_jax.nn.embeddings import check_lookup_stats
-from gem_jax.train import compile_cache, config_tree
+from gem_jax.train import compile_cache, config_tree, remat_plan
 from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.train.run_record import code_version
 from gem_jax.train.setup import setup_training
@@ -209,6 +209,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
     }
     stats = mesh.devices.flat[0].memory_stats() or {}
     result["peak_bytes_in_use_device0"] = stats.get("peak_bytes_in_use")
+    result["remat_plan"] = remat_plan.record(training.remat_plan)
     if profile:
         result["profile"] = breakdown
     del state, batches, train_step
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         "--compile-cache", default=None, metavar="DIR|off",
         help=f"jax's persistent compilation cache (default: ${compile_cache.ENV_VAR}, else off)",
     )
+    parser.add_argument("--set", nargs="+", default=[], metavar="PATH=VALUE", help="config overrides, as gem-train --set")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.num_batches < 1:
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = compile_cache.enable(compile_cache.cache_dir(None, args.compile_cache or os.environ.get(compile_cache.ENV_VAR) or compile_cache.OFF))
     jax.monitoring.register_event_listener(_count_cache_event)
-    base = load_config(args.config)
+    base = config_tree.apply_overrides(load_config(args.config), args.set)
     if args.max_seq_len is not None:
         base = dataclasses.replace(base, data=dataclasses.replace(base.data, max_seq_len=args.max_seq_len))
     version = code_version()
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         "environment": {k: os.environ[k] for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "NCCL_NVLS_ENABLE") if k in os.environ},
         "compile_cache_dir": str(cache) if cache else None,
         "config": args.config,
+        "overrides": args.set,
         "per_device_batch": args.per_device_batch,
         "max_seq_len": base.data.max_seq_len,
         "synthetic": dataclasses.asdict(base.data.synthetic),

@@ -64,6 +64,7 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.train.integrity import CorruptCheckpointError
     from gem_jax.train.loop import train_and_evaluate
     from gem_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from gem_jax.train.remat_plan import RematBudgetError
     from gem_jax.train.run_record import RunMismatchError
     from gem_jax.train.workdir_lock import WorkdirLockedError
     from pallas_kernels import ImplementationUnavailableError
@@ -99,8 +100,8 @@ def train_main(argv: list[str] | None = None) -> None:
     except Preempted as error:
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
-    except (RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError) as error:
-        # refused: the run, the workdir or the data set is not usable as given (the message says why)
+    except (RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError, RematBudgetError) as error:
+        # refused: the run, the workdir, the data set or the memory budget is not usable as given (the message says why)
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except NonFiniteLossError as error:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from gem_jax.model.remat import RematConfig, region_names
 from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels import Implementation, describe_choice
 
@@ -50,6 +51,12 @@ class ModelConfig:
       fp8: run the towers' dense layers through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in higher precision.
       fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).
+      remat: which regions recompute their activations in the backward
+        (`gem_jax.model.remat`); default none.
+
+    Raises:
+      ValueError: a field out of range, or a `remat` pattern that matches no region
+        of this model (named).
     """
 
     embed_dim: int = 64
@@ -67,6 +74,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     fp8: bool = False
     fp8_block: int = 32
+    remat: RematConfig = RematConfig()
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
@@ -79,6 +87,12 @@ class ModelConfig:
             raise ValueError(f"embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}")
         if (self.embed_dim // self.num_heads) % 2:
             raise ValueError(f"head_dim {self.embed_dim // self.num_heads} must be even for RoPE")
+        self.remat.check_regions(self.region_names)
+
+    @property
+    def region_names(self) -> tuple[str, ...]:
+        """The model's rematerialization regions, in forward order (`gem_jax.model.remat`)."""
+        return region_names(self.num_seq_layers, self.num_dhen_layers)
 
     @property
     def head_dim(self) -> int:

@@ -22,6 +22,7 @@ from gem_jax.parallel.placement import BatchPlacement
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.metrics import EvalAccumulator
 from gem_jax.train.optimizer import make_optimizer
+from gem_jax.train.remat_plan import RematPlan, model_graphdef, plan_remat, planning_batch
 from gem_jax.train.state import StateSetup, TrainState, create_train_state, state_setup
 from gem_jax.train.step import make_eval_step, make_train_step
 
@@ -40,6 +41,8 @@ class Training:
       workload: training FLOPs per example as a function of its history length.
       train_step: `(state, placed batch) -> (state, metrics)`, jitted, donates `state`.
       eval_step: `(params, placed batch) -> logits [B, K]`, jitted.
+      remat_plan: the regions' rematerialization policies and costs
+        (`gem_jax.train.remat_plan`); None when `ModelConfig.remat` asks for none.
     """
 
     config: TrainConfig
@@ -51,6 +54,7 @@ class Training:
     workload: Workload
     train_step: Callable
     eval_step: Callable
+    remat_plan: RematPlan | None = None
 
     def evaluate(self, params) -> dict[str, float]:
         """Per-task AUC, NE and BCE of `params` over every eval example once."""
@@ -87,6 +91,7 @@ def setup_training(
       `(training, state)`.
 
     Raises:
+      RematBudgetError: `ModelConfig.remat.budget_gb` is too small (`gem_jax.train.remat_plan`).
       the errors of `load_dataset`, `make_mesh` and the sharding rules.
     """
     dataset = load_dataset(config.data) if dataset is None else dataset
@@ -101,6 +106,10 @@ def setup_training(
     workload = train_workload(config.model, dataset.spec)
     dataset = dataset.resolve_bbs(num_shards=mesh.devices.size, workload=workload)
     placement = BatchPlacement(mesh, dataset.token_buckets)
+    plan = None
+    if config.model.remat.budget_gb is not None or config.model.remat.policies:
+        plan = plan_remat(config.model, dataset.spec, setup, *planning_batch(dataset, placement))
+        setup = dataclasses.replace(setup, graphdef=model_graphdef(dataset.spec, dataclasses.replace(config.model, remat=plan.remat_config)))
     training = Training(
         config=config,
         dataset=dataset,
@@ -111,5 +120,6 @@ def setup_training(
         workload=workload,
         train_step=make_train_step(setup, optimizer, placement, sparse_embedding_updates=config.optim.sparse_embedding_updates),
         eval_step=make_eval_step(setup, placement),
+        remat_plan=plan,
     )
     return training, state
