@@ -38,8 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals (jax 0.11)
-from jax.extend import core as jex_core
 
 from gem_jax.batch import Batch, FeatureSpec
 from gem_jax.data.pipeline import Dataset
@@ -49,8 +47,11 @@ from gem_jax.model.config import ModelConfig
 from gem_jax.model.flops import attention_flops
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.remat import RematConfig, RematPolicy
+from gem_jax.nn.layers import EMBEDDING_PARAM
 from gem_jax.parallel.placement import BatchPlacement, stack_batch
 from gem_jax.parallel.spmd import ShardedModel
+from gem_jax.pytree import path_keys
+from gem_jax.train.residuals import dot_flops, residual_bytes
 from gem_jax.train.state import StateSetup
 
 BYTES_PER_GB = 1e9
@@ -196,51 +197,6 @@ def record(plan: RematPlan | None) -> dict | None:
     return None if plan is None else plan.to_json()
 
 
-def dot_flops(jaxpr: jex_core.Jaxpr) -> float:
-    """2 x output elements x contracted size, summed over the `dot_general`s without batch
-    dimensions of `jaxpr` and its sub-jaxprs (the GEMMs; attention's batched products and
-    Pallas kernels' insides are not counted)."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contracting, _), (batch, _) = eqn.params["dimension_numbers"]
-            if not batch:
-                lhs = eqn.invars[0].aval.shape
-                total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contracting)
-        elif eqn.primitive.name != "pallas_call":
-            for sub in _sub_jaxprs(eqn.params.values()):
-                total += dot_flops(sub)
-    return total
-
-
-def _sub_jaxprs(values) -> list[jex_core.Jaxpr]:
-    found = []
-    for value in values:
-        if isinstance(value, jex_core.ClosedJaxpr):
-            found.append(value.jaxpr)
-        elif isinstance(value, jex_core.Jaxpr):
-            found.append(value)
-        elif isinstance(value, (tuple, list)):
-            found += _sub_jaxprs(value)
-    return found
-
-
-def residual_bytes(fn: Callable, params, *args) -> int:
-    """Bytes of what `jax.vjp(fn, params, *args)` keeps for the backward: the intermediate
-    values and the arguments `args`; not `params` (held by the train state) nor the values
-    `fn` closes over (batch-derived constants)."""
-
-    def split(params, activations):
-        return fn(params, *activations)
-
-    total = 0
-    for aval, source in saved_residuals(split, params, args):
-        if source.startswith(("from a constant", "from a literal", "from the argument params")):
-            continue
-        total += aval.size * aval.dtype.itemsize
-    return total
-
-
 def _fwd_bwd(fn: Callable, *args):
     out, vjp = jax.vjp(fn, *args)
     return vjp(jax.tree.map(jnp.ones_like, out))
@@ -265,14 +221,25 @@ def model_graphdef(spec: FeatureSpec, config: ModelConfig) -> nnx.GraphDef:
         return nnx.split(nnx.eval_shape(lambda: GEMModel(spec, config, rngs=nnx.Rngs(0))))[0]
 
 
-def state_bytes(setup: StateSetup) -> int:
-    """Bytes per device of the train state (parameters, optimizer state) and of one gradient per parameter."""
+def state_bytes(setup: StateSetup, *, row_wise_tables: bool) -> int:
+    """Bytes per device of the train state (parameters, optimizer state) and of the gradients.
+
+    Every parameter has a gradient of its shard's size, except, with `row_wise_tables`
+    (`OptimConfig.sparse_embedding_updates`), the unsharded embedding tables, whose
+    step differentiates only the rows it looks up (`gem_jax.train.sparse_tables`; those
+    rows are counted with the activations).
+    """
 
     def local(x: jax.ShapeDtypeStruct) -> int:
         return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
-    params = sum(local(x) for x in jax.tree.leaves(setup.abstract.params))
-    return sum(local(x) for x in jax.tree.leaves(setup.abstract)) + params
+    def has_dense_grad(path) -> bool:
+        keys = path_keys(path)
+        placement = setup.plan.tables.get("/".join(map(str, keys[:-1]))) if keys[-1] == EMBEDDING_PARAM else None
+        return not (row_wise_tables and placement is not None and not placement.row_axes)
+
+    grads = sum(local(x) for path, x in jax.tree_util.tree_leaves_with_path(setup.abstract.params) if has_dense_grad(path))
+    return sum(local(x) for x in jax.tree.leaves(setup.abstract)) + grads
 
 
 class _Step:
@@ -382,6 +349,7 @@ def plan_remat(
     batch: Batch,
     lengths: np.ndarray,
     *,
+    row_wise_tables: bool = True,
     cost_model: CostModel = CostModel(),
 ) -> RematPlan:
     """The regions' policies for `config.remat`, with their measured costs.
@@ -396,6 +364,8 @@ def plan_remat(
       batch: a stacked batch (arrays or `jax.ShapeDtypeStruct`s) at the capacity to
         plan for (`planning_batch`).
       lengths: real history lengths of a global batch (int `[n]`), for attention FLOPs.
+      row_wise_tables: the step updates unsharded tables row by row
+        (`OptimConfig.sparse_embedding_updates`; see `state_bytes`).
       cost_model: recompute seconds of FLOPs and bytes.
 
     Raises:
@@ -407,7 +377,7 @@ def plan_remat(
         raise ValueError("plan_remat: ModelConfig.remat sets neither budget_gb nor policies: nothing to plan")
     step = _Step(config, spec, setup, batch, np.asarray(lengths), cost_model)
     regions, activations = step.measure()
-    state = state_bytes(setup)
+    state = state_bytes(setup, row_wise_tables=row_wise_tables)
     tokens = int(batch.history.values.shape[1])
 
     def finish(policies: dict[str, RematPolicy], activations: int, budget: int | None) -> RematPlan:

@@ -108,7 +108,9 @@ def setup_training(
     placement = BatchPlacement(mesh, dataset.token_buckets)
     plan = None
     if config.model.remat.budget_gb is not None or config.model.remat.policies:
-        plan = plan_remat(config.model, dataset.spec, setup, *planning_batch(dataset, placement))
+        plan = plan_remat(
+            config.model, dataset.spec, setup, *planning_batch(dataset, placement), row_wise_tables=config.optim.sparse_embedding_updates
+        )
         setup = dataclasses.replace(setup, graphdef=model_graphdef(dataset.spec, dataclasses.replace(config.model, remat=plan.remat_config)))
     training = Training(
         config=config,
