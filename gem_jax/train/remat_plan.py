@@ -1,31 +1,31 @@
 """The rematerialization planner: a policy per model region so that the train step fits a memory budget.
 
 Costs are measured once, on the train step as one device traces it, at the token
-capacity a batch reaches (no device runs):
+capacity a batch reaches (`planning_batch`; nothing runs on a device):
 
-- **Saved bytes** of a region under each policy (`gem_jax.model.remat.RematPolicy`): the
-  residuals its backward keeps, from JAX's own accounting of what `jax.vjp` saves
-  (`saved_residuals`) on the region's function at its place in the step (the region's
-  inputs included, parameters not).
+- **Saved bytes** of a region under each policy (`gem_jax.model.remat.RematPolicy`):
+  what its backward keeps (`gem_jax.train.residuals.residual_bytes`: JAX's residuals
+  as XLA materializes them), on the region's function at its place in the step, its
+  inputs included, parameters not.
 - **Recompute time** of a region under each policy: the matmul FLOPs its backward
   recomputes (the `dot_general`s of the region's forward-and-backward program under
   the policy, less those without rematerialization), plus the analytic FLOPs of its
-  attention kernel (`gem_jax.model.flops.attention_flops`, at the batch's real
-  lengths) when the policy reruns the attention, at `CostModel.matmul_flops_per_s`;
-  and the freed bytes written and read once more at `CostModel.bytes_per_s`.
-- **Activations of the whole step**: the residual bytes of the device's loss (exact,
-  for a given set of policies), beside the state's bytes (parameters, optimizer state
-  and one gradient per parameter, per device from their shardings).
+  attention kernel (`gem_jax.model.flops.attention_flops`, at real history lengths)
+  when the policy reruns the attention, at `CostModel.matmul_flops_per_s`; and the
+  freed bytes written and read once more at `CostModel.bytes_per_s`.
+- **The step**: the residual bytes of the device's whole loss under a set of policies
+  (traced again for each plan considered), and the state's bytes (parameters,
+  optimizer state, gradients; per device, from their shardings).
 
-The step's peak is estimated as state + activations + the largest region's recomputed
-residuals (a region's backward rebuilds them while the others hold theirs). The
-planner starts from no rematerialization and, while the estimate exceeds the budget,
-moves the region whose next cheaper-in-memory policy costs the least recompute time
-per byte saved (a greedy walk over each region's time/memory Pareto front, as in
-Checkmate's greedy baseline: Jain et al., "Checkmate: Breaking the Memory Wall with
-Optimal Tensor Rematerialization", 2020); each plan is checked on the exact
-residuals of the whole step. Memory XLA needs beyond the residuals (working buffers,
-fragmentation) is not counted: leave headroom in the budget.
+The peak is estimated as state + the step's residuals + what the backward's
+recomputation adds (`recompute_peak_bytes`). The planner starts from no
+rematerialization and, while the estimate exceeds the budget, moves the region whose
+next cheaper-in-memory policy costs the least recompute time per byte freed (a greedy
+walk over each region's time/memory Pareto front, as Checkmate's greedy baseline: Jain
+et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor Rematerialization",
+2020); each plan it stops at is checked on the traced residuals of the whole step, and
+the walk goes on if they do not fit. Memory XLA needs beyond the residuals (working
+buffers of the largest fusion or GEMM, fragmentation) is not counted: leave headroom.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class RematPlan:
       regions: the measured costs of every region.
       state_bytes: parameters, optimizer state and gradients.
       activation_bytes: residuals of the whole step under `policies` (exact).
-      transient_bytes: the largest region's recomputed residuals.
+      recompute_bytes: what the backward's recomputation adds to the activations at its
+        peak (`recompute_peak_bytes`).
       budget_bytes: the budget it was chosen for; None for explicit policies.
       tokens: the token capacity the costs were measured at (history rows per device).
     """
@@ -131,14 +132,14 @@ class RematPlan:
     regions: tuple[RegionCost, ...]
     state_bytes: int
     activation_bytes: int
-    transient_bytes: int
+    recompute_bytes: int
     budget_bytes: int | None
     tokens: int
 
     @property
     def peak_bytes(self) -> int:
-        """The estimated peak: state + activations + transient."""
-        return self.state_bytes + self.activation_bytes + self.transient_bytes
+        """The estimated peak: state + activations + recomputation."""
+        return self.state_bytes + self.activation_bytes + self.recompute_bytes
 
     @property
     def recompute_s(self) -> float:
@@ -166,8 +167,8 @@ class RematPlan:
         budget = "explicit policies" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         lines.append(
             f"estimated peak {format_bytes(self.peak_bytes)} per device ({budget}): state {format_bytes(self.state_bytes)}, "
-            f"activations {format_bytes(self.activation_bytes)}, recompute buffer {format_bytes(self.transient_bytes)}; "
-            f"recompute {1e3 * self.recompute_s:.2f} ms per step; measured at {self.tokens} history rows per device"
+            f"activations {format_bytes(self.activation_bytes)}, recomputed {format_bytes(self.recompute_bytes)}; "
+            f"recompute {1e3 * self.recompute_s:.3g} ms per step; measured at {self.tokens} history rows per device"
         )
         return "\n".join(lines)
 
@@ -176,7 +177,7 @@ class RematPlan:
             "regions": self.rows(),
             "state_bytes": self.state_bytes,
             "activation_bytes": self.activation_bytes,
-            "transient_bytes": self.transient_bytes,
+            "recompute_bytes": self.recompute_bytes,
             "peak_bytes_estimate": self.peak_bytes,
             "budget_bytes": self.budget_bytes,
             "recompute_ms": 1e3 * self.recompute_s,
@@ -242,50 +243,104 @@ def state_bytes(setup: StateSetup, *, row_wise_tables: bool) -> int:
     return sum(local(x) for x in jax.tree.leaves(setup.abstract)) + grads
 
 
-class _Step:
-    """The device's loss under a set of policies: measures its residuals and its regions' costs."""
+class StepCosts:
+    """The measured costs of one device's train step, from which plans are chosen (`measure_step`).
 
-    def __init__(self, config: ModelConfig, spec: FeatureSpec, setup: StateSetup, batch: Batch, lengths: np.ndarray, cost_model: CostModel):
-        self.config, self.spec, self.setup, self.batch, self.cost_model = config, spec, setup, batch, cost_model
+    Attributes:
+      config: the model measured (its `remat` is not used).
+      regions: every region's costs, in forward order.
+      activation_bytes_saved: the step's residual bytes with no rematerialization.
+      state_bytes: parameters, optimizer state and gradients (`state_bytes`).
+      tokens: the history rows per device measured at.
+    """
+
+    def __init__(self, config: ModelConfig, spec: FeatureSpec, setup: StateSetup, batch: Batch, lengths: np.ndarray, *,
+                 row_wise_tables: bool, cost_model: CostModel):
+        self.config, self._spec, self._setup, self._batch = config, spec, setup, batch
         num_shards = setup.mesh.devices.size
-        self.attention = {name: w.total(lengths) / num_shards for name, w in attention_flops(config).items()}
+        attention = {name: w.total(np.asarray(lengths)) / num_shards for name, w in attention_flops(config).items()}
+        costs = {}
+
+        def observe(name, fn, params, args):
+            costs[name] = _region_cost(name, fn, params, args, attention.get(name, 0.0), cost_model)
+
+        box = {}
+
+        def fn(local_loss, params):
+            with remat.observe_regions(observe):  # in the forward pass alone, outside any differentiation
+                local_loss(params)
+            box["bytes"] = residual_bytes(local_loss, params)
+
+        self._model(RematConfig()).trace_local_loss(fn, setup.abstract.params, batch)
+        self.activation_bytes_saved = box["bytes"]
+        missing = [name for name in config.region_names if name not in costs]
+        if missing:
+            raise RuntimeError(f"the model ran without regions {missing}; gem_jax.model.remat.region_names is out of date")
+        self.regions = tuple(costs[name] for name in config.region_names)
+        self.state_bytes = state_bytes(setup, row_wise_tables=row_wise_tables)
+        self.tokens = int(batch.history.values.shape[1])
 
     def _model(self, policies: RematConfig) -> ShardedModel:
-        graphdef = model_graphdef(self.spec, dataclasses.replace(self.config, remat=policies))
-        return ShardedModel(graphdef, self.setup.plan, self.setup.mesh, self.setup.compute_dtype)
+        graphdef = model_graphdef(self._spec, dataclasses.replace(self.config, remat=policies))
+        return ShardedModel(graphdef, self._setup.plan, self._setup.mesh, self._setup.compute_dtype)
 
     def activation_bytes(self, policies: RematConfig) -> int:
-        """Exact residual bytes of one device's step under `policies` (parameters excluded)."""
+        """Residual bytes of one device's step under `policies` (parameters excluded), traced."""
         box = {}
 
         def fn(local_loss, params):
             box["bytes"] = residual_bytes(local_loss, params)
 
-        self._model(policies).trace_local_loss(fn, self.setup.abstract.params, self.batch)
+        self._model(policies).trace_local_loss(fn, self._setup.abstract.params, self._batch)
         return box["bytes"]
 
-    def measure(self) -> tuple[tuple[RegionCost, ...], int]:
-        """Every region's costs, measured at its place in the step, and the step's
-        residual bytes without rematerialization."""
-        costs, box = {}, {}
-
-        def observe(name, fn, params, args):
-            costs[name] = _region_cost(name, fn, params, args, self.attention.get(name, 0.0), self.cost_model)
-
-        def fn(local_loss, params):
-            with remat.observe_regions(observe):
-                local_loss(params)
-            box["bytes"] = residual_bytes(local_loss, params)
-
-        self._model(RematConfig()).trace_local_loss(fn, self.setup.abstract.params, self.batch)
-        missing = set(self.config.region_names) - set(costs)
-        if missing:
-            raise RuntimeError(f"the model ran without regions {sorted(missing)}; gem_jax.model.remat.region_names is out of date")
-        return tuple(costs[name] for name in self.config.region_names), box["bytes"]
+    def plan(self, policies: dict[str, RematPolicy], budget_bytes: int | None, activation_bytes: int | None = None) -> RematPlan:
+        """`policies` as a `RematPlan` (the step's activations traced unless given)."""
+        if activation_bytes is None:
+            activation_bytes = self.activation_bytes(RematConfig(policies=tuple(policies.items())))
+        return RematPlan(policies, self.regions, self.state_bytes, activation_bytes, recompute_peak_bytes(self.regions, policies), budget_bytes, self.tokens)
 
 
-def _transient(regions: Sequence[RegionCost], policies: dict[str, RematPolicy]) -> int:
-    return max((r.saved_bytes[RematPolicy.SAVE_ALL] - r.saved_bytes[policies[r.name]] for r in regions), default=0)
+def measure_step(
+    config: ModelConfig,
+    spec: FeatureSpec,
+    setup: StateSetup,
+    batch: Batch,
+    lengths: np.ndarray,
+    *,
+    row_wise_tables: bool = True,
+    cost_model: CostModel = CostModel(),
+) -> StepCosts:
+    """Measures the regions' costs and the state's bytes of one device's train step (traced, nothing runs).
+
+    Args:
+      config: the model.
+      spec: the data set's feature spec.
+      setup: the train state's shapes and shardings, mesh and sharding plan.
+      batch: a stacked batch (arrays or `jax.ShapeDtypeStruct`s) at the capacity to
+        plan for (`planning_batch`).
+      lengths: real history lengths of a global batch (int `[n]`), for attention FLOPs.
+      row_wise_tables: the step updates unsharded tables row by row
+        (`OptimConfig.sparse_embedding_updates`; see `state_bytes`).
+      cost_model: recompute seconds of FLOPs and bytes.
+    """
+    return StepCosts(config, spec, setup, batch, lengths, row_wise_tables=row_wise_tables, cost_model=cost_model)
+
+
+def recompute_peak_bytes(regions: Sequence[RegionCost], policies: dict[str, RematPolicy]) -> int:
+    """Bytes the backward's recomputation adds to the saved activations at its peak.
+
+    The backward visits the regions last to first: while region r recomputes its
+    residuals (its SAVE_ALL bytes less those it saved), the regions after it have
+    released theirs. The peak addition is the largest of `recomputed(r) - saved(regions
+    after r)`, or 0. `regions` are in forward order.
+    """
+    extra, later = 0, 0
+    for r in reversed(regions):
+        saved = r.saved_bytes[policies[r.name]]
+        extra = max(extra, r.saved_bytes[RematPolicy.SAVE_ALL] - saved - later)
+        later += saved
+    return extra
 
 
 def choose_policies(regions: Sequence[RegionCost], fixed_bytes: int, budget_bytes: int, start: dict[str, RematPolicy] | None = None) -> dict[str, RematPolicy] | None:
@@ -299,7 +354,7 @@ def choose_policies(regions: Sequence[RegionCost], fixed_bytes: int, budget_byte
     policies = dict(start or {r.name: RematPolicy.SAVE_ALL for r in regions})
 
     def estimate() -> int:
-        return fixed_bytes + sum(r.saved_bytes[policies[r.name]] for r in regions) + _transient(regions, policies)
+        return fixed_bytes + sum(r.saved_bytes[policies[r.name]] for r in regions) + recompute_peak_bytes(regions, policies)
 
     fronts = {r.name: r.front() for r in regions}
     while estimate() > budget_bytes:
@@ -342,72 +397,41 @@ def planning_batch(dataset: Dataset, placement: BatchPlacement) -> tuple[Batch, 
     return batch, np.diff(np.asarray(host.history.offsets))[weights]
 
 
-def plan_remat(
-    config: ModelConfig,
-    spec: FeatureSpec,
-    setup: StateSetup,
-    batch: Batch,
-    lengths: np.ndarray,
-    *,
-    row_wise_tables: bool = True,
-    cost_model: CostModel = CostModel(),
-) -> RematPlan:
-    """The regions' policies for `config.remat`, with their measured costs.
+def plan_remat(costs: StepCosts, remat_config: RematConfig) -> RematPlan:
+    """The regions' policies `remat_config` asks for, with their costs and the step's memory estimate.
 
-    With `config.remat.budget_gb`, chooses the policies (module docstring); with
-    explicit `policies`, measures them as given.
-
-    Args:
-      config: the model; its `remat` says what to plan.
-      spec: the data set's feature spec.
-      setup: the train state's shapes and shardings, mesh and sharding plan.
-      batch: a stacked batch (arrays or `jax.ShapeDtypeStruct`s) at the capacity to
-        plan for (`planning_batch`).
-      lengths: real history lengths of a global batch (int `[n]`), for attention FLOPs.
-      row_wise_tables: the step updates unsharded tables row by row
-        (`OptimConfig.sparse_embedding_updates`; see `state_bytes`).
-      cost_model: recompute seconds of FLOPs and bytes.
+    With `budget_gb`, chooses them (module docstring); with explicit `policies`, takes
+    them as given.
 
     Raises:
       RematBudgetError: the budget is below the state plus the activations with every
         region at its smallest policy (the smallest budget that fits is named).
-      ValueError: `config.remat` sets neither a budget nor policies.
+      ValueError: `remat_config` sets neither a budget nor policies.
     """
-    if config.remat.budget_gb is None and not config.remat.policies:
-        raise ValueError("plan_remat: ModelConfig.remat sets neither budget_gb nor policies: nothing to plan")
-    step = _Step(config, spec, setup, batch, np.asarray(lengths), cost_model)
-    regions, activations = step.measure()
-    state = state_bytes(setup, row_wise_tables=row_wise_tables)
-    tokens = int(batch.history.values.shape[1])
-
-    def finish(policies: dict[str, RematPolicy], activations: int, budget: int | None) -> RematPlan:
-        return RematPlan(policies, regions, state, activations, _transient(regions, policies), budget, tokens)
-
-    if config.remat.budget_gb is None:
-        policies = {r.name: config.remat.policy(r.name) for r in regions}
-        if any(p is not RematPolicy.SAVE_ALL for p in policies.values()):
-            activations = step.activation_bytes(RematConfig(policies=tuple(policies.items())))
-        return finish(policies, activations, None)
-
-    budget = int(config.remat.budget_gb * BYTES_PER_GB)
-    fixed = state + activations - sum(r.saved_bytes[RematPolicy.SAVE_ALL] for r in regions)
+    regions, state = costs.regions, costs.state_bytes
+    if remat_config.budget_gb is None:
+        if not remat_config.policies:
+            raise ValueError("plan_remat: the RematConfig sets neither budget_gb nor policies: nothing to plan")
+        return costs.plan({r.name: remat_config.policy(r.name) for r in regions}, None)
+    budget = int(remat_config.budget_gb * BYTES_PER_GB)
+    fixed = state + costs.activation_bytes_saved - sum(r.saved_bytes[RematPolicy.SAVE_ALL] for r in regions)
     policies = {r.name: RematPolicy.SAVE_ALL for r in regions}
     while True:
         policies = choose_policies(regions, fixed, budget, start=policies)
         if policies is None:
-            smallest = {r.name: r.front()[-1] for r in regions}
-            least = step.activation_bytes(RematConfig(policies=tuple(smallest.items()))) + _transient(regions, smallest)
+            least = costs.plan({r.name: r.front()[-1] for r in regions}, budget)
+            if least.peak_bytes <= budget:  # the walk's estimate was above the traced residuals
+                return least
             raise RematBudgetError(
-                f"RematConfig.budget_gb = {config.remat.budget_gb:g} GB does not fit the step: the state (parameters, optimizer "
-                f"state, gradients) takes {format_bytes(state)} and the activations at least {format_bytes(least)} with every "
-                f"region at its smallest policy, at {tokens} history rows per device; the smallest budget is "
-                f"budget_gb = {math.ceil((state + least) / 1e6) / 1e3:g}"
+                f"RematConfig.budget_gb = {remat_config.budget_gb:g} GB does not fit the step: the state (parameters, "
+                f"optimizer state, gradients) takes {format_bytes(state)} and the activations with the recompute buffer at "
+                f"least {format_bytes(least.peak_bytes - state)} with every region at its smallest policy, at {costs.tokens} "
+                f"history rows per device; the smallest budget is budget_gb = {math.ceil(least.peak_bytes / 1e3) / 1e6:g}"
             )
-        if all(p is RematPolicy.SAVE_ALL for p in policies.values()):
-            return finish(policies, activations, budget)  # measured above
-        exact = step.activation_bytes(RematConfig(policies=tuple(policies.items())))
-        if state + exact + _transient(regions, policies) <= budget:
-            return finish(policies, exact, budget)
+        saved = all(p is RematPolicy.SAVE_ALL for p in policies.values())
+        plan = costs.plan(policies, budget, costs.activation_bytes_saved if saved else None)
+        if plan.peak_bytes <= budget:
+            return plan
         # The regions' bytes do not add up exactly to the step's: correct the estimate by the
         # difference (> 0 here, so the walk moves on or ends) and continue.
-        fixed = state + exact - sum(r.saved_bytes[policies[r.name]] for r in regions)
+        fixed = state + plan.activation_bytes - sum(r.saved_bytes[policies[r.name]] for r in regions)

@@ -22,7 +22,7 @@ from gem_jax.parallel.placement import BatchPlacement
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.metrics import EvalAccumulator
 from gem_jax.train.optimizer import make_optimizer
-from gem_jax.train.remat_plan import RematPlan, model_graphdef, plan_remat, planning_batch
+from gem_jax.train.remat_plan import RematPlan, measure_step, model_graphdef, plan_remat, planning_batch
 from gem_jax.train.state import StateSetup, TrainState, create_train_state, state_setup
 from gem_jax.train.step import make_eval_step, make_train_step
 
@@ -108,9 +108,10 @@ def setup_training(
     placement = BatchPlacement(mesh, dataset.token_buckets)
     plan = None
     if config.model.remat.budget_gb is not None or config.model.remat.policies:
-        plan = plan_remat(
+        costs = measure_step(
             config.model, dataset.spec, setup, *planning_batch(dataset, placement), row_wise_tables=config.optim.sparse_embedding_updates
         )
+        plan = plan_remat(costs, config.model.remat)
         setup = dataclasses.replace(setup, graphdef=model_graphdef(dataset.spec, dataclasses.replace(config.model, remat=plan.remat_config)))
     training = Training(
         config=config,
