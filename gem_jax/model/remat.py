@@ -1,14 +1,15 @@
 """Rematerialization regions: named parts of the model whose activations the backward may recompute.
 
 Each region is a call the model makes through `region(name, remat, modules, fn, *args)`.
-With its policy SAVE_ALL (the default) the call is `fn(modules, *args)` unchanged; otherwise it runs under
-`jax.checkpoint` with a JAX checkpoint policy, which decides which of the region's
-intermediate values are kept for the backward pass and which are recomputed from the
-region's inputs there. The technique is gradient checkpointing (Chen et al., "Training
-Deep Nets with Sublinear Memory Cost", 2016) with per-region policies (JAX's
-`jax.checkpoint_policies`; Korthikanti et al., "Reducing Activation Recomputation in
-Large Transformer Models", 2022, for keeping the attention output and recomputing
-the cheap rest).
+With its policy SAVE_ALL (the default) the call is `fn(modules, *args)` unchanged;
+otherwise it runs under `jax.checkpoint` with a JAX checkpoint policy, which decides
+which of the region's intermediate values are kept for the backward pass and which are
+recomputed from the region's inputs there. The technique is gradient checkpointing
+(Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016) with a policy per
+region, selective recomputation (Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models", 2022); values are chosen by name through
+`jax.ad_checkpoint.checkpoint_name` and `jax.checkpoint_policies`, as MaxText's
+`remat_policy` settings do.
 
 Regions of `GEMModel` (`region_names`), in forward order:
 

@@ -87,7 +87,8 @@ class RegionCost:
       name: the region (`gem_jax.model.remat.region_names`).
       saved_bytes: per policy, bytes of the residuals the region keeps for its
         backward on one device (its inputs included, parameters not).
-      recompute_flops: per policy, matmul FLOPs its backward recomputes.
+      recompute_flops: per policy, the GEMM and attention-kernel FLOPs its backward
+        recomputes.
       recompute_s: per policy, the `CostModel`'s seconds of that recomputation.
     """
 
@@ -163,7 +164,7 @@ class RematPlan:
         """The plan as a text table, with the memory estimate against the budget."""
         lines = [f"{'region':<20} {'policy':<13} {'saved':>10} {'recompute ms':>13}"]
         for row in self.rows():
-            lines.append(f"{row['region']:<20} {row['policy']:<13} {format_bytes(row['saved_bytes']):>10} {row["recompute_ms"]:>13.3g}")
+            lines.append(f"{row['region']:<20} {row['policy']:<13} {format_bytes(row['saved_bytes']):>10} {row['recompute_ms']:>13.3g}")
         budget = "explicit policies" if self.budget_bytes is None else f"budget {format_bytes(self.budget_bytes)}"
         lines.append(
             f"estimated peak {format_bytes(self.peak_bytes)} per device ({budget}): state {format_bytes(self.state_bytes)}, "
@@ -211,7 +212,7 @@ def _region_cost(name: str, fn: Callable, params, args: tuple, attention: float,
         flops[policy] = dot_flops(jax.make_jaxpr(lambda *a: _fwd_bwd(g, *a))(params, *args).jaxpr)
     base = flops[RematPolicy.SAVE_ALL]
     reruns_attention = (RematPolicy.SAVE_DOTS, RematPolicy.SAVE_NOTHING)
-    recompute = {p: max(flops[p] - base, 0.0) + (attention if p in reruns_attention else 0.0) for p in RematPolicy}
+    recompute = {p: flops[p] - base + (attention if p in reruns_attention else 0.0) for p in RematPolicy}
     seconds = {p: cost_model.seconds(recompute[p], saved[RematPolicy.SAVE_ALL] - saved[p]) for p in RematPolicy}
     return RegionCost(name, saved, recompute, seconds)
 
