@@ -22,7 +22,11 @@ from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, rms_norm, rope_
 
 
 class SelfAttentionBlock(nnx.Module):
-    """Pre-norm causal self-attention + MLP over jagged tokens `[T, d]`."""
+    """Pre-norm causal self-attention + MLP over jagged tokens `[T, d]`.
+
+    `SequenceTower` calls the two halves, `attend` and `feed_forward`, as two
+    rematerialization regions (`gem_jax.model.remat`).
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, hd = config.embed_dim, config.head_dim
