@@ -153,12 +153,16 @@ class RematPlan:
         return RematConfig(policies=tuple(self.policies.items()))
 
     def rows(self) -> list[dict]:
-        """One dict per region: region, policy, saved_bytes, recompute_ms."""
-        return [
-            {"region": r.name, "policy": self.policies[r.name].name, "saved_bytes": r.saved_bytes[self.policies[r.name]],
-             "recompute_ms": 1e3 * r.recompute_s[self.policies[r.name]]}
-            for r in self.regions
-        ]
+        """One dict per region: region, policy, saved_bytes, recompute_ms, and what the
+        estimate is made of: recompute_flops and freed_bytes (SAVE_ALL's bytes less these)."""
+        rows = []
+        for r in self.regions:
+            p = self.policies[r.name]
+            rows.append({
+                "region": r.name, "policy": p.name, "saved_bytes": r.saved_bytes[p], "recompute_ms": 1e3 * r.recompute_s[p],
+                "recompute_flops": r.recompute_flops[p], "freed_bytes": r.saved_bytes[RematPolicy.SAVE_ALL] - r.saved_bytes[p],
+            })
+        return rows
 
     def table(self) -> str:
         """The plan as a text table, with the memory estimate against the budget."""
