@@ -33,6 +33,10 @@ points jax's persistent compilation cache at DIR (default: `$GEM_COMPILE_CACHE_D
 none): run the same command twice with the same DIR for a cold and a warm start; each run's
 `compile_cache` counts the cache's hits and misses.
 
+`--set PATH=VALUE ...` overrides config fields as `gem-train --set` does (e.g.
+`model.remat.budget_gb=80`); each run records its rematerialization plan under
+`remat_plan` (None without one; `gem_jax.train.remat_plan`).
+
     PYTHONPATH=. python3 benchmarks/train_bench.py --devices 1 2 --out results.json
     PYTHONPATH=. python3 benchmarks/train_bench.py --config configs/gem_h200.py --devices 1 \
         --attention auto padded --profile --compile-cache /tmp/jax_cache --out step.json
