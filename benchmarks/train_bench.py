@@ -33,6 +33,10 @@ points jax's persistent compilation cache at DIR (default: `$GEM_COMPILE_CACHE_D
 none): run the same command twice with the same DIR for a cold and a warm start; each run's
 `compile_cache` counts the cache's hits and misses.
 
+`--set PATH=VALUE ...` overrides config fields as `gem-train --set` does (e.g.
+`model.remat.budget_gb=80`); each run records its rematerialization plan under
+`remat_plan` (None without one; `gem_jax.train.remat_plan`).
+
     PYTHONPATH=. python3 benchmarks/train_bench.py --devices 1 2 --out results.json
     PYTHONPATH=. python3 benchmarks/train_bench.py --config configs/gem_h200.py --devices 1 \
         --attention auto padded --profile --compile-cache /tmp/jax_cache --out step.json
@@ -61,7 +65,7 @@ from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
 from pallas_kernels import Implementation
 from gem_jax.nn.embeddings import check_lookup_stats
-from gem_jax.train import compile_cache, config_tree
+from gem_jax.train import compile_cache, config_tree, remat_plan
 from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.train.run_record import code_version
 from gem_jax.train.setup import setup_training
@@ -212,6 +216,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
     stats = mesh.devices.flat[0].memory_stats() or {}
     result["peak_bytes_in_use_device0"] = stats.get("peak_bytes_in_use")
     result["compiled_memory_bytes"] = memory
+    result["remat_plan"] = remat_plan.record(training.remat_plan)
     if profile:
         result["profile"] = breakdown
     del state, batches, train_step

@@ -65,6 +65,7 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.train.integrity import CorruptCheckpointError
     from gem_jax.train.loop import train_and_evaluate
     from gem_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from gem_jax.train.remat_plan import RematBudgetError
     from gem_jax.train.run_record import RunMismatchError
     from gem_jax.train.workdir_lock import WorkdirLockedError
     from pallas_kernels import ImplementationUnavailableError
@@ -101,9 +102,11 @@ def train_main(argv: list[str] | None = None) -> None:
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
     except (
-        RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError, ProcessMismatchError
+        RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError,
+        ProcessMismatchError, RematBudgetError,
     ) as error:
-        # refused: the run, the workdir or the data set is not usable as given, or the processes hold different data (the message says why)
+        # refused: the run, the workdir, the data set or the memory budget is not usable as given,
+        # or the processes hold different data (the message says why)
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except NonFiniteLossError as error:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from gem_jax.model.remat import RematConfig, region_names
 from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels import Implementation, describe_choice
 
@@ -85,6 +86,12 @@ class ModelConfig:
         layers that run in `compute_dtype`. False keeps today's residuals, bit for bit.
       fp8_regions: the `Fp8Region`s whose layers run in FP8 when `fp8` is on (default: the
         sequence tower's per-token layers); ignored when `fp8` is off.
+      remat: which regions recompute their activations in the backward
+        (`gem_jax.model.remat`); default none.
+
+    Raises:
+      ValueError: a field out of range, or a `remat` pattern that matches no region
+        of this model (named).
     """
 
     embed_dim: int = 64
@@ -104,6 +111,7 @@ class ModelConfig:
     fp8_block: int = 32
     fp8_saved_activations: bool = False
     fp8_regions: tuple[Fp8Region, ...] = SEQUENCE_TOWER_FP8
+    remat: RematConfig = RematConfig()
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
@@ -125,6 +133,12 @@ class ModelConfig:
             raise ValueError(f"embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}")
         if (self.embed_dim // self.num_heads) % 2:
             raise ValueError(f"head_dim {self.embed_dim // self.num_heads} must be even for RoPE")
+        self.remat.check_regions(self.region_names)
+
+    @property
+    def region_names(self) -> tuple[str, ...]:
+        """The model's rematerialization regions, in forward order (`gem_jax.model.remat`)."""
+        return region_names(self.num_seq_layers, self.num_dhen_layers)
 
     @property
     def head_dim(self) -> int:

@@ -21,6 +21,7 @@ from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype
 
 import pallas_kernels
+from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
 from gem_jax.nn.layers import dense, norm_dense, rms_norm
 from gem_jax.nn.experts import expert_parallel
@@ -62,7 +63,7 @@ class TokenAttention(nnx.Module):
             activation="gelu",
             implementation=attention_implementations(cfg).gelu,
         )
-        return tokens + self.out(attn.reshape(b, f, d) / math.sqrt(f))
+        return tokens + self.out(remat.name_attention_output(attn).reshape(b, f, d) / math.sqrt(f))
 
 
 class CrossExpert(nnx.Module):
@@ -152,11 +153,12 @@ class CrossFeatureTower(nnx.Module):
     """Feature tokens `[B, F, d]` -> `[B, F, d]`: token attention then DHEN layers."""
 
     def __init__(self, num_tokens: int, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
         self.token_attention = TokenAttention(config, rngs=rngs)
         self.dhen = nnx.List([DHENLayer(num_tokens, config, rngs=rngs) for _ in range(config.num_dhen_layers)])
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        tokens = self.token_attention(tokens)
-        for layer in self.dhen:
-            tokens = layer(tokens)
+        tokens = remat.region(remat.TOKEN_ATTENTION, self.config.remat, self.token_attention, TokenAttention.__call__, tokens)
+        for j, layer in enumerate(self.dhen):
+            tokens = remat.region(remat.dhen(j), self.config.remat, layer, DHENLayer.__call__, tokens)
         return tokens

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from gem_jax.batch import FeatureSpec, Task
+from gem_jax.model import remat
 from gem_jax.model.config import ModelConfig, SequenceAttention
 from gem_jax.model.gem import NUM_BASE_TOKENS
 
@@ -121,20 +122,18 @@ class Workload:
         return Workload(self.per_token * factor, self.per_token_pair * factor, self.per_example * factor, self.pairs)
 
 
-def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
-    """The per-example / per-token / per-token-pair forward FLOPs of `GEMModel`."""
-    d, h, hd = config.embed_dim, config.num_heads, config.head_dim
-    m, lq = config.mlp_ratio * d, config.num_pooled_queries
+def attention_flops(config: ModelConfig) -> dict[str, Workload]:
+    """Forward FLOPs of each attention's QK^T and PV products, by rematerialization region.
+
+    Keys are the `gem_jax.model.remat` region names that run an attention (the
+    history/feature cross attentions, every sequence layer's self-attention, the pooled
+    attention, the feature tokens' attention); the projections around them are not
+    included. Summed into `flop_model`; the remat planner charges a region's attention
+    when its policy recomputes the attention kernel.
+    """
+    h, hd, lq = config.num_heads, config.head_dim, config.num_pooled_queries
     f0, f = NUM_BASE_TOKENS, NUM_BASE_TOKENS + lq
-    width = f * d
     attn = 4 * h * hd  # QK^T and PV per (query, key) pair
-
-    per_token = 0.0
-    per_token += 2 * d * d + 2 * d * d + attn * f0  # history_context: q, out, attention to F0 tokens
-    per_token += config.num_seq_layers * (2 * d * 3 * d + 2 * d * d + 2 * 2 * d * m)  # self-attn blocks
-    per_token += 2 * d * 2 * d + attn * lq  # pooled attention: k/v projection, Lq queries
-    per_token += 2 * d * 2 * d + attn * f  # feature_to_history: k/v projection, F queries
-
     # Self-attention: the causal full forms have L (L + 1) / 2 (query, key) pairs: L**2 / 2 of
     # them in the per-pair term, the L / 2 of the diagonal's half in the per-token term; window
     # and block forms count their exact pairs (`AttentionPairs`, diagonal included).
@@ -144,21 +143,49 @@ def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
         seq_pairs = AttentionPairs("window", config.attention_window)
     elif kind is SequenceAttention.BLOCK_LOCAL:
         seq_pairs = AttentionPairs("block", config.attention_block_size)
-    per_pair = config.num_seq_layers * attn / (2 if seq_pairs is None else 1)
-    if seq_pairs is None:
-        per_token += config.num_seq_layers * attn / 2
+    causal = seq_pairs is None
+    self_attention = Workload(per_token=attn / 2 if causal else 0.0, per_token_pair=attn / (2 if causal else 1), pairs=seq_pairs)
+    return {
+        remat.HISTORY_CONTEXT: Workload(per_token=attn * f0, per_token_pair=0.0),  # each event attends to F0 tokens
+        **{remat.seq_attention(i): self_attention for i in range(config.num_seq_layers)},
+        remat.POOLED_ATTENTION: Workload(per_token=attn * lq, per_token_pair=0.0),  # Lq queries over every event
+        remat.FEATURE_TO_HISTORY: Workload(per_token=attn * f, per_token_pair=0.0),  # F queries over every event
+        remat.TOKEN_ATTENTION: Workload(per_token=0.0, per_token_pair=0.0, per_example=attn * f * f),
+    }
+
+
+def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
+    """The per-example / per-token / per-token-pair forward FLOPs of `GEMModel`."""
+    d = config.embed_dim
+    m, lq = config.mlp_ratio * d, config.num_pooled_queries
+    f0, f = NUM_BASE_TOKENS, NUM_BASE_TOKENS + lq
+    width = f * d
+
+    per_token = 0.0
+    per_token += 2 * d * d + 2 * d * d  # history_context: q, out
+    per_token += config.num_seq_layers * (2 * d * 3 * d + 2 * d * d + 2 * 2 * d * m)  # self-attn blocks
+    per_token += 2 * d * 2 * d  # pooled attention: k/v projection
+    per_token += 2 * d * 2 * d  # feature_to_history: k/v projection
 
     per_example = 0.0
     per_example += f0 * 2 * d * 2 * d  # history_context k/v of feature tokens
     per_example += 2 * spec.num_genres * d  # genre projection
     per_example += lq * 2 * d * d  # pooled output projection
     per_example += f * 2 * d * d * 2  # feature_to_history q and out
-    per_example += f * 2 * d * 3 * d + attn * f * f + f * 2 * d * d  # token attention
+    per_example += f * 2 * d * 3 * d + f * 2 * d * d  # token attention: qkv and out
     pairs = f * (f - 1) // 2
     dhen = 2 * (width * m + m * width) + 2 * 2 * width * width + 2 * f * f * d + 2 * pairs * width + 2 * 3 * width * width
     per_example += config.num_dhen_layers * dhen
     per_example += len(Task) * 2 * (width * config.head_hidden + config.head_hidden)
-    return Workload(per_token=per_token, per_token_pair=per_pair, per_example=per_example, pairs=seq_pairs)
+
+    attention = list(attention_flops(config).values())
+    seq_pairs = next((a.pairs for a in attention if a.pairs is not None), None)
+    return Workload(
+        per_token=per_token + sum(a.per_token for a in attention),
+        per_token_pair=sum(a.per_token_pair for a in attention),
+        per_example=per_example + sum(a.per_example for a in attention),
+        pairs=seq_pairs,
+    )
 
 
 def train_workload(config: ModelConfig, spec: FeatureSpec) -> Workload:

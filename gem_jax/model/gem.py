@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField, validate_ids
+from gem_jax.model import remat
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.cross_tower import CrossFeatureTower, uniform_offsets
 from gem_jax.model.interaction import CrossAttention
@@ -103,18 +104,22 @@ class GEMModel(nnx.Module):
         token_type = self.token_type[...].astype(dtype)
         tokens = self.embed.feature_tokens(batch) + token_type[:base]
         x = self.embed.history(history.values)
-        x = self.history_context(
-            x, history.offsets, history.max_seq_len, tokens.reshape(b * base, -1), uniform_offsets(b, base), base
+        regions = self.config.remat
+        x = remat.region(
+            remat.HISTORY_CONTEXT, regions, self.history_context,
+            lambda attend, x, context: attend(x, history.offsets, history.max_seq_len, context, uniform_offsets(b, base), base),
+            x, tokens.reshape(b * base, -1),
         )
         x, pooled = self.sequence_tower(x, history.replace_values(x))
         tokens = jnp.concatenate([tokens, pooled + token_type[base:]], axis=1)
         f = self.num_tokens
-        tokens = self.feature_to_history(
-            tokens.reshape(b * f, -1), uniform_offsets(b, f), f, x, history.offsets, history.max_seq_len
+        tokens = remat.region(
+            remat.FEATURE_TO_HISTORY, regions, self.feature_to_history,
+            lambda attend, tokens, x: attend(tokens, uniform_offsets(b, f), f, x, history.offsets, history.max_seq_len),
+            tokens.reshape(b * f, -1), x,
         ).reshape(b, f, -1)
         tokens = self.cross_tower(tokens)
-        flat = self.head_norm(tokens.reshape(b, -1))
-        return jnp.concatenate([head(flat) for head in self.heads], axis=-1)
+        return remat.region(remat.HEADS, regions, (self.head_norm, self.heads), _heads, tokens.reshape(b, -1))
 
     def _check_layout(self, batch: Batch) -> None:
         b = batch.batch_size
@@ -134,3 +139,10 @@ class GEMModel(nnx.Module):
                 )
         if not isinstance(batch.history.values, jax.core.Tracer):
             validate_ids(batch, self.spec, where="GEMModel input")
+
+
+def _heads(modules: tuple[nnx.Module, nnx.List], flat: jax.Array) -> jax.Array:
+    """(head norm, task heads), `[B, F * d]` tokens -> float32 logits `[B, len(Task)]`."""
+    norm, heads = modules
+    flat = norm(flat)
+    return jnp.concatenate([head(flat) for head in heads], axis=-1)

@@ -15,6 +15,7 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import segment_ids
+from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
 from gem_jax.nn.layers import dense, norm_dense, rms_norm
 
@@ -60,4 +61,4 @@ class CrossAttention(nnx.Module):
             activation="gelu",
             implementation=attention_implementations(cfg).gelu,
         )
-        return x + self.out(attn.reshape(x.shape[0], -1))
+        return x + self.out(remat.name_attention_output(attn).reshape(x.shape[0], -1))

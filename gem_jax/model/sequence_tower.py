@@ -16,12 +16,17 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax.jagged import Jagged
+from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, SequenceAttention, attention_implementations
 from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, norm_dense, rms_norm, rope_table
 
 
 class SelfAttentionBlock(nnx.Module):
-    """Pre-norm causal self-attention + MLP over jagged tokens `[T, d]`."""
+    """Pre-norm causal self-attention + MLP over jagged tokens `[T, d]`.
+
+    `SequenceTower` calls the two halves, `attend` and `feed_forward`, as two
+    rematerialization regions (`gem_jax.model.remat`).
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, hd = config.embed_dim, config.head_dim
@@ -41,6 +46,10 @@ class SelfAttentionBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, history: Jagged, rope: RopeTable) -> jax.Array:
         """x `[T_cap, d]` -> `[T_cap, d]`; attention stays inside each sequence; `rope` of the history's positions."""
+        return self.feed_forward(self.attend(x, history, rope))
+
+    def attend(self, x: jax.Array, history: Jagged, rope: RopeTable) -> jax.Array:
+        """The attention half: `x + out(attention(qkv(norm(x))))`, `[T_cap, d]` -> `[T_cap, d]`."""
         cfg = self.config
         t = x.shape[0]
         qkv = norm_dense(self.norm_attn, self.qkv, x, fp8_saved_input=cfg.fp8_saved_activations)
@@ -67,7 +76,10 @@ class SelfAttentionBlock(nnx.Module):
                     q, k, v, history.offsets, max_seq_len=history.max_seq_len, causal=True, window=window,
                     implementation=chosen.softmax,
                 )
-        x = x + self.out(attn.reshape(t, -1))
+        return x + self.out(remat.name_attention_output(attn).reshape(t, -1))
+
+    def feed_forward(self, x: jax.Array) -> jax.Array:
+        """The MLP half: `x + mlp(norm(x))`, `[T_cap, d]` -> `[T_cap, d]`."""
         return x + self.mlp(x, norm=self.norm_mlp)
 
 
@@ -110,6 +122,7 @@ class PooledAttention(nnx.Module):
             broadcast_q=True,
             implementation=attention_implementations(cfg).gelu,
         )
+        pooled = remat.name_attention_output(pooled)
         # GDPA sums over keys without normalising; divide by sqrt(length) to keep scale bounded.
         lengths = jnp.maximum(history.lengths(), 1).astype(x.dtype)
         pooled = pooled.reshape(history.batch_size, cfg.num_pooled_queries, -1) / jnp.sqrt(lengths)[:, None, None]
@@ -126,8 +139,10 @@ class SequenceTower(nnx.Module):
         self.pool = PooledAttention(config, rngs=rngs)
 
     def __call__(self, x: jax.Array, history: Jagged) -> tuple[jax.Array, jax.Array]:
-        rope = rope_table(history.positions(), self.config.head_dim, self.config.rope_base)
-        for block in self.blocks:
-            x = block(x, history, rope)
+        cfg = self.config
+        rope = rope_table(history.positions(), cfg.head_dim, cfg.rope_base)
+        for i, block in enumerate(self.blocks):
+            x = remat.region(remat.seq_attention(i), cfg.remat, block, lambda block, x: block.attend(x, history, rope), x)
+            x = remat.region(remat.seq_mlp(i), cfg.remat, block, SelfAttentionBlock.feed_forward, x)
         x = self.final_norm(x)
-        return x, self.pool(x, history)
+        return x, remat.region(remat.POOLED_ATTENTION, cfg.remat, self.pool, lambda pool, x: pool(x, history), x)

@@ -197,6 +197,23 @@ class ShardedModel:
         loss, (bce, stats, logits, ids) = mapped(params, batch, {} if deltas is None else deltas)
         return loss, (bce, stats, logits.reshape(-1, logits.shape[-1]), ids)
 
+    def trace_local_loss(self, fn, params: dict, batch: Batch) -> None:
+        """Traces `fn(local_loss, params)` inside the step's `shard_map`, computing nothing.
+
+        For measurements of what one device's step holds (e.g. the residuals its
+        backward keeps): `local_loss(params)` is the loss as one device computes it (a
+        float32 scalar, as `loss`), on its part of `batch`, with this device's view of
+        `params`; `fn` runs once, at trace time (`jax.eval_shape` of the `shard_map`),
+        and its return value is ignored. `params` and `batch` may be
+        `jax.ShapeDtypeStruct`s.
+        """
+
+        def body(params, batch):
+            fn(lambda p: self._local_loss(p, batch, None)[0], params)
+            return jnp.zeros((), jnp.float32)
+
+        jax.eval_shape(self._shard_map(body, PartitionSpec()), params, batch)
+
     def logits(self, params: dict, batch: Batch) -> jax.Array:
         """float32 `[B, K]` logits of the stacked batch, examples in global order."""
 

@@ -24,6 +24,10 @@ _EXPORTS = {
     "RestoredRun": "gem_jax.train.restore",
     "load_params": "gem_jax.train.restore",
     "RunMismatchError": "gem_jax.train.run_record",
+    "RematPlan": "gem_jax.train.remat_plan",
+    "RematBudgetError": "gem_jax.train.remat_plan",
+    "measure_step": "gem_jax.train.remat_plan",
+    "plan_remat": "gem_jax.train.remat_plan",
     "auc": "gem_jax.train.metrics",
     "normalized_entropy": "gem_jax.train.metrics",
 }

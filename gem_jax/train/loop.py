@@ -102,6 +102,8 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
     try:
         run_record.check_num_steps(config.loop.num_steps, checkpointer.latest_step(), checkpoint_dir)
         training, state = setup_training(config, dataset=dataset)
+        if training.remat_plan is not None:
+            print(f"gem-train: rematerialization plan\n{training.remat_plan.table()}", flush=True)
         dataset, setup, workload, sharding = training.dataset, training.state, training.workload, training.placement
         spec = dataset.spec
         num_shards = training.mesh.devices.size

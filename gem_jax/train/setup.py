@@ -24,6 +24,7 @@ from gem_jax.train.baseline import item_mean_label_auc
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.metrics import EvalAccumulator
 from gem_jax.train.optimizer import make_optimizer
+from gem_jax.train.remat_plan import RematPlan, measure_step, model_graphdef, plan_remat, planning_batch
 from gem_jax.train.state import StateSetup, TrainState, create_train_state, state_setup
 from gem_jax.train.step import make_eval_step, make_train_step
 
@@ -44,6 +45,8 @@ class Training:
       train_step: `(state, placed batch) -> (state, metrics)`, jitted, donates `state`.
       eval_step: `(params, placed batch) -> {"logits", "labels", "weights",
         "candidate_item"}`, jitted, replicated (`gem_jax.train.step.make_eval_step`).
+      remat_plan: the regions' rematerialization policies and costs
+        (`gem_jax.train.remat_plan`); None when `ModelConfig.remat` asks for none.
     """
 
     config: TrainConfig
@@ -55,6 +58,7 @@ class Training:
     workload: Workload
     train_step: Callable
     eval_step: Callable
+    remat_plan: RematPlan | None = None
 
     def evaluate(self, params, *, baseline: bool = False) -> dict[str, float]:
         """Per-task AUC, NE and BCE of `params` over every eval example once.
@@ -107,6 +111,7 @@ def setup_training(
       `(training, state)`.
 
     Raises:
+      RematBudgetError: `ModelConfig.remat.budget_gb` is too small (`gem_jax.train.remat_plan`).
       the errors of `load_dataset`, `make_mesh` and the sharding rules.
     """
     dataset = load_dataset(config.data) if dataset is None else dataset
@@ -121,6 +126,13 @@ def setup_training(
     workload = train_workload(config.model, dataset.spec)
     dataset = dataset.resolve_bbs(num_shards=mesh.devices.size, workload=workload)
     placement = BatchPlacement(mesh, dataset.token_buckets)
+    plan = None
+    if config.model.remat.budget_gb is not None or config.model.remat.policies:
+        costs = measure_step(
+            config.model, dataset.spec, setup, *planning_batch(dataset, placement), row_wise_tables=config.optim.sparse_embedding_updates
+        )
+        plan = plan_remat(costs, config.model.remat)
+        setup = dataclasses.replace(setup, graphdef=model_graphdef(dataset.spec, dataclasses.replace(config.model, remat=plan.remat_config)))
     training = Training(
         config=config,
         dataset=dataset,
@@ -131,5 +143,6 @@ def setup_training(
         workload=workload,
         train_step=make_train_step(setup, optimizer, placement, sparse_embedding_updates=config.optim.sparse_embedding_updates),
         eval_step=make_eval_step(setup, placement),
+        remat_plan=plan,
     )
     return training, state

@@ -1,5 +1,6 @@
 """Jagged flash attention (JFA)."""
 
 from pallas_kernels.jagged_flash_attention.ops import jagged_flash_attention
+from pallas_kernels.jagged_flash_attention.config import SAVED_NAME
 
-__all__ = ["jagged_flash_attention"]
+__all__ = ["SAVED_NAME", "jagged_flash_attention"]

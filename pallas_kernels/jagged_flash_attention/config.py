@@ -25,3 +25,6 @@ COMPUTE_REGISTERS = 232  # per thread, compute warpgroups (setmaxnreg)
 MEMORY_REGISTERS = 40  # per thread, the TMA-issuing warpgroup
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+
+# `jax.ad_checkpoint.checkpoint_name` of the forward's output and log-sum-exp residuals (`vjp.py`).
+SAVED_NAME = "jagged_flash_attention_saved"

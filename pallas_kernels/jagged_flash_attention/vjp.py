@@ -2,7 +2,10 @@
 
 The forward saves the base-2 log-sum-exp per query row (in tile space, see
 `schedule.to_tile_space`) as the residual the backward needs, so the
-backward never recomputes the softmax normaliser.
+backward never recomputes the softmax normaliser. The output and the
+log-sum-exp carry the `jax.ad_checkpoint.checkpoint_name` `SAVED_NAME`: a caller's
+`jax.checkpoint` policy can keep them (`save_only_these_names(SAVED_NAME)`) and
+recompute only q, k and v in the backward, not the attention.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.jagged_flash_attention import schedule
 from pallas_kernels.jagged_flash_attention.backward_dkv import backward_dkv
 from pallas_kernels.jagged_flash_attention.backward_dq import backward_dq
-from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN, SUPPORTED_HEAD_DIMS
+from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN, SAVED_NAME, SUPPORTED_HEAD_DIMS
 from pallas_kernels.jagged_flash_attention.forward import forward
 
 _INTERPRET_CTAS = 1  # persistent CTAs simulated by the CPU interpreter
@@ -93,6 +97,7 @@ def _attention(q, k, v, offsets, causal, scale, num_ctas, window):
 def _attention_fwd(q, k, v, offsets, causal, scale, num_ctas, window):
     plan = schedule.build_plan(offsets, q.shape[0], causal=causal)
     out, lse = forward(q, k, v, plan, causal=causal, scale=scale, num_ctas=num_ctas, save_lse=True, window=window)
+    out, lse = checkpoint_name(out, SAVED_NAME), checkpoint_name(lse, SAVED_NAME)
     return out, (q, k, v, out, lse, plan)
 
 
