@@ -24,7 +24,7 @@ def test_train_bench_writes_comparable_json_with_peer_and_skipped_profile(repo_r
     for key in ("num_devices", "median_step_s", "mfu_per_device", "peak_bytes_in_use_device0", "slack_fraction_mean", "compile_s", "setup_to_first_step_s"):
         assert key in run, key
     assert run["num_devices"] == 1 and run["median_step_s"] > 0 and np.isfinite(run["loss_first_last"]).all()
-    assert run["remat_plan"] is None and record["overrides"] == []  # no rematerialization asked for
+    assert run["remat_plan"] is None  # no rematerialization asked for
     assert 0 <= run["slack_fraction_mean"] <= run["slack_fraction_max"] < 1 and run["setup_to_first_step_s"] >= run["first_step_s"] > 0
     assert "need a GPU" in run["profile"]["skipped"]
     memory = run["compiled_memory_bytes"]

@@ -85,7 +85,8 @@ def test_dense_weight_gradient_reads_the_fp8_input_and_dx_is_exact():
     # sum(dy): the same sum, in whatever order XLA reduces it.
     np.testing.assert_allclose(np.asarray(dp["bias"][...]), np.asarray(rp["bias"][...]), rtol=1e-5, atol=1e-5)
     # The weight gradient is exactly x~^T dy ...
-    np.testing.assert_allclose(np.asarray(dp["kernel"][...]), np.asarray(_dequantized(x).T @ dy), rtol=1e-5, atol=1e-4)
+    # (float32 sums over 130 tokens whose norms span orders of magnitude: compared in Frobenius norm)
+    assert _rel(dp["kernel"][...], _dequantized(x).T @ dy) < 1e-6
     # ... within E4M3's rounding of the exact one.
     err = _rel(dp["kernel"][...], rp["kernel"][...])
     assert 0.015 < err < E4M3_FROBENIUS, err
