@@ -161,8 +161,8 @@ class ShardedModel:
         Returns:
           loss: float32 scalar, the sum over tasks of the weighted mean BCE.
           bce: float32 `[K]` per task.
-          stats: int32 counters summed over devices (`<table>/out_of_range`,
-            `<table>/overflow`).
+          stats: counters summed over devices (`<table>/out_of_range`,
+            `<table>/overflow`, `<table>/sent_rows`: int32; `<table>/sent_bytes`: float32).
           logits: float32, examples in global order.
         """
         body = lambda params, batch: self._local_loss(params, batch, None)  # noqa: E731

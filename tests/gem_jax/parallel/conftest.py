@@ -1,4 +1,4 @@
-"""Runs `parallel_worker.py` in a subprocess with fake CPU devices (this process has one)."""
+"""Runs a worker script (`parallel_worker.py`, `exchange_worker.py`) in a subprocess with fake CPU devices (this process has one)."""
 
 import json
 import os
@@ -17,12 +17,12 @@ def worker_env(devices: int, **extra: str) -> dict:
 
 @pytest.fixture(scope="session")
 def run_worker():
-    """`run_worker(mode, tmp_path, *args, devices=8) -> report dict` (the worker's JSON)."""
+    """`run_worker(mode, tmp_path, *args, devices=8, worker=parallel_worker.py) -> report dict` (the worker's JSON)."""
 
-    def run(mode: str, tmp_path: Path, *args, devices: int = 8, timeout: int = 900) -> dict:
+    def run(mode: str, tmp_path: Path, *args, devices: int = 8, timeout: int = 900, worker: Path = WORKER) -> dict:
         out = tmp_path / f"{mode}.json"
         proc = subprocess.run(
-            [sys.executable, str(WORKER), mode, str(out), *map(str, args)], env=worker_env(devices), capture_output=True, text=True, timeout=timeout
+            [sys.executable, str(worker), mode, str(out), *map(str, args)], env=worker_env(devices), capture_output=True, text=True, timeout=timeout
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
         return json.loads(out.read_text())
