@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mxfp8.reference import Rounding
-from pallas_kernels.mxfp8.fsdp import quantize_gathered
+from pallas_kernels.mxfp8.fsdp import quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8
 
 
@@ -43,8 +43,11 @@ class Fp8Recipe:
         128x128 weight tiles, promotion every 128 K: DeepSeek-V3's granularity).
       grad_rounding: rounding of the output gradient before the dgrad GEMM; "stochastic"
         needs a `key` at call time.
-      fsdp_axis: if set, the kernel (sharded along `fsdp_dim` over this mesh axis) is
-        quantized on each shard and the 8-bit data all-gathered (`quantize_gathered`).
+      fsdp_axis: if set, the kernel (sharded along `fsdp_dim` over this mesh axis, or
+        these axes, outermost first) is quantized on each shard and the 8-bit data
+        all-gathered (`quantize_gathered`); inside a `shard_map` over those axes the
+        kernel given is this device's shard, and its gradient is reduce-scattered back
+        to it (`shard_gradient`).
       fsdp_dim: the sharded dimension of the kernel `[in, out]`.
       implementation: for `mxfp8_matmul`: "xla", "pallas" or None (pallas on Hopper).
       config: `pallas_kernels.mxfp8.kernel_matmul.TuningConfig` for the Pallas GEMMs, or
@@ -53,7 +56,7 @@ class Fp8Recipe:
 
     block: int = 32
     grad_rounding: str = "nearest"
-    fsdp_axis: str | None = None
+    fsdp_axis: str | tuple[str, ...] | None = None
     fsdp_dim: int = 0
     implementation: str | None = None
     config: Any = None
@@ -125,8 +128,10 @@ def _fp8_matmul_bwd(recipe, w_dtype, residuals, dy):
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key)
     dx = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
-    dw = jnp.dot(x16.T, dy.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    return _with_sharding_of(dx, xq), _with_sharding_of(dw.astype(w_dtype), w), None
+    dw = jnp.dot(x16.T, dy.astype(jnp.bfloat16), preferred_element_type=jnp.float32).astype(w_dtype)
+    if recipe.fsdp_axis is not None:
+        dw = shard_gradient(dw, axis_name=recipe.fsdp_axis, dim=recipe.fsdp_dim)
+    return _with_sharding_of(dx, xq), _with_sharding_of(dw, w), None
 
 
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

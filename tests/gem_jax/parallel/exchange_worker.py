@@ -6,6 +6,9 @@ MODE:
   exchange  sharded lookups (gen 1/2/3) on meshes (2,2,2) and (1,2,4): slack rows and
             padding ids never sent, no overflow at capacity factor 1 when the real ids
             fit, bounded rounds equal to the worst-case exchange.
+  fp8       the FP8 model (d = 128) in the sharded step on the same meshes: kernels
+            quantized on the shard and gathered in 8 bits (checked in the HLO), against
+            the unsharded FP8 model and (on (1,2,4)) the sharded step that gathers first.
 
 Writes a JSON report to OUT.json; `test_parallel_exchange.py` asserts on it.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -25,10 +29,25 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import dataclasses  # noqa: E402
+
+from flax import nnx  # noqa: E402
+
+from benchmarks.exchange_memory import collectives  # noqa: E402
+from gem_jax.data.pipeline import load_dataset  # noqa: E402
+from gem_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, synthetic_spec  # noqa: E402
 from gem_jax.mesh import Topology, live_axes, make_mesh  # noqa: E402
+from gem_jax.model.gem import GEMModel  # noqa: E402
 from gem_jax.nn import shard_context as context  # noqa: E402
 from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding, exchange_buffer, lookup, place_table  # noqa: E402
+from gem_jax.parallel.placement import BatchPlacement  # noqa: E402
 from gem_jax.parallel.rules import spec_from_axes  # noqa: E402
+from gem_jax.parallel.spmd import ShardedModel  # noqa: E402
+from gem_jax.pytree import path_keys  # noqa: E402
+from gem_jax.train import metrics  # noqa: E402
+from gem_jax.train.config import load_config  # noqa: E402
+from gem_jax.train.optimizer import make_optimizer  # noqa: E402
+from gem_jax.train.state import state_setup  # noqa: E402
 
 P = jax.sharding.PartitionSpec
 MESHES = {"2x2x2": Topology(2, 2, 2, experts_per_node=2), "1x2x4": Topology(1, 2, 4, experts_per_node=2)}
@@ -165,6 +184,102 @@ def check_mesh(mesh, rng) -> dict:
     return report
 
 
+def timed(label, fn):
+    start = time.perf_counter()
+    out = fn()
+    print(f"{label}: {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    return out
+
+
+def tree_rel_err(got, want) -> float:
+    return max(jax.tree.leaves(jax.tree.map(rel_err, got, want)))
+
+
+def check_fp8(mesh, config, spec, batch, params, graphdef, reference, gathered_first: bool) -> dict:
+    """The sharded FP8 step (kernels quantized on the shard) against the unsharded FP8 model and,
+    if `gathered_first`, against the sharded step that gathers every kernel first; the 8-bit gathers in its HLO."""
+    setup = state_setup(lambda rngs: GEMModel(spec, config.model, rngs=rngs), make_optimizer(config.optim), mesh, config.rules)
+    sharded_params = jax.device_put(params, setup.shardings.params)
+    stacked = BatchPlacement(mesh, load_dataset(config.data).token_buckets).put(batch)
+
+    def run(plan, label):
+        lowered = jax.jit(jax.value_and_grad(ShardedModel(setup.graphdef, plan, mesh, setup.compute_dtype).loss, has_aux=True)).lower(
+            sharded_params, stacked
+        )
+        (loss, (_, _, logits)), grads = timed(label, lambda: lowered.compile()(sharded_params, stacked))
+        return float(loss), np.asarray(logits), jax.device_get(grads), lowered.as_text(dialect="hlo")
+
+    loss, logits, grads, hlo = run(setup.plan, "fp8 on the shard")
+    want_loss, want_logits, want_grads = reference
+    gathers = [c for c in collectives(hlo) if c["op"] == "all-gather"]
+    kernels = fp8_kernel_shapes(graphdef, params, setup.plan.fp8)
+    shape = lambda t: t.split("[")[1].rstrip("]")  # noqa: E731
+    float_shapes = {shape(c["type"]) for c in gathers if c["type"].startswith(("f32", "bf16"))}
+    u8_gathers = {(shape(c["type"]), tuple(c["axes"])) for c in gathers if c["type"].startswith("u8")}
+    # A float gather of an FP8 kernel's full shape would be its gather-first path, unless another parameter has that shape.
+    kernel_keys = {(*name.split("/"), "kernel") for name in kernels}
+    other_shapes = {
+        ",".join(map(str, leaf.shape))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        if tuple(str(k) for k in path_keys(path)) not in kernel_keys
+    }
+    unambiguous = {name: v for name, v in kernels.items() if ",".join(map(str, v[0])) not in other_shapes}
+    report = {
+        "fp8_layers": len(kernels),
+        "gathers": {name: {"dim": g.dim, "axes": list(g.axes)} for name, g in setup.plan.fp8.items()},
+        "loss_err": rel_err(loss, want_loss),
+        "logits_err": rel_err(logits, want_logits),
+        "grad_err": tree_rel_err(grads, want_grads),
+        "kernels_gathered_in_8_bits": sorted(
+            name for name, (shape, axes) in kernels.items() if (",".join(map(str, shape)), axes) in u8_gathers
+        ),
+        "kernels_checked_for_float_gathers": len(unambiguous),
+        "kernels_gathered_in_float": sorted(n for n, (s, _) in unambiguous.items() if ",".join(map(str, s)) in float_shapes),
+        "u8_all_gathers": len([c for c in gathers if c["type"].startswith("u8")]),
+    }
+    if gathered_first:
+        loss0, logits0, grads0, _ = run(dataclasses.replace(setup.plan, fp8={}), "fp8 gathered first")
+        report |= {
+            "logits_equal_gathered_first": bool(np.array_equal(logits, logits0)),
+            "loss_equal_gathered_first": loss == loss0,
+            "grad_err_gathered_first": tree_rel_err(grads, grads0),
+        }
+    return report
+
+
+def fp8_kernel_shapes(graphdef, params, gathers) -> dict:
+    """`{layer: (kernel shape, 8-bit gather axes)}` of the FP8 layers the plan quantizes on the shard."""
+    model = nnx.merge(graphdef, params)
+    out = {}
+    for path, module in nnx.iter_modules(model):
+        name = "/".join(map(str, path))
+        if name in gathers:
+            out[name] = (list(module.kernel.shape), tuple(gathers[name].axes))
+    return out
+
+
+def fp8(out: Path) -> None:
+    config = load_config(REPO / "configs" / "gem_sharded_tiny.py")
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, embed_dim=128, fp8=True))
+    data = config.data
+    spec = synthetic_spec(data.synthetic, data.max_seq_len, data.num_time_buckets)
+    batch = SyntheticBatchBuilder(data.synthetic, spec, data.batch_size, data.seed, TRAIN_STREAM)(range(data.batch_size))
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(GEMModel(spec, config.model, rngs=nnx.Rngs(0)))
+    params = jax.device_get(nnx.to_pure_dict(state))
+    device_batch = jax.tree.map(jnp.asarray, batch)
+
+    def loss_fn(p):
+        logits = nnx.merge(graphdef, p)(device_batch)
+        return metrics.weighted_bce(logits, device_batch.labels, device_batch.weights).sum(), logits
+
+    (loss, logits), grads = timed("fp8 one device", lambda: jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params))
+    reference = (float(loss), np.asarray(logits), jax.device_get(grads))
+    # The bit-identity with the gather-first step on (1,2,4) only, where kernels take both paths (8-bit over all or part of their axes).
+    report = {name: check_fp8(make_mesh(t), config, spec, batch, params, graphdef, reference, name == "1x2x4") for name, t in MESHES.items()}
+    out.write_text(json.dumps(report, indent=1))
+
+
 def exchange(out: Path) -> None:
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     out.write_text(json.dumps({name: check_mesh(make_mesh(topology), rng) for name, topology in MESHES.items()}, indent=1))
@@ -174,5 +289,7 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "exchange":
         exchange(out)
+    elif mode == "fp8":
+        fp8(out)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
