@@ -27,57 +27,6 @@ import argparse
 import datetime
 import json
 import math
-import os
-import re
-import sys
-
-
-def _devices_for(config_path: str) -> int:
-    from gem_jax.train.config import load_config
-
-    return load_config(config_path).topology.num_devices
-
-
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\(([^)]*)\)")
-COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-GROUP_AXES = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
-HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e8m0fnu": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def _bytes(hlo_type: str) -> int:
-    return sum(math.prod(int(d) for d in dims.split(",") if d) * HLO_BYTES[dtype] for dtype, dims in ARRAY.findall(hlo_type))
-
-
-def collectives(hlo_text: str) -> list[dict]:
-    """`{op, axes, type, operand_types, bytes}` of every collective in an HLO module's text.
-
-    `axes`: the mesh axes it runs over. `bytes` is the larger of its result and its
-    operands (a tuple: its arrays summed): the buffer the collective needs, e.g. a
-    reduce-scatter's whole input.
-    """
-    types: dict[str, str] = {}
-    found = []
-    for line in hlo_text.splitlines():
-        match = INSTRUCTION.match(line)
-        if not match:
-            continue
-        name, result, op, operands = match.groups()
-        result = re.sub(r"\{[^}]*\}", "", result)
-        types[name] = result
-        if op.removesuffix("-start") in COLLECTIVES:
-            inputs = [types.get(o.strip(), "") for o in operands.split(",")]
-            axes = GROUP_AXES.search(line)
-            found.append(
-                {
-                    "op": op,
-                    "axes": re.findall(r"'(\w+)'", axes.group(1)) if axes else [],
-                    "type": result,
-                    "operand_types": inputs,
-                    "bytes": max(_bytes(result), sum(map(_bytes, inputs))),
-                }
-            )
-    return found
 
 
 def expected_history_rows(config) -> tuple[int, int]:
@@ -98,6 +47,7 @@ def measure(config, table: str, real: int, capacity: int) -> dict:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from benchmarks._lowered import collectives
     from gem_jax.mesh import live_axes, make_mesh
     from gem_jax.model.gem import GEMModel
     from gem_jax.data.sources.synthetic import synthetic_spec
@@ -162,16 +112,12 @@ def main(argv=None) -> None:
     parser.add_argument("--set", nargs="*", default=[], dest="overrides", help="config overrides, as gem-train --set")
     parser.add_argument("--out", help="JSON report path (default: stdout only)")
     args = parser.parse_args(argv)
-    devices = _devices_for(args.config)
-    flag = f"--xla_force_host_platform_device_count={devices}"
-    if flag not in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_PLATFORMS") != "cpu":
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), JAX_PLATFORMS="cpu")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)  # jax reads the flags once, at start-up
-
+    from benchmarks._lowered import restart_with_fake_devices
     from gem_jax.train import config_tree
     from gem_jax.train.config import load_config
 
     config = config_tree.apply_overrides(load_config(args.config), args.overrides)
+    restart_with_fake_devices(config.topology.num_devices)
     real, capacity = expected_history_rows(config)
     report = measure(config, args.table, real, capacity)
     summary = {k: v for k, v in report.items() if k != "collectives"}

@@ -43,8 +43,8 @@ matters in small lookups; factor 1 fits uniform ids, more leaves room for skew):
 past an owner's `C` wait for the next round, which reuses the same buffers (a
 `lax.scan` over the possible rounds, each skipped by `lax.cond` once every device is
 served; the rounds run only when some device overflows), so memory stays bounded and
-no id is dropped. Counters per table, summed over devices: `<table>/overflow` (real ids that
-missed the first round), `<table>/sent_rows` (real ids sent to owners) and
+no id is dropped. Counters per table, summed over devices: `<table>/overflow` (real
+ids that missed the first round), `<table>/sent_rows` (real ids sent to owners) and
 `<table>/sent_bytes` (float32: bytes of the send buffers, ids out and rows back, over
 all rounds; each NODE_SPLIT hop moves them once, and the backward sends the rows'
 bytes again as gradients).
@@ -320,7 +320,10 @@ def _route(buf: jax.Array, hops) -> jax.Array:
 
 
 def _round(table, local, owner, slot, fits, placement: TablePlacement, capacity: int, dtype) -> jax.Array:
-    """One exchange of the ids with `fits` (at `(owner, slot)` of `[owners, capacity]` buffers); `[n, d]` rows, zeros elsewhere."""
+    """One exchange of the ids with `fits`, at `(owner, slot)` of `[owners, capacity]` buffers.
+
+    Returns their rows `[n, d]` in `dtype`, zeros for the other ids.
+    """
     owners, hops = placement.num_shards, _hops(placement)
     o = jnp.where(fits, owner, owners)  # out of bounds: dropped by the scatter, never sent
     s = jnp.where(fits, slot, 0)
@@ -381,7 +384,7 @@ def _exchange(table: jax.Array, ids: jax.Array, valid: jax.Array, placement: Tab
 
 
 def exchange_buffer(placement: TablePlacement, n: int) -> tuple[int, int]:
-    """`(owners, capacity)`: a lookup of `n` ids per device sends `[owners, capacity]` ids per round and gets as many rows back."""
+    """`(owners, capacity)`: a lookup of `n` ids per device sends `[owners, capacity]` ids per round, gets as many rows back."""
     return placement.num_shards, _capacity(n, placement.num_shards, placement.capacity_factor)
 
 
@@ -398,7 +401,8 @@ def describe_exchange(placement: TablePlacement, n: int, dim: int, dtype) -> str
     row_bytes = dim * jnp.dtype(dtype).itemsize
     buffer = owners * capacity * row_bytes
     size = f"{buffer / 2**20:,.1f} MiB" if buffer >= 2**20 else f"{buffer / 2**10:,.1f} KiB"
-    bound = f"capacity factor {placement.capacity_factor:g}" if placement.capacity_factor else "worst-case buffers (no capacity factor)"
+    factor = placement.capacity_factor
+    bound = f"capacity factor {factor:g}" if factor is not None else "worst-case buffers (no capacity factor)"
     return (
         f"{placement.name}: {placement.generation.name}, {owners} owners (all-to-all over {hops}), {bound}: "
         f"a lookup of {n:,} ids sends {capacity:,} per owner per round, {size} of "

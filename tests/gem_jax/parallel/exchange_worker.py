@@ -33,7 +33,7 @@ import dataclasses  # noqa: E402
 
 from flax import nnx  # noqa: E402
 
-from benchmarks.exchange_memory import collectives  # noqa: E402
+from benchmarks._lowered import collectives  # noqa: E402
 from gem_jax.data.pipeline import load_dataset  # noqa: E402
 from gem_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, synthetic_spec  # noqa: E402
 from gem_jax.mesh import Topology, live_axes, make_mesh  # noqa: E402
