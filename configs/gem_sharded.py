@@ -3,7 +3,9 @@
 Topology: 2 zones x 2 nodes x 8 GPUs (32 GPUs), 2 expert slots per node. Dense weights
 HSDP (FSDP over a zone's 16 GPUs, replicated across the 2 zones); the DHEN MLP experts
 spread over the expert slots of each node; the item table node-split (gen 3), the user
-table model-parallel inside a zone (gen 2), the small feature tables replicated.
+table model-parallel inside a zone (gen 2), the small feature tables replicated. The
+sharded tables exchange ids and rows in bounded buffers, 1.25x what uniform ids need
+(`TableSharding.capacity_factor`; `gem-train` prints their size at start-up).
 Embedding ids outside a vocabulary are an error; the user ids are hashed instead. Base batch
 shuffling balances the devices' work (and their token counts, so one capacity fits all).
 `benchmarks/train_bench.py` runs this model on 1 and 2 GPUs of one host.
@@ -18,13 +20,14 @@ from gem_jax.parallel.rules import HSDP_RULES, ShardingRules
 from gem_jax.train.checkpoint import CheckpointConfig
 from gem_jax.train.optimizer import OptimConfig
 
+EXCHANGE_CAPACITY = 1.25  # bounded exchange buffers; None would size them for the worst case (every id to one owner)
 SMALL_TABLES = ("embed/action", "embed/time_bucket", "embed/user/1", "embed/user/2", "embed/user/3")
 
 RULES = ShardingRules(
     logical=HSDP_RULES.logical,
     tables=(
-        ("embed/item", TableSharding(Generation.NODE_SPLIT)),
-        ("embed/user/0", TableSharding(Generation.GROUP, OutOfRange.HASH)),
+        ("embed/item", TableSharding(Generation.NODE_SPLIT, capacity_factor=EXCHANGE_CAPACITY)),
+        ("embed/user/0", TableSharding(Generation.GROUP, OutOfRange.HASH, capacity_factor=EXCHANGE_CAPACITY)),
     )
     + tuple((name, TableSharding(Generation.REPLICATED)) for name in SMALL_TABLES),
     default_table=TableSharding(Generation.GROUP),

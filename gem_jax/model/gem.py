@@ -37,12 +37,16 @@ class FeatureEmbeddings(nnx.Module):
         self.user = nnx.List([EmbeddingTable(size, dim, rngs=rngs) for size in spec.user_vocab_sizes()])
         self.genres = dense(spec.num_genres, dim, (None, "embed"), rngs=rngs, dtype=dtype)
 
-    def history(self, values: jax.Array) -> jax.Array:
-        """int32 `[T_cap, 3]` -> `[T_cap, d]` in `dtype`: sum of item, action and time-bucket embeddings."""
+    def history(self, values: jax.Array, real: jax.Array) -> jax.Array:
+        """int32 `[T_cap, 3]` -> `[T_cap, d]` in `dtype`: sum of item, action and time-bucket embeddings.
+
+        bool `real` `[T_cap]` marks the real rows; slack rows get zeros and are never
+        looked up (a sharded table sends only real ids).
+        """
         return (
-            self.item(values[:, HistoryField.ITEM])
-            + self.action(values[:, HistoryField.ACTION])
-            + self.time_bucket(values[:, HistoryField.TIME_BUCKET])
+            self.item(values[:, HistoryField.ITEM], real)
+            + self.action(values[:, HistoryField.ACTION], real)
+            + self.time_bucket(values[:, HistoryField.TIME_BUCKET], real)
         ).astype(self.dtype)
 
     def feature_tokens(self, batch: Batch) -> jax.Array:
@@ -103,7 +107,7 @@ class GEMModel(nnx.Module):
         b, base = batch.batch_size, NUM_BASE_TOKENS
         token_type = self.token_type[...].astype(dtype)
         tokens = self.embed.feature_tokens(batch) + token_type[:base]
-        x = self.embed.history(history.values)
+        x = self.embed.history(history.values, history.valid_mask())
         regions = self.config.remat
         x = remat.region(
             remat.HISTORY_CONTEXT, regions, self.history_context,

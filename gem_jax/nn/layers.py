@@ -85,9 +85,9 @@ class EmbeddingTable(nnx.Module):
         init = nnx.with_partitioning(nnx.initializers.normal(stddev=dim**-0.5), ("table_rows", "table_dim"))
         setattr(self, EMBEDDING_PARAM, nnx.Param(init(rngs.params(), (embeddings.padded_table_rows(num_rows), dim))))
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        """int `[...]` -> `[..., dim]` in the parameter's dtype (float32)."""
-        return embeddings.lookup(getattr(self, EMBEDDING_PARAM)[...], ids, self.num_rows, self.placement)
+    def __call__(self, ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """int `[...]` -> `[..., dim]` in the parameter's dtype (float32); zero rows where bool `mask` `[...]` is False."""
+        return embeddings.lookup(getattr(self, EMBEDDING_PARAM)[...], ids, self.num_rows, self.placement, mask=mask)
 
 
 def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None) -> nnx.RMSNorm:

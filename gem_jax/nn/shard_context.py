@@ -3,7 +3,7 @@
 Model code (embedding tables, the DHEN expert group) runs unchanged on one device and
 inside the `shard_map` of `gem_jax.parallel.spmd`. Inside, it needs the sizes of the
 named mesh axes for its collectives, and a place to report counters (out-of-range ids,
-buffer overflows) that the step returns as metrics. `shard_context` provides both for
+buffer overflows, bytes exchanged) that the step returns as metrics. `shard_context` provides both for
 the duration of one trace. A step that updates unsharded tables row by row
 (`gem_jax.train.sparse_tables`) also passes `TableRows` through it.
 """
@@ -66,7 +66,8 @@ class ShardContext:
     axis_sizes: size of every mesh axis, outermost first.
     exchange_dtype: dtype in which activations cross the network (embedding rows);
       None keeps theirs.
-    stats: int32 scalar counters recorded during the trace, by name (summed per name).
+    stats: scalar counters recorded during the trace, by name (summed per name): int32,
+      or float32 for quantities that overflow int32 (bytes).
     rows: the row gradients of unsharded tables, or None (tables get dense gradients).
     """
 
@@ -76,8 +77,9 @@ class ShardContext:
     rows: TableRows | None = None
 
     def record(self, name: str, value: jax.Array) -> None:
-        """Adds an int32 scalar to counter `name`."""
-        value = jnp.asarray(value, jnp.int32)
+        """Adds a scalar to counter `name`: float32 if `value` is a float, else int32."""
+        value = jnp.asarray(value)
+        value = value.astype(jnp.float32 if jnp.issubdtype(value.dtype, jnp.floating) else jnp.int32)
         self.stats[name] = self.stats[name] + value if name in self.stats else value
 
 

@@ -22,6 +22,7 @@ golden-table test guards that no large parameter stays replicated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -29,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gem_jax.nn.layers import EMBEDDING_PARAM, EmbeddingTable
+from gem_jax.quant import Fp8Linear
 from gem_jax.nn.embeddings import Generation, TablePlacement, TableSharding, place_table
 from gem_jax.mesh import EXPERT, GROUP_AXES, live_axes
 from gem_jax.pytree import path_keys, path_str
@@ -117,6 +119,22 @@ def spec_from_axes(axes: Axes, ndim: int, dim: int = 0) -> PartitionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Gather:
+    """How an FP8 layer's sharded kernel reaches the layer: quantized on the shard, gathered in 8 bits.
+
+    The sharded step all-gathers the kernel (in the compute dtype) over every axis of
+    its spec except `axes` on dimension `dim`; the layer quantizes that chunk and
+    all-gathers the 8-bit data and scales over `axes` (`Fp8Recipe.fsdp_axis` /
+    `fsdp_dim`). `axes` is the longest outer part of the dimension's axes whose chunks
+    hold whole quantization blocks, so the result is bit-identical to quantizing the
+    gathered kernel.
+    """
+
+    dim: int
+    axes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     """Every parameter's sharding on one mesh.
 
@@ -125,12 +143,15 @@ class ShardingPlan:
       logical: the same tree of logical-name `PartitionSpec`s.
       tables: the embedding tables' placements, by module path.
       axis_sizes: the mesh's axis sizes.
+      fp8: the FP8 layers (`gem_jax.quant.Fp8Linear`) whose kernels are quantized on
+        the shard, by module path ("sequence_tower/blocks/0/qkv").
     """
 
     specs: dict
     logical: dict
     tables: dict[str, TablePlacement]
     axis_sizes: dict[str, int]
+    fp8: dict[str, Fp8Gather] = dataclasses.field(default_factory=dict)
 
     def shardings(self, mesh: Mesh) -> dict:
         """The `NamedSharding` tree of `specs` on `mesh`."""
@@ -159,11 +180,31 @@ class ShardingPlan:
         return rows
 
 
+def fp8_gather(spec: PartitionSpec, shape: tuple[int, ...], block: int, axis_sizes: dict[str, int]) -> Fp8Gather | None:
+    """Where an FP8 kernel of `shape` sharded as `spec` is quantized on the shard (see `Fp8Gather`).
+
+    Picks the dimension whose longest outer run of axes leaves chunks of whole
+    `block`s and spans the most devices; None when no chunk smaller than the kernel
+    holds whole blocks (the kernel is then gathered first and quantized after).
+    """
+    best = None
+    for dim, entry in enumerate(spec):
+        axes = _spec_axes(PartitionSpec(entry))
+        for k in range(len(axes), 0, -1):
+            devices = math.prod(axis_sizes[a] for a in axes[:k])
+            if shape[dim] % (devices * block) == 0:
+                if best is None or devices > best[0]:
+                    best = (devices, Fp8Gather(dim, axes[:k]))
+                break
+    return None if best is None else best[1]
+
+
 def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules: ShardingRules) -> ShardingPlan:
     """Resolves `rules` for every parameter of `abstract_model` (from `nnx.eval_shape`) on a mesh.
 
     Embedding tables (`EmbeddingTable`) are row-sharded by their table's generation;
-    every other parameter by its logical axis names.
+    every other parameter by its logical axis names. The sharded kernels of FP8 layers
+    are quantized on the shard where their blocks allow (`fp8_gather`).
 
     Args:
       abstract_model: the model, abstract (no arrays needed).
@@ -189,7 +230,15 @@ def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules:
         return logical_to_spec(names, rules, leaf.shape, axis_sizes)
 
     specs = jax.tree_util.tree_map_with_path(spec_of, logical, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return ShardingPlan(specs=specs, logical=logical, tables=placements, axis_sizes=dict(axis_sizes))
+    fp8 = {}
+    for path, module in nnx.iter_modules(abstract_model):
+        if isinstance(module, Fp8Linear):
+            name = path_str(path)
+            kernel_spec = functools.reduce(lambda tree, key: tree[key], (*path_keys(path), "kernel"), specs)
+            gather = fp8_gather(kernel_spec, module.kernel.shape, module.recipe.block, axis_sizes)
+            if gather is not None:
+                fp8[name] = gather
+    return ShardingPlan(specs=specs, logical=logical, tables=placements, axis_sizes=dict(axis_sizes), fp8=fp8)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -7,9 +7,13 @@ over the axes that shard it (FSDP); it is first marked as varying over the axes 
 replicate it. Reverse-mode differentiation turns these into GEM's HSDP gradient path:
 the all-gather's transpose is a reduce-scatter inside the zone and the replication's
 transpose an all-reduce across zones, on the reduce-scattered shard (MaxText's
-hierarchical FSDP, done here explicitly). The DHEN expert group keeps its `expert`
-dimension sharded (`gem_jax.nn.experts`) and embedding tables stay as shards for
-the sharded lookup (`gem_jax.nn.embeddings`).
+hierarchical FSDP, done here explicitly). The kernel of an FP8 layer is quantized on
+its shard instead, and the 8-bit data and scales are all-gathered (GEM: weights
+quantized on the local FSDP shard; `ShardingPlan.fp8`) over the axes whose chunks
+hold whole quantization blocks, after a gather in the compute dtype over the others;
+its gradient comes back through the same reduce-scatter and all-reduce. The DHEN
+expert group keeps its `expert` dimension sharded (`gem_jax.nn.experts`) and
+embedding tables stay as shards for the sharded lookup (`gem_jax.nn.embeddings`).
 
 The loss is the weighted mean BCE over the *global* batch: each device's weighted sum
 and weight total are summed over all devices before the division, so the loss and its
@@ -31,8 +35,8 @@ from gem_jax.nn.layers import EMBEDDING_PARAM
 from gem_jax.nn import embeddings
 from gem_jax.nn import shard_context as context
 from gem_jax.mesh import live_axes
-from gem_jax.pytree import path_keys
-from gem_jax.parallel.rules import ShardingPlan, spec_from_axes
+from gem_jax.pytree import path_keys, path_str
+from gem_jax.parallel.rules import Fp8Gather, ShardingPlan, spec_from_axes
 from gem_jax.model import loss as loss_lib
 
 
@@ -67,12 +71,21 @@ def _psum(x, axes):
     return jax.lax.psum(x, axes) if axes else x
 
 
-def gather_param(x: jax.Array, spec: PartitionSpec, names: PartitionSpec, role: Role, axis_sizes: dict[str, int], dtype) -> jax.Array:
+def gather_param(
+    x: jax.Array,
+    spec: PartitionSpec,
+    names: PartitionSpec,
+    role: Role,
+    axis_sizes: dict[str, int],
+    dtype,
+    fp8: Fp8Gather | None = None,
+) -> jax.Array:
     """One parameter shard -> the array the model uses on this device (inside `shard_map`).
 
     DENSE and EXPERT: cast to `dtype` (a float compute dtype, or None to keep) on the
     shard, mark varying over the live axes the spec does not mention, all-gather every
-    sharded dimension (EXPERT: except the `expert` one). TABLE: unchanged.
+    sharded dimension (EXPERT: except the `expert` one; an FP8 kernel: except `fp8.axes`
+    of dimension `fp8.dim`, which its layer gathers in 8 bits). TABLE: unchanged.
     """
     if role is Role.TABLE:
         return x
@@ -85,9 +98,20 @@ def gather_param(x: jax.Array, spec: PartitionSpec, names: PartitionSpec, role: 
     names = tuple(names) + (None,) * (x.ndim - len(tuple(names)))
     for dim, entry in enumerate(spec):
         axes = _entry_axes(entry)
+        if fp8 is not None and dim == fp8.dim:
+            axes = axes[len(fp8.axes) :]  # the inner axes: the layer quantizes their gathered chunk
         if axes and not (role is Role.EXPERT and names[dim] == "expert"):
             x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
     return x
+
+
+def bind_fp8(model: nnx.Module, gathers: dict[str, Fp8Gather]) -> None:
+    """Points the FP8 layers named in `gathers` (module paths) at their kernel's 8-bit gather
+    (`Fp8Recipe.fsdp_axis` / `fsdp_dim`), so that they quantize the shard `gather_param` left them."""
+    for path, module in nnx.iter_modules(model):
+        gather = gathers.get(path_str(path))
+        if gather is not None:
+            module.recipe = dataclasses.replace(module.recipe, fsdp_axis=gather.axes, fsdp_dim=gather.dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,17 +143,19 @@ class ShardedModel:
         local = jax.tree.map(lambda x: x[0], batch)
         roles = param_roles(self.plan)
         dtype = jnp.dtype(self.compute_dtype)
-        full = jax.tree.map(
-            lambda x, spec, names, role: gather_param(x, spec, names, role, sizes, dtype),
-            params,
-            self.plan.specs,
-            self.plan.logical,
-            roles,
-            is_leaf=lambda x: _is_spec(x) or isinstance(x, Role),
+
+        def gather(path, x, spec, names, role):
+            keys = path_keys(path)
+            fp8 = self.plan.fp8.get(path_str(keys[:-1])) if keys[-1] == "kernel" else None
+            return gather_param(x, spec, names, role, sizes, dtype, fp8)
+
+        full = jax.tree_util.tree_map_with_path(
+            gather, params, self.plan.specs, self.plan.logical, roles, is_leaf=lambda x: _is_spec(x) or isinstance(x, Role)
         )
         with context.shard_context(sizes, dtype, rows) as ctx:
             model = nnx.merge(self.graphdef, full)
             embeddings.bind_tables(model, self.plan.tables)
+            bind_fp8(model, self.plan.fp8)
             logits = model(local)
         return logits, dict(ctx.stats), local
 
@@ -161,8 +187,8 @@ class ShardedModel:
         Returns:
           loss: float32 scalar, the sum over tasks of the weighted mean BCE.
           bce: float32 `[K]` per task.
-          stats: int32 counters summed over devices (`<table>/out_of_range`,
-            `<table>/overflow`).
+          stats: counters summed over devices (`<table>/out_of_range`,
+            `<table>/overflow`, `<table>/sent_rows`: int32; `<table>/sent_bytes`: float32).
           logits: float32, examples in global order.
         """
         body = lambda params, batch: self._local_loss(params, batch, None)  # noqa: E731

@@ -105,6 +105,8 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
         if training.remat_plan is not None:
             print(f"gem-train: rematerialization plan\n{training.remat_plan.table()}", flush=True)
         dataset, setup, workload, sharding = training.dataset, training.state, training.workload, training.placement
+        for line in training.describe_exchanges():
+            print(f"gem-train: {line}", flush=True)
         spec = dataset.spec
         num_shards = training.mesh.devices.size
         train_iter = dataset.local_train_iterator(sharding.shard)
@@ -220,10 +222,11 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
     return summary
 
 
-def _lookup_counters(window: list[dict]) -> dict[str, int]:
-    """The embedding lookups' `<table>/overflow` and `<table>/out_of_range` counts, summed over the window."""
-    keys = [k for k in window[0] if k.endswith(("/overflow", "/out_of_range"))]
-    return {k: int(sum(int(m[k]) for m in window)) for k in keys}
+def _lookup_counters(window: list[dict]) -> dict[str, int | float]:
+    """The embedding lookups' `<table>/overflow` and `<table>/out_of_range` counts, summed over the window,
+    and their exchanges' `<table>/sent_rows` and `<table>/sent_bytes`, per step (the window's mean)."""
+    counts = {k: int(sum(int(m[k]) for m in window)) for k in window[0] if k.endswith(("/overflow", "/out_of_range"))}
+    return counts | {k: float(np.mean([m[k] for m in window])) for k in window[0] if k.endswith(("/sent_rows", "/sent_bytes"))}
 
 
 def _train_record(window: list[dict], task_names, elapsed: float, flops: float, examples: int, peak: float | None) -> dict:

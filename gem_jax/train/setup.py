@@ -9,6 +9,7 @@ workload (FLOPs per example, used by MFU accounting and by BBS). The trainer
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -16,9 +17,11 @@ import numpy as np
 import optax
 
 from gem_jax.data.pipeline import Dataset, load_dataset
+from gem_jax.jagged import pick_capacity
 from gem_jax.mesh import make_mesh
 from gem_jax.model.flops import Workload, train_workload
 from gem_jax.model.gem import GEMModel
+from gem_jax.nn.embeddings import Generation, describe_exchange
 from gem_jax.parallel.placement import BatchPlacement
 from gem_jax.train.baseline import item_mean_label_auc
 from gem_jax.train.config import TrainConfig
@@ -59,6 +62,24 @@ class Training:
     train_step: Callable
     eval_step: Callable
     remat_plan: RematPlan | None = None
+
+    def describe_exchanges(self) -> list[str]:
+        """One line per sharded embedding table: its exchange buffers for a lookup of a device's expected history rows.
+
+        The rows are `B/D` times the data set's mean history length, in the token
+        capacity a batch of that many rows gets (`gem_jax.nn.embeddings.describe_exchange`);
+        the history's tables are looked up with that many ids, the others (user and
+        candidate features) with `B/D`.
+        """
+        per_device = self.dataset.batch_size // self.mesh.devices.size
+        buckets = self.dataset.token_buckets
+        rows = pick_capacity(math.ceil(per_device * buckets.mean_length), buckets.capacities(per_device))
+        model = self.config.model
+        return [
+            describe_exchange(placement, rows, model.embed_dim, model.compute_dtype)
+            for placement in self.state.plan.tables.values()
+            if placement.generation is not Generation.REPLICATED
+        ]
 
     def evaluate(self, params, *, baseline: bool = False) -> dict[str, float]:
         """Per-task AUC, NE and BCE of `params` over every eval example once.

@@ -23,7 +23,8 @@ def make_train_step(
     the sum over tasks of the weighted mean BCE over the global batch. Metrics (float32
     scalars or `[K]`): loss, per-task BCE and NE against the batch's base rate, the
     global gradient norm; int32 lookup counters `<table>/out_of_range` and
-    `<table>/overflow` (check them with `gem_jax.nn.embeddings.check_lookup_stats`).
+    `<table>/overflow` (check them with `gem_jax.nn.embeddings.check_lookup_stats`),
+    and for sharded tables `<table>/sent_rows` (int32) and `<table>/sent_bytes` (float32).
 
     With `sparse_embedding_updates`, unsharded tables are updated row by row
     (`gem_jax.train.sparse_tables`: the same update, without a dense table gradient);

@@ -1,7 +1,7 @@
 """MXFP8 training matmuls: 32x32 block quantization, Hadamard rotation, stochastic rounding, FP8 GEMM,
 the FP8 dense matmul with its custom VJP, and weight quantization on the FSDP shard."""
 
-from pallas_kernels.mxfp8.fsdp import quantize_gathered
+from pallas_kernels.mxfp8.fsdp import quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.reference import Rounding
 from pallas_kernels.mxfp8.vjp import Fp8Recipe, Prologue, fp8_matmul, quantize_weight
@@ -18,4 +18,5 @@ __all__ = [
     "quantize_weight",
     "random_hadamard",
     "rmsnorm_quantize_mxfp8",
+    "shard_gradient",
 ]

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mxfp8 import reference
-from pallas_kernels.mxfp8.fsdp import quantize_gathered
+from pallas_kernels.mxfp8.fsdp import quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.reference import Rounding
 
@@ -55,8 +55,11 @@ class Fp8Recipe:
         128x128 weight tiles, promotion every 128 K: DeepSeek-V3's granularity).
       grad_rounding: rounding of the output gradient before the dgrad GEMM; "stochastic"
         needs a `key` at call time.
-      fsdp_axis: if set, the kernel (sharded along `fsdp_dim` over this mesh axis) is
-        quantized on each shard and the 8-bit data all-gathered (`quantize_gathered`).
+      fsdp_axis: if set, the kernel (sharded along `fsdp_dim` over this mesh axis, or
+        these axes, outermost first) is quantized on each shard and the 8-bit data
+        all-gathered (`quantize_gathered`); inside a `shard_map` over those axes the
+        kernel given is this device's shard, and its gradient is reduce-scattered back
+        to it (`shard_gradient`).
       fsdp_dim: the sharded dimension of the kernel `[in, out]`.
       implementation: for `mxfp8_matmul`: "xla", "pallas" or None (pallas on Hopper).
       config: `pallas_kernels.mxfp8.kernel_matmul.TuningConfig` for the Pallas GEMMs, or
@@ -65,7 +68,7 @@ class Fp8Recipe:
 
     block: int = 32
     grad_rounding: str = "nearest"
-    fsdp_axis: str | None = None
+    fsdp_axis: str | tuple[str, ...] | None = None
     fsdp_dim: int = 0
     implementation: str | None = None
     config: Any = None
@@ -205,7 +208,10 @@ def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
     token_axis = (((0,), (0,)), ((), ()))  # dw = x16^T dy without transposing either operand
     dw = jax.lax.dot_general(x16, dy.astype(jnp.bfloat16), token_axis, preferred_element_type=jnp.float32)
-    dw = _with_sharding_of(dw.astype(w_dtype), w)
+    dw = dw.astype(w_dtype)
+    if recipe.fsdp_axis is not None:  # inside shard_map: back to this device's shard of the kernel
+        dw = shard_gradient(dw, axis_name=recipe.fsdp_axis, dim=recipe.fsdp_dim)
+    dw = _with_sharding_of(dw, w)
     if prologue is Prologue.NONE:
         return _with_sharding_of(dp, xq), None, dw, None
     _, prologue_vjp = jax.vjp(lambda x, s: _apply_prologue(prologue, x, s, eps), x, norm_scale)

@@ -1,4 +1,5 @@
-"""Quantize-on-shard-then-gather equals gather-then-quantize, on 8 fake CPU devices (in a subprocess)."""
+"""Quantize-on-shard-then-gather equals gather-then-quantize, on 8 fake CPU devices (in a subprocess), from a
+globally sharded array and from inside a `shard_map` over the FSDP axes."""
 
 import os
 import subprocess
@@ -55,6 +56,44 @@ SCRIPT = textwrap.dedent(
     want = jax.jit(step(plain))(x, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+    # Inside a shard_map over the FSDP axes (as in a sharded train step): each device has its own rows of x
+    # (whole 32-row tiles) and its shard of w, gathers 8-bit data over two axes, and gets its shard's
+    # gradient (the weight gradients of all devices' rows, reduce-scattered).
+    from gem_jax.quant import shard_gradient
+    axes = ("data", "fsdp")
+    manual = Fp8Recipe(implementation="xla", fsdp_axis=axes, fsdp_dim=0)
+    x = jax.random.normal(jax.random.key(12), (256, 256))
+    g = jax.random.normal(jax.random.key(13), (256, 96))
+    want = jax.jit(step(plain))(x, w)
+    rows = NamedSharding(mesh2, P(axes, None))
+
+    def local(x_rows, g_rows, w_shard):
+        data, scales = quantize_gathered(w_shard, axis_name=axes, dim=0)
+        f = lambda x, w: jnp.sum(fp8_matmul(x, w, None, manual, w.dtype) * g_rows)
+        value, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x_rows, w_shard)
+        return data, scales, jax.lax.psum(value, axes), dx, dw
+
+    out_specs = (P(), P(), P(), P(axes, None), P(axes, None))
+    data, scales, value, dx, dw = jax.jit(jax.shard_map(local, mesh=mesh2, in_specs=(P(axes, None),) * 3, out_specs=out_specs))(
+        jax.device_put(x, rows), jax.device_put(g, rows), jax.device_put(w, rows)
+    )
+    ref_d, ref_s = quantize_mxfp8(w, block=(32, 32))
+    np.testing.assert_array_equal(bits(data), bits(ref_d))
+    np.testing.assert_array_equal(bits(scales), bits(ref_s))
+    for a, b in zip((value, dx, dw), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    # Outside a shard_map the gradient is already the global one.
+    np.testing.assert_array_equal(np.asarray(shard_gradient(jnp.ones((4, 2)), axis_name=axes)), np.ones((4, 2)))
+
+    try:
+        jax.shard_map(lambda s: quantize_gathered(s, axis_name=axes, dim=0), mesh=mesh2, in_specs=P(axes, None), out_specs=(P(), P()))(
+            jax.device_put(jnp.ones((128, 64)), rows)  # 16 rows per shard
+        )
+    except ValueError as e:
+        assert "whole quantization blocks" in str(e) and "16 rows" in str(e), e
+    else:
+        raise AssertionError("a misaligned shard was accepted inside shard_map")
     print("FSDP-OK")
     """
 )

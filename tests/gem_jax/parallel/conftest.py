@@ -1,4 +1,4 @@
-"""Runs `parallel_worker.py` in a subprocess with fake CPU devices (this process has one).
+"""Runs a worker script (`parallel_worker.py`, `exchange_worker.py`) in a subprocess with fake CPU devices (this process has one).
 
 Each worker runs under `timeout -k 5`: once `jax.distributed` is up, JAX handles SIGTERM, so a
 hung worker is killed 5 s after its time is up, and the test fails instead of waiting.
@@ -26,12 +26,12 @@ def worker_env(devices: int, **extra: str) -> dict:
 
 @pytest.fixture(scope="session")
 def run_worker():
-    """`run_worker(mode, tmp_path, *args, devices=8) -> report dict` (the worker's JSON)."""
+    """`run_worker(mode, tmp_path, *args, devices=8, worker=parallel_worker.py) -> report dict` (the worker's JSON)."""
 
-    def run(mode: str, tmp_path: Path, *args, devices: int = 8, timeout: int = 900) -> dict:
+    def run(mode: str, tmp_path: Path, *args, devices: int = 8, timeout: int = 900, worker: Path = WORKER) -> dict:
         out = tmp_path / f"{mode}.json"
         proc = subprocess.run(
-            limited([sys.executable, str(WORKER), mode, str(out), *map(str, args)], timeout),
+            limited([sys.executable, str(worker), mode, str(out), *map(str, args)], timeout),
             env=worker_env(devices), capture_output=True, text=True, timeout=timeout + 30,
         )
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -254,7 +254,8 @@ def equivalence(out: Path) -> None:
     batch = with_empty_and_poisoned(global_batch(config, spec, 0), spec)
     overflowing = ShardingRules(
         HSDP_RULES.logical,
-        tables=(("embed/item", TableSharding(Generation.GLOBAL, capacity_factor=0.5)), ("embed/user/0", TableSharding(Generation.GLOBAL))),
+        # capacity factor 0.05: 1-2 ids per owner per round, so the item lookups run several rounds
+        tables=(("embed/item", TableSharding(Generation.GLOBAL, capacity_factor=0.05)), ("embed/user/0", TableSharding(Generation.GLOBAL))),
         default_table=TableSharding(Generation.REPLICATED),
     )
     plans = {"2x2x2": config.rules, "1x2x4": overflowing}

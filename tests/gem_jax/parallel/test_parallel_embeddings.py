@@ -1,4 +1,5 @@
-"""Embedding lookup on one device: out-of-range policies (never NaN, clamp or silent drop), counters, host check."""
+"""Embedding lookup on one device: out-of-range policies (never NaN, clamp or silent drop), masked rows, counters,
+host check, the exchange buffer a sharded table's lookup would use."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,10 @@ from gem_jax.nn.embeddings import (
     TableSharding,
     apply_id_policy,
     check_lookup_stats,
+    describe_exchange,
+    exchange_buffer,
     lookup,
+    padded_table_rows,
     place_table,
 )
 
@@ -87,3 +91,44 @@ def test_table_sharding_validates_its_fields():
         TableSharding(2)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         TableSharding(capacity_factor=0.0)
+
+
+GEM_SHARDED_AXES = {"zone": 2, "node": 2, "expert": 2, "gpu": 4}  # configs/gem_sharded.py
+
+
+def test_describe_exchange_gives_the_bounded_buffer_of_a_history_lookup():
+    rows = padded_table_rows(1_000_000)
+    bounded = place_table("embed/item", 1_000_000, rows, TableSharding(Generation.NODE_SPLIT, capacity_factor=1.25), GEM_SHARDED_AXES)
+    # 166,528 ids over 16 owners: share 10,408, C = ceil(1.25 (10,408 + 4 sqrt(10,408))) = 13,521
+    assert exchange_buffer(bounded, 166_528) == (16, 13_521)
+    line = describe_exchange(bounded, 166_528, 256, "bfloat16")
+    assert line == (
+        "embed/item: NODE_SPLIT, 16 owners (all-to-all over 2 (node) then 8 (expert/gpu)), capacity factor 1.25: "
+        "a lookup of 166,528 ids sends 13,521 per owner per round, 105.6 MiB of bfloat16 rows per device "
+        "(1.30x the rows looked up)"
+    )
+    worst = place_table("embed/item", 1_000_000, rows, TableSharding(Generation.NODE_SPLIT), GEM_SHARDED_AXES)
+    assert "worst-case buffers (no capacity factor)" in describe_exchange(worst, 166_528, 256, "bfloat16")
+    assert "(16.00x the rows looked up)" in describe_exchange(worst, 166_528, 256, "bfloat16")
+    # Small lookups keep a margin for the spread of uniform ids: 1,024 ids, share 64, C = ceil(1.25 (64 + 32)) = 120.
+    assert exchange_buffer(bounded, 1024) == (16, 120)
+    with pytest.raises(ValueError, match="replicated: nothing is exchanged"):
+        describe_exchange(place_table("t", 13, 16, TableSharding(Generation.REPLICATED), ONE_DEVICE), 10, 4, "float32")
+
+
+def test_masked_rows_are_zero_uncounted_and_get_no_gradient():
+    rng = np.random.default_rng()
+    table = make_table(rng)
+    ids = jnp.asarray([3, 0, 99, 5, 7], jnp.int32)  # 99 is out of range, but masked: not counted
+    mask = jnp.asarray([True, True, False, True, False])
+    with context.shard_context(ONE_DEVICE) as ctx:
+        rows = lookup(table, ids, 13, placement(OutOfRange.ERROR), mask=mask)
+    want = np.where(np.asarray(mask)[:, None], np.asarray(table)[[3, 0, 0, 5, 7]], 0.0)
+    np.testing.assert_array_equal(np.asarray(rows), want)  # padding id 0 is row 0, as any id
+    assert int(ctx.stats["t/out_of_range"]) == 0
+    grad = jax.grad(lambda t: lookup(t, ids, 13, placement(OutOfRange.ERROR), mask=mask).sum())(table)
+    expected = np.zeros((16, 4), np.float32)
+    expected[[3, 0, 5]] = 1.0
+    np.testing.assert_array_equal(np.asarray(grad), expected)
+    with pytest.raises(ValueError, match=r"mask has shape \(4,\), ids \(5,\)"):
+        lookup(table, ids, 13, placement(OutOfRange.ERROR), mask=mask[:4])

@@ -17,7 +17,7 @@ from gem_jax.data.sources.synthetic import synthetic_spec
 from gem_jax.model.gem import GEMModel
 from gem_jax.nn.embeddings import Generation, TableSharding, padded_table_rows, place_table
 from gem_jax.mesh import EXPERT, GPU, NODE, ZONE
-from gem_jax.parallel.rules import DATA_PARALLEL_RULES, HSDP_RULES, ShardingRules, logical_to_spec, plan_sharding
+from gem_jax.parallel.rules import DATA_PARALLEL_RULES, HSDP_RULES, Fp8Gather, ShardingRules, fp8_gather, logical_to_spec, plan_sharding
 
 GOLDEN = Path(__file__).parent / "golden" / "gem_sharded_params.json"
 SIZES = {ZONE: 2, NODE: 2, EXPERT: 2, GPU: 4}
@@ -96,3 +96,30 @@ def test_data_parallel_rules_replicate_dense_and_shard_tables_globally(gem_shard
     assert all(e is None for e in rows["cross_tower/dhen/0/mix/kernel"]["spec"])
     custom = ShardingRules(default_table=TableSharding(Generation.REPLICATED))
     assert plan_sharding(model, config.topology.axis_sizes, custom).tables["embed/item"].row_axes == ()
+
+
+def test_fp8_kernels_are_gathered_in_8_bits_over_the_outer_axes_whose_chunks_hold_whole_blocks():
+    group = P((NODE, EXPERT, GPU), None)
+    assert fp8_gather(group, (1024, 256), 32, SIZES) == Fp8Gather(0, (NODE, EXPERT, GPU))  # 64 rows per GPU
+    assert fp8_gather(group, (256, 768), 32, SIZES) == Fp8Gather(0, (NODE, EXPERT))  # 16 per GPU: gpu in bf16 first
+    assert fp8_gather(group, (256, 768), 128, SIZES) == Fp8Gather(0, (NODE,))
+    assert fp8_gather(P(None, (NODE, EXPERT, GPU)), (96, 1024), 32, SIZES) == Fp8Gather(1, (NODE, EXPERT, GPU))
+    assert fp8_gather(P((NODE, EXPERT), GPU), (128, 128), 32, SIZES) == Fp8Gather(0, (NODE, EXPERT))  # a tie: the first dimension
+    assert fp8_gather(P((NODE,), (EXPERT, GPU)), (64, 256), 32, SIZES) == Fp8Gather(1, (EXPERT, GPU))  # the dimension over more devices
+    assert fp8_gather(group, (48, 64), 32, SIZES) is None  # no chunk holds whole blocks
+    assert fp8_gather(P(None, None), (1024, 1024), 32, SIZES) is None
+
+
+def test_the_fp8_model_plans_every_sharded_fp8_kernel(gem_sharded):
+    import dataclasses
+
+    config, plain = gem_sharded
+    spec = synthetic_spec(config.data.synthetic, config.data.max_seq_len, config.data.num_time_buckets)
+    fp8 = dataclasses.replace(config.model, fp8=True)
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: GEMModel(spec, fp8, rngs=nnx.Rngs(0)))
+    plan = plan_sharding(model, config.topology.axis_sizes, config.rules)
+    assert plan.fp8["sequence_tower/blocks/0/qkv"] == Fp8Gather(0, (NODE, EXPERT))  # d = 256 over 16 GPUs: 16 rows
+    assert plan.fp8["sequence_tower/blocks/0/mlp/down"] == Fp8Gather(0, (NODE, EXPERT, GPU))  # 1024 over 16: 64 rows
+    assert len(plan.fp8) == sum(1 for _, m in nnx.iter_modules(model) if type(m).__name__ == "Fp8Linear")
+    assert plan_sharding(plain, config.topology.axis_sizes, config.rules).fp8 == {}  # no FP8 layers

@@ -1,0 +1,61 @@
+"""Programs lowered on fake CPU devices: starting the process with them, and reading a program's collectives
+(kind, mesh axes, types and bytes) from its HLO text."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\(([^)]*)\)")
+COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+GROUP_AXES = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
+HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e8m0fnu": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _bytes(hlo_type: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * HLO_BYTES[dtype] for dtype, dims in ARRAY.findall(hlo_type))
+
+
+def collectives(hlo_text: str) -> list[dict]:
+    """`{op, axes, type, operand_types, bytes}` of every collective in an HLO module's text.
+
+    `axes`: the mesh axes it runs over. `bytes` is the larger of its result and its
+    operands (a tuple: its arrays summed): the buffer the collective needs, e.g. a
+    reduce-scatter's whole input.
+    """
+    types: dict[str, str] = {}
+    found = []
+    for line in hlo_text.splitlines():
+        match = INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, result, op, operands = match.groups()
+        result = re.sub(r"\{[^}]*\}", "", result)
+        types[name] = result
+        if op.removesuffix("-start") in COLLECTIVES:
+            inputs = [types.get(o.strip(), "") for o in operands.split(",")]
+            axes = GROUP_AXES.search(line)
+            found.append(
+                {
+                    "op": op,
+                    "axes": re.findall(r"'(\w+)'", axes.group(1)) if axes else [],
+                    "type": result,
+                    "operand_types": inputs,
+                    "bytes": max(_bytes(result), sum(map(_bytes, inputs))),
+                }
+            )
+    return found
+
+
+def restart_with_fake_devices(count: int) -> None:
+    """Re-executes this process on `count` fake CPU devices unless it runs on them already.
+
+    jax reads `XLA_FLAGS` once, when it starts, so the flag cannot be set later.
+    """
+    flag = f"--xla_force_host_platform_device_count={count}"
+    if flag not in os.environ.get("XLA_FLAGS", "") or os.environ.get("JAX_PLATFORMS") != "cpu":
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), JAX_PLATFORMS="cpu")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
