@@ -1,6 +1,6 @@
 """All-gather bytes of the FP8 layers' kernels in the sharded train step: quantized on the shard vs gathered first.
 
-The config's model with `fp8=True` is lowered (forward and gradient, `ShardedModel.loss`)
+The config's model with `fp8=True` in every `Fp8Region` is lowered (forward and gradient, `ShardedModel.loss`)
 on its topology, on as many fake CPU devices as it has GPUs, twice: as the step runs it
 (each FP8 kernel quantized on its shard, 8-bit data and scales all-gathered;
 `ShardingPlan.fp8`) and with every kernel all-gathered in the compute dtype first
@@ -28,7 +28,7 @@ def _key(c: dict) -> tuple[str, tuple[str, ...]]:
 
 
 def measure(config) -> dict:
-    """The FP8 kernels' all-gathers of `config`'s sharded step with `model.fp8=True`, on the shard and gathered first."""
+    """The FP8 kernels' all-gathers of `config`'s sharded step with `model.fp8=True` in every `Fp8Region`, on the shard and gathered first."""
     import jax
     import numpy as np
 
@@ -36,6 +36,7 @@ def measure(config) -> dict:
     from gem_jax.data.pipeline import load_dataset
     from gem_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticBatchBuilder
     from gem_jax.mesh import make_mesh
+    from gem_jax.model.config import Fp8Region
     from gem_jax.model.gem import GEMModel
     from gem_jax.parallel.placement import BatchPlacement, stack_batch
     from gem_jax.parallel.spmd import ShardedModel
@@ -43,7 +44,7 @@ def measure(config) -> dict:
     from gem_jax.train.run_record import code_version
     from gem_jax.train.state import state_setup
 
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, fp8=True))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, fp8=True, fp8_regions=tuple(Fp8Region)))
     mesh = make_mesh(config.topology)
     dataset = load_dataset(config.data)
     factory = lambda rngs: GEMModel(dataset.spec, config.model, rngs=rngs)  # noqa: E731

@@ -145,7 +145,8 @@ def fp8_matmul(
 
     Args:
       x: `[T, in]` float; its dtype is the output dtype.
-      w: `[in, out]` float of dtype `w_dtype` (the master weight).
+      w: `[in, out]` float of dtype `w_dtype` (the master weight); with `recipe.fsdp_axis`
+        (inside `shard_map`) this device's shard of it along `recipe.fsdp_dim`.
       key: PRNG key for stochastic rounding of the output gradient, or None.
       recipe: the quantization recipe.
       w_dtype: dtype of `w` (the weight gradient is returned in it).
@@ -162,7 +163,8 @@ def fp8_matmul(
         `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM.
     """
     prologue = Prologue(prologue)
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    in_is_sharded = recipe.fsdp_axis is not None and recipe.fsdp_dim == 0  # w holds a shard of the `in` rows
+    if x.ndim != 2 or w.ndim != 2 or (x.shape[1] != w.shape[0] and not in_is_sharded):
         raise ValueError(f"fp8_matmul: x must be [T, in] and w [in, out]; got {x.shape} and {w.shape}")
     if (prologue is Prologue.RMSNORM) != (norm_scale is not None):
         raise ValueError(f"fp8_matmul: norm_scale is required with Prologue.RMSNORM and only with it (prologue={prologue})")

@@ -37,6 +37,7 @@ from benchmarks._lowered import collectives  # noqa: E402
 from gem_jax.data.pipeline import load_dataset  # noqa: E402
 from gem_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, synthetic_spec  # noqa: E402
 from gem_jax.mesh import Topology, live_axes, make_mesh  # noqa: E402
+from gem_jax.model.config import Fp8Region  # noqa: E402
 from gem_jax.model.gem import GEMModel  # noqa: E402
 from gem_jax.nn import shard_context as context  # noqa: E402
 from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding, exchange_buffer, lookup, place_table  # noqa: E402
@@ -260,7 +261,9 @@ def fp8_kernel_shapes(graphdef, params, gathers) -> dict:
 
 def fp8(out: Path) -> None:
     config = load_config(REPO / "configs" / "gem_sharded_tiny.py")
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, embed_dim=128, fp8=True))
+    # Every region in FP8: the cross tower's kernels are sharded over other axes than the sequence tower's.
+    model = dataclasses.replace(config.model, embed_dim=128, fp8=True, fp8_regions=tuple(Fp8Region))
+    config = dataclasses.replace(config, model=model)
     data = config.data
     spec = synthetic_spec(data.synthetic, data.max_seq_len, data.num_time_buckets)
     batch = SyntheticBatchBuilder(data.synthetic, spec, data.batch_size, data.seed, TRAIN_STREAM)(range(data.batch_size))
