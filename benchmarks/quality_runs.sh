@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Model quality of one setting against a reference: trains the same config and seed once per
-# variant, all at once on one GPU (each process gets GEM_MEM_FRACTION of its memory), then
+# variant, all at once on one GPU (each process gets GEM_MEM_FRACTION of its memory; set
+# GEM_SEQUENTIAL=1 to run them one after the other, where host work would be shared), then
 # compares the runs with benchmarks/compare_runs.py (final eval NE/BCE and train loss, relative
 # to the first variant).
 #
@@ -25,7 +26,10 @@ for variant in "$@"; do
   python3 -m gem_jax.cli --config "$config" --workdir "$root/$name" --no-progress --force-new \
     "${set_args[@]}" > "$root/$name.log" 2>&1 &
   pids+=($!) runs+=(--run "$name=$root/$name")
+  if [ "${GEM_SEQUENTIAL:-0}" = 1 ]; then wait $! || { echo "run $name failed: see $root/$name.log" >&2; exit 1; }; fi
 done
+# A stopped comparison stops its runs too (each checkpoints and exits on the first signal, at once on the second).
+trap 'kill -TERM "${pids[@]}" 2>/dev/null; sleep 5; kill -TERM "${pids[@]}" 2>/dev/null; exit 143' TERM INT
 status=0
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || { echo "run ${runs[$((2 * i + 1))]} failed: see its log" >&2; status=1; }
