@@ -31,6 +31,7 @@ done
 # A stopped comparison stops its runs too (each checkpoints and exits on the first signal, at once on the second).
 trap 'kill -TERM "${pids[@]}" 2>/dev/null; sleep 5; kill -TERM "${pids[@]}" 2>/dev/null; exit 143' TERM INT
 status=0
+[ "${GEM_SEQUENTIAL:-0}" = 1 ] && pids=()  # already waited for, one by one
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || { echo "run ${runs[$((2 * i + 1))]} failed: see its log" >&2; status=1; }
 done
