@@ -13,9 +13,10 @@ import dataclasses
 import enum
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from gem_jax.jagged import Jagged
+from gem_jax.jagged import Jagged, from_lengths
 
 PAD_ID = 0  # reserved id in every vocabulary: padding / unknown
 
@@ -89,6 +90,41 @@ class Batch:
     @property
     def batch_size(self) -> int:
         return self.candidate_item.shape[0]
+
+
+def random_batch(spec: FeatureSpec, rng: np.random.Generator, lengths, capacity: int, *, slack_value: int = 0) -> Batch:
+    """A `Batch` of random in-vocabulary ids and labels, for trying a model (and for tests).
+
+    Ids are uniform over each vocabulary without the padding id 0, genres multi-hot with
+    probability 0.4, labels fair coins, every weight 1.
+
+    Args:
+      spec: the vocabularies.
+      rng: numpy generator (its draws, in order: history items, actions, time buckets, user
+        fields, candidate items, genres, labels).
+      lengths: int `[B]` history length of each example (each <= `spec.max_seq_len`).
+      capacity: token rows `T_cap` of the history (>= sum(lengths)).
+      slack_value: id written into every column of the slack rows past the last history.
+
+    Returns:
+      A `Batch` of B examples (jax arrays).
+
+    Raises:
+      ValueError: from `gem_jax.jagged.from_lengths` (lengths over capacity or max_seq_len).
+    """
+    lengths = np.asarray(lengths)
+    b, t = len(lengths), int(lengths.sum())
+    values = np.stack([rng.integers(1, n, t) for n in (spec.num_items, spec.num_actions, spec.num_time_buckets)], 1)
+    history = from_lengths(values, lengths, max_seq_len=spec.max_seq_len, capacity=capacity)
+    history = history.replace_values(history.values.at[t:].set(slack_value))
+    return Batch(
+        history=history,
+        user=jnp.asarray(np.stack([rng.integers(1, n, b) for n in spec.user_vocab_sizes()], 1), jnp.int32),
+        candidate_item=jnp.asarray(rng.integers(1, spec.num_items, b), jnp.int32),
+        candidate_genres=jnp.asarray(rng.random((b, spec.num_genres)) < 0.4, jnp.float32),
+        labels=jnp.asarray(rng.random((b, 2)) < 0.5, jnp.float32),
+        weights=jnp.ones((b,), jnp.float32),
+    )
 
 
 def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> None:

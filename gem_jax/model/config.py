@@ -221,4 +221,9 @@ def describe_attention(config: ModelConfig) -> list[str]:
         lines.append(
             f"FP8 dense layers ({config.fp8_block}-wide blocks; {regions}): {choice.implementation.value} ({choice.reason})"
         )
+    if config.fp8_saved_activations:
+        lines.append(
+            "FP8 saved activations (E4M3, 1x128 blocks): the sequence tower's MLP pre-GELU and the inputs of its "
+            "bf16 QKV, MLP-up and pooled-KV projections"
+        )
     return lines

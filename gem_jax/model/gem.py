@@ -20,6 +20,7 @@ from gem_jax.nn.layers import MLP, EmbeddingTable, dense, rms_norm
 from gem_jax.model.sequence_tower import SequenceTower
 
 NUM_BASE_TOKENS = len(UserField) + 2  # user fields, candidate item, candidate genres
+USER_TABLES = "embed/user/"  # path prefix of the user-field tables (`GEMModel.embed.user`): one id per example
 
 
 class FeatureEmbeddings(nnx.Module):

@@ -165,7 +165,7 @@ def apply_overrides(config: Any, overrides: Iterable[str]) -> Any:
 
     `path` is dotted (`loop.num_steps`, `data.synthetic.num_items`); the value is parsed
     to the declared type of that field (enum members by name, `None` where allowed,
-    tuples as `(1, 2)` or `1,2`).
+    tuples as `(1, 2)` or `1,2`, a variable-length tuple of one item also as the bare item).
 
     Raises:
       ConfigError: a malformed override, an unknown field (the valid names are listed)
@@ -195,8 +195,11 @@ def _replace_path(obj: Any, keys: Sequence[str], value: Any, override: str) -> A
         new = _replace_path(inner, keys[1:], value, override)
     else:
         tp = _field_types(type(obj))[key]
-        if isinstance(value, str) and "," in value and (typing.get_origin(tp) is tuple or tp is tuple):
-            value = tuple(_parse_literal(v) for v in value.split(","))
+        if typing.get_origin(tp) is tuple or tp is tuple:
+            if isinstance(value, str) and "," in value:
+                value = tuple(_parse_literal(v) for v in value.split(","))
+            elif not isinstance(value, (tuple, list)) and typing.get_args(tp)[1:] == (Ellipsis,):
+                value = (value,)  # a variable-length tuple: one bare item is a 1-tuple
         try:
             new = _decode(tp, value, override.split("=", 1)[0])
         except ConfigError as error:

@@ -76,6 +76,7 @@ class CostModel:
     bytes_per_s: float = 3.5e12
 
     def seconds(self, flops: float, freed_bytes: float) -> float:
+        """Recompute time of `flops` GEMM FLOPs plus writing and reading back `freed_bytes` bytes, in seconds."""
         return flops / self.matmul_flops_per_s + 2.0 * freed_bytes / self.bytes_per_s
 
 
@@ -178,6 +179,7 @@ class RematPlan:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
+        """The plan as JSON values: per-region rows, the byte totals of the estimate, recompute ms, budget."""
         return {
             "regions": self.rows(),
             "state_bytes": self.state_bytes,
@@ -392,7 +394,8 @@ def planning_batch(dataset: Dataset, placement: BatchPlacement) -> tuple[Batch, 
     per = dataset.batch_size // num_shards
     buckets = dataset.token_buckets
     expected = per * buckets.mean_length + buckets.sigmas * math.sqrt(per) * buckets.std_length
-    capacity = pick_capacity(math.ceil(expected), buckets.capacities(per))
+    capacities = buckets.capacities(per)
+    capacity = pick_capacity(min(math.ceil(expected), capacities[-1]), capacities)  # never past B/D x max_seq_len
     stacked = stack_batch(host, num_shards, buckets)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=placement.sharding), stacked)
     values = abstract.history.values

@@ -70,7 +70,14 @@ def residual_bytes(fn: Callable, params, *args, fusion: bool = True) -> int:
 def dot_flops(jaxpr: jex_core.Jaxpr) -> float:
     """2 x output elements x contracted size, summed over the `dot_general`s without batch
     dimensions of `jaxpr` and its sub-jaxprs: the GEMMs (attention's batched products and
-    the insides of Pallas kernels are not counted)."""
+    the insides of Pallas kernels are not counted).
+
+    Args:
+      jaxpr: a traced program (`jax.make_jaxpr(f)(...).jaxpr`).
+
+    Returns:
+      FLOPs (float; 0.0 for a program without such GEMMs).
+    """
     total = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":

@@ -41,6 +41,9 @@ MAY_CHANGE = (
     "checkpoint.async_save",
     "data.prefetch_batches",
     "data.path",  # where the files are; their content is compared by fingerprint
+    # What the backward recomputes instead of keeping: the same values (up to the rounding of
+    # the recomputation), so a run stopped for memory may resume under another budget.
+    "model.remat",
 )
 
 

@@ -11,8 +11,7 @@ import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
-from gem_jax.batch import Batch, FeatureSpec
-from gem_jax.jagged import from_lengths
+from gem_jax.batch import FeatureSpec, random_batch
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.loss import weighted_bce
 from gem_jax.nn.layers import MLP
@@ -186,18 +185,7 @@ def _tiny(fp8_saved: bool, dtype: str = "float32"):
 
 
 def _batch():
-    rng = np.random.default_rng(0)
-    lengths = np.array([9, 0, 16, 3, 7])  # 35 real rows, 2 slack
-    t = int(lengths.sum())
-    values = np.stack([rng.integers(1, n, t) for n in (SPEC.num_items, SPEC.num_actions, SPEC.num_time_buckets)], 1)
-    return Batch(
-        history=from_lengths(values, lengths, max_seq_len=SPEC.max_seq_len, capacity=TOKENS),
-        user=jnp.asarray(np.stack([rng.integers(1, n, BATCH) for n in SPEC.user_vocab_sizes()], 1), jnp.int32),
-        candidate_item=jnp.asarray(rng.integers(1, SPEC.num_items, BATCH), jnp.int32),
-        candidate_genres=jnp.asarray(rng.random((BATCH, SPEC.num_genres)) < 0.4, jnp.float32),
-        labels=jnp.asarray(rng.random((BATCH, 2)) < 0.5, jnp.float32),
-        weights=jnp.ones((BATCH,), jnp.float32),
-    )
+    return random_batch(SPEC, np.random.default_rng(0), [9, 0, 16, 3, 7], TOKENS)  # 35 real rows, 2 slack
 
 
 def _loss(graphdef):

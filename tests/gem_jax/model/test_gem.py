@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.batch import Batch, FeatureSpec, HistoryField
+from gem_jax.batch import Batch, FeatureSpec, HistoryField, random_batch
 from gem_jax.jagged import from_lengths
-from gem_jax.model.config import Fp8Region, ModelConfig
+from gem_jax.model.config import Fp8Region, ModelConfig, describe_attention
 from gem_jax.model.gem import GEMModel
 from gem_jax.nn.layers import apply_rope, rope_table
 from gem_jax.quant.dense import Fp8Linear
@@ -19,20 +19,7 @@ CONFIG = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_que
 
 
 def make_batch(rng, lengths, capacity, slack_value=0):
-    lengths = np.asarray(lengths)
-    b, t = len(lengths), int(lengths.sum())
-    values = np.stack([rng.integers(1, SPEC.num_items, t), rng.integers(1, SPEC.num_actions, t), rng.integers(1, SPEC.num_time_buckets, t)], 1)
-    history = from_lengths(values, lengths, max_seq_len=SPEC.max_seq_len, capacity=capacity)
-    history = history.replace_values(history.values.at[t:].set(slack_value))
-    user = np.stack([rng.integers(1, n, b) for n in SPEC.user_vocab_sizes()], 1)
-    return Batch(
-        history=history,
-        user=jnp.asarray(user, jnp.int32),
-        candidate_item=jnp.asarray(rng.integers(1, SPEC.num_items, b), jnp.int32),
-        candidate_genres=jnp.asarray(rng.random((b, SPEC.num_genres)) < 0.4, jnp.float32),
-        labels=jnp.asarray(rng.random((b, 2)) < 0.5, jnp.float32),
-        weights=jnp.ones((b,), jnp.float32),
-    )
+    return random_batch(SPEC, rng, lengths, capacity, slack_value=slack_value)
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +242,11 @@ def test_bad_regions_are_refused_and_overrides_parse_names():
     assert config.fp8_for(Fp8Region.CROSS) == config.fp8_recipe and config.fp8_for(Fp8Region.POOLED) is None
     with pytest.raises(ConfigError, match="fp8_regions"):
         apply_overrides(CONFIG, ["fp8_regions=SEQ_MLP,HEADS"])
+
+
+def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
+    lines = describe_attention(dataclasses.replace(CONFIG, fp8=True, fp8_block=128, fp8_saved_activations=True))
+    assert lines[0].startswith("self-attention (full): xla") and lines[1].startswith("GELU attention (GDPA): xla")
+    assert lines[2].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
+    assert lines[3].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
+    assert len(describe_attention(CONFIG)) == 2

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.batch import Batch, FeatureSpec
-from gem_jax.jagged import from_lengths
+from gem_jax.batch import Batch, FeatureSpec, random_batch
 from gem_jax.model import remat
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.gem import GEMModel
@@ -24,19 +23,6 @@ SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8
 def tiny_model_config(repo_root, name: str = "gem_h200_tiny.py") -> ModelConfig:
     return load_config(repo_root / "configs" / name).model
 
-
-def random_batch(rng, lengths, capacity) -> Batch:
-    lengths = np.asarray(lengths)
-    b, t = len(lengths), int(lengths.sum())
-    values = np.stack([rng.integers(1, SPEC.num_items, t), rng.integers(1, SPEC.num_actions, t), rng.integers(1, SPEC.num_time_buckets, t)], 1)
-    return Batch(
-        history=from_lengths(values, lengths, max_seq_len=SPEC.max_seq_len, capacity=capacity),
-        user=jnp.asarray(np.stack([rng.integers(1, n, b) for n in SPEC.user_vocab_sizes()], 1), jnp.int32),
-        candidate_item=jnp.asarray(rng.integers(1, SPEC.num_items, b), jnp.int32),
-        candidate_genres=jnp.asarray(rng.random((b, SPEC.num_genres)) < 0.4, jnp.float32),
-        labels=jnp.asarray(rng.random((b, 2)) < 0.5, jnp.float32),
-        weights=jnp.ones((b,), jnp.float32),
-    )
 
 
 def test_region_names_follow_the_layer_counts():
@@ -94,7 +80,7 @@ def _grad_fn(model_config: ModelConfig, batch: Batch):
 def test_gradients_equal_with_and_without_every_policy(repo_root):
     """configs/movielens_tiny.py's model: every region under each policy in turn, and a mix, against no remat."""
     base = tiny_model_config(repo_root, "movielens_tiny.py")
-    batch = random_batch(np.random.default_rng(), [3, 0, 12, 7, 5], capacity=32)
+    batch = random_batch(SPEC, np.random.default_rng(), [3, 0, 12, 7, 5], capacity=32)
     params = nnx.split(GEMModel(SPEC, base, rngs=nnx.Rngs(0)))[1]
     names = base.region_names
     mixed = tuple((name, list(RematPolicy)[i % len(RematPolicy)]) for i, name in enumerate(names))
@@ -110,7 +96,7 @@ def test_gradients_equal_with_and_without_every_policy(repo_root):
 
 def test_policies_put_regions_under_checkpoint_and_the_default_adds_none(repo_root):
     base = tiny_model_config(repo_root)
-    batch = random_batch(np.random.default_rng(0), [3, 4], capacity=8)
+    batch = random_batch(SPEC, np.random.default_rng(0), [3, 4], capacity=8)
     params = nnx.split(GEMModel(SPEC, base, rngs=nnx.Rngs(0)))[1]
 
     def checkpoints(remat_config):
@@ -125,7 +111,7 @@ def test_policies_put_regions_under_checkpoint_and_the_default_adds_none(repo_ro
 def test_observed_regions_are_pure_functions_of_their_parameters_and_inputs(repo_root):
     """The observer sees each region once, in order, with `fn(params, *args)` giving the region's output."""
     base = tiny_model_config(repo_root)
-    batch = random_batch(np.random.default_rng(0), [3, 4], capacity=8)
+    batch = random_batch(SPEC, np.random.default_rng(0), [3, 4], capacity=8)
     graphdef, params = nnx.split(GEMModel(SPEC, base, rngs=nnx.Rngs(0)))
     seen = []
 

@@ -55,6 +55,9 @@ def test_tuple_and_optional_fields():
 
     out = config_tree.apply_overrides(Outer(), ["inner.sizes=0.5,1", "inner.pair=(2, 'b')", "inner.limit=7"])
     assert out.inner == Inner(sizes=(0.5, 1.0), pair=(2, "b"), limit=7)
+    assert config_tree.apply_overrides(Outer(), ["inner.sizes=0.25"]).inner.sizes == (0.25,)  # one bare item
+    with pytest.raises(config_tree.ConfigError, match="inner.pair"):  # a fixed-length tuple takes no bare item
+        config_tree.apply_overrides(Outer(), ["inner.pair=2"])
     assert config_tree.from_tree(Outer, json.loads(json.dumps(config_tree.to_tree(out)))) == out
     with pytest.raises(config_tree.ConfigError, match=r"inner\.limit: .* fits none of"):
         config_tree.apply_overrides(Outer(), ["inner.limit=x"])

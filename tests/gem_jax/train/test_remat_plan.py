@@ -75,6 +75,15 @@ def tiny(repo_root):
     return config, training, costs
 
 
+def test_planning_capacity_never_passes_the_largest_bucket(repo_root):
+    # movielens_tiny: mean + 4 sigma of a device's rows is more than B x max_seq_len
+    config = load_config(repo_root / "configs" / "movielens_tiny.py")
+    training, _ = setup_training(config, init_state=False)
+    batch, _ = remat_plan.planning_batch(training.dataset, training.placement)
+    per = training.dataset.batch_size // training.placement.num_shards
+    assert batch.history.values.shape[1] <= training.dataset.token_buckets.capacities(per)[-1]
+
+
 def test_measured_costs_of_the_tiny_step(tiny):
     config, training, costs = tiny
     d, m = config.model.embed_dim, config.model.mlp_ratio * config.model.embed_dim
