@@ -28,6 +28,24 @@ def _inside_shard_map(axes: tuple[str, ...]) -> bool:
     return not mesh.empty and all(a in mesh.manual_axes for a in axes)
 
 
+def gathered_extent(w: jax.Array, *, axis_name: str | tuple[str, ...], dim: int = 0) -> int:
+    """The size along `dim` of the whole weight whose shard `w` is, as `quantize_gathered` gathers it.
+
+    Inside a `shard_map` over `axis_name` `w` is one device's shard: `w.shape[dim]` times
+    the product of the axes' sizes. Outside, `w` is the whole (global) array: `w.shape[dim]`.
+
+    Args:
+      w: `[R, C]` weight or weight shard.
+      axis_name, dim: as given to `quantize_gathered`.
+
+    Returns:
+      The gathered size along `dim` (rows for dim 0, columns for dim 1).
+    """
+    axes = _axes(axis_name)
+    shards = math.prod(lax.axis_size(a) for a in axes) if _inside_shard_map(axes) else 1
+    return w.shape[dim] * shards
+
+
 def _gather_bytes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
     """All-gather an 8-bit float array as uint8 (no reliance on FP8 collectives) and bitcast back."""
     gathered = lax.all_gather(lax.bitcast_convert_type(x, jnp.uint8), axes, axis=dim, tiled=True, to="invarying")

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mxfp8 import reference
-from pallas_kernels.mxfp8.fsdp import quantize_gathered, shard_gradient
+from pallas_kernels.mxfp8.fsdp import gathered_extent, quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.reference import Rounding
 
@@ -159,13 +159,16 @@ def fp8_matmul(
       `[T, out]` in x.dtype.
 
     Raises:
-      ValueError: `x` or `w` not 2-D or of different inner sizes, an unknown prologue, or
+      ValueError: `x` or `w` not 2-D or of different inner sizes (w's rows counted gathered
+        with `recipe.fsdp_axis`), an unknown prologue, or
         `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM.
     """
     prologue = Prologue(prologue)
-    in_is_sharded = recipe.fsdp_axis is not None and recipe.fsdp_dim == 0  # w holds a shard of the `in` rows
-    if x.ndim != 2 or w.ndim != 2 or (x.shape[1] != w.shape[0] and not in_is_sharded):
+    if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"fp8_matmul: x must be [T, in] and w [in, out]; got {x.shape} and {w.shape}")
+    in_rows = w.shape[0] if recipe.fsdp_axis is None or recipe.fsdp_dim != 0 else gathered_extent(w, axis_name=recipe.fsdp_axis)
+    if x.shape[1] != in_rows:
+        raise ValueError(f"fp8_matmul: x has {x.shape[1]} input features, w {in_rows} rows (w {w.shape}, gathered over {recipe.fsdp_axis})")
     if (prologue is Prologue.RMSNORM) != (norm_scale is not None):
         raise ValueError(f"fp8_matmul: norm_scale is required with Prologue.RMSNORM and only with it (prologue={prologue})")
     if norm_scale is not None and norm_scale.shape != (x.shape[1],):

@@ -9,6 +9,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gem_jax.quant import Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight
 from pallas_kernels.mxfp8 import dequantize_mxfp8, kernel_matmul, quantize_mxfp8
+from pallas_kernels.mxfp8.fsdp import gathered_extent
 
 
 def _rel(x, ref):
@@ -199,3 +200,12 @@ def test_layer_with_norm_or_gelu_matches_the_unfused_modules():
         layer(x, norm=nnx.LayerNorm(128, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="norm_scale"):
         fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="rmsnorm")
+
+
+def test_fp8_matmul_refuses_inputs_whose_features_differ_from_the_weight_rows():
+    x, w = jnp.ones((64, 96)), jnp.ones((128, 64))
+    assert gathered_extent(w, axis_name="fsdp") == 128  # outside shard_map: the array is the whole weight
+    with pytest.raises(ValueError, match="x has 96 input features, w 128 rows"):
+        fp8_matmul(x, w, None, Fp8Recipe(), jnp.float32)
+    with pytest.raises(ValueError, match="x has 96 input features, w 128 rows"):  # gathered size counts outside too
+        fp8_matmul(x, w, None, Fp8Recipe(fsdp_axis="fsdp"), jnp.float32)
