@@ -70,6 +70,7 @@ from gem_jax.batch import PAD_ID
 from gem_jax.nn import shard_context as context
 from gem_jax.mesh import GROUP_AXES, INTRA_NODE_AXES, MESH_AXES, NODE, ZONE, live_axes
 from gem_jax.pytree import path_str
+from gem_jax.units import format_bytes
 
 MAX_ROW_MULTIPLE = 1024
 CAPACITY_SIGMAS = 4.0  # margin of a bounded exchange buffer over its share, in standard deviations
@@ -400,12 +401,11 @@ def describe_exchange(placement: TablePlacement, n: int, dim: int, dtype) -> str
     hops = " then ".join(f"{size} ({'/'.join(axes)})" for axes, size in _hops(placement))
     row_bytes = dim * jnp.dtype(dtype).itemsize
     buffer = owners * capacity * row_bytes
-    size = f"{buffer / 2**20:,.1f} MiB" if buffer >= 2**20 else f"{buffer / 2**10:,.1f} KiB"
     factor = placement.capacity_factor
     bound = f"capacity factor {factor:g}" if factor is not None else "worst-case buffers (no capacity factor)"
     return (
         f"{placement.name}: {placement.generation.name}, {owners} owners (all-to-all over {hops}), {bound}: "
-        f"a lookup of {n:,} ids sends {capacity:,} per owner per round, {size} of "
+        f"a lookup of {n:,} ids sends {capacity:,} per owner per round, {format_bytes(buffer)} of "
         f"{jnp.dtype(dtype).name} rows per device ({buffer / max(n * row_bytes, 1):.2f}x the rows looked up)"
     )
 

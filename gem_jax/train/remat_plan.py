@@ -53,6 +53,7 @@ from gem_jax.parallel.spmd import ShardedModel
 from gem_jax.pytree import path_keys
 from gem_jax.train.residuals import dot_flops, residual_bytes
 from gem_jax.train.state import StateSetup
+from gem_jax.units import format_bytes
 
 BYTES_PER_GB = 1e9
 
@@ -190,14 +191,6 @@ class RematPlan:
             "recompute_ms": 1e3 * self.recompute_s,
             "tokens_per_device": self.tokens,
         }
-
-
-def format_bytes(n: float) -> str:
-    """`n` bytes as GB, MB or kB (powers of 1000), three significant digits."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n / 1e3:.3g} kB"
 
 
 def record(plan: RematPlan | None) -> dict | None:

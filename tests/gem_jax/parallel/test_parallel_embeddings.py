@@ -104,7 +104,7 @@ def test_describe_exchange_gives_the_bounded_buffer_of_a_history_lookup():
     line = describe_exchange(bounded, 166_528, 256, "bfloat16")
     assert line == (
         "embed/item: NODE_SPLIT, 16 owners (all-to-all over 2 (node) then 8 (expert/gpu)), capacity factor 1.25: "
-        "a lookup of 166,528 ids sends 13,521 per owner per round, 105.6 MiB of bfloat16 rows per device "
+        "a lookup of 166,528 ids sends 13,521 per owner per round, 111 MB of bfloat16 rows per device "
         "(1.30x the rows looked up)"
     )
     worst = place_table("embed/item", 1_000_000, rows, TableSharding(Generation.NODE_SPLIT), GEM_SHARDED_AXES)
