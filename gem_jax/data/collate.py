@@ -22,6 +22,27 @@ from gem_jax.data.features import time_bucket
 from gem_jax.jagged import Jagged, JaggedError
 
 
+
+def batch_indices(indices: Sequence[int], batch_size: int) -> np.ndarray:
+    """The example indices of a batch of `batch_size` examples as int64 `[n]`, n <= batch_size.
+
+    Raises:
+      ValueError: more than `batch_size` indices.
+    """
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if idx.shape[0] > batch_size:
+        raise ValueError(f"a batch takes at most {batch_size} examples, got {idx.shape[0]}")
+    return idx
+
+
+def padded_offsets(lengths: np.ndarray, batch_size: int) -> np.ndarray:
+    """int32 offsets `[batch_size + 1]` of the histories `lengths` `[n]`, then empty padding examples."""
+    n = len(lengths)
+    offsets = np.zeros(batch_size + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1 : n + 1])
+    offsets[n + 1 :] = offsets[n]
+    return offsets
+
 class BatchBuilder:
     """Builds a `Batch` from a list of example indices (grain's `batch_fn`).
 
@@ -58,19 +79,16 @@ class BatchBuilder:
         Raises:
           ValueError: more than b indices, or an index out of range.
         """
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n, b = idx.shape[0], self.batch_size if batch_size is None else batch_size
-        if n > b:
-            raise ValueError(f"a batch takes 0..{b} examples, got {n}")
+        b = self.batch_size if batch_size is None else batch_size
+        idx = batch_indices(indices, b)
+        n = idx.shape[0]
         if n and (idx.min() < 0 or idx.max() >= len(self.examples)):
             raise ValueError(f"example index out of range [0, {len(self.examples)}): {idx.min()}..{idx.max()}")
         log, ex = self.log, self.examples
         target = ex.target_event[idx]
         lengths = ex.history_length[idx].astype(np.int64)
-        offsets = np.zeros(b + 1, np.int32)
-        np.cumsum(lengths, out=offsets[1 : n + 1])
+        offsets = padded_offsets(lengths, b)
         total = int(offsets[n])
-        offsets[n + 1 :] = total
 
         rows = np.repeat(target - lengths - offsets[:n], lengths) + np.arange(total)
         values = np.zeros((total, len(HistoryField)), np.int32)

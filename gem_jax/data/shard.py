@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from gem_jax.batch import Batch, BatchShard, LocalBatch
+from gem_jax.data.collate import batch_indices
 
 
 class LocalBatchBuilder:
@@ -61,10 +62,8 @@ class LocalBatchBuilder:
         Raises:
           ValueError: more than B indices.
         """
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        idx = batch_indices(indices, self.batch_size)
         b, n = self.batch_size, idx.shape[0]
-        if n > b:
-            raise ValueError(f"a global batch takes at most {b} examples, got {n}")
         per = b // self.shard.num_chunks
         lengths = np.zeros(b, np.int64)
         lengths[:n] = self.lengths(idx)

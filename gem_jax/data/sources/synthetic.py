@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField, validate_ids
+from gem_jax.data.collate import batch_indices, padded_offsets
 from gem_jax.data.config import SyntheticConfig
 from gem_jax.data.features import NUM_HALF_STAR_ACTIONS, time_bucket
 from gem_jax.jagged import Jagged
@@ -133,16 +134,12 @@ class SyntheticBatchBuilder:
         Raises:
           ValueError: more than b indices.
         """
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         b = self.batch_size if batch_size is None else batch_size
+        idx = batch_indices(indices, b)
         n, spec, s, t = idx.shape[0], self.spec, self.seed, self.stream
-        if n > b:
-            raise ValueError(f"a batch takes 0..{b} examples, got {n}")
         lengths = synthetic_lengths(s, t, idx, self.config, spec.max_seq_len)
-        offsets = np.zeros(b + 1, np.int32)
-        np.cumsum(lengths, out=offsets[1 : n + 1])
+        offsets = padded_offsets(lengths, b)
         total = int(offsets[n])
-        offsets[n + 1 :] = total
 
         example = np.repeat(idx, lengths)
         position = np.arange(total) - np.repeat(offsets[:n].astype(np.int64), lengths)
