@@ -48,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
-from pallas_kernels.mxfp8 import kernel_matmul, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8  # noqa: E402
+from pallas_kernels.mxfp8 import gelu_quantize_mxfp8, kernel_matmul, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8  # noqa: E402
 
 SHAPES = [  # (M, N, K)
     (4096, 4096, 4096),
@@ -464,10 +464,11 @@ def model_quantization(log, m, deadline, widths=(1024, 4096)):
         x = jax.random.normal(jax.random.key(5), (m, width), jnp.bfloat16)
         g = jnp.ones((width,), jnp.bfloat16)
         fns = {"copy_bf16": lambda x, g: x * 2}
-        for label, block in (("32x32", (32, 32)), ("1x128", (1, 128))):
-            fns[f"quantize_{label}"] = lambda x, g, block=block: quantize_mxfp8(x, block=block)
-            fns[f"rmsnorm_quantize_{label}"] = lambda x, g, block=block: rmsnorm_quantize_mxfp8(x, g, block=block)
-            fns[f"gelu_quantize_{label}"] = lambda x, g, block=block: quantize_mxfp8(jax.nn.gelu(x.astype(jnp.float32)), block=block)
+        variants = (("32x32", (32, 32), "xla"), ("1x128_xla", (1, 128), "xla"), ("1x128_kernel", (1, 128), "pallas"))
+        for label, block, impl in variants:
+            fns[f"quantize_{label}"] = lambda x, g, b=block, i=impl: quantize_mxfp8(x, block=b, implementation=i)
+            fns[f"rmsnorm_quantize_{label}"] = lambda x, g, b=block, i=impl: rmsnorm_quantize_mxfp8(x, g, block=b, implementation=i)
+            fns[f"gelu_quantize_{label}"] = lambda x, g, b=block, i=impl: gelu_quantize_mxfp8(x, block=b, implementation=i)
         for label, fn in fns.items():
             try:
                 res[f"{m}x{width}_{label}"] = {"seconds": jax_time(jax.jit(fn), x, g, **MODEL_TIMING), **fusion_count(fn, x, g)}
@@ -475,6 +476,50 @@ def model_quantization(log, m, deadline, widths=(1024, 4096)):
                 res[f"{m}x{width}_{label}"] = {"error": repr(e)[:300]}
             log(f"model quantization {m}x{width} {label}: {res[f'{m}x{width}_{label}']}")
     return res
+
+
+def quantize_kernel_check(log, smoke=False) -> dict:
+    """The one-pass quantize kernel against the jnp reference on the GPU, bit for bit.
+
+    Cases: rows not a multiple of the kernel's 64, one row, one 128-column block, an all-zero
+    tile, NaN- and Inf-poisoned rows (slack), values near E4M3's subnormal edge and above 448,
+    and fresh random inputs at the model's width. Counts the data and scale bytes that differ;
+    for GELU, bytes may differ where the GPU's `tanhf` and XLA's tanh differ by an ulp.
+    """
+    out = {}
+    cases = [(200, 512, 0), (1, 128, 1), (65, 1024, 2)] + ([] if smoke else [(4099, 4096, 3)])
+    for m, k, seed in cases:
+        kx, kg = jax.random.split(jax.random.key(seed))
+        x = (jax.random.normal(kx, (m, k), jnp.float32) * jnp.exp(jax.random.normal(kg, (m, 1)) * 4)).astype(jnp.bfloat16)
+        if m > 10:
+            x = x.at[3].set(jnp.nan).at[7, 5].set(jnp.inf).at[9, :128].set(0).at[10, :128].set(1e-38).at[11, 3].set(3e4)
+        g = jax.random.normal(kg, (k,), jnp.float32)
+        ops = {
+            "quantize": lambda x, i: quantize_mxfp8(x, block=(1, 128), implementation=i),
+            "rmsnorm": lambda x, i: rmsnorm_quantize_mxfp8(x, g, block=(1, 128), implementation=i),
+            "gelu": lambda x, i: gelu_quantize_mxfp8(x, block=(1, 128), implementation=i),
+        }
+        for name, op in ops.items():
+            got = jax.jit(lambda x, op=op: op(x, "pallas"))(x)
+            want = jax.jit(lambda x, op=op: op(x, "xla"))(x)
+            diff = [int(jnp.sum(jax.lax.bitcast_convert_type(a, jnp.uint8) != jax.lax.bitcast_convert_type(b, jnp.uint8))) for a, b in zip(got, want)]
+            out[f"{name}_{m}x{k}"] = {"data_bytes_differing": diff[0], "scale_bytes_differing": diff[1], "elements": m * k}
+            log(f"quantize kernel check {name} {m}x{k}: {out[f'{name}_{m}x{k}']}")
+    return out
+
+
+def run_quantize(args, result, log):
+    """The `--quantize` run: the quantize kernel's GPU check, then its timings beside XLA's passes."""
+    global MODEL_TIMING
+    m, widths = (MODEL_M[0], (1024, 3072, 4096)) if not args.smoke else (256, (128,))
+    if args.smoke:
+        MODEL_TIMING = {"iters": 1, "reps": 1}
+    result["timing"] = f"median of {MODEL_TIMING['reps']} x mean of {MODEL_TIMING['iters']} back-to-back calls; seconds per call"
+    result["quantize_kernel_check"] = quantize_kernel_check(log, smoke=args.smoke)
+    result["model_quantization"] = model_quantization(log, m, time.monotonic() + args.time_budget, widths=widths)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    log(f"wrote {args.out}")
 
 
 def run_model_shapes(args, result, log):
@@ -512,7 +557,8 @@ def main():
     p.add_argument("--ours-only", action="store_true", help="only bf16 XLA (the reference peer) and our kernels")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in Mosaic GPU interpret mode (CPU check of this script)")
     p.add_argument("--model-shapes", action="store_true", help="the GEM-width model's GEMM shapes (see the module docstring)")
-    p.add_argument("--time-budget", type=float, default=170.0, help="--model-shapes: seconds after which remaining timings are skipped")
+    p.add_argument("--quantize", action="store_true", help="the 1x128 quantize kernel: GPU check against the reference, timings beside XLA")
+    p.add_argument("--time-budget", type=float, default=170.0, help="--model-shapes, --quantize: seconds after which remaining timings are skipped")
     args = p.parse_args()
     if args.smoke:
         global SHAPES, SWEEP_SHAPE, CHECK_SHAPES, SMOKE, ITERS, REPS
@@ -536,6 +582,8 @@ def main():
     }
     if args.model_shapes:
         return run_model_shapes(args, result, log)
+    if args.quantize:
+        return run_quantize(args, result, log)
     try:
         import torch
 

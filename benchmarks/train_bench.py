@@ -118,7 +118,7 @@ def profile_step(train_step, state, batch) -> tuple:
         return state, {"error": repr(exc)[:2000]}
     if not kernels:
         return state, {"skipped": "CUPTI reported no kernels (see the message above)"}
-    result = _profile.breakdown(kernels)
+    result = _profile.breakdown(kernels, top=60)
     print(_profile.format_breakdown(result), flush=True)
     return state, result
 

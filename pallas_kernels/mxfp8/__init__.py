@@ -2,7 +2,7 @@
 the FP8 dense matmul with its custom VJP, and weight quantization on the FSDP shard."""
 
 from pallas_kernels.mxfp8.fsdp import quantize_gathered, shard_gradient
-from pallas_kernels.mxfp8.ops import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
+from pallas_kernels.mxfp8.ops import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.reference import Rounding
 from pallas_kernels.mxfp8.vjp import Fp8Recipe, Prologue, fp8_matmul, quantize_weight
 
@@ -12,6 +12,7 @@ __all__ = [
     "Rounding",
     "dequantize_mxfp8",
     "fp8_matmul",
+    "gelu_quantize_mxfp8",
     "mxfp8_matmul",
     "quantize_gathered",
     "quantize_mxfp8",

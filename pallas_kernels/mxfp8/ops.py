@@ -1,8 +1,9 @@
 """Public MXFP8 ops: block quantization, the random Hadamard rotation and the block-scaled FP8 matmul.
 
-`quantize_mxfp8`, `dequantize_mxfp8`, `rmsnorm_quantize_mxfp8` and `random_hadamard` run their
-jnp reference (XLA fuses them well); `mxfp8_matmul(a, a_scales, b, b_scales) = a @ b.T` has a
-Mosaic GPU kernel (`kernel_matmul.py`).
+`quantize_mxfp8`, `rmsnorm_quantize_mxfp8` and `gelu_quantize_mxfp8` run a one-pass Pallas kernel
+(`kernel_quantize.py`) for 1x128 tiles on a GPU, else their jnp reference; `dequantize_mxfp8` and
+`random_hadamard` run their jnp reference (XLA fuses them well); `mxfp8_matmul(a, a_scales, b,
+b_scales) = a @ b.T` has a Mosaic GPU kernel (`kernel_matmul.py`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._src import dispatch
-from pallas_kernels.mxfp8 import formats, reference
+from pallas_kernels.mxfp8 import formats, kernel_quantize, reference
 
 K_BLOCKS = (32, 128)  # K extent of one scale block (and of one promotion in the kernel)
 A_ROW_BLOCKS = (1, 32, 128)  # rows of `a` sharing a scale: 1x128 activations, 32x32 MX tiles
 B_ROW_BLOCKS = (32, 128)  # rows of `b` sharing a scale: 32x32 MX tiles, 128x128 weight blocks
 
 SUPPORT = dispatch.OpSupport("mxfp8_matmul")  # the kernel takes every input the op accepts
+QUANTIZE_SUPPORT = dispatch.OpSupport("quantize_mxfp8", kernel_dtypes=(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
 
 
 def _infer_block(extent: int, n_blocks: int, candidates, what: str) -> int:
@@ -166,7 +168,22 @@ def _pallas_matmul(a, a_scales, b, b_scales, a_block, b_block, b_contracting_dim
     out = kernel_matmul.scaled_matmul(a8, b8, rs, cs, block_k=kb, col_group=b_block[0], out_dtype=out_dtype, config=config)
     return out if (mp, np_) == (m, n) else out[:m, :n]
 
-def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None) -> tuple[jax.Array, jax.Array]:
+def _row_kernel(x: jax.Array, block, rounding, implementation) -> bool:
+    """Whether the one-pass Pallas kernel quantizes `x`: 1x128 tiles of whole 128-column blocks,
+    nearest rounding, a bf16/float32 input, and "pallas" asked for or None on a Hopper GPU."""
+    takes = (
+        x.ndim == 2
+        and x.shape[0] > 0
+        and x.shape[1] % kernel_quantize.BLOCK == 0
+        and tuple(block) == (1, kernel_quantize.BLOCK)
+        and rounding == reference.Rounding.NEAREST
+    )
+    if not takes or jnp.dtype(x.dtype) not in QUANTIZE_SUPPORT.kernel_dtypes:
+        return False
+    return dispatch.choose(QUANTIZE_SUPPORT, implementation, [x.dtype]).implementation is dispatch.Implementation.PALLAS
+
+
+def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None, implementation=None) -> tuple[jax.Array, jax.Array]:
     """Block-scaled FP8 quantization with power-of-two (E8M0) scales, one per `block` tile.
 
     Equivalent jnp (per tile T of `x`, `block = (br, bc)`)::
@@ -195,13 +212,20 @@ def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None
       rounding: "nearest" (ties to even) or "stochastic" (unbiased, ulp-aware on E4M3's
         normal and subnormal grid; needs `key`).
       key: PRNG key for stochastic rounding.
+      implementation: "xla" (the jnp reference), "pallas" or None (pallas on a Hopper GPU).
+        The Pallas kernel (`kernel_quantize.py`: one read of `x`, one 8-bit write) takes
+        1x128 tiles of a bf16/float32 `x` whose C is a multiple of 128, nearest rounding;
+        other inputs run the reference under either name.
 
     Returns:
       `(data, scales)`: float8_e4m3fn `[R, C]` and float8_e8m0fnu `[ceil(R/br), ceil(C/bc)]`.
 
     Raises:
       ValueError: `x` not 2-D, a bad block, an unknown rounding, or stochastic without a key.
+      ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
     """
+    if _row_kernel(x, reference.check_block(block), rounding, implementation):
+        return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.NONE, interpret=dispatch.interpreting())
     return reference.quantize(x, block=block, rounding=rounding, key=key)
 
 
@@ -224,7 +248,7 @@ def dequantize_mxfp8(data: jax.Array, scales: jax.Array, *, block=(32, 32), dtyp
 
 
 def rmsnorm_quantize_mxfp8(
-    x: jax.Array, weight: jax.Array, *, eps: float = 1e-6, block=(32, 32), rounding="nearest", key=None
+    x: jax.Array, weight: jax.Array, *, eps: float = 1e-6, block=(32, 32), rounding="nearest", key=None, implementation=None
 ) -> tuple[jax.Array, jax.Array]:
     """RMSNorm fused with block quantization: `quantize_mxfp8(rmsnorm(x) * weight)`.
 
@@ -242,7 +266,9 @@ def rmsnorm_quantize_mxfp8(
       x: `[R, C]` float.
       weight: `[C]` float, the RMSNorm gain.
       eps: added to the mean square.
-      block, rounding, key: as in `quantize_mxfp8`.
+      block, rounding, key, implementation: as in `quantize_mxfp8`; on the kernel path the
+        per-row `rsqrt(mean(x**2) + eps)` is one XLA row reduction and the kernel applies it
+        with the gain while quantizing.
 
     Returns:
       `(data, scales)` as in `quantize_mxfp8`.
@@ -250,7 +276,40 @@ def rmsnorm_quantize_mxfp8(
     Raises:
       ValueError: mismatched shapes, or the errors of `quantize_mxfp8`.
     """
+    if x.ndim == 2 and weight.shape == (x.shape[1],) and _row_kernel(x, reference.check_block(block), rounding, implementation):
+        xf = x.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+        kind = kernel_quantize.Kind.RMSNORM
+        return kernel_quantize.quantize_rows(x, kind, inv_rms=inv_rms, gain=weight, interpret=dispatch.interpreting())
     return reference.rmsnorm_quantize(x, weight, eps=eps, block=block, rounding=rounding, key=key)
+
+
+def gelu_quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None, implementation=None) -> tuple[jax.Array, jax.Array]:
+    """The tanh GELU fused with block quantization: `quantize_mxfp8(jax.nn.gelu(x))`, the GELU in float32.
+
+    Equivalent jnp::
+
+        return quantize_mxfp8(jax.nn.gelu(x.astype(jnp.float32)), block=block, rounding=rounding, key=key)
+
+    On the kernel path (see `quantize_mxfp8`) the GELU runs in registers and its output is
+    never written in high precision; XLA would write it in float32 and read it twice (the
+    amax, then the cast). Forward only: `fp8_matmul(..., prologue=Prologue.GELU)` is the
+    differentiable layer.
+
+    Args:
+      x: `[R, C]` float, the MLP's pre-activation.
+      block, rounding, key, implementation: as in `quantize_mxfp8`.
+
+    Returns:
+      `(data, scales)` as in `quantize_mxfp8`. (The GPU's `tanhf` may differ from XLA's tanh
+      by an ulp, which moves an element across an E4M3 rounding edge now and then.)
+
+    Raises:
+      ValueError: the errors of `quantize_mxfp8`.
+    """
+    if _row_kernel(x, reference.check_block(block), rounding, implementation):
+        return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.GELU, interpret=dispatch.interpreting())
+    return reference.quantize(jax.nn.gelu(x.astype(jnp.float32)), block=block, rounding=rounding, key=key)
 
 
 def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:

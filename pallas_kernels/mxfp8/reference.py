@@ -86,9 +86,11 @@ def round_stochastic_e4m3(v: jax.Array, key: jax.Array) -> jax.Array:
 
 def quantize_blocks(xb: jax.Array, rounding: Rounding, key) -> tuple[jax.Array, jax.Array]:
     """Quantizes float32 blocks `[nr, br, nc, bc]`; returns (E4M3 data, E8M0 scales `[nr, nc]`)."""
-    nonfinite = jnp.any(~jnp.isfinite(xb), axis=(1, 3))
-    amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=(1, 3))
-    exp = formats.scale_exponent(amax)
+    # One reduction per tile: NaN counts as Inf (reduce_max does not propagate NaN on every
+    # backend), so a tile holding NaN or Inf has an infinite amax; it gets the NaN byte below.
+    amax = jnp.max(jnp.where(jnp.isnan(xb), jnp.inf, jnp.abs(xb)), axis=(1, 3))
+    nonfinite = ~jnp.isfinite(amax)
+    exp = formats.scale_exponent(jnp.where(nonfinite, 0.0, amax))
     v = xb * formats.exp2_f32(-exp)[:, None, :, None]  # exact: power-of-two scaling, |v| <= 448
     if rounding is Rounding.STOCHASTIC:
         data = round_stochastic_e4m3(v, key)

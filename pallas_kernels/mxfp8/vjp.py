@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mxfp8 import reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent, quantize_gathered, shard_gradient
-from pallas_kernels.mxfp8.ops import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
+from pallas_kernels.mxfp8.ops import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.reference import Rounding
 
 
@@ -182,9 +182,12 @@ def _fp8_matmul(x, norm_scale, w, key, recipe, w_dtype, prologue, eps):
 
 
 def _quantize_input(x, norm_scale, recipe, prologue, eps):
+    block, implementation = recipe.act_block, recipe.implementation
     if prologue is Prologue.RMSNORM:
-        return rmsnorm_quantize_mxfp8(x, norm_scale, eps=eps, block=recipe.act_block)
-    return quantize_mxfp8(_apply_prologue(prologue, x, norm_scale, eps), block=recipe.act_block)
+        return rmsnorm_quantize_mxfp8(x, norm_scale, eps=eps, block=block, implementation=implementation)
+    if prologue is Prologue.GELU:
+        return gelu_quantize_mxfp8(x, block=block, implementation=implementation)
+    return quantize_mxfp8(x, block=block, implementation=implementation)
 
 
 def _fp8_matmul_fwd(x, norm_scale, w, key, recipe, w_dtype, prologue, eps):
@@ -208,7 +211,7 @@ def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
 
 def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
     x, norm_scale, xq, sx, wq, sw, key, w = residuals
-    dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key)
+    dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key, implementation=recipe.implementation)
     dp = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
     token_axis = (((0,), (0,)), ((), ()))  # dw = x16^T dy without transposing either operand

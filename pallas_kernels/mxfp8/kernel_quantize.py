@@ -1,0 +1,133 @@
+"""Pallas (Triton lowering) 1x128 FP8 quantization with the layer's prologue fused: one pass over the input.
+
+Each program owns a `[ROWS, 128]` tile of `x [M, K]`: it loads the tile once, applies the
+prologue in float32 in registers (nothing, an RMSNorm whose per-row `1/rms` is given, or
+the tanh GELU), takes each row's absolute maximum, and writes the E4M3 data and the E8M0
+scale bytes::
+
+    v = p(x[rows, k0:k0+128].astype(f32))
+    amax = max(|v|, axis=1)                         # NaN counts as Inf: the tile is poisoned
+    e = clip(ceil(log2(amax / 448)), -126, 127)     # 0 for amax == 0 (formats.scale_exponent)
+    data = clip(v * 2**-e, -448, 448).astype(e4m3)  # ties to even; NaN for a poisoned row tile
+    scale_byte = e + 127                            # 255 for a poisoned row tile
+
+so the activation is read once and written once in 8 bits, where XLA materializes the
+float32 prologue (the GELU's tanh), reduces it, and reads it again to quantize
+(benchmarks/mxfp8.md). The last row tile is masked: rows past `M` are neither read nor
+written. The Triton lowering is used because this is a memory-bound row kernel (no
+TMA or wgmma): Triton's masked loads and its E4M3 conversion (`cvt.rn.satfinite`) are
+what it needs.
+
+Equivalent jnp: `reference.quantize(p(x), block=(1, 128))`, bit for bit except where the
+GPU's `tanhf` and XLA's tanh differ by an ulp and a value sits on an E4M3 rounding edge.
+
+Sources: DeepSeek-V3 (arXiv:2412.19437) section 3.3 for 1x128 activation tiles; Transformer
+Engine's fused LayerNorm/activation cast kernels for the prologue in the cast.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._src import manual_axes
+from pallas_kernels.mxfp8 import formats
+
+BLOCK = 128  # K extent of one scale (1x128 tiles)
+ROWS = 64  # rows per program
+
+
+class Kind(enum.Enum):
+    """The prologue applied to the tile before quantizing."""
+
+    NONE = "none"
+    RMSNORM = "rmsnorm"  # v = x * inv_rms[row] * gain[col]
+    GELU = "gelu"  # v = gelu(x), tanh approximation (jax.nn.gelu)
+
+
+def _scale_exponent(amax: jax.Array) -> jax.Array:
+    """`formats.scale_exponent` from the float32 bits (int ops only, as Triton lowers them).
+
+    For a normal `amax = 1.m * 2**(E - 127)`, `ceil(log2(amax / 448)) = E - 135 + (1.m > 1.75)`;
+    subnormal maxima clamp to -126 like the reference; zero gives 0.
+    """
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    biased = lax.shift_right_logical(bits, jnp.int32(23)) & 0xFF
+    above = ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+    exp = jnp.where(amax > 0, biased - 135 + above, 0)
+    return jnp.clip(exp, formats.MIN_SCALE_EXP, formats.MAX_SCALE_EXP)
+
+
+def _quantize_tile(x_ref, inv_rms_ref, gain_ref, data_ref, scale_ref, *, m: int, kind: Kind):
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(i * ROWS, ROWS)
+    cols = pl.ds(j * BLOCK, BLOCK)
+    valid = i * ROWS + lax.broadcasted_iota(jnp.int32, (ROWS,), 0) < m
+    v = plt.load(x_ref.at[rows, cols], mask=valid[:, None], other=0.0).astype(jnp.float32)
+    if kind is Kind.RMSNORM:
+        inv_rms = plt.load(inv_rms_ref.at[rows], mask=valid, other=0.0)
+        v = v * inv_rms[:, None] * gain_ref[cols].astype(jnp.float32)[None, :]
+    elif kind is Kind.GELU:
+        v = jax.nn.gelu(v, approximate=True)
+    amax = jnp.max(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)), axis=1)
+    poisoned = amax == jnp.inf
+    exp = _scale_exponent(jnp.where(poisoned, 0.0, amax))
+    scaled = v * lax.bitcast_convert_type((formats.E8M0_BIAS - exp) << 23, jnp.float32)[:, None]
+    scaled = jnp.where(poisoned[:, None], jnp.nan, jnp.clip(scaled, -formats.E4M3_MAX, formats.E4M3_MAX))
+    plt.store(data_ref.at[rows, cols], scaled.astype(jnp.float8_e4m3fn), mask=valid[:, None])
+    byte = jnp.where(poisoned, formats.E8M0_NAN, exp + formats.E8M0_BIAS).astype(jnp.uint8)
+    plt.store(scale_ref.at[rows, j], byte, mask=valid)
+
+
+def quantize_rows(
+    x: jax.Array, kind: Kind = Kind.NONE, *, inv_rms: jax.Array | None = None, gain: jax.Array | None = None, interpret=False
+) -> tuple[jax.Array, jax.Array]:
+    """`(data float8_e4m3fn [M, K], scales float8_e8m0fnu [M, K/128])` of `p(x)` in 1x128 tiles.
+
+    Args:
+      x: `[M, K]` bf16 or float32, `K` a multiple of 128 (the caller routes other widths to
+        the jnp reference).
+      kind: the prologue `p`.
+      inv_rms: `[M]` float32 `rsqrt(mean(x**2, -1) + eps)`, with `Kind.RMSNORM` only.
+      gain: `[K]` RMSNorm gain, with `Kind.RMSNORM` only.
+      interpret: run the Pallas interpreter (CPU tests).
+
+    Raises:
+      ValueError: `x` not 2-D with `K` a multiple of 128, or the RMSNorm operands missing
+        or of the wrong shape.
+    """
+    if x.ndim != 2 or x.shape[1] % BLOCK:
+        raise ValueError(f"quantize_rows: x must be [M, K] with K a multiple of {BLOCK}, got {x.shape}")
+    m, k = x.shape
+    if kind is Kind.RMSNORM:
+        if inv_rms is None or gain is None or inv_rms.shape != (m,) or gain.shape != (k,):
+            raise ValueError(f"quantize_rows: RMSNORM needs inv_rms [{m}] and gain [{k}], got {inv_rms} and {gain}")
+    else:
+        inv_rms, gain = jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.float32)  # unread placeholders
+    # Under shard_map every operand and result is typed by the manual axes it varies over.
+    x, inv_rms, gain = manual_axes.match_axes(x, inv_rms.astype(jnp.float32), gain)
+    vary = jax.typeof(x).manual_axis_type
+    out_shape = (
+        jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn, manual_axis_type=vary),
+        jax.ShapeDtypeStruct((m, k // BLOCK), jnp.uint8, manual_axis_type=vary),
+    )
+    kernel = functools.partial(_quantize_tile, m=m, kind=kind)
+    # The tests' Mosaic GPU simulator does not run Triton-lowered kernels: they use the generic
+    # interpreter (pallas_call reads the simulator's context when it is built).
+    with plgpu.force_gpu_interpret_mode(None):
+        data, scale_bytes = pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=(pl.cdiv(m, ROWS), k // BLOCK),
+            compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name=f"mxfp8_quantize_{kind.value}",
+        )(x, inv_rms, gain)
+    return data, lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)

@@ -1,0 +1,127 @@
+"""The one-pass 1x128 quantize kernel (Pallas interpreter on the CPU) against the jnp reference, bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.mxfp8 import Fp8Recipe, Prologue, fp8_matmul, gelu_quantize_mxfp8, kernel_quantize, quantize_mxfp8, reference
+from pallas_kernels.mxfp8 import rmsnorm_quantize_mxfp8
+
+OPS = {
+    "none": lambda x, g, impl: quantize_mxfp8(x, block=(1, 128), implementation=impl),
+    "rmsnorm": lambda x, g, impl: rmsnorm_quantize_mxfp8(x, g, eps=1e-6, block=(1, 128), implementation=impl),
+    "gelu": lambda x, g, impl: gelu_quantize_mxfp8(x, block=(1, 128), implementation=impl),
+}
+
+
+def _bytes(a):
+    return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+
+
+def _assert_same(op, got, want):
+    """Bit for bit; the GELU's tanh may differ by an ulp between the kernel and XLA, which moves
+    an element to the neighbouring E4M3 value now and then (same sign, one code apart)."""
+    np.testing.assert_array_equal(_bytes(got[1]), _bytes(want[1]))
+    a, b = _bytes(got[0]).astype(np.int32), _bytes(want[0]).astype(np.int32)
+    if op != "gelu":
+        np.testing.assert_array_equal(a, b)
+        return
+    differ = a != b
+    assert differ.mean() <= 1e-3, differ.mean()
+    assert np.all(np.abs(a - b)[differ] == 1) and np.all((a >> 7)[differ] == (b >> 7)[differ])
+
+
+def _kernel(op, x, g):
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        return jax.jit(lambda x, g: OPS[op](x, g, "pallas"))(x, g)
+
+
+def _fresh(shape, seed, dtype=jnp.bfloat16):
+    """Normal values with row magnitudes spread over several orders (token-norm spread)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k1, shape) * jnp.exp(3.0 * jax.random.normal(k2, (shape[0], 1)))
+    return x.astype(dtype), jax.random.normal(k3, (shape[1],))
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("shape, dtype", [((200, 512), jnp.bfloat16), ((1, 128), jnp.bfloat16), ((65, 256), jnp.float32)])
+def test_kernel_matches_reference_bit_for_bit(op, shape, dtype):
+    x, g = _fresh(shape, seed=sum(shape) + len(op), dtype=dtype)  # rows not a multiple of the kernel's 64
+    got, want = _kernel(op, x, g), OPS[op](x, g, "xla")
+    assert got[0].dtype == jnp.float8_e4m3fn and got[1].dtype == jnp.float8_e8m0fnu
+    assert got[0].shape == shape and got[1].shape == (shape[0], shape[1] // 128)
+    _assert_same(op, got, want)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_poisoned_slack_rows_and_edge_values(op):
+    x, g = _fresh((130, 256), seed=7)
+    x = x.at[64:].set(jnp.nan)  # slack rows past the real tokens, NaN-poisoned
+    x = x.at[1, 5].set(jnp.inf).at[2, :128].set(0.0).at[3, 130].set(1e-38).at[4, 3].set(3e4)
+    (data, scales), want = _kernel(op, x, g), OPS[op](x, g, "xla")
+    _assert_same(op, (data, scales), want)
+    byte = _bytes(scales)
+    assert np.all(byte[64:] == 255) and np.all(np.isnan(np.asarray(data[64:].astype(jnp.float32))))
+    assert np.all(byte[5:64] != 255)  # real rows stay finite: poison never leaks across rows
+    assert np.all(np.isfinite(np.asarray(data[5:64].astype(jnp.float32))))
+
+
+def test_zero_rows_and_other_tiles_take_the_reference():
+    x, g = _fresh((70, 200), seed=3)  # C not a multiple of 128: the reference under "pallas"
+    for op in OPS:
+        _assert_same(op, _kernel(op, x, g), OPS[op](x, g, "xla"))
+    empty = jnp.zeros((0, 256), jnp.bfloat16)
+    data, scales = _kernel("gelu", empty, jnp.ones((256,)))
+    assert data.shape == (0, 256) and scales.shape == (0, 2)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):  # 32x32 tiles: the reference
+        d32, _ = quantize_mxfp8(x[:, :128], block=(32, 32), implementation="pallas")
+    np.testing.assert_array_equal(_bytes(d32), _bytes(reference.quantize(x[:, :128], block=(32, 32))[0]))
+
+
+def test_scale_exponent_from_bits_matches_the_reference_rule():
+    amax = jnp.array([0.0, 1e-45, 1e-38, 448 * 2.0**-126, 1.0, 448.0, 449.0, 447.9, 896.0, 1.75 * 2**20, 1.76 * 2**20, 3e38])
+    np.testing.assert_array_equal(np.asarray(kernel_quantize._scale_exponent(amax)), np.asarray(reference.formats.scale_exponent(amax)))
+
+
+def test_rmsnorm_kernel_refuses_missing_operands():
+    with pytest.raises(ValueError, match="RMSNORM needs inv_rms"):
+        kernel_quantize.quantize_rows(jnp.zeros((4, 128)), kernel_quantize.Kind.RMSNORM, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        kernel_quantize.quantize_rows(jnp.zeros((4, 100)), interpret=True)
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "gelu"])
+def test_fp8_layer_forward_and_gradients_through_the_kernel(prologue):
+    """The FP8 layer with the kernel quantizing its input and output gradient equals the jnp path."""
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
+    x = jax.random.normal(k1, (72, 256))  # tokens not a multiple of the kernel's rows
+    w = jax.random.normal(k2, (256, 128)) / 16
+    g = jax.random.normal(k3, (72, 128))
+    scale = 1 + 0.1 * jax.random.normal(k4, (256,)) if prologue == "rmsnorm" else None
+    outs = {}
+    for impl in ("xla", "pallas"):
+        recipe = Fp8Recipe(block=128, implementation=impl)
+
+        def loss(x, w, s, r=recipe):
+            return jnp.sum(fp8_matmul(x, w, None, r, w.dtype, prologue=Prologue(prologue), norm_scale=s) * g)
+
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            outs[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2) if scale is not None else (0, 1)))(x, w, scale)
+    for got, want in zip(jax.tree.leaves(outs["pallas"]), jax.tree.leaves(outs["xla"])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_results_vary_like_the_input_under_shard_map():
+    mesh = jax.make_mesh((1,), ("gpu",))
+    x = jax.device_put(jnp.ones((128, 256), jnp.bfloat16), jax.sharding.NamedSharding(mesh, P("gpu")))
+
+    def body(x, g):
+        inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1) + 1e-6)
+        return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.RMSNORM, inv_rms=inv_rms, gain=g)
+
+    f = jax.jit(lambda x, g: jax.shard_map(body, mesh=mesh, in_specs=(P("gpu"), P()), out_specs=(P("gpu"), P("gpu")))(x, g))
+    data, scales = f.trace(x, jnp.ones((256,))).out_info  # typed (traced) without a GPU to lower for
+    assert data.shape == (128, 256) and scales.shape == (128, 2) and data.sharding.spec == P("gpu", None)
