@@ -100,14 +100,17 @@ def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None) -> nnx
     return nnx.RMSNorm(dim, epsilon=1e-6, dtype=dtype, scale_init=scale_init, rngs=rngs)
 
 
-def norm_dense(norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *, fp8_saved_input: bool = False) -> jax.Array:
+def norm_dense(
+    norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *, fp8_saved_input: bool = False, add_bias: bool = True
+) -> jax.Array:
     """`layer(norm(x))`; an `Fp8Linear` quantizes the normed rows in the norm's own pass (`Fp8Linear(norm=)`).
 
     `fp8_saved_input`: a bf16 layer's weight gradient reads an FP8 copy of `norm(x)`
     (`gem_jax.quant.saved_activations.dense_fp8_input`); an `Fp8Linear` keeps FP8 inputs anyway.
+    `add_bias=False` (an `Fp8Linear` only) leaves the bias to the next layer (`Fp8Linear(input_bias=)`).
     """
     if isinstance(layer, Fp8Linear):
-        return layer(x, norm=norm)
+        return layer(x, norm=norm, add_bias=add_bias)
     return dense_fp8_input(layer, norm(x)) if fp8_saved_input else layer(norm(x))
 
 
@@ -115,8 +118,8 @@ class MLP(nnx.Module):
     """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`).
 
     `dtype` is the compute dtype of both layers; `float32_output` applies to the
-    second (see `dense`). With FP8 layers the GELU runs in the second layer's input
-    quantization pass (and a pre-norm passed to the call in the first's).
+    second (see `dense`). With FP8 layers the GELU, and the first layer's bias, run in the
+    second layer's input quantization pass (and a pre-norm passed to the call in the first's).
     `fp8_saved_activations` keeps only FP8 copies of the bf16 layers' inputs and of the
     hidden pre-activation for the backward (`gem_jax.quant.saved_activations`).
     """
@@ -140,6 +143,10 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, norm: nnx.RMSNorm | None = None) -> jax.Array:
         """`down(gelu(up(x)))`, or `down(gelu(up(norm(x))))` with a pre-norm."""
         saved = self.fp8_saved_activations
+        if isinstance(self.up, Fp8Linear) and isinstance(self.down, Fp8Linear):
+            h = self.up(x, add_bias=False) if norm is None else norm_dense(norm, self.up, x, add_bias=False)
+            up_bias = None if self.up.bias is None else self.up.bias[...]
+            return self.down(h, gelu=True, input_bias=up_bias)
         if norm is not None:
             h = norm_dense(norm, self.up, x, fp8_saved_input=saved)
         else:

@@ -68,9 +68,16 @@ class Fp8Linear(nnx.Module):
         self.recipe = recipe
 
     def __call__(
-        self, inputs: jax.Array, *, norm: nnx.RMSNorm | None = None, gelu: bool = False, key: jax.Array | None = None
+        self,
+        inputs: jax.Array,
+        *,
+        norm: nnx.RMSNorm | None = None,
+        gelu: bool = False,
+        input_bias: jax.Array | None = None,
+        add_bias: bool = True,
+        key: jax.Array | None = None,
     ) -> jax.Array:
-        """`inputs [..., in] -> [..., out]`: `self(inputs)`, `self(norm(inputs))` or `self(gelu(inputs))`.
+        """`inputs [..., in] -> [..., out]`: `self(inputs)`, `self(norm(inputs))` or `self(gelu(inputs + input_bias))`.
 
         With `norm` (an `nnx.RMSNorm` over the last axis of width `in`, its parameter left in
         the norm module) or `gelu=True` (`jax.nn.gelu`, tanh approximation), the norm or GELU
@@ -78,9 +85,16 @@ class Fp8Linear(nnx.Module):
         high precision; the backward goes through it (`Prologue`). `key` feeds stochastic
         gradient rounding.
 
+        An MLP's first layer may leave its bias to the second: `h = up(x, add_bias=False)`
+        then `down(h, gelu=True, input_bias=up.bias[...])` adds it in float32 inside the
+        GELU's quantization pass, so `h` is written once (by the GEMM) instead of rewritten
+        with the bias before the GELU reads it. The bias's gradient flows back through
+        `input_bias`.
+
         Raises:
           ValueError: the last axis is not `in_features`, stochastic rounding without a key,
-            both `norm` and `gelu`, or a norm that is not a scaled RMSNorm over `in_features`.
+            both `norm` and `gelu`, `input_bias` without `gelu`, or a norm that is not a
+            scaled RMSNorm over `in_features`.
         """
         if inputs.shape[-1] != self.in_features:
             raise ValueError(f"inputs last axis {inputs.shape[-1]} != in_features {self.in_features}")
@@ -91,12 +105,15 @@ class Fp8Linear(nnx.Module):
         x = inputs.reshape(-1, self.in_features).astype(dtype)
         if norm is not None and gelu:
             raise ValueError("Fp8Linear: pass norm= or gelu=True, not both")
+        if input_bias is not None and not gelu:
+            raise ValueError("Fp8Linear: input_bias is added before the GELU: pass it with gelu=True")
         if norm is not None:
             scale = self._norm_scale(norm, inputs.dtype)
             y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, prologue=Prologue.RMSNORM, norm_scale=scale, eps=norm.epsilon)
         else:
-            y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, prologue=Prologue.GELU if gelu else Prologue.NONE)
-        if self.bias is not None:
+            prologue = Prologue.GELU if gelu else Prologue.NONE
+            y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, prologue=prologue, input_bias=input_bias)
+        if self.bias is not None and add_bias:
             y = y + self.bias[...].astype(dtype)
         return y.reshape(*inputs.shape[:-1], self.out_features)
 

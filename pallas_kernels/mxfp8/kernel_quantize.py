@@ -2,8 +2,8 @@
 
 Each program owns a `[ROWS, 128]` tile of `x [M, K]`: it loads the tile once, applies the
 prologue in float32 in registers (nothing, an RMSNorm whose per-row `1/rms` is given, or
-the tanh GELU), takes each row's absolute maximum, and writes the E4M3 data and the E8M0
-scale bytes::
+the tanh GELU of `x` plus an optional per-column bias), takes each row's absolute maximum,
+and writes the E4M3 data and the E8M0 scale bytes::
 
     v = p(x[rows, k0:k0+128].astype(f32))
     amax = max(|v|, axis=1)                         # NaN counts as Inf: the tile is poisoned
@@ -49,7 +49,7 @@ class Kind(enum.Enum):
 
     NONE = "none"
     RMSNORM = "rmsnorm"  # v = x * inv_rms[row] * gain[col]
-    GELU = "gelu"  # v = gelu(x), tanh approximation (jax.nn.gelu)
+    GELU = "gelu"  # v = gelu(x + bias[col]) (no bias: gelu(x)), tanh approximation (jax.nn.gelu)
 
 
 def _scale_exponent(amax: jax.Array) -> jax.Array:
@@ -65,7 +65,7 @@ def _scale_exponent(amax: jax.Array) -> jax.Array:
     return jnp.clip(exp, formats.MIN_SCALE_EXP, formats.MAX_SCALE_EXP)
 
 
-def _quantize_tile(x_ref, inv_rms_ref, gain_ref, data_ref, scale_ref, *, m: int, kind: Kind):
+def _quantize_tile(x_ref, inv_rms_ref, col_ref, data_ref, scale_ref, *, m: int, kind: Kind, has_col: bool):
     i, j = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * ROWS, ROWS)
     cols = pl.ds(j * BLOCK, BLOCK)
@@ -73,8 +73,10 @@ def _quantize_tile(x_ref, inv_rms_ref, gain_ref, data_ref, scale_ref, *, m: int,
     v = plt.load(x_ref.at[rows, cols], mask=valid[:, None], other=0.0).astype(jnp.float32)
     if kind is Kind.RMSNORM:
         inv_rms = plt.load(inv_rms_ref.at[rows], mask=valid, other=0.0)
-        v = v * inv_rms[:, None] * gain_ref[cols].astype(jnp.float32)[None, :]
+        v = v * inv_rms[:, None] * col_ref[cols].astype(jnp.float32)[None, :]
     elif kind is Kind.GELU:
+        if has_col:
+            v = v + col_ref[cols].astype(jnp.float32)[None, :]
         v = jax.nn.gelu(v, approximate=True)
     amax = jnp.max(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)), axis=1)
     poisoned = amax == jnp.inf
@@ -87,7 +89,13 @@ def _quantize_tile(x_ref, inv_rms_ref, gain_ref, data_ref, scale_ref, *, m: int,
 
 
 def quantize_rows(
-    x: jax.Array, kind: Kind = Kind.NONE, *, inv_rms: jax.Array | None = None, gain: jax.Array | None = None, interpret=False
+    x: jax.Array,
+    kind: Kind = Kind.NONE,
+    *,
+    inv_rms: jax.Array | None = None,
+    gain: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    interpret=False,
 ) -> tuple[jax.Array, jax.Array]:
     """`(data float8_e4m3fn [M, K], scales float8_e8m0fnu [M, K/128])` of `p(x)` in 1x128 tiles.
 
@@ -97,11 +105,12 @@ def quantize_rows(
       kind: the prologue `p`.
       inv_rms: `[M]` float32 `rsqrt(mean(x**2, -1) + eps)`, with `Kind.RMSNORM` only.
       gain: `[K]` RMSNorm gain, with `Kind.RMSNORM` only.
+      bias: `[K]` bias added before the GELU, with `Kind.GELU` only, or None.
       interpret: run the Pallas interpreter (CPU tests).
 
     Raises:
-      ValueError: `x` not 2-D with `K` a multiple of 128, or the RMSNorm operands missing
-        or of the wrong shape.
+      ValueError: `x` not 2-D with `K` a multiple of 128, the RMSNorm operands missing or
+        of the wrong shape, or a bias of the wrong shape or without `Kind.GELU`.
     """
     if x.ndim != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"quantize_rows: x must be [M, K] with K a multiple of {BLOCK}, got {x.shape}")
@@ -109,16 +118,21 @@ def quantize_rows(
     if kind is Kind.RMSNORM:
         if inv_rms is None or gain is None or inv_rms.shape != (m,) or gain.shape != (k,):
             raise ValueError(f"quantize_rows: RMSNORM needs inv_rms [{m}] and gain [{k}], got {inv_rms} and {gain}")
+        col = gain
     else:
-        inv_rms, gain = jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.float32)  # unread placeholders
+        if bias is not None and (kind is not Kind.GELU or bias.shape != (k,)):
+            raise ValueError(f"quantize_rows: bias must be [{k}] and comes with Kind.GELU only; got {bias.shape} with {kind}")
+        inv_rms, col = jnp.zeros((1,), jnp.float32), bias
+    has_col = col is not None
+    col = jnp.zeros((1,), jnp.float32) if col is None else col  # unread placeholder
     # Under shard_map every operand and result is typed by the manual axes it varies over.
-    x, inv_rms, gain = manual_axes.match_axes(x, inv_rms.astype(jnp.float32), gain)
+    x, inv_rms, col = manual_axes.match_axes(x, inv_rms.astype(jnp.float32), col)
     vary = jax.typeof(x).manual_axis_type
     out_shape = (
         jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn, manual_axis_type=vary),
         jax.ShapeDtypeStruct((m, k // BLOCK), jnp.uint8, manual_axis_type=vary),
     )
-    kernel = functools.partial(_quantize_tile, m=m, kind=kind)
+    kernel = functools.partial(_quantize_tile, m=m, kind=kind, has_col=has_col)
     # The tests' Mosaic GPU simulator does not run Triton-lowered kernels: they use the generic
     # interpreter (pallas_call reads the simulator's context when it is built).
     with plgpu.force_gpu_interpret_mode(None):
@@ -129,5 +143,5 @@ def quantize_rows(
             compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
             interpret=interpret,
             name=f"mxfp8_quantize_{kind.value}",
-        )(x, inv_rms, gain)
+        )(x, inv_rms, col)
     return data, lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)

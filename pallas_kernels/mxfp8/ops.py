@@ -284,12 +284,15 @@ def rmsnorm_quantize_mxfp8(
     return reference.rmsnorm_quantize(x, weight, eps=eps, block=block, rounding=rounding, key=key)
 
 
-def gelu_quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None, implementation=None) -> tuple[jax.Array, jax.Array]:
-    """The tanh GELU fused with block quantization: `quantize_mxfp8(jax.nn.gelu(x))`, the GELU in float32.
+def gelu_quantize_mxfp8(
+    x: jax.Array, *, bias: jax.Array | None = None, block=(32, 32), rounding="nearest", key=None, implementation=None
+) -> tuple[jax.Array, jax.Array]:
+    """The tanh GELU fused with block quantization: `quantize_mxfp8(jax.nn.gelu(x + bias))`, in float32.
 
     Equivalent jnp::
 
-        return quantize_mxfp8(jax.nn.gelu(x.astype(jnp.float32)), block=block, rounding=rounding, key=key)
+        v = x.astype(jnp.float32) + (0 if bias is None else bias.astype(jnp.float32))
+        return quantize_mxfp8(jax.nn.gelu(v), block=block, rounding=rounding, key=key)
 
     On the kernel path (see `quantize_mxfp8`) the GELU runs in registers and its output is
     never written in high precision; XLA would write it in float32 and read it twice (the
@@ -297,7 +300,8 @@ def gelu_quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key
     differentiable layer.
 
     Args:
-      x: `[R, C]` float, the MLP's pre-activation.
+      x: `[R, C]` float, the MLP's pre-activation (without its bias when `bias` is given).
+      bias: `[C]` float added before the GELU (the first MLP layer's bias), or None.
       block, rounding, key, implementation: as in `quantize_mxfp8`.
 
     Returns:
@@ -305,11 +309,14 @@ def gelu_quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key
       by an ulp, which moves an element across an E4M3 rounding edge now and then.)
 
     Raises:
-      ValueError: the errors of `quantize_mxfp8`.
+      ValueError: a `bias` that is not `[C]`, or the errors of `quantize_mxfp8`.
     """
+    if bias is not None and (x.ndim != 2 or bias.shape != (x.shape[1],)):
+        raise ValueError(f"gelu_quantize_mxfp8: bias must be [C] for x [R, C]; got {bias.shape} and {x.shape}")
     if _row_kernel(x, reference.check_block(block), rounding, implementation):
-        return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.GELU, interpret=dispatch.interpreting())
-    return reference.quantize(jax.nn.gelu(x.astype(jnp.float32)), block=block, rounding=rounding, key=key)
+        return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.GELU, bias=bias, interpret=dispatch.interpreting())
+    v = x.astype(jnp.float32) if bias is None else x.astype(jnp.float32) + bias.astype(jnp.float32)
+    return reference.quantize(jax.nn.gelu(v), block=block, rounding=rounding, key=key)
 
 
 def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:

@@ -1,7 +1,7 @@
 """FP8 dense matmul: MXFP8 forward and input-gradient GEMMs, bf16 weight gradient (custom_vjp),
 with an optional RMSNorm or GELU on the input fused into the input's quantization.
 
-For `y = p(x) @ w` (`x [T, in]`, `w [in, out]`, `p` the identity, an RMSNorm or a GELU) with
+For `y = p(x) @ w` (`x [T, in]`, `w [in, out]`, `p` the identity, an RMSNorm or a GELU of `x + b`) with
 square-block weight quantization `(wq, sw) = quantize(w)`:
 
     forward   xq = quantize(p(x))                     # p(x) never written in high precision
@@ -105,7 +105,9 @@ class Prologue(enum.Enum):
     NONE: the input itself.
     RMSNORM: `x * rsqrt(mean(x**2, -1) + eps) * norm_scale` in float32 (`reference.rmsnorm`;
       Zhang & Sennrich, 2019), quantized by `rmsnorm_quantize_mxfp8`.
-    GELU: `jax.nn.gelu(x)` (tanh approximation) in float32: the MLP's hidden activation.
+    GELU: `jax.nn.gelu(x + input_bias)` (tanh approximation) in float32: the MLP's hidden
+      activation, with the first MLP layer's bias added here when that layer defers it
+      (`Fp8Linear(add_bias=False)`), so its output is not rewritten with the bias first.
     """
 
     NONE = "none"
@@ -113,12 +115,13 @@ class Prologue(enum.Enum):
     GELU = "gelu"
 
 
-def _apply_prologue(prologue: Prologue, x: jax.Array, norm_scale, eps: float) -> jax.Array:
-    """float32 `p(x)` (the identity keeps `x`'s dtype)."""
+def _apply_prologue(prologue: Prologue, x: jax.Array, param, eps: float) -> jax.Array:
+    """float32 `p(x)` (the identity keeps `x`'s dtype); `param` is the RMSNorm gain or the GELU's input bias."""
     if prologue is Prologue.RMSNORM:
-        return reference.rmsnorm(x, norm_scale, eps)
+        return reference.rmsnorm(x, param, eps)
     if prologue is Prologue.GELU:
-        return jax.nn.gelu(x.astype(jnp.float32))
+        xf = x.astype(jnp.float32)
+        return jax.nn.gelu(xf if param is None else xf + param.astype(jnp.float32))
     return x
 
 
@@ -131,6 +134,7 @@ def fp8_matmul(
     *,
     prologue: Prologue | str = Prologue.NONE,
     norm_scale: jax.Array | None = None,
+    input_bias: jax.Array | None = None,
     eps: float = 1e-6,
 ) -> jax.Array:
     """`p(x) @ w` with FP8 forward and dgrad GEMMs and a bf16 weight gradient (float32 accumulation).
@@ -139,7 +143,7 @@ def fp8_matmul(
 
         dequantize(quantize(p(x))) @ dequantize(quantize(w))
 
-    with `p` the `prologue`: the identity, `rmsnorm(x) * norm_scale` or `gelu(x)`, computed in
+    with `p` the `prologue`: the identity, `rmsnorm(x) * norm_scale` or `gelu(x + input_bias)`, computed in
     float32 and quantized in the same pass (the normed or activated input is never written in
     high precision). The backward runs through `p` exactly (`jax.vjp` of its float32 form).
 
@@ -153,6 +157,8 @@ def fp8_matmul(
       prologue: `Prologue` (or its value).
       norm_scale: `[in]` RMSNorm gain, with `Prologue.RMSNORM` only (its gradient is returned
         in its dtype).
+      input_bias: `[in]` bias added to `x` in float32 before the GELU, with `Prologue.GELU`
+        only, or None (its gradient is returned in its dtype).
       eps: RMSNorm epsilon, added to the mean square.
 
     Returns:
@@ -161,7 +167,8 @@ def fp8_matmul(
     Raises:
       ValueError: `x` or `w` not 2-D or of different inner sizes (w's rows counted gathered
         with `recipe.fsdp_axis`), an unknown prologue, or
-        `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM.
+        `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM, or
+        `input_bias` given without GELU or of the wrong shape.
     """
     prologue = Prologue(prologue)
     if x.ndim != 2 or w.ndim != 2:
@@ -171,28 +178,32 @@ def fp8_matmul(
         raise ValueError(f"fp8_matmul: x has {x.shape[1]} input features, w {in_rows} rows (w {w.shape}, gathered over {recipe.fsdp_axis})")
     if (prologue is Prologue.RMSNORM) != (norm_scale is not None):
         raise ValueError(f"fp8_matmul: norm_scale is required with Prologue.RMSNORM and only with it (prologue={prologue})")
-    if norm_scale is not None and norm_scale.shape != (x.shape[1],):
-        raise ValueError(f"fp8_matmul: norm_scale must be [{x.shape[1]}], got {norm_scale.shape}")
-    return _fp8_matmul(x, norm_scale, w, key, recipe, w_dtype, prologue, float(eps))
+    if input_bias is not None and prologue is not Prologue.GELU:
+        raise ValueError(f"fp8_matmul: input_bias is added before the GELU prologue only (prologue={prologue})")
+    for name, param in (("norm_scale", norm_scale), ("input_bias", input_bias)):
+        if param is not None and param.shape != (x.shape[1],):
+            raise ValueError(f"fp8_matmul: {name} must be [{x.shape[1]}], got {param.shape}")
+    param = norm_scale if prologue is Prologue.RMSNORM else input_bias
+    return _fp8_matmul(x, param, w, key, recipe, w_dtype, prologue, float(eps))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fp8_matmul(x, norm_scale, w, key, recipe, w_dtype, prologue, eps):
-    return _fp8_matmul_fwd(x, norm_scale, w, key, recipe, w_dtype, prologue, eps)[0]
+def _fp8_matmul(x, param, w, key, recipe, w_dtype, prologue, eps):
+    return _fp8_matmul_fwd(x, param, w, key, recipe, w_dtype, prologue, eps)[0]
 
 
-def _quantize_input(x, norm_scale, recipe, prologue, eps):
+def _quantize_input(x, param, recipe, prologue, eps):
     block, implementation = recipe.act_block, recipe.implementation
     if prologue is Prologue.RMSNORM:
-        return rmsnorm_quantize_mxfp8(x, norm_scale, eps=eps, block=block, implementation=implementation)
+        return rmsnorm_quantize_mxfp8(x, param, eps=eps, block=block, implementation=implementation)
     if prologue is Prologue.GELU:
-        return gelu_quantize_mxfp8(x, block=block, implementation=implementation)
+        return gelu_quantize_mxfp8(x, bias=param, block=block, implementation=implementation)
     return quantize_mxfp8(x, block=block, implementation=implementation)
 
 
-def _fp8_matmul_fwd(x, norm_scale, w, key, recipe, w_dtype, prologue, eps):
+def _fp8_matmul_fwd(x, param, w, key, recipe, w_dtype, prologue, eps):
     del w_dtype
-    xq, sx = _quantize_input(x, norm_scale, recipe, prologue, eps)
+    xq, sx = _quantize_input(x, param, recipe, prologue, eps)
     wq, sw = quantize_weight(w, recipe)
     y = mxfp8_matmul(
         xq, sx, wq, sw, b_contracting_dim=0, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config
@@ -200,7 +211,7 @@ def _fp8_matmul_fwd(x, norm_scale, w, key, recipe, w_dtype, prologue, eps):
     # The prologue's input is kept for its backward (a plain layer keeps only 8-bit data);
     # `w` (the master weight, alive anyway) only lends its sharding to the weight gradient.
     x_kept = None if prologue is Prologue.NONE else x
-    return y, (x_kept, norm_scale, xq, sx, wq, sw, key, w)
+    return y, (x_kept, param, xq, sx, wq, sw, key, w)
 
 
 def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -210,7 +221,7 @@ def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
-    x, norm_scale, xq, sx, wq, sw, key, w = residuals
+    x, param, xq, sx, wq, sw, key, w = residuals
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key, implementation=recipe.implementation)
     dp = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
@@ -222,9 +233,9 @@ def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
     dw = _with_sharding_of(dw, w)
     if prologue is Prologue.NONE:
         return _with_sharding_of(dp, xq), None, dw, None
-    _, prologue_vjp = jax.vjp(lambda x, s: _apply_prologue(prologue, x, s, eps), x, norm_scale)
-    dx, dscale = prologue_vjp(dp.astype(jnp.float32))
-    return _with_sharding_of(dx.astype(x.dtype), xq), dscale, dw, None
+    _, prologue_vjp = jax.vjp(lambda x, s: _apply_prologue(prologue, x, s, eps), x, param)
+    dx, dparam = prologue_vjp(dp.astype(jnp.float32))
+    return _with_sharding_of(dx.astype(x.dtype), xq), dparam, dw, None
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -121,24 +121,34 @@ def test_zero_tokens_and_errors():
         Fp8Recipe(grad_rounding="up")
 
 
-def _prologue_ref(prologue, x, scale):
-    """float32 p(x) of the fused prologues, written out."""
+def _prologue_ref(prologue, x, param):
+    """float32 p(x) of the fused prologues, written out (`param`: the norm gain or the GELU's input bias)."""
     if prologue == "rmsnorm":
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * param
+    if prologue == "gelu_bias":
+        return jax.nn.gelu(x + param)
     return jax.nn.gelu(x)
 
 
+def _prologue_args(prologue, param):
+    return {
+        "rmsnorm": {"prologue": "rmsnorm", "norm_scale": param},
+        "gelu": {"prologue": "gelu"},
+        "gelu_bias": {"prologue": "gelu", "input_bias": param},
+    }[prologue]
+
+
 @pytest.mark.parametrize("block", [32, 128])
-@pytest.mark.parametrize("prologue", ["rmsnorm", "gelu"])
+@pytest.mark.parametrize("prologue", ["rmsnorm", "gelu", "gelu_bias"])
 def test_fused_prologue_forward_and_gradients(block, prologue):
     recipe = Fp8Recipe(block=block, implementation="xla")
     x, w, g = _data(96, 256, 160, seed=20 + block)
     x = x * 3.0 + 0.5  # a mean and a spread for the norm to remove
     scale = 1.0 + 0.3 * jax.random.normal(jax.random.key(7), (256,))
-    norm_scale = scale if prologue == "rmsnorm" else None
+    has_param = prologue != "gelu"
 
     def fused(x, scale, w):
-        return fp8_matmul(x, w, None, recipe, w.dtype, prologue=prologue, norm_scale=scale if prologue == "rmsnorm" else None)
+        return fp8_matmul(x, w, None, recipe, w.dtype, **_prologue_args(prologue, scale))
 
     y, vjp = jax.vjp(fused, x, scale, w)
     dx, dscale, dw = vjp(g)
@@ -149,7 +159,7 @@ def test_fused_prologue_forward_and_gradients(block, prologue):
     ry, rvjp = jax.vjp(bf16, x, scale, w)
     rdx, rdscale, rdw = rvjp(g)
     assert _rel(y, ry) < 0.06 and _rel(dx, rdx) < 0.08 and _rel(dw, rdw) < 0.05
-    if prologue == "rmsnorm":
+    if has_param:
         assert _rel(dscale, rdscale) < 0.08
     else:
         assert dscale is None or not np.any(np.asarray(dscale))
@@ -163,7 +173,7 @@ def test_fused_prologue_forward_and_gradients(block, prologue):
     np.testing.assert_allclose(np.asarray(y), np.asarray(pq @ wq), rtol=1e-4, atol=1e-4)
     want_dx, want_dscale = p_vjp(gq @ wq.T)
     np.testing.assert_allclose(np.asarray(dx), np.asarray(want_dx), rtol=1e-4, atol=1e-4)
-    if norm_scale is not None:
+    if has_param:
         np.testing.assert_allclose(np.asarray(dscale), np.asarray(want_dscale), rtol=1e-4, atol=1e-4)
     dw_ref = jnp.dot(pq.astype(jnp.bfloat16).T, g.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), rtol=1e-5, atol=1e-5)
@@ -200,6 +210,28 @@ def test_layer_with_norm_or_gelu_matches_the_unfused_modules():
         layer(x, norm=nnx.LayerNorm(128, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="norm_scale"):
         fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="rmsnorm")
+
+
+def test_first_mlp_layer_leaves_its_bias_to_the_second():
+    """`down(up(x, add_bias=False), gelu=True, input_bias=up.bias)` is `down(gelu(up(x)))`, gradients included."""
+    recipe = Fp8Recipe(implementation="xla")
+    up = Fp8Linear(128, 256, rngs=nnx.Rngs(0), recipe=recipe, bias_init=nnx.initializers.normal(0.5))
+    down = Fp8Linear(256, 64, rngs=nnx.Rngs(1), recipe=recipe)
+    x = jax.random.normal(jax.random.key(2), (3, 50, 128))
+    np.testing.assert_allclose(np.asarray(up(x, add_bias=False) + up.bias[...]), np.asarray(up(x)), rtol=1e-6, atol=1e-6)
+
+    def loss(modules, deferred):
+        up, down = modules
+        y = down(up(x, add_bias=False), gelu=True, input_bias=up.bias[...]) if deferred else down(up(x), gelu=True)
+        return jnp.sum(jnp.sin(y))
+
+    (y_def, g_def), (y_ref, g_ref) = (nnx.value_and_grad(loss)((up, down), d) for d in (True, False))
+    assert _rel(y_def, y_ref) < 1e-3  # the sum over all outputs; elementwise, FP8 rounding of h + b vs bf16 h
+    for module in (0, 1):
+        for part in ("kernel", "bias"):
+            assert _rel(g_def[module][part][...], g_ref[module][part][...]) < 0.02
+    with pytest.raises(ValueError, match="input_bias is added before the GELU"):
+        down(up(x), input_bias=up.bias[...])
 
 
 def test_fp8_matmul_refuses_inputs_whose_features_differ_from_the_weight_rows():

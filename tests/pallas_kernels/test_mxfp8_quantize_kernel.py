@@ -14,6 +14,7 @@ OPS = {
     "none": lambda x, g, impl: quantize_mxfp8(x, block=(1, 128), implementation=impl),
     "rmsnorm": lambda x, g, impl: rmsnorm_quantize_mxfp8(x, g, eps=1e-6, block=(1, 128), implementation=impl),
     "gelu": lambda x, g, impl: gelu_quantize_mxfp8(x, block=(1, 128), implementation=impl),
+    "gelu_bias": lambda x, g, impl: gelu_quantize_mxfp8(x, bias=g, block=(1, 128), implementation=impl),
 }
 
 
@@ -26,7 +27,7 @@ def _assert_same(op, got, want):
     an element to the neighbouring E4M3 value now and then (same sign, one code apart)."""
     np.testing.assert_array_equal(_bytes(got[1]), _bytes(want[1]))
     a, b = _bytes(got[0]).astype(np.int32), _bytes(want[0]).astype(np.int32)
-    if op != "gelu":
+    if not op.startswith("gelu"):
         np.testing.assert_array_equal(a, b)
         return
     differ = a != b
@@ -91,22 +92,28 @@ def test_rmsnorm_kernel_refuses_missing_operands():
         kernel_quantize.quantize_rows(jnp.zeros((4, 128)), kernel_quantize.Kind.RMSNORM, interpret=True)
     with pytest.raises(ValueError, match="multiple of 128"):
         kernel_quantize.quantize_rows(jnp.zeros((4, 100)), interpret=True)
+    with pytest.raises(ValueError, match="comes with Kind.GELU only"):
+        kernel_quantize.quantize_rows(jnp.zeros((4, 128)), bias=jnp.zeros((128,)), interpret=True)
+    with pytest.raises(ValueError, match="bias must be"):
+        gelu_quantize_mxfp8(jnp.zeros((4, 128)), bias=jnp.zeros((64,)), block=(1, 128))
 
 
-@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "gelu"])
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "gelu", "gelu_bias"])
 def test_fp8_layer_forward_and_gradients_through_the_kernel(prologue):
     """The FP8 layer with the kernel quantizing its input and output gradient equals the jnp path."""
     k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
     x = jax.random.normal(k1, (72, 256))  # tokens not a multiple of the kernel's rows
     w = jax.random.normal(k2, (256, 128)) / 16
     g = jax.random.normal(k3, (72, 128))
-    scale = 1 + 0.1 * jax.random.normal(k4, (256,)) if prologue == "rmsnorm" else None
+    scale = 1 + 0.1 * jax.random.normal(k4, (256,)) if prologue in ("rmsnorm", "gelu_bias") else None
     outs = {}
     for impl in ("xla", "pallas"):
         recipe = Fp8Recipe(block=128, implementation=impl)
 
         def loss(x, w, s, r=recipe):
-            return jnp.sum(fp8_matmul(x, w, None, r, w.dtype, prologue=Prologue(prologue), norm_scale=s) * g)
+            param = {"norm_scale": s} if prologue == "rmsnorm" else {"input_bias": s}
+            y = fp8_matmul(x, w, None, r, w.dtype, prologue=Prologue(prologue.removesuffix("_bias")), **param)
+            return jnp.sum(y * g)
 
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
             outs[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2) if scale is not None else (0, 1)))(x, w, scale)
