@@ -498,6 +498,7 @@ def quantize_kernel_check(log, smoke=False) -> dict:
             "quantize": lambda x, i: quantize_mxfp8(x, block=(1, 128), implementation=i),
             "rmsnorm": lambda x, i: rmsnorm_quantize_mxfp8(x, g, block=(1, 128), implementation=i),
             "gelu": lambda x, i: gelu_quantize_mxfp8(x, block=(1, 128), implementation=i),
+            "gelu_bias": lambda x, i: gelu_quantize_mxfp8(x, bias=g, block=(1, 128), implementation=i),
         }
         for name, op in ops.items():
             got = jax.jit(lambda x, op=op: op(x, "pallas"))(x)
