@@ -38,13 +38,15 @@ def _bar(config: str, label: str, measured: dict) -> dict:
     }
 
 
-def bars(record: dict, path: str) -> list[dict]:
+def bars(record: dict, path: str, name: str | None = None) -> list[dict]:
     """`[{panel, label, groups_ms, step_ms, mfu}]` of one result file's profiled steps.
+
+    `name` replaces the file's commit at the head of its bars' labels.
 
     Raises:
       ValueError: the file is neither a baseline (`cases`) nor a train_bench result (`runs`).
     """
-    commit = str(record.get("git_commit", "?"))[:7]
+    commit = name or str(record.get("git_commit", "?"))[:7]
     if "cases" in record:
         found = [
             _bar(c["config"], f"before {commit}: {c.get('attention', '')}{' fp8' if c.get('fp8') else ''}", c)
@@ -104,8 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="baseline and train_bench --profile result JSONs")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "figures" / "step_breakdown.png"))
+    parser.add_argument("--names", nargs="+", help="one label head per results file, in order (default: each file's commit)")
     args = parser.parse_args(argv)
-    all_bars = [bar for path in args.results for bar in bars(json.loads(Path(path).read_text()), path)]
+    if args.names and len(args.names) != len(args.results):
+        parser.error(f"--names: {len(args.names)} names for {len(args.results)} results files")
+    names = args.names or [None] * len(args.results)
+    all_bars = [bar for path, name in zip(args.results, names) for bar in bars(json.loads(Path(path).read_text()), path, name)]
     if not all_bars:
         parser.error("no profiled steps in these files (train_bench needs --profile on a GPU)")
     plot(all_bars, Path(args.out))
