@@ -8,7 +8,8 @@ Mosaic GPU give their GPU kernels (the names CUPTI reports, as in Nsight Systems
   XLA's Triton `gemm_fusion_dot...`, `cublasLt::splitKreduce_kernel`);
 - `gemm_f32_tf32`: matrix products with float32 operands, which Hopper runs as TF32
   (`..._f32f32_tf32f32_...`, `sgemm`, `nvjet_s...`): a bf16 step should have none;
-- `pallas`: Pallas Mosaic GPU kernels (`<name>_mosaic_gpu_kernel`: JFA, GDPA, MXFP8);
+- `pallas`: Pallas kernels: Mosaic GPU (`<name>_mosaic_gpu_kernel`: JFA, GDPA, the MXFP8 GEMM) and
+  Triton-lowered (`mxfp8_quantize_*`, the one-pass quantization);
 - `cudnn`: cuDNN kernels (the padded peer's flash attention, `cudnn_generated_..._sdpa_...`);
 - `collectives`: NCCL (`ncclDevKernel_AllGather_RING_LL`) and XLA's own collective kernels;
 - XLA's generated kernels, by the operation that names them: `gather_scatter`
@@ -39,7 +40,7 @@ GROUPS = (
 LABELS = {
     "gemm": "GEMM (bf16/fp8)",
     "gemm_f32_tf32": "GEMM float32 (TF32)",
-    "pallas": "Pallas (Mosaic GPU)",
+    "pallas": "Pallas (Mosaic GPU, Triton)",
     "cudnn": "cuDNN",
     "xla_fusions": "XLA fusions",
     "reductions": "reductions",

@@ -15,7 +15,7 @@ from pallas_kernels.gdpa import ops as gdpa_ops
 from pallas_kernels.jagged_flash_attention import ops as jfa_ops
 from pallas_kernels.mxfp8 import ops as mxfp8_ops
 
-_OPS = {op.name: op for op in (jfa_ops.SUPPORT, gdpa_ops.SUPPORT, block_local_ops.SUPPORT, mxfp8_ops.SUPPORT)}
+_OPS = {op.name: op for op in (jfa_ops.SUPPORT, gdpa_ops.SUPPORT, block_local_ops.SUPPORT, mxfp8_ops.SUPPORT, *mxfp8_ops.QUANTIZE_SUPPORTS)}
 
 
 def _support(op_name: str) -> dispatch.OpSupport:
@@ -45,9 +45,10 @@ def describe_choice(
     """The implementation `op_name` runs for q/k/v of `dtype` and `head_dim`, and a one-line reason.
 
     Args:
-      op_name: "jagged_flash_attention", "gdpa", "block_local_attention" or "mxfp8_matmul".
+      op_name: "jagged_flash_attention", "gdpa", "block_local_attention", "mxfp8_matmul",
+        "quantize_mxfp8", "rmsnorm_quantize_mxfp8" or "gelu_quantize_mxfp8".
       dtype: the inputs' dtype (e.g. jnp.bfloat16).
-      head_dim: the attention head dim D (None for mxfp8_matmul).
+      head_dim: the attention head dim D (None for the mxfp8 ops).
       implementation: the setting the op will get (None: the op chooses).
       device: the device to decide for (default: the first device).
 

@@ -108,9 +108,14 @@ def norm_dense(
     `fp8_saved_input`: a bf16 layer's weight gradient reads an FP8 copy of `norm(x)`
     (`gem_jax.quant.saved_activations.dense_fp8_input`); an `Fp8Linear` keeps FP8 inputs anyway.
     `add_bias=False` (an `Fp8Linear` only) leaves the bias to the next layer (`Fp8Linear(input_bias=)`).
+
+    Raises:
+      ValueError: `add_bias=False` for a layer that is not an `Fp8Linear`.
     """
     if isinstance(layer, Fp8Linear):
         return layer(x, norm=norm, add_bias=add_bias)
+    if not add_bias:
+        raise ValueError("norm_dense: add_bias=False leaves the bias to the next FP8 layer; this layer is not an Fp8Linear")
     return dense_fp8_input(layer, norm(x)) if fp8_saved_input else layer(norm(x))
 
 

@@ -16,10 +16,14 @@ float32 prologue (the GELU's tanh), reduces it, and reads it again to quantize
 (benchmarks/mxfp8.md). The last row tile is masked: rows past `M` are neither read nor
 written. The Triton lowering is used because this is a memory-bound row kernel (no
 TMA or wgmma): Triton's masked loads and its E4M3 conversion (`cvt.rn.satfinite`) are
-what it needs.
+what it needs. jax 0.11 marks the Pallas Triton backend deprecated (a DeprecationWarning
+when the kernel lowers for a GPU), so this kernel is to move to Mosaic GPU before jax
+drops it. The Triton lowering addresses the 8-bit output with 32-bit offsets, so inputs of
+2**31 elements or more go to the jnp reference (`ops.quantize_kernel_takes`).
 
-Equivalent jnp: `reference.quantize(p(x), block=(1, 128))`, bit for bit except where the
-GPU's `tanhf` and XLA's tanh differ by an ulp and a value sits on an E4M3 rounding edge.
+Equivalent jnp: `reference.quantize(p(x), block=(1, 128))`. Bytes may differ by one E4M3
+code where the GPU's `tanhf` and XLA's tanh differ by an ulp, or where the RMSNorm's mean
+square is summed in another order (benchmarks/mxfp8.md counts them on an H200).
 
 Sources: DeepSeek-V3 (arXiv:2412.19437) section 3.3 for 1x128 activation tiles; Transformer
 Engine's fused LayerNorm/activation cast kernels for the prologue in the cast.
@@ -109,19 +113,26 @@ def quantize_rows(
       interpret: run the Pallas interpreter (CPU tests).
 
     Raises:
-      ValueError: `x` not 2-D with `K` a multiple of 128, the RMSNorm operands missing or
-        of the wrong shape, or a bias of the wrong shape or without `Kind.GELU`.
+      ValueError: `x` not 2-D with `K` a multiple of 128, the RMSNorm operands missing, of
+        the wrong shape or given with another kind, or a bias of the wrong shape or without
+        `Kind.GELU`.
     """
     if x.ndim != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"quantize_rows: x must be [M, K] with K a multiple of {BLOCK}, got {x.shape}")
     m, k = x.shape
+    shape = lambda a: None if a is None else jnp.shape(a)  # noqa: E731
+    given = (inv_rms is not None, gain is not None)
+    if given != ((kind is Kind.RMSNORM),) * 2:
+        raise ValueError(f"quantize_rows: inv_rms and gain come with Kind.RMSNORM, and only with it; got {shape(inv_rms)} and {shape(gain)} with {kind}")
+    if bias is not None and kind is not Kind.GELU:
+        raise ValueError(f"quantize_rows: bias comes with Kind.GELU only; got one with {kind}")
     if kind is Kind.RMSNORM:
-        if inv_rms is None or gain is None or inv_rms.shape != (m,) or gain.shape != (k,):
-            raise ValueError(f"quantize_rows: RMSNORM needs inv_rms [{m}] and gain [{k}], got {inv_rms} and {gain}")
+        if shape(inv_rms) != (m,) or shape(gain) != (k,):
+            raise ValueError(f"quantize_rows: RMSNORM needs inv_rms [{m}] and gain [{k}], got {shape(inv_rms)} and {shape(gain)}")
         col = gain
     else:
-        if bias is not None and (kind is not Kind.GELU or bias.shape != (k,)):
-            raise ValueError(f"quantize_rows: bias must be [{k}] and comes with Kind.GELU only; got {bias.shape} with {kind}")
+        if bias is not None and shape(bias) != (k,):
+            raise ValueError(f"quantize_rows: bias must be [{k}], got {shape(bias)}")
         inv_rms, col = jnp.zeros((1,), jnp.float32), bias
     has_col = col is not None
     col = jnp.zeros((1,), jnp.float32) if col is None else col  # unread placeholder

@@ -131,10 +131,21 @@ def dequantize(data: jax.Array, scales: jax.Array, *, block=(32, 32), dtype=jnp.
     return (data.astype(jnp.float32) * expand_scales(scales, data.shape, block)).astype(dtype)
 
 
+def inv_rms(x: jax.Array, eps: float) -> jax.Array:
+    """float32 `rsqrt(mean(x**2, -1) + eps)` over the last axis, kept as a size-1 axis."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """float32 `x * rsqrt(mean(x**2, -1) + eps) * weight` over the last axis."""
+    return x.astype(jnp.float32) * inv_rms(x, eps) * weight.astype(jnp.float32)
+
+
+def gelu(x: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """float32 `jax.nn.gelu(x + bias)` (tanh approximation; no bias: `gelu(x)`)."""
     xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
+    return jax.nn.gelu(xf if bias is None else xf + bias.astype(jnp.float32))
 
 
 def rmsnorm_quantize(x, weight, *, eps=1e-6, block=(32, 32), rounding="nearest", key=None):

@@ -61,7 +61,8 @@ class Fp8Recipe:
         kernel given is this device's shard, and its gradient is reduce-scattered back
         to it (`shard_gradient`).
       fsdp_dim: the sharded dimension of the kernel `[in, out]`.
-      implementation: for `mxfp8_matmul`: "xla", "pallas" or None (pallas on Hopper).
+      implementation: for `mxfp8_matmul` and the input and output-gradient quantizations
+        (`quantize_mxfp8` and its fused forms): "xla", "pallas" or None (pallas on Hopper).
       config: `pallas_kernels.mxfp8.kernel_matmul.TuningConfig` for the Pallas GEMMs, or
         None for the default of the block size.
     """
@@ -120,8 +121,7 @@ def _apply_prologue(prologue: Prologue, x: jax.Array, param, eps: float) -> jax.
     if prologue is Prologue.RMSNORM:
         return reference.rmsnorm(x, param, eps)
     if prologue is Prologue.GELU:
-        xf = x.astype(jnp.float32)
-        return jax.nn.gelu(xf if param is None else xf + param.astype(jnp.float32))
+        return reference.gelu(x, param)
     return x
 
 
@@ -181,8 +181,8 @@ def fp8_matmul(
     if input_bias is not None and prologue is not Prologue.GELU:
         raise ValueError(f"fp8_matmul: input_bias is added before the GELU prologue only (prologue={prologue})")
     for name, param in (("norm_scale", norm_scale), ("input_bias", input_bias)):
-        if param is not None and param.shape != (x.shape[1],):
-            raise ValueError(f"fp8_matmul: {name} must be [{x.shape[1]}], got {param.shape}")
+        if param is not None and jnp.shape(param) != (x.shape[1],):
+            raise ValueError(f"fp8_matmul: {name} must be [{x.shape[1]}], got {jnp.shape(param)}")
     param = norm_scale if prologue is Prologue.RMSNORM else input_bias
     return _fp8_matmul(x, param, w, key, recipe, w_dtype, prologue, float(eps))
 

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from gem_jax.nn.layers import MLP, norm_dense, rms_norm
 from gem_jax.quant import Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight
 from pallas_kernels.mxfp8 import dequantize_mxfp8, kernel_matmul, quantize_mxfp8
 from pallas_kernels.mxfp8.fsdp import gathered_extent
@@ -232,6 +233,37 @@ def test_first_mlp_layer_leaves_its_bias_to_the_second():
             assert _rel(g_def[module][part][...], g_ref[module][part][...]) < 0.02
     with pytest.raises(ValueError, match="input_bias is added before the GELU"):
         down(up(x), input_bias=up.bias[...])
+    with pytest.raises(ValueError, match=r"input_bias must be \[256\], got \(\)"):
+        fp8_matmul(up(x)[0], down.kernel[...], None, recipe, jnp.float32, prologue="gelu", input_bias=1.0)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_fp8_mlp_adds_the_first_bias_in_the_gelu_pass(with_norm):
+    """`MLP` with FP8 layers computes `down(gelu(up(norm(x)) + b_up))`: the same values and gradients as written out."""
+    recipe = Fp8Recipe(implementation="xla")
+    with nnx.use_eager_sharding(False):  # logical axes only, no mesh
+        mlp = MLP(128, 256, rngs=nnx.Rngs(0), fp8=recipe, dtype=jnp.float32)
+        norm = rms_norm(128, rngs=nnx.Rngs(1), dtype=jnp.float32) if with_norm else None
+        bf16_norm = rms_norm(128, rngs=nnx.Rngs(1))
+    mlp.up.bias[...] = 0.5 * jax.random.normal(jax.random.key(4), (256,))
+    x = jax.random.normal(jax.random.key(5), (2, 40, 128))
+
+    def written_out(mlp, deferred):
+        h = mlp.up(x, norm=norm, add_bias=not deferred) if with_norm else mlp.up(x, add_bias=not deferred)
+        bias = mlp.up.bias[...] if deferred else None
+        return jnp.sum(jnp.sin(mlp.down(h, gelu=True, input_bias=bias)))
+
+    value, grads = nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, norm=norm))))(mlp)
+    want, want_grads = nnx.value_and_grad(written_out)(mlp, True)
+    np.testing.assert_allclose(np.asarray(value), np.asarray(want), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    undeferred, undeferred_grads = nnx.value_and_grad(written_out)(mlp, False)  # bias added before the GELU pass
+    assert _rel(value, undeferred) < 1e-3
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(undeferred_grads)):
+        assert _rel(a, b) < 0.02
+    with pytest.raises(ValueError, match="not an Fp8Linear"):
+        norm_dense(bf16_norm, nnx.Linear(128, 8, rngs=nnx.Rngs(0)), x, add_bias=False)
 
 
 def test_fp8_matmul_refuses_inputs_whose_features_differ_from_the_weight_rows():

@@ -7,8 +7,10 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import ImplementationUnavailableError, describe_choice
 from pallas_kernels.mxfp8 import Fp8Recipe, Prologue, fp8_matmul, gelu_quantize_mxfp8, kernel_quantize, quantize_mxfp8, reference
 from pallas_kernels.mxfp8 import rmsnorm_quantize_mxfp8
+from pallas_kernels.mxfp8.ops import quantize_kernel_takes
 
 OPS = {
     "none": lambda x, g, impl: quantize_mxfp8(x, block=(1, 128), implementation=impl),
@@ -77,9 +79,48 @@ def test_zero_rows_and_other_tiles_take_the_reference():
     empty = jnp.zeros((0, 256), jnp.bfloat16)
     data, scales = _kernel("gelu", empty, jnp.ones((256,)))
     assert data.shape == (0, 256) and scales.shape == (0, 2)
+    data, scales = _kernel("none", jnp.zeros((4, 0), jnp.bfloat16), jnp.ones((0,)))  # zero width
+    assert data.shape == (4, 0) and scales.shape == (4, 0)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):  # 32x32 tiles: the reference
         d32, _ = quantize_mxfp8(x[:, :128], block=(32, 32), implementation="pallas")
     np.testing.assert_array_equal(_bytes(d32), _bytes(reference.quantize(x[:, :128], block=(32, 32))[0]))
+
+
+def test_inputs_the_kernel_takes():
+    bf16, f16 = jnp.bfloat16, jnp.float16
+    assert quantize_kernel_takes((200, 512), bf16, (1, 128), "nearest")
+    assert quantize_kernel_takes((65, 1024), jnp.float32, [1, 128], "nearest")
+    assert not quantize_kernel_takes((524_288, 4096), bf16, (1, 128), "nearest")  # 2**31 elements: 32-bit offsets
+    assert quantize_kernel_takes((524_287, 4096), bf16, (1, 128), "nearest")
+    for shape, dtype, block, rounding in [
+        ((0, 256), bf16, (1, 128), "nearest"),
+        ((4, 0), bf16, (1, 128), "nearest"),
+        ((4, 200), bf16, (1, 128), "nearest"),
+        ((4, 256), f16, (1, 128), "nearest"),
+        ((4, 256), jnp.int32, (1, 128), "nearest"),
+        ((4, 256), bf16, (32, 32), "nearest"),
+        ((4, 256), bf16, (1, 128), "stochastic"),
+        ((256,), bf16, (1, 128), "nearest"),
+    ]:
+        assert not quantize_kernel_takes(shape, dtype, block, rounding), (shape, dtype, block, rounding)
+
+
+@pytest.mark.parametrize("op", ["quantize_mxfp8", "rmsnorm_quantize_mxfp8", "gelu_quantize_mxfp8"])
+def test_implementation_is_checked_for_every_input(op):
+    x32 = jnp.ones((64, 64))  # 32x32 tiles: the reference whichever name is given, but names still checked
+    fn = {
+        "quantize_mxfp8": lambda impl: quantize_mxfp8(x32, implementation=impl),
+        "rmsnorm_quantize_mxfp8": lambda impl: rmsnorm_quantize_mxfp8(x32, jnp.ones((64,)), implementation=impl),
+        "gelu_quantize_mxfp8": lambda impl: gelu_quantize_mxfp8(x32, implementation=impl),
+    }[op]
+    with pytest.raises(ValueError, match="unknown implementation"):
+        fn("bogus")
+    with pytest.raises(ValueError, match=f"{op} has no cuDNN implementation"):
+        fn("cudnn")
+    with pytest.raises(ImplementationUnavailableError, match=f"{op}: .*no Hopper GPU"):
+        fn("pallas")
+    np.testing.assert_array_equal(_bytes(fn(None)[0]), _bytes(fn("xla")[0]))  # None on the CPU: the reference
+    assert describe_choice(op, jnp.bfloat16).implementation.value == "xla"
 
 
 def test_scale_exponent_from_bits_matches_the_reference_rule():
@@ -88,14 +129,18 @@ def test_scale_exponent_from_bits_matches_the_reference_rule():
 
 
 def test_rmsnorm_kernel_refuses_missing_operands():
-    with pytest.raises(ValueError, match="RMSNORM needs inv_rms"):
+    with pytest.raises(ValueError, match="come with Kind.RMSNORM, and only with it; got None and None"):
         kernel_quantize.quantize_rows(jnp.zeros((4, 128)), kernel_quantize.Kind.RMSNORM, interpret=True)
     with pytest.raises(ValueError, match="multiple of 128"):
         kernel_quantize.quantize_rows(jnp.zeros((4, 100)), interpret=True)
-    with pytest.raises(ValueError, match="comes with Kind.GELU only"):
+    with pytest.raises(ValueError, match="bias comes with Kind.GELU only"):
         kernel_quantize.quantize_rows(jnp.zeros((4, 128)), bias=jnp.zeros((128,)), interpret=True)
-    with pytest.raises(ValueError, match="bias must be"):
+    with pytest.raises(ValueError, match="only with it"):
+        kernel_quantize.quantize_rows(jnp.zeros((4, 128)), kernel_quantize.Kind.GELU, gain=jnp.ones((128,)), interpret=True)
+    with pytest.raises(ValueError, match=r"bias must be \[128\] for x \(4, 128\), got \(64,\)"):
         gelu_quantize_mxfp8(jnp.zeros((4, 128)), bias=jnp.zeros((64,)), block=(1, 128))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        gelu_quantize_mxfp8(jnp.zeros((128,)), bias=jnp.zeros((128,)), block=(1, 128))
 
 
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "gelu", "gelu_bias"])
