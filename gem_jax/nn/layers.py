@@ -149,7 +149,7 @@ class MLP(nnx.Module):
         """`down(gelu(up(x)))`, or `down(gelu(up(norm(x))))` with a pre-norm."""
         saved = self.fp8_saved_activations
         if isinstance(self.up, Fp8Linear) and isinstance(self.down, Fp8Linear):
-            h = self.up(x, add_bias=False) if norm is None else norm_dense(norm, self.up, x, add_bias=False)
+            h = self.up(x, norm=norm, add_bias=False)
             up_bias = None if self.up.bias is None else self.up.bias[...]
             return self.down(h, gelu=True, input_bias=up_bias)
         if norm is not None:

@@ -4,7 +4,7 @@ import dataclasses
 import json
 
 import grain
-import jax
+import chex
 import numpy as np
 import pytest
 from absl import flags
@@ -20,13 +20,6 @@ D = 8  # devices a global batch is split over
 CONFIG = DataConfig(source=Source.ML_LATEST_SMALL, batch_size=256, max_seq_len=128, seed=3, bbs=BBSConfig())
 DEMO_MODEL = ModelConfig(embed_dim=32, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=64)
 
-
-def assert_batches_equal(a, b):
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def example_rows(batch):
@@ -134,7 +127,7 @@ def test_same_stream_for_any_worker_count(bbs):
         ds = bbs.train_dataset().to_iter_dataset(grain.ReadOptions(num_threads=0)).mp_prefetch(options)
         it = iter(ds)
         for want in reference:
-            assert_batches_equal(next(it), want)
+            chex.assert_trees_all_equal(next(it), want)
         it.close()
 
 
@@ -151,7 +144,7 @@ def test_resume_mid_epoch_gives_the_same_stream(bbs, workload, start):
     resumed = load_dataset(CONFIG).resolve_bbs(num_shards=D, workload=workload).train_iterator()
     resumed.set_state(state)
     for want in expected:
-        assert_batches_equal(next(resumed), want)
+        chex.assert_trees_all_equal(next(resumed), want)
 
 
 def test_unresolved_or_mismatched_settings_are_named(loaded, workload):

@@ -3,7 +3,7 @@
 import dataclasses
 import logging
 
-import jax
+import chex
 import numpy as np
 import pytest
 
@@ -12,13 +12,6 @@ from gem_jax.data.paths import SHARED_DATA_ENV, SOURCE_FOLDERS, default_path, sh
 from gem_jax.data.pipeline import DataConfig, OnBadRow, Source, SyntheticConfig, load_dataset
 from gem_jax.data.sampling import ShuffledBatchIndices
 
-
-def assert_batches_equal(a, b):
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +44,7 @@ def test_resume_yields_the_same_remaining_batches(ml_small):
     resumed = fresh.train_iterator()
     resumed.set_state(state)
     for want in expected:
-        assert_batches_equal(next(resumed), want)
+        chex.assert_trees_all_equal(next(resumed), want)
 
 
 def test_resume_across_an_epoch_boundary(ml_small):
@@ -66,9 +59,9 @@ def test_resume_across_an_epoch_boundary(ml_small):
     again = ml_small.train_iterator()
     again.set_state(state)
     for want in run:
-        assert_batches_equal(next(again), want)
+        chex.assert_trees_all_equal(next(again), want)
     direct = ml_small.train_dataset()
-    assert_batches_equal(direct[steps], run[2])
+    chex.assert_trees_all_equal(direct[steps], run[2])
 
 
 def test_one_epoch_sees_every_train_example_once(ml_small):
@@ -101,7 +94,7 @@ def test_shuffled_batch_indices_are_epoch_permutations():
 
 def test_seed_controls_the_order(ml_small):
     first = next(ml_small.train_iterator())
-    assert_batches_equal(next(ml_small.train_iterator(seed=3)), first)
+    chex.assert_trees_all_equal(next(ml_small.train_iterator(seed=3)), first)
     other = next(ml_small.train_iterator(seed=4))
     assert not np.array_equal(other.candidate_item, first.candidate_item)
 
@@ -116,7 +109,7 @@ def test_eval_batches_cover_each_eval_example_once_in_order(ml_small):
     np.testing.assert_array_equal(candidates, ml_small.eval_batch.examples.candidate)
     for b in batches:
         validate_ids(b, ml_small.spec)
-    assert_batches_equal(next(ml_small.eval_batches()), batches[0])
+    chex.assert_trees_all_equal(next(ml_small.eval_batches()), batches[0])
 
 
 def test_empty_histories_reach_the_batch(ml_small):
@@ -193,7 +186,7 @@ def test_synthetic_dataset_resume_across_epochs():
     resumed = load_dataset(config).train_iterator()
     resumed.set_state(state)
     for want in expected:
-        assert_batches_equal(next(resumed), want)
+        chex.assert_trees_all_equal(next(resumed), want)
     assert sum(b.weights.sum() for b in ds.eval_batches()) == 20
 
 

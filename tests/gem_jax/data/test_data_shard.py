@@ -3,6 +3,7 @@ the processes build every example once; the local batches place like the global 
 
 import dataclasses
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -45,13 +46,6 @@ def recording(dataset):
     return dataclasses.replace(dataset, train_batch=Recorder(dataset.train_batch), eval_batch=Recorder(dataset.eval_batch))
 
 
-def assert_trees_equal(a, b):
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
 
 def assert_local_is_global_chunks(local: LocalBatch, global_batch, buckets):
     """The local batch is the global batch's chunks `local.shard.chunks`, at the global batch's token capacity."""
@@ -61,7 +55,7 @@ def assert_local_is_global_chunks(local: LocalBatch, global_batch, buckets):
     whole = stack_batch(global_batch, D, buckets)
     part = stack_batch(local.batch, len(local.shard.chunks), buckets, fullest_rows=int(local.chunk_rows().max()))
     chunks = np.asarray(local.shard.chunks)
-    assert_trees_equal(part, jax.tree.map(lambda x: x[chunks], whole))
+    chex.assert_trees_all_equal(part, jax.tree.map(lambda x: x[chunks], whole))
 
 
 @pytest.mark.parametrize("layout", SHARDS)
@@ -92,7 +86,7 @@ def test_processes_build_disjoint_shares_of_the_global_batches(dataset, layout):
 def test_the_whole_shard_is_the_global_batch(dataset):
     whole = BatchShard.whole(D)
     for local, want in zip(dataset.local_train_iterator(whole, num_epochs=1), dataset.train_iterator(num_epochs=1)):
-        assert_trees_equal(local.batch, want)
+        chex.assert_trees_all_equal(local.batch, want)
 
 
 def test_local_iterator_resumes_exactly(dataset):
@@ -106,7 +100,7 @@ def test_local_iterator_resumes_exactly(dataset):
     resumed.set_state(state)
     for want in expected:
         got = next(resumed)
-        assert_trees_equal(got.batch, want.batch)
+        chex.assert_trees_all_equal(got.batch, want.batch)
         np.testing.assert_array_equal(got.lengths, want.lengths)
         assert got.num_real == want.num_real
 
@@ -117,7 +111,7 @@ def test_put_local_places_like_put():
     placement = BatchPlacement(make_mesh(Topology(1, 1, 1), jax.devices()[:1]), dataset.token_buckets)
     assert placement.shard == BatchShard.whole(1)
     local = next(dataset.local_train_iterator(placement.shard))
-    assert_trees_equal(placement.put_local(local), placement.put(next(dataset.train_iterator())))
+    chex.assert_trees_all_equal(placement.put_local(local), placement.put(next(dataset.train_iterator())))
     with pytest.raises(ValueError, match=r"chunks BatchShard\(num_chunks=2"):
         placement.put_local(dataclasses.replace(local, shard=BatchShard(2, (0,))))
     wrong = dataclasses.replace(local, lengths=local.lengths + 1)
