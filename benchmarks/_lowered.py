@@ -19,16 +19,51 @@ def _bytes(hlo_type: str) -> int:
     return sum(math.prod(int(d) for d in dims.split(",") if d) * HLO_BYTES[dtype] for dtype, dims in ARRAY.findall(hlo_type))
 
 
-def collectives(hlo_text: str) -> list[dict]:
-    """`{op, axes, type, operand_types, bytes}` of every collective in an HLO module's text.
+COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+CALLEE = re.compile(r"\bcall\(.*to_apply=%?([\w.\-]+)")
 
-    `axes`: the mesh axes it runs over. `bytes` is the larger of its result and its
-    operands (a tuple: its arrays summed): the buffer the collective needs, e.g. a
-    reduce-scatter's whole input.
+
+def _executions(hlo_text: str) -> dict[str, int]:
+    """How many times one run of the module runs each computation reached through `call` ops.
+
+    Identical kernel calls that jax lowered once (`pallas_kernels/_src/shared_lowering.py`) are
+    one computation called from every site. Computations entered otherwise (loop bodies,
+    branches, reducers) are absent.
     """
-    types: dict[str, str] = {}
-    found = []
+    entry, calls, current = None, {}, None
     for line in hlo_text.splitlines():
+        if head := COMPUTATION.match(line):
+            current = head.group(2)
+            calls[current] = []
+            entry = current if head.group(1) else entry
+        elif current is not None and (callee := CALLEE.search(line)):
+            calls[current].append(callee.group(1))
+    runs = dict.fromkeys(calls, 0)
+
+    def visit(name: str, times: int) -> None:
+        runs[name] += times
+        for callee in calls[name]:
+            visit(callee, times)
+
+    visit(entry, 1)
+    return runs
+
+
+def collectives(hlo_text: str) -> list[dict]:
+    """`{op, axes, type, operand_types, bytes}` of every collective in an HLO module's text, per run.
+
+    A collective in a computation that `call` ops run n times is listed n times; one in a
+    loop body or a branch (whose run count the text does not give) once. `axes`: the mesh
+    axes it runs over. `bytes` is the larger of its result and its operands (a tuple: its
+    arrays summed): the buffer the collective needs, e.g. a reduce-scatter's whole input.
+    """
+    runs = _executions(hlo_text)
+    types: dict[str, str] = {}
+    found, current = [], None
+    for line in hlo_text.splitlines():
+        if head := COMPUTATION.match(line):
+            current = head.group(2)
+            continue
         match = INSTRUCTION.match(line)
         if not match:
             continue
@@ -38,15 +73,14 @@ def collectives(hlo_text: str) -> list[dict]:
         if op.removesuffix("-start") in COLLECTIVES:
             inputs = [types.get(o.strip(), "") for o in operands.split(",")]
             axes = GROUP_AXES.search(line)
-            found.append(
-                {
-                    "op": op,
-                    "axes": re.findall(r"'(\w+)'", axes.group(1)) if axes else [],
-                    "type": result,
-                    "operand_types": inputs,
-                    "bytes": max(_bytes(result), sum(map(_bytes, inputs))),
-                }
-            )
+            collective = {
+                "op": op,
+                "axes": re.findall(r"'(\w+)'", axes.group(1)) if axes else [],
+                "type": result,
+                "operand_types": inputs,
+                "bytes": max(_bytes(result), sum(map(_bytes, inputs))),
+            }
+            found.extend([collective] * max(runs.get(current, 0), 1))
     return found
 
 

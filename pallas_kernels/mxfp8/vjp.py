@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._src import shared_lowering
 from pallas_kernels.mxfp8 import reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent, quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
@@ -184,7 +185,12 @@ def fp8_matmul(
         if param is not None and jnp.shape(param) != (x.shape[1],):
             raise ValueError(f"fp8_matmul: {name} must be [{x.shape[1]}], got {jnp.shape(param)}")
     param = norm_scale if prologue is Prologue.RMSNORM else input_bias
-    return _fp8_matmul(x, param, w, key, recipe, w_dtype, prologue, float(eps))
+    static = dict(recipe=recipe, w_dtype=jnp.dtype(w_dtype), prologue=prologue, eps=float(eps))
+    return shared_lowering.call(_fp8_matmul_by_name, x, param, w, key, static=static)
+
+
+def _fp8_matmul_by_name(x, param, w, key, *, recipe, w_dtype, prologue, eps):
+    return _fp8_matmul(x, param, w, key, recipe, w_dtype, prologue, eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
