@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 from pallas_kernels.mxfp8 import gelu_quantize_mxfp8, kernel_matmul, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8  # noqa: E402
+from pallas_kernels.mxfp8.vjp import hadamard_signs  # noqa: E402
 
 SHAPES = [  # (M, N, K)
     (4096, 4096, 4096),
@@ -465,10 +466,16 @@ def model_quantization(log, m, deadline, widths=(1024, 4096)):
         g = jnp.ones((width,), jnp.bfloat16)
         fns = {"copy_bf16": lambda x, g: x * 2}
         variants = (("32x32", (32, 32), "xla"), ("1x128_xla", (1, 128), "xla"), ("1x128_kernel", (1, 128), "pallas"))
+        signs = hadamard_signs(width)  # Fp8Recipe(hadamard=True)'s rotation
         for label, block, impl in variants:
             fns[f"quantize_{label}"] = lambda x, g, b=block, i=impl: quantize_mxfp8(x, block=b, implementation=i)
             fns[f"rmsnorm_quantize_{label}"] = lambda x, g, b=block, i=impl: rmsnorm_quantize_mxfp8(x, g, block=b, implementation=i)
             fns[f"gelu_quantize_{label}"] = lambda x, g, b=block, i=impl: gelu_quantize_mxfp8(x, block=b, implementation=i)
+            if block == (1, 128):  # with the random Hadamard rotation (in the kernel's pass on the kernel path)
+                fns[f"hadamard_quantize_{label}"] = lambda x, g, i=impl: quantize_mxfp8(x, block=(1, 128), hadamard_signs=signs, implementation=i)
+                fns[f"hadamard_rmsnorm_quantize_{label}"] = lambda x, g, i=impl: rmsnorm_quantize_mxfp8(
+                    x, g, block=(1, 128), hadamard_signs=signs, implementation=i
+                )
         for label, fn in fns.items():
             try:
                 res[f"{m}x{width}_{label}"] = {"seconds": jax_time(jax.jit(fn), x, g, **MODEL_TIMING), **fusion_count(fn, x, g)}
@@ -483,8 +490,11 @@ def quantize_kernel_check(log, smoke=False) -> dict:
 
     Cases: rows not a multiple of the kernel's 64, one row, one 128-column block, an all-zero
     tile, NaN- and Inf-poisoned rows (slack), values near E4M3's subnormal edge and above 448,
-    and fresh random inputs at the model's width. Counts the data and scale bytes that differ;
-    for GELU, bytes may differ where the GPU's `tanhf` and XLA's tanh differ by an ulp.
+    and fresh random inputs at the model's width, each op also with the random Hadamard
+    rotation of `Fp8Recipe(hadamard=True)` for the plain and RMSNorm quantizations. Counts the
+    data and scale bytes that differ; for GELU, bytes may differ where the GPU's `tanhf` and
+    XLA's tanh differ by an ulp; with the rotation, where the kernel's dot sums in another
+    order than XLA's (a scale byte where a tile's amax sits at a scale boundary).
     """
     out = {}
     cases = [(200, 512, 0), (1, 128, 1), (65, 1024, 2)] + ([] if smoke else [(4099, 4096, 3)])
@@ -499,6 +509,8 @@ def quantize_kernel_check(log, smoke=False) -> dict:
             "rmsnorm": lambda x, i: rmsnorm_quantize_mxfp8(x, g, block=(1, 128), implementation=i),
             "gelu": lambda x, i: gelu_quantize_mxfp8(x, block=(1, 128), implementation=i),
             "gelu_bias": lambda x, i: gelu_quantize_mxfp8(x, bias=g, block=(1, 128), implementation=i),
+            "hadamard_quantize": lambda x, i: quantize_mxfp8(x, block=(1, 128), hadamard_signs=hadamard_signs(k), implementation=i),
+            "hadamard_rmsnorm": lambda x, i: rmsnorm_quantize_mxfp8(x, g, block=(1, 128), hadamard_signs=hadamard_signs(k), implementation=i),
         }
         for name, op in ops.items():
             got = jax.jit(lambda x, op=op: op(x, "pallas"))(x)

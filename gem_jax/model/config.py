@@ -76,6 +76,10 @@ class ModelConfig:
       fp8: run the dense layers of `fp8_regions` through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in the compute dtype.
       fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).
+      fp8_hadamard: rotate each FP8 layer's input features by a fixed random Hadamard in
+        blocks of `fp8_block` before quantizing (`Fp8Recipe.hadamard`: the input, the weight's
+        rows and the gradients; QuaRot, arXiv:2404.00456; arXiv:2509.25149). With
+        `fp8_block=128` the rotation runs inside the one-pass quantize kernel on the GPU.
       fp8_saved_activations: keep the sequence tower's largest saved activations for the
         backward as FP8 E4M3 with 1x128 block scales (`gem_jax.quant.saved_activations`):
         each MLP's pre-GELU `h [T, mlp_ratio * d]` (GELU recomputed in the backward) and the
@@ -109,12 +113,15 @@ class ModelConfig:
     compute_dtype: str = "float32"
     fp8: bool = False
     fp8_block: int = 32
+    fp8_hadamard: bool = False
     fp8_saved_activations: bool = False
     fp8_regions: tuple[Fp8Region, ...] = SEQUENCE_TOWER_FP8
     remat: RematConfig = RematConfig()
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
+        if not isinstance(self.fp8_hadamard, bool):
+            raise ValueError(f"fp8_hadamard must be a bool, got {self.fp8_hadamard!r}")
         try:
             regions = tuple(Fp8Region(r) for r in self.fp8_regions)
         except (TypeError, ValueError):
@@ -152,7 +159,7 @@ class ModelConfig:
     @property
     def fp8_recipe(self) -> Fp8Recipe | None:
         """The towers' FP8 recipe, or None for plain dense layers."""
-        return Fp8Recipe(block=self.fp8_block) if self.fp8 else None
+        return Fp8Recipe(block=self.fp8_block, hadamard=self.fp8_hadamard) if self.fp8 else None
 
     def fp8_for(self, region: Fp8Region) -> Fp8Recipe | None:
         """The FP8 recipe of the layers of `region`, or None where they run in the compute dtype."""
@@ -218,8 +225,9 @@ def describe_attention(config: ModelConfig) -> list[str]:
     if config.fp8:
         choice = describe_choice("mxfp8_matmul", "float8_e4m3fn")
         regions = ", ".join(r.value for r in config.fp8_regions) or "none"
+        rotation = ", random Hadamard rotation" if config.fp8_hadamard else ""
         lines.append(
-            f"FP8 dense layers ({config.fp8_block}-wide blocks; {regions}): {choice.implementation.value} ({choice.reason})"
+            f"FP8 dense layers ({config.fp8_block}-wide blocks{rotation}; {regions}): {choice.implementation.value} ({choice.reason})"
         )
     if config.fp8_saved_activations:
         lines.append(

@@ -25,8 +25,22 @@ Equivalent jnp: `reference.quantize(p(x), block=(1, 128))`. Bytes may differ by 
 code where the GPU's `tanhf` and XLA's tanh differ by an ulp, or where the RMSNorm's mean
 square is summed in another order (benchmarks/mxfp8.md counts them on an H200).
 
+With a random Hadamard rotation (`hadamard_signs`, `Fp8Recipe(hadamard=True)`) the tile is
+rotated between the prologue and the amax, `v <- v @ diag(s) H_128 / sqrt(128)`: one
+`[64, 128] @ [128, 128]` bf16 dot with float32 accumulation per program, the +-1 `H_128`
+(exact in bf16) read as a second operand, `v * s` rounded to bf16. An Inf or NaN spreads
+over its row's 128-block, the tile it poisons anyway, so poisoning is unchanged: NaN data and
+scale byte 255 for that row tile, as the reference (whose rotation propagates Inf/NaN the same
+way). A finite row block whose rotated values exceed float32's range becomes Inf and is
+poisoned too. The rotation's operands and code exist only under that static flag: without it
+the kernel takes the same operands and traces the same body as before. Equivalent jnp: `reference.quantize(p(x),
+block=(1, 128), hadamard_signs=s)` (`reference.rotate_for_quantize`); the dot may sum in
+another order on the GPU, so a byte may sit one E4M3 code away, and a scale one step away
+where a tile's amax sits at a scale boundary (`mxfp8_bench.py --quantize` counts them).
+
 Sources: DeepSeek-V3 (arXiv:2412.19437) section 3.3 for 1x128 activation tiles; Transformer
-Engine's fused LayerNorm/activation cast kernels for the prologue in the cast.
+Engine's fused LayerNorm/activation cast kernels for the prologue in the cast; QuaRot
+(arXiv:2404.00456) and NVIDIA's NVFP4 training recipe (arXiv:2509.25149) for the random Hadamard rotation.
 """
 
 from __future__ import annotations
@@ -36,13 +50,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._src import manual_axes
-from pallas_kernels.mxfp8 import formats
+from pallas_kernels.mxfp8 import formats, reference
 
 BLOCK = 128  # K extent of one scale (1x128 tiles)
 ROWS = 64  # rows per program
@@ -69,7 +84,16 @@ def _scale_exponent(amax: jax.Array) -> jax.Array:
     return jnp.clip(exp, formats.MIN_SCALE_EXP, formats.MAX_SCALE_EXP)
 
 
-def _quantize_tile(x_ref, inv_rms_ref, col_ref, data_ref, scale_ref, *, m: int, kind: Kind, has_col: bool):
+def _rotate(v: jax.Array, signs: jax.Array, h: jax.Array) -> jax.Array:
+    """`v @ diag(signs) H_128 / sqrt(128)` of a float32 tile: the +-1 products are exact in
+    bf16 x bf16 -> float32, so only `bf16(v * signs)` and the float32 sum round."""
+    u = (v * signs[None, :]).astype(jnp.bfloat16)
+    return jnp.dot(u, h, preferred_element_type=jnp.float32) * np.float32(1.0 / np.sqrt(BLOCK))
+
+
+def _quantize_tile(x_ref, inv_rms_ref, col_ref, *refs, m: int, kind: Kind, has_col: bool, rotate: bool):
+    # With `rotate` the refs are (signs [K] float32, H_128 bf16, data, scales), else (data, scales).
+    *rotation_refs, data_ref, scale_ref = refs
     i, j = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * ROWS, ROWS)
     cols = pl.ds(j * BLOCK, BLOCK)
@@ -82,6 +106,9 @@ def _quantize_tile(x_ref, inv_rms_ref, col_ref, data_ref, scale_ref, *, m: int, 
         if has_col:
             v = v + col_ref[cols].astype(jnp.float32)[None, :]
         v = jax.nn.gelu(v, approximate=True)
+    if rotate:
+        signs_ref, h_ref = rotation_refs
+        v = _rotate(v, signs_ref[cols], h_ref[...])
     amax = jnp.max(jnp.where(jnp.isnan(v), jnp.inf, jnp.abs(v)), axis=1)
     poisoned = amax == jnp.inf
     exp = _scale_exponent(jnp.where(poisoned, 0.0, amax))
@@ -99,9 +126,10 @@ def quantize_rows(
     inv_rms: jax.Array | None = None,
     gain: jax.Array | None = None,
     bias: jax.Array | None = None,
+    hadamard_signs: jax.Array | None = None,
     interpret=False,
 ) -> tuple[jax.Array, jax.Array]:
-    """`(data float8_e4m3fn [M, K], scales float8_e8m0fnu [M, K/128])` of `p(x)` in 1x128 tiles.
+    """`(data float8_e4m3fn [M, K], scales float8_e8m0fnu [M, K/128])` of `p(x)` (or of `p(x) @ R`) in 1x128 tiles.
 
     Args:
       x: `[M, K]` bf16 or float32, `K` a multiple of 128 (the caller routes other widths to
@@ -110,12 +138,16 @@ def quantize_rows(
       inv_rms: `[M]` float32 `rsqrt(mean(x**2, -1) + eps)`, with `Kind.RMSNORM` only.
       gain: `[K]` RMSNorm gain, with `Kind.RMSNORM` only.
       bias: `[K]` bias added before the GELU, with `Kind.GELU` only, or None.
+      hadamard_signs: `[K]` +-1 floats, or None. Given, the tile is rotated after the
+        prologue and before its amax by `R = diag(hadamard_signs) blockdiag(H_128) / sqrt(128)`
+        (`reference.rotate_for_quantize`: a `[64, 128] @ [128, 128]` bf16 dot with float32
+        accumulation per program). Without it the kernel takes the same operands and body as before.
       interpret: run the Pallas interpreter (CPU tests).
 
     Raises:
       ValueError: `x` not 2-D with `K` a multiple of 128, the RMSNorm operands missing, of
-        the wrong shape or given with another kind, or a bias of the wrong shape or without
-        `Kind.GELU`.
+        the wrong shape or given with another kind, a bias of the wrong shape or without
+        `Kind.GELU`, or `hadamard_signs` not `[K]`.
     """
     if x.ndim != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"quantize_rows: x must be [M, K] with K a multiple of {BLOCK}, got {x.shape}")
@@ -136,14 +168,21 @@ def quantize_rows(
         inv_rms, col = jnp.zeros((1,), jnp.float32), bias
     has_col = col is not None
     col = jnp.zeros((1,), jnp.float32) if col is None else col  # unread placeholder
+    operands = (x, inv_rms.astype(jnp.float32), col)
+    if hadamard_signs is not None:  # only then does the kernel take (and read) the rotation's operands
+        reference.check_hadamard_signs(hadamard_signs, k, BLOCK, "quantize_rows")
+        h = jnp.asarray(reference.hadamard_matrix(BLOCK), jnp.bfloat16)  # +-1: exact in bf16
+        operands += (jnp.asarray(hadamard_signs, jnp.float32), h)
     # Under shard_map every operand and result is typed by the manual axes it varies over.
-    x, inv_rms, col = manual_axes.match_axes(x, inv_rms.astype(jnp.float32), col)
+    operands = manual_axes.match_axes(*operands)
+    x = operands[0]
     vary = jax.typeof(x).manual_axis_type
     out_shape = (
         jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn, manual_axis_type=vary),
         jax.ShapeDtypeStruct((m, k // BLOCK), jnp.uint8, manual_axis_type=vary),
     )
-    kernel = functools.partial(_quantize_tile, m=m, kind=kind, has_col=has_col)
+    rotate = hadamard_signs is not None
+    kernel = functools.partial(_quantize_tile, m=m, kind=kind, has_col=has_col, rotate=rotate)
     # The tests' Mosaic GPU simulator does not run Triton-lowered kernels: they use the generic
     # interpreter (pallas_call reads the simulator's context when it is built).
     with plgpu.force_gpu_interpret_mode(None):
@@ -153,6 +192,6 @@ def quantize_rows(
             grid=(pl.cdiv(m, ROWS), k // BLOCK),
             compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
             interpret=interpret,
-            name=f"mxfp8_quantize_{kind.value}",
-        )(x, inv_rms, col)
+            name=f"mxfp8_quantize_{kind.value}" + ("_hadamard" if rotate else ""),
+        )(*operands)
     return data, lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)

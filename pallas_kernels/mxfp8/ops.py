@@ -197,7 +197,14 @@ def _row_kernel(op: dispatch.OpSupport, x: jax.Array, block, rounding, implement
     return impl is dispatch.Implementation.PALLAS and quantize_kernel_takes(x.shape, x.dtype, block, rounding)
 
 
-def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None, implementation=None) -> tuple[jax.Array, jax.Array]:
+def _check_signs(op: dispatch.OpSupport, x: jax.Array, block, hadamard_signs) -> None:
+    if hadamard_signs is not None:
+        reference.check_hadamard_signs(hadamard_signs, x.shape[-1], block[1], op.name)
+
+
+def quantize_mxfp8(
+    x: jax.Array, *, block=(32, 32), rounding="nearest", key=None, hadamard_signs=None, implementation=None
+) -> tuple[jax.Array, jax.Array]:
     """Block-scaled FP8 quantization with power-of-two (E8M0) scales, one per `block` tile.
 
     Equivalent jnp (per tile T of `x`, `block = (br, bc)`)::
@@ -219,6 +226,18 @@ def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None
     With square tiles (32x32 MXFP8 tiles, 128x128 weight tiles) the transpose reuses the
     quantization: `quantize_mxfp8(x.T) == (data.T, scales.T)` bit for bit (nearest rounding).
 
+    Random Hadamard rotation (`hadamard_signs`): the op quantizes `x @ R` instead of `x`, with
+    `R = diag(hadamard_signs) blockdiag(H_bc) / sqrt(bc)` over blocks of `bc = block[1]` columns
+    (one scale tile's width, so a tile's outliers spread within it). Equivalent jnp::
+
+        u = (x.astype(f32) * hadamard_signs).astype(bf16)                  # the only extra rounding
+        v = (u.reshape(R, C/bc, bc) @ H_bc.astype(bf16)).reshape(R, C)     # float32 accumulation
+        quantize(v * f32(1 / sqrt(bc)))                                    # reference.rotate_for_quantize
+
+    A tile holding Inf or NaN is poisoned as without the rotation (it spreads within the tile).
+    A finite tile whose rotated values pass float32's range (|x| ~ 3e37 and above) turns Inf
+    and is poisoned too.
+
     Args:
       x: `[R, C]` float (bf16/f32); the last tiles may be partial.
       block: `(rows, cols)` of one scale tile; (32, 32) for MXFP8, (1, 128) / (128, 128)
@@ -226,6 +245,8 @@ def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None
       rounding: "nearest" (ties to even) or "stochastic" (unbiased, ulp-aware on E4M3's
         normal and subnormal grid; needs `key`).
       key: PRNG key for stochastic rounding.
+      hadamard_signs: `[C]` +-1 floats (e.g. `reference.random_signs`), or None (no rotation).
+        `C` must be a multiple of `block[1]`, a power of two.
       implementation: "xla" (the jnp reference), "pallas" or None (pallas on a Hopper GPU).
         The Pallas kernel (`kernel_quantize.py`: one read of `x`, one 8-bit write) takes the
         inputs `quantize_kernel_takes` names (1x128 tiles of a bf16/float32 `x` whose C is a
@@ -235,12 +256,15 @@ def quantize_mxfp8(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None
       `(data, scales)`: float8_e4m3fn `[R, C]` and float8_e8m0fnu `[ceil(R/br), ceil(C/bc)]`.
 
     Raises:
-      ValueError: `x` not 2-D, a bad block, an unknown rounding, or stochastic without a key.
+      ValueError: `x` not 2-D, a bad block, an unknown rounding, stochastic without a key, or
+        `hadamard_signs` not `[C]` or `C` not in whole power-of-two blocks of `block[1]`.
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
     """
-    if _row_kernel(_QUANTIZE, x, reference.check_block(block), rounding, implementation):
-        return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.NONE, interpret=dispatch.interpreting())
-    return reference.quantize(x, block=block, rounding=rounding, key=key)
+    kernel = _row_kernel(_QUANTIZE, x, reference.check_block(block), rounding, implementation)
+    _check_signs(_QUANTIZE, x, block, hadamard_signs)
+    if kernel:
+        return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.NONE, hadamard_signs=hadamard_signs, interpret=dispatch.interpreting())
+    return reference.quantize(x, block=block, rounding=rounding, key=key, hadamard_signs=hadamard_signs)
 
 
 def dequantize_mxfp8(data: jax.Array, scales: jax.Array, *, block=(32, 32), dtype=jnp.float32) -> jax.Array:
@@ -262,14 +286,22 @@ def dequantize_mxfp8(data: jax.Array, scales: jax.Array, *, block=(32, 32), dtyp
 
 
 def rmsnorm_quantize_mxfp8(
-    x: jax.Array, weight: jax.Array, *, eps: float = 1e-6, block=(32, 32), rounding="nearest", key=None, implementation=None
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float = 1e-6,
+    block=(32, 32),
+    rounding="nearest",
+    key=None,
+    hadamard_signs=None,
+    implementation=None,
 ) -> tuple[jax.Array, jax.Array]:
     """RMSNorm fused with block quantization: `quantize_mxfp8(rmsnorm(x) * weight)`.
 
     Equivalent jnp::
 
         y = x * rsqrt(mean(x**2, axis=-1, keepdims=True) + eps) * weight    # float32
-        return quantize_mxfp8(y, block=block, rounding=rounding, key=key)
+        return quantize_mxfp8(y, block=block, rounding=rounding, key=key, hadamard_signs=hadamard_signs)
 
     The normalized activation is never written in high precision: only the FP8 data and
     the scales leave the fusion (GEM: quantization fused into the preceding norm).
@@ -280,7 +312,8 @@ def rmsnorm_quantize_mxfp8(
       x: `[R, C]` float.
       weight: `[C]` float, the RMSNorm gain.
       eps: added to the mean square.
-      block, rounding, key, implementation: as in `quantize_mxfp8`; on the kernel path the
+      block, rounding, key, hadamard_signs, implementation: as in `quantize_mxfp8` (the rotation
+        follows the norm, in the same pass on the kernel path); on the kernel path the
         per-row `rsqrt(mean(x**2) + eps)` is one XLA row reduction and the kernel applies it
         with the gain while quantizing. XLA may sum the mean square in another order than in
         the reference's own fusion, so a byte may differ by one code now and then (2 of 16.8 M
@@ -293,22 +326,32 @@ def rmsnorm_quantize_mxfp8(
       ValueError: mismatched shapes, or the errors of `quantize_mxfp8`.
     """
     kernel = _row_kernel(_RMSNORM_QUANTIZE, x, reference.check_block(block), rounding, implementation)
+    _check_signs(_RMSNORM_QUANTIZE, x, block, hadamard_signs)
     if kernel and weight.shape == (x.shape[1],):
         inv_rms = reference.inv_rms(x, eps)[:, 0]
         kind = kernel_quantize.Kind.RMSNORM
-        return kernel_quantize.quantize_rows(x, kind, inv_rms=inv_rms, gain=weight, interpret=dispatch.interpreting())
-    return reference.rmsnorm_quantize(x, weight, eps=eps, block=block, rounding=rounding, key=key)
+        return kernel_quantize.quantize_rows(
+            x, kind, inv_rms=inv_rms, gain=weight, hadamard_signs=hadamard_signs, interpret=dispatch.interpreting()
+        )
+    return reference.rmsnorm_quantize(x, weight, eps=eps, block=block, rounding=rounding, key=key, hadamard_signs=hadamard_signs)
 
 
 def gelu_quantize_mxfp8(
-    x: jax.Array, *, bias: jax.Array | None = None, block=(32, 32), rounding="nearest", key=None, implementation=None
+    x: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    block=(32, 32),
+    rounding="nearest",
+    key=None,
+    hadamard_signs=None,
+    implementation=None,
 ) -> tuple[jax.Array, jax.Array]:
     """The tanh GELU fused with block quantization: `quantize_mxfp8(jax.nn.gelu(x + bias))`, in float32.
 
     Equivalent jnp::
 
         v = x.astype(jnp.float32) + (0 if bias is None else bias.astype(jnp.float32))
-        return quantize_mxfp8(jax.nn.gelu(v), block=block, rounding=rounding, key=key)
+        return quantize_mxfp8(jax.nn.gelu(v), block=block, rounding=rounding, key=key, hadamard_signs=hadamard_signs)
 
     On the kernel path (see `quantize_mxfp8`) the GELU runs in registers and its output is
     never written in high precision; XLA would write it in float32 and read it twice (the
@@ -318,7 +361,8 @@ def gelu_quantize_mxfp8(
     Args:
       x: `[R, C]` float, the MLP's pre-activation (without its bias when `bias` is given).
       bias: `[C]` float added before the GELU (the first MLP layer's bias), or None.
-      block, rounding, key, implementation: as in `quantize_mxfp8`.
+      block, rounding, key, hadamard_signs, implementation: as in `quantize_mxfp8` (the
+        rotation follows the GELU).
 
     Returns:
       `(data, scales)` as in `quantize_mxfp8`. On the kernel path an element may land one
@@ -332,9 +376,12 @@ def gelu_quantize_mxfp8(
         raise ValueError(f"gelu_quantize_mxfp8: x must be 2-D [R, C], got shape {x.shape}")
     if bias is not None and jnp.shape(bias) != (x.shape[1],):
         raise ValueError(f"gelu_quantize_mxfp8: bias must be [{x.shape[1]}] for x {x.shape}, got {jnp.shape(bias)}")
-    if _row_kernel(_GELU_QUANTIZE, x, reference.check_block(block), rounding, implementation):
-        return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.GELU, bias=bias, interpret=dispatch.interpreting())
-    return reference.quantize(reference.gelu(x, bias), block=block, rounding=rounding, key=key)
+    kernel = _row_kernel(_GELU_QUANTIZE, x, reference.check_block(block), rounding, implementation)
+    _check_signs(_GELU_QUANTIZE, x, block, hadamard_signs)
+    if kernel:
+        kind = kernel_quantize.Kind.GELU
+        return kernel_quantize.quantize_rows(x, kind, bias=bias, hadamard_signs=hadamard_signs, interpret=dispatch.interpreting())
+    return reference.quantize(reference.gelu(x, bias), block=block, rounding=rounding, key=key, hadamard_signs=hadamard_signs)
 
 
 def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:

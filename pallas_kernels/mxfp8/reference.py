@@ -100,12 +100,15 @@ def quantize_blocks(xb: jax.Array, rounding: Rounding, key) -> tuple[jax.Array, 
     return data, formats.encode_e8m0(exp, nan=nonfinite)
 
 
-def quantize(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None) -> tuple[jax.Array, jax.Array]:
-    """Block-scaled FP8 quantization of `x [R, C]`; see `pallas_kernels.mxfp8.quantize_mxfp8`."""
+def quantize(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None, hadamard_signs=None) -> tuple[jax.Array, jax.Array]:
+    """Block-scaled FP8 quantization of `x [R, C]` (rotated first by `rotate_for_quantize` when
+    `hadamard_signs` is given); see `pallas_kernels.mxfp8.quantize_mxfp8`."""
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [R, C], got shape {x.shape}")
     block = check_block(block)
     rounding = check_rounding(rounding, key)
+    if hadamard_signs is not None:
+        x = rotate_for_quantize(x, hadamard_signs, block[1])
     data, scales = quantize_blocks(_to_blocks(x, block), rounding, key)
     return _from_blocks(data, x.shape), scales
 
@@ -148,11 +151,11 @@ def gelu(x: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     return jax.nn.gelu(xf if bias is None else xf + bias.astype(jnp.float32))
 
 
-def rmsnorm_quantize(x, weight, *, eps=1e-6, block=(32, 32), rounding="nearest", key=None):
+def rmsnorm_quantize(x, weight, *, eps=1e-6, block=(32, 32), rounding="nearest", key=None, hadamard_signs=None):
     """RMSNorm of the rows of `x [R, C]` then `quantize`; see `rmsnorm_quantize_mxfp8`."""
     if x.ndim != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"x must be [R, C] and weight [C]; got {x.shape} and {weight.shape}")
-    return quantize(rmsnorm(x, weight, eps), block=block, rounding=rounding, key=key)
+    return quantize(rmsnorm(x, weight, eps), block=block, rounding=rounding, key=key, hadamard_signs=hadamard_signs)
 
 
 def matmul(a, a_scales, b, b_scales, *, a_block, b_block, b_contracting_dim=1, out_dtype=jnp.bfloat16) -> jax.Array:
@@ -206,20 +209,55 @@ def random_signs(key: jax.Array, n: int) -> jax.Array:
     return jax.random.rademacher(key, (n,), jnp.float32)
 
 
-def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:
-    """Reference of `pallas_kernels.mxfp8.random_hadamard` (same arguments; computed in float32)."""
-    h = hadamard_matrix(block)
-    c = x.shape[-1]
+def check_hadamard_signs(signs, c: int, block: int, what: str) -> None:
+    """Checks `signs` for rotating `c` columns in Hadamard blocks of `block`.
+
+    Raises:
+      ValueError: (naming `what`) `signs` not `[c]`, `block` not a power of two, or `c` not a
+        multiple of it.
+    """
+    if jnp.shape(signs) != (c,):
+        raise ValueError(f"{what}: hadamard_signs must be [{c}] (one sign per column), got {jnp.shape(signs)}")
+    if block < 1 or block & (block - 1) or c % block:
+        raise ValueError(f"{what}: the Hadamard rotation needs {c} columns in whole power-of-two blocks, got block {block}")
+
+
+def rotate(x: jax.Array, signs: jax.Array, *, block: int, axis: int = -1, inverse: bool = False) -> jax.Array:
+    """float32 `x` rotated along `axis` by `R = diag(signs) blockdiag(H_b) / sqrt(b)` (`R^T` if `inverse`).
+
+    Along the last axis of a 2-D `x` this is `x @ R` (`x @ R^T`); along axis 0 it is `R^T @ x`
+    (`R @ x`). float32 at HIGHEST precision.
+    """
+    xf = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    c = xf.shape[-1]
     if c % block:
         raise ValueError(f"last axis ({c}) must be a multiple of the Hadamard block ({block})")
-    signs = random_signs(key, c)
-    xf = x.astype(jnp.float32)
-    hb = jnp.asarray(h * (1.0 / np.sqrt(block)), jnp.float32)
+    hb = jnp.asarray(hadamard_matrix(block) * (1.0 / np.sqrt(block)), jnp.float32)
     if not inverse:
         xf = xf * signs
-    xb = xf.reshape(*x.shape[:-1], c // block, block)
-    yb = jnp.einsum("...gi,ij->...gj", xb, hb, precision=jax.lax.Precision.HIGHEST)
-    y = yb.reshape(x.shape)
+    xb = xf.reshape(*xf.shape[:-1], c // block, block)
+    y = jnp.einsum("...gi,ij->...gj", xb, hb, precision=jax.lax.Precision.HIGHEST).reshape(xf.shape)
     if inverse:
         y = y * signs
-    return y.astype(x.dtype)
+    return jnp.moveaxis(y, -1, axis)
+
+
+def rotate_for_quantize(v: jax.Array, signs: jax.Array, block: int) -> jax.Array:
+    """float32 `v @ R` of `v [R, C]` as the one-pass quantize kernel computes it (see `rotate`).
+
+    `u = bf16(v * signs)` (exact but for the bf16 rounding), then per block of `block` columns
+    `u @ H_b` with the +-1 `H_b` (exact products, float32 accumulation), times `1/sqrt(b)` in
+    float32. The bf16 rounding (relative 2**-9) is far below E4M3's (2**-4).
+    """
+    u = (v.astype(jnp.float32) * signs.astype(jnp.float32)).astype(jnp.bfloat16)
+    (r, c), h = v.shape, jnp.asarray(hadamard_matrix(block), jnp.bfloat16)
+    t = jnp.einsum(
+        "rgi,ij->rgj", u.reshape(r, c // block, block), h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+    return t.reshape(r, c) * np.float32(1.0 / np.sqrt(block))
+
+
+def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:
+    """Reference of `pallas_kernels.mxfp8.random_hadamard` (same arguments; computed in float32)."""
+    hadamard_matrix(block)  # checks the block
+    return rotate(x, random_signs(key, x.shape[-1]), block=block, inverse=inverse).astype(x.dtype)

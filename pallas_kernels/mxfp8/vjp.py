@@ -11,6 +11,18 @@ square-block weight quantization `(wq, sw) = quantize(w)`:
     wgrad     dw = deq(xq)^T dy                       # bf16 operands, float32 accumulation:
                                                       # dot_general contracting dim 0 of both
 
+With `Fp8Recipe(hadamard=True)` the contraction axis is rotated by the orthogonal
+`R = diag(s) blockdiag(H_b) / sqrt(b)` (`b = recipe.block`, fixed signs `hadamard_signs(in)`),
+so `p(x) @ w = (p(x) R)(R^T w)` and an outlier feature spreads over its block before scaling:
+
+    forward   xq = quantize(p(x) R)                   # the rotation in the same pass (kernel: 128)
+              wq = quantize(R^T w)                    # float32 jnp rotation of w's rows
+              y  = mxfp8_matmul(xq, wq)
+    dgrad     dp = mxfp8_matmul(q(dy), wq) R^T        # float32 GEMM output rotated back, then vjp(p)
+    wgrad     dw = R (deq(xq)^T dy)                   # the [in, out] gradient's rows rotated back
+
+(QuaRot, arXiv:2404.00456; NVIDIA's NVFP4 training recipe, arXiv:2509.25149; GEM's FP8 recipe.)
+
 No operand is transposed and nothing is quantized twice: the weight is quantized once per
 step with square tiles, so the same bytes and scales serve the forward (contracted over
 dim 0) and dgrad (over dim 1); the input and the output gradient are quantized once each,
@@ -38,6 +50,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels._src import shared_lowering
 from pallas_kernels.mxfp8 import reference
@@ -66,6 +79,9 @@ class Fp8Recipe:
         (`quantize_mxfp8` and its fused forms): "xla", "pallas" or None (pallas on Hopper).
       config: `pallas_kernels.mxfp8.kernel_matmul.TuningConfig` for the Pallas GEMMs, or
         None for the default of the block size.
+      hadamard: rotate the contraction axis (`in`) by a random Hadamard `R` in blocks of
+        `block` before quantizing, so an outlier spreads over its block (`fp8_matmul`). The
+        signs are fixed: `hadamard_signs(in)`, the same `R` for every layer of that width.
     """
 
     block: int = 32
@@ -74,8 +90,11 @@ class Fp8Recipe:
     fsdp_dim: int = 0
     implementation: str | None = None
     config: Any = None
+    hadamard: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.hadamard, bool):
+            raise ValueError(f"Fp8Recipe.hadamard must be a bool, got {self.hadamard!r}")
         if self.block not in (32, 128):
             raise ValueError(f"Fp8Recipe.block must be 32 or 128, got {self.block}")
         if self.grad_rounding not in tuple(Rounding):
@@ -94,8 +113,45 @@ class Fp8Recipe:
         return (self.block, self.block)
 
 
+HADAMARD_SEED = 0  # Fp8Recipe(hadamard=True): the signs of R come from jax.random.key(HADAMARD_SEED)
+
+
+@functools.cache
+def hadamard_signs(n: int) -> np.ndarray:
+    """The +-1 float32 signs `[n]` of `Fp8Recipe(hadamard=True)`'s rotation of `n` input features.
+
+    `reference.random_signs(jax.random.key(HADAMARD_SEED), n)`: fixed, so every layer with `n`
+    inputs (and every step) rotates by the same `R`, a constant of the compiled program.
+    """
+    with jax.ensure_compile_time_eval():
+        return np.asarray(reference.random_signs(jax.random.key(HADAMARD_SEED), n))
+
+
+def _input_signs(n: int, recipe: Fp8Recipe) -> np.ndarray | None:
+    """The rotation's signs for `n` input features, or None without `recipe.hadamard`."""
+    if not recipe.hadamard:
+        return None
+    if n % recipe.block:
+        raise ValueError(f"Fp8Recipe(hadamard=True) rotates the input features in blocks of {recipe.block}; got {n} features")
+    return hadamard_signs(n)
+
+
+def _rotate_weight(w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
+    """float32 `R^T @ w`: the rows of `w [in, out]` (or of this device's row shard of it) rotated."""
+    row_shards = recipe.fsdp_axis is not None and recipe.fsdp_dim == 0
+    n_in = gathered_extent(w, axis_name=recipe.fsdp_axis) if row_shards else w.shape[0]
+    signs = jnp.asarray(_input_signs(n_in, recipe))
+    if n_in != w.shape[0]:  # a row shard inside shard_map: its slice of the signs (gather order: outermost axis first)
+        axes = (recipe.fsdp_axis,) if isinstance(recipe.fsdp_axis, str) else tuple(recipe.fsdp_axis)
+        signs = jax.lax.dynamic_slice_in_dim(signs, jax.lax.axis_index(axes) * w.shape[0], w.shape[0])
+    return reference.rotate(w, signs, block=recipe.block, axis=0)
+
+
 def quantize_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[jax.Array, jax.Array]:
-    """`(wq [in, out], sw)`, on the FSDP shard then gathered if `recipe.fsdp_axis` is set."""
+    """`(wq [in, out], sw)` of `w` (of `R^T @ w` with `recipe.hadamard`), on the FSDP shard then
+    gathered if `recipe.fsdp_axis` is set."""
+    if recipe.hadamard:
+        w = _rotate_weight(w, recipe)
     if recipe.fsdp_axis is None:
         return quantize_mxfp8(w, block=recipe.weight_block)
     return quantize_gathered(w, axis_name=recipe.fsdp_axis, dim=recipe.fsdp_dim, block=recipe.weight_block)
@@ -147,6 +203,9 @@ def fp8_matmul(
     with `p` the `prologue`: the identity, `rmsnorm(x) * norm_scale` or `gelu(x + input_bias)`, computed in
     float32 and quantized in the same pass (the normed or activated input is never written in
     high precision). The backward runs through `p` exactly (`jax.vjp` of its float32 form).
+    With `recipe.hadamard`, `dequantize(quantize(p(x) R)) @ dequantize(quantize(R^T w))`,
+    `dp = (q(dy) @ wq^T) R^T` and `dw = R (deq(xq)^T dy)` (the module docstring's algebra;
+    `R` from `hadamard_signs(in)` in blocks of `recipe.block`; `in` must be a multiple of it).
 
     Args:
       x: `[T, in]` float; its dtype is the output dtype.
@@ -169,7 +228,8 @@ def fp8_matmul(
       ValueError: `x` or `w` not 2-D or of different inner sizes (w's rows counted gathered
         with `recipe.fsdp_axis`), an unknown prologue, or
         `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM, or
-        `input_bias` given without GELU or of the wrong shape.
+        `input_bias` given without GELU or of the wrong shape, or with `recipe.hadamard`
+        an `in` that is not a multiple of `recipe.block`.
     """
     prologue = Prologue(prologue)
     if x.ndim != 2 or w.ndim != 2:
@@ -199,12 +259,13 @@ def _fp8_matmul(x, param, w, key, recipe, w_dtype, prologue, eps):
 
 
 def _quantize_input(x, param, recipe, prologue, eps):
-    block, implementation = recipe.act_block, recipe.implementation
+    """`quantize(p(x))`, or `quantize(p(x) @ R)` with `recipe.hadamard` (one pass on the kernel path)."""
+    opts = dict(block=recipe.act_block, hadamard_signs=_input_signs(x.shape[1], recipe), implementation=recipe.implementation)
     if prologue is Prologue.RMSNORM:
-        return rmsnorm_quantize_mxfp8(x, param, eps=eps, block=block, implementation=implementation)
+        return rmsnorm_quantize_mxfp8(x, param, eps=eps, **opts)
     if prologue is Prologue.GELU:
-        return gelu_quantize_mxfp8(x, bias=param, block=block, implementation=implementation)
-    return quantize_mxfp8(x, block=block, implementation=implementation)
+        return gelu_quantize_mxfp8(x, bias=param, **opts)
+    return quantize_mxfp8(x, **opts)
 
 
 def _fp8_matmul_fwd(x, param, w, key, recipe, w_dtype, prologue, eps):
@@ -229,10 +290,15 @@ def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
 def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
     x, param, xq, sx, wq, sw, key, w = residuals
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key, implementation=recipe.implementation)
-    dp = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
+    signs = _input_signs(xq.shape[1], recipe)
+    dp_dtype = dy.dtype if signs is None else jnp.float32  # rotated back in float32
+    dp = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dp_dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
     token_axis = (((0,), (0,)), ((), ()))  # dw = x16^T dy without transposing either operand
     dw = jax.lax.dot_general(x16, dy.astype(jnp.bfloat16), token_axis, preferred_element_type=jnp.float32)
+    if signs is not None:  # the GEMMs saw p(x) R and R^T w: dp = (.) R^T, dw = R (.)
+        dp = reference.rotate(dp, signs, block=recipe.block, inverse=True).astype(dy.dtype)
+        dw = reference.rotate(dw, signs, block=recipe.block, axis=0, inverse=True)
     dw = dw.astype(w_dtype)
     if recipe.fsdp_axis is not None:  # inside shard_map: back to this device's shard of the kernel
         dw = shard_gradient(dw, axis_name=recipe.fsdp_axis, dim=recipe.fsdp_dim)

@@ -9,8 +9,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gem_jax.nn.layers import MLP, norm_dense, rms_norm
 from gem_jax.quant import Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight
-from pallas_kernels.mxfp8 import dequantize_mxfp8, kernel_matmul, quantize_mxfp8
+from pallas_kernels.mxfp8 import dequantize_mxfp8, kernel_matmul, quantize_mxfp8, reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent
+from pallas_kernels.mxfp8.vjp import hadamard_signs
 
 
 def _rel(x, ref):
@@ -120,6 +121,10 @@ def test_zero_tokens_and_errors():
         Fp8Recipe(block=64)
     with pytest.raises(ValueError, match="rounding"):
         Fp8Recipe(grad_rounding="up")
+    with pytest.raises(ValueError, match="Fp8Recipe.hadamard must be a bool, got 1"):
+        Fp8Recipe(hadamard=1)
+    with pytest.raises(ValueError, match=r"Fp8Recipe\(hadamard=True\) rotates the input features in blocks of 32; got 48"):
+        fp8_matmul(jnp.ones((2, 48)), jnp.ones((48, 8)), None, Fp8Recipe(hadamard=True), jnp.float32)
 
 
 def _prologue_ref(prologue, x, param):
@@ -128,11 +133,12 @@ def _prologue_ref(prologue, x, param):
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * param
     if prologue == "gelu_bias":
         return jax.nn.gelu(x + param)
-    return jax.nn.gelu(x)
+    return jax.nn.gelu(x) if prologue == "gelu" else x
 
 
 def _prologue_args(prologue, param):
     return {
+        "none": {},
         "rmsnorm": {"prologue": "rmsnorm", "norm_scale": param},
         "gelu": {"prologue": "gelu"},
         "gelu_bias": {"prologue": "gelu", "input_bias": param},
@@ -140,13 +146,18 @@ def _prologue_args(prologue, param):
 
 
 @pytest.mark.parametrize("block", [32, 128])
-@pytest.mark.parametrize("prologue", ["rmsnorm", "gelu", "gelu_bias"])
-def test_fused_prologue_forward_and_gradients(block, prologue):
-    recipe = Fp8Recipe(block=block, implementation="xla")
+@pytest.mark.parametrize(
+    "prologue, hadamard", [(p, False) for p in ("rmsnorm", "gelu", "gelu_bias")] + [(p, True) for p in ("none", "rmsnorm", "gelu", "gelu_bias")]
+)
+def test_fused_prologue_forward_and_gradients(block, prologue, hadamard):
+    """With `hadamard` the GEMMs see `p(x) R` and `R^T w`: `y`, `dx`, the prologue's parameter and
+    `dw = R (.)` stay within the FP8 bound of the float32 layer, as without the rotation."""
+    recipe = Fp8Recipe(block=block, implementation="xla", hadamard=hadamard)
     x, w, g = _data(96, 256, 160, seed=20 + block)
     x = x * 3.0 + 0.5  # a mean and a spread for the norm to remove
+    x = x.at[:, 7].multiply(30.0)  # an outlier feature, what the rotation spreads over its block
     scale = 1.0 + 0.3 * jax.random.normal(jax.random.key(7), (256,))
-    has_param = prologue != "gelu"
+    has_param = prologue in ("rmsnorm", "gelu_bias")
 
     def fused(x, scale, w):
         return fp8_matmul(x, w, None, recipe, w.dtype, **_prologue_args(prologue, scale))
@@ -165,20 +176,24 @@ def test_fused_prologue_forward_and_gradients(block, prologue):
     else:
         assert dscale is None or not np.any(np.asarray(dscale))
 
-    # Exactly the documented formulas: p in float32, FP8 forward and dgrad, bf16 wgrad from the saved FP8 input.
+    # Exactly the documented formulas: p in float32, FP8 forward and dgrad, bf16 wgrad from the saved FP8 input;
+    # with the rotation R (signs hadamard_signs(256), blocks of `block`): p R and R^T w quantized, dgrad (.) R^T, wgrad R (.).
     # Compiled like the layer (which runs through one jit per configuration), so both take XLA's tanh.
     ab, wb = recipe.act_block, recipe.weight_block
+    signs = hadamard_signs(256) if hadamard else None
+    back = (lambda a, axis=-1: reference.rotate(a, signs, block=block, axis=axis, inverse=True)) if hadamard else (lambda a, axis=-1: a)
     p, p_vjp = jax.jit(lambda x, scale: jax.vjp(lambda x, s: _prologue_ref(prologue, x, s), x, scale))(x, scale)
-    pq = dequantize_mxfp8(*quantize_mxfp8(p, block=ab), block=ab)
-    wq = dequantize_mxfp8(*quantize_mxfp8(w, block=wb), block=wb)
+    pq = dequantize_mxfp8(*quantize_mxfp8(p, block=ab, hadamard_signs=signs), block=ab)
+    w_rot = reference.rotate(w, signs, block=block, axis=0) if hadamard else w
+    wq = dequantize_mxfp8(*quantize_mxfp8(w_rot, block=wb), block=wb)
     gq = dequantize_mxfp8(*quantize_mxfp8(g, block=ab), block=ab)
     np.testing.assert_allclose(np.asarray(y), np.asarray(pq @ wq), rtol=1e-4, atol=1e-4)
-    want_dx, want_dscale = p_vjp(gq @ wq.T)
+    want_dx, want_dscale = p_vjp(back(gq @ wq.T))
     np.testing.assert_allclose(np.asarray(dx), np.asarray(want_dx), rtol=1e-4, atol=1e-4)
     if has_param:
         np.testing.assert_allclose(np.asarray(dscale), np.asarray(want_dscale), rtol=1e-4, atol=1e-4)
-    dw_ref = jnp.dot(pq.astype(jnp.bfloat16).T, g.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), rtol=1e-5, atol=1e-5)
+    dw_ref = back(jnp.dot(pq.astype(jnp.bfloat16).T, g.astype(jnp.bfloat16), preferred_element_type=jnp.float32), axis=0)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), rtol=1e-5, atol=1e-4)  # entries up to ~30: float32 sums
 
 
 def test_layer_with_norm_or_gelu_matches_the_unfused_modules():

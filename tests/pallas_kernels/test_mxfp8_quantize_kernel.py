@@ -12,11 +12,11 @@ from pallas_kernels.mxfp8 import Fp8Recipe, Prologue, fp8_matmul, gelu_quantize_
 from pallas_kernels.mxfp8 import rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.ops import quantize_kernel_takes
 
-OPS = {
-    "none": lambda x, g, impl: quantize_mxfp8(x, block=(1, 128), implementation=impl),
-    "rmsnorm": lambda x, g, impl: rmsnorm_quantize_mxfp8(x, g, eps=1e-6, block=(1, 128), implementation=impl),
-    "gelu": lambda x, g, impl: gelu_quantize_mxfp8(x, block=(1, 128), implementation=impl),
-    "gelu_bias": lambda x, g, impl: gelu_quantize_mxfp8(x, bias=g, block=(1, 128), implementation=impl),
+OPS = {  # (x, gain or bias, implementation, Hadamard signs or None)
+    "none": lambda x, g, impl, s=None: quantize_mxfp8(x, block=(1, 128), hadamard_signs=s, implementation=impl),
+    "rmsnorm": lambda x, g, impl, s=None: rmsnorm_quantize_mxfp8(x, g, eps=1e-6, block=(1, 128), hadamard_signs=s, implementation=impl),
+    "gelu": lambda x, g, impl, s=None: gelu_quantize_mxfp8(x, block=(1, 128), hadamard_signs=s, implementation=impl),
+    "gelu_bias": lambda x, g, impl, s=None: gelu_quantize_mxfp8(x, bias=g, block=(1, 128), hadamard_signs=s, implementation=impl),
 }
 
 
@@ -24,22 +24,31 @@ def _bytes(a):
     return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
 
 
-def _assert_same(op, got, want):
+def _assert_same(op, got, want, rotated=False):
     """Bit for bit; the GELU's tanh may differ by an ulp between the kernel and XLA, which moves
-    an element to the neighbouring E4M3 value now and then (same sign, one code apart)."""
-    np.testing.assert_array_equal(_bytes(got[1]), _bytes(want[1]))
+    an element to the neighbouring E4M3 value now and then (same sign, one code apart).
+
+    With a Hadamard rotation the kernel's dot may sum in another order than XLA's: data one
+    code apart as for the GELU, and now and then a scale one step apart where a tile's amax
+    sits at a scale boundary (that tile's data is then scaled by another power of two and is
+    not compared byte by byte).
+    """
+    sa, sb = _bytes(got[1]).astype(np.int32), _bytes(want[1]).astype(np.int32)
+    scale_differ = sa != sb
+    assert scale_differ.mean() <= (1e-3 if rotated else 0), scale_differ.mean()
+    assert np.all(np.abs(sa - sb)[scale_differ] == 1)
     a, b = _bytes(got[0]).astype(np.int32), _bytes(want[0]).astype(np.int32)
-    if not op.startswith("gelu"):
+    if not (op.startswith("gelu") or rotated):
         np.testing.assert_array_equal(a, b)
         return
-    differ = a != b
+    differ = (a != b) & np.repeat(~scale_differ, 128, axis=1)[:, : a.shape[1]]
     assert differ.mean() <= 1e-3, differ.mean()
     assert np.all(np.abs(a - b)[differ] == 1) and np.all((a >> 7)[differ] == (b >> 7)[differ])
 
 
-def _kernel(op, x, g):
+def _kernel(op, x, g, signs=None):
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        return jax.jit(lambda x, g: OPS[op](x, g, "pallas"))(x, g)
+        return jax.jit(lambda x, g: OPS[op](x, g, "pallas", signs))(x, g)
 
 
 def _fresh(shape, seed, dtype=jnp.bfloat16):
@@ -50,22 +59,32 @@ def _fresh(shape, seed, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-@pytest.mark.parametrize("shape, dtype", [((200, 512), jnp.bfloat16), ((1, 128), jnp.bfloat16), ((65, 256), jnp.float32)])
-def test_kernel_matches_reference_bit_for_bit(op, shape, dtype):
+@pytest.mark.parametrize(
+    "shape, dtype, rotated",
+    [((200, 512), jnp.bfloat16, False), ((1, 128), jnp.bfloat16, False), ((65, 256), jnp.float32, False)]
+    + [((1, 128), jnp.bfloat16, True), ((65, 256), jnp.float32, True)],  # with the random Hadamard rotation
+)
+def test_kernel_matches_reference_bit_for_bit(op, shape, dtype, rotated):
     x, g = _fresh(shape, seed=sum(shape) + len(op), dtype=dtype)  # rows not a multiple of the kernel's 64
-    got, want = _kernel(op, x, g), OPS[op](x, g, "xla")
+    signs = reference.random_signs(jax.random.key(len(op)), shape[1]) if rotated else None
+    got, want = _kernel(op, x, g, signs), OPS[op](x, g, "xla", signs)
     assert got[0].dtype == jnp.float8_e4m3fn and got[1].dtype == jnp.float8_e8m0fnu
     assert got[0].shape == shape and got[1].shape == (shape[0], shape[1] // 128)
-    _assert_same(op, got, want)
+    _assert_same(op, got, want, rotated)
 
 
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_poisoned_slack_rows_and_edge_values(op):
+@pytest.mark.parametrize("op, rotated", [(op, False) for op in sorted(OPS)] + [("none", True), ("gelu_bias", True)])
+def test_poisoned_slack_rows_and_edge_values(op, rotated):
+    """Poison stays in its row tile; with the rotation an Inf or NaN spreads over its 128-block,
+    which is the tile it poisons anyway (an Inf poisons it as the reference does, NaN data, byte 255)."""
     x, g = _fresh((130, 256), seed=7)
     x = x.at[64:].set(jnp.nan)  # slack rows past the real tokens, NaN-poisoned
     x = x.at[1, 5].set(jnp.inf).at[2, :128].set(0.0).at[3, 130].set(1e-38).at[4, 3].set(3e4)
-    (data, scales), want = _kernel(op, x, g), OPS[op](x, g, "xla")
-    _assert_same(op, (data, scales), want)
+    signs = reference.random_signs(jax.random.key(5), 256) if rotated else None
+    (data, scales), want = _kernel(op, x, g, signs), OPS[op](x, g, "xla", signs)
+    _assert_same(op, (data, scales), want, rotated)
+    if rotated and op == "none":  # the Inf's tile (row 1, block 0) alone is poisoned in its row
+        assert _bytes(scales)[1, 0] == 255 and _bytes(scales)[1, 1] != 255
     byte = _bytes(scales)
     assert np.all(byte[64:] == 255) and np.all(np.isnan(np.asarray(data[64:].astype(jnp.float32))))
     assert np.all(byte[5:64] != 255)  # real rows stay finite: poison never leaks across rows
@@ -77,8 +96,9 @@ def test_zero_rows_and_other_tiles_take_the_reference():
     for op in OPS:
         _assert_same(op, _kernel(op, x, g), OPS[op](x, g, "xla"))
     empty = jnp.zeros((0, 256), jnp.bfloat16)
-    data, scales = _kernel("gelu", empty, jnp.ones((256,)))
-    assert data.shape == (0, 256) and scales.shape == (0, 2)
+    for signs in (None, reference.random_signs(jax.random.key(0), 256)):
+        data, scales = _kernel("gelu", empty, jnp.ones((256,)), signs)
+        assert data.shape == (0, 256) and scales.shape == (0, 2)
     data, scales = _kernel("none", jnp.zeros((4, 0), jnp.bfloat16), jnp.ones((0,)))  # zero width
     assert data.shape == (4, 0) and scales.shape == (4, 0)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):  # 32x32 tiles: the reference
@@ -143,9 +163,24 @@ def test_rmsnorm_kernel_refuses_missing_operands():
         gelu_quantize_mxfp8(jnp.zeros((128,)), bias=jnp.zeros((128,)), block=(1, 128))
 
 
-@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "gelu", "gelu_bias"])
-def test_fp8_layer_forward_and_gradients_through_the_kernel(prologue):
-    """The FP8 layer with the kernel quantizing its input and output gradient equals the jnp path."""
+def test_hadamard_signs_are_checked_by_each_op():
+    x = jnp.zeros((4, 256))
+    with pytest.raises(ValueError, match=r"quantize_rows: hadamard_signs must be \[256\] \(one sign per column\), got \(128,\)"):
+        kernel_quantize.quantize_rows(x, hadamard_signs=jnp.ones((128,)), interpret=True)
+    for op in OPS:
+        name = {"none": "quantize_mxfp8", "rmsnorm": "rmsnorm_quantize_mxfp8"}.get(op, "gelu_quantize_mxfp8")
+        with pytest.raises(ValueError, match=f"{name}: hadamard_signs must be \\[256\\]"):
+            OPS[op](x, jnp.ones((256,)), "xla", jnp.ones((255,)))
+    with pytest.raises(ValueError, match="quantize_mxfp8: the Hadamard rotation needs 96 columns in whole power-of-two blocks"):
+        quantize_mxfp8(jnp.zeros((4, 96)), block=(1, 128), hadamard_signs=jnp.ones((96,)))
+
+
+@pytest.mark.parametrize(
+    "prologue, hadamard", [(p, False) for p in ("none", "rmsnorm", "gelu", "gelu_bias")] + [("none", True), ("rmsnorm", True), ("gelu_bias", True)]
+)
+def test_fp8_layer_forward_and_gradients_through_the_kernel(prologue, hadamard):
+    """The FP8 layer with the kernel quantizing its input and output gradient equals the jnp path
+    (with `hadamard`, the kernel rotates the input in the same pass)."""
     k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
     x = jax.random.normal(k1, (72, 256))  # tokens not a multiple of the kernel's rows
     w = jax.random.normal(k2, (256, 128)) / 16
@@ -153,7 +188,7 @@ def test_fp8_layer_forward_and_gradients_through_the_kernel(prologue):
     scale = 1 + 0.1 * jax.random.normal(k4, (256,)) if prologue in ("rmsnorm", "gelu_bias") else None
     outs = {}
     for impl in ("xla", "pallas"):
-        recipe = Fp8Recipe(block=128, implementation=impl)
+        recipe = Fp8Recipe(block=128, implementation=impl, hadamard=hadamard)
 
         def loss(x, w, s, r=recipe):
             param = {"norm_scale": s} if prologue == "rmsnorm" else {"input_bias": s}
