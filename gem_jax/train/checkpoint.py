@@ -57,7 +57,15 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=config.max_to_keep,
-                save_interval_steps=config.every_steps,
+                # Every `every_steps` steps and at a preemption signal Orbax sees; not Orbax's default
+                # extra save at the first step, which at GEM width writes the whole state (~40 GB)
+                # after step 1 of every new run.
+                save_decision_policy=ocp.checkpoint_managers.AnySavePolicy(
+                    [
+                        ocp.checkpoint_managers.FixedIntervalPolicy(config.every_steps),
+                        ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+                    ]
+                ),
                 enable_async_checkpointing=config.async_save,
                 read_only=read_only,
                 create=not read_only,

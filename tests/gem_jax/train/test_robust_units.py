@@ -9,7 +9,7 @@ import pytest
 
 from gem_jax.data.config import DataConfig
 from gem_jax.train import config_tree, integrity, run_record
-from gem_jax.train.checkpoint import CheckpointConfig
+from gem_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gem_jax.train.config import LoopConfig, TrainConfig
 from gem_jax.train.metric_log import MetricLogger, train_line
 from gem_jax.train.optimizer import OptimConfig, learning_rate_schedule
@@ -60,6 +60,12 @@ def _step(tmp_path):
     (step / "commit_success.txt").write_text("ok")
     integrity.write_manifest(step)
     return step
+
+
+def test_checkpoints_are_saved_every_n_steps_only(tmp_path):
+    """No extra save after the first step of a new run (Orbax's default policy has one)."""
+    checkpointer = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(every_steps=1000))
+    assert [step for step in (1, 2, 999, 1000, 2000) if checkpointer.should_save(step)] == [1000, 2000]
 
 
 def test_intact_step_verifies(tmp_path):
