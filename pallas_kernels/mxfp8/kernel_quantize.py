@@ -34,7 +34,7 @@ scale byte 255 for that row tile, as the reference (whose rotation propagates In
 way). A finite row block whose rotated values exceed float32's range becomes Inf and is
 poisoned too. The rotation's operands and code exist only under that static flag: without it
 the kernel takes the same operands and traces the same body as before. Equivalent jnp: `reference.quantize(p(x),
-block=(1, 128), hadamard_signs=s)` (`reference.rotate_for_quantize`); the dot may sum in
+block=(1, 128), hadamard_signs=s)` (`reference.rotate_bf16`); the dot may sum in
 another order on the GPU, so a byte may sit one E4M3 code away, and a scale one step away
 where a tile's amax sits at a scale boundary (`mxfp8_bench.py --quantize` counts them).
 
@@ -140,7 +140,7 @@ def quantize_rows(
       bias: `[K]` bias added before the GELU, with `Kind.GELU` only, or None.
       hadamard_signs: `[K]` +-1 floats, or None. Given, the tile is rotated after the
         prologue and before its amax by `R = diag(hadamard_signs) blockdiag(H_128) / sqrt(128)`
-        (`reference.rotate_for_quantize`: a `[64, 128] @ [128, 128]` bf16 dot with float32
+        (`reference.rotate_bf16`: a `[64, 128] @ [128, 128]` bf16 dot with float32
         accumulation per program). Without it the kernel takes the same operands and body as before.
       interpret: run the Pallas interpreter (CPU tests).
 

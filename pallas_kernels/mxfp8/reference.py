@@ -101,14 +101,14 @@ def quantize_blocks(xb: jax.Array, rounding: Rounding, key) -> tuple[jax.Array, 
 
 
 def quantize(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None, hadamard_signs=None) -> tuple[jax.Array, jax.Array]:
-    """Block-scaled FP8 quantization of `x [R, C]` (rotated first by `rotate_for_quantize` when
+    """Block-scaled FP8 quantization of `x [R, C]` (rotated first by `rotate_bf16` when
     `hadamard_signs` is given); see `pallas_kernels.mxfp8.quantize_mxfp8`."""
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [R, C], got shape {x.shape}")
     block = check_block(block)
     rounding = check_rounding(rounding, key)
     if hadamard_signs is not None:
-        x = rotate_for_quantize(x, hadamard_signs, block[1])
+        x = rotate_bf16(x, hadamard_signs, block[1])
     data, scales = quantize_blocks(_to_blocks(x, block), rounding, key)
     return _from_blocks(data, x.shape), scales
 
@@ -242,19 +242,21 @@ def rotate(x: jax.Array, signs: jax.Array, *, block: int, axis: int = -1, invers
     return jnp.moveaxis(y, -1, axis)
 
 
-def rotate_for_quantize(v: jax.Array, signs: jax.Array, block: int) -> jax.Array:
-    """float32 `v @ R` of `v [R, C]` as the one-pass quantize kernel computes it (see `rotate`).
+def rotate_bf16(v: jax.Array, signs: jax.Array, block: int, *, inverse: bool = False) -> jax.Array:
+    """float32 `v @ R` (`v @ R^T` if `inverse`) of `v [R, C]` with bf16 operands (see `rotate`).
 
-    `u = bf16(v * signs)` (exact but for the bf16 rounding), then per block of `block` columns
-    `u @ H_b` with the +-1 `H_b` (exact products, float32 accumulation), times `1/sqrt(b)` in
-    float32. The bf16 rounding (relative 2**-9) is far below E4M3's (2**-4).
+    `u = bf16(v * signs)` (`bf16(v)` if `inverse`), then per block of `block` columns `u @ H_b`
+    with the +-1 `H_b` (exact products, float32 accumulation), times `1/sqrt(b)` in float32
+    (and `signs` if `inverse`, since `R^T = H_b / sqrt(b) diag(signs)`). The one-pass quantize
+    kernel rotates its tile this way, and the FP8 layer's dgrad rotates its bf16 GEMM output
+    back this way: one bf16 tensor-core pass, where float32 at HIGHEST precision costs several.
+    The bf16 rounding (relative 2**-9) is far below E4M3's (2**-4).
     """
-    u = (v.astype(jnp.float32) * signs.astype(jnp.float32)).astype(jnp.bfloat16)
+    u = v.astype(jnp.float32) if inverse else v.astype(jnp.float32) * signs.astype(jnp.float32)
     (r, c), h = v.shape, jnp.asarray(hadamard_matrix(block), jnp.bfloat16)
-    t = jnp.einsum(
-        "rgi,ij->rgj", u.reshape(r, c // block, block), h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-    )
-    return t.reshape(r, c) * np.float32(1.0 / np.sqrt(block))
+    t = jnp.einsum("rgi,ij->rgj", u.astype(jnp.bfloat16).reshape(r, c // block, block), h, preferred_element_type=jnp.float32)
+    t = t.reshape(r, c) * np.float32(1.0 / np.sqrt(block))
+    return t * signs.astype(jnp.float32) if inverse else t
 
 
 def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:

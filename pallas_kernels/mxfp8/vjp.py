@@ -18,7 +18,8 @@ so `p(x) @ w = (p(x) R)(R^T w)` and an outlier feature spreads over its block be
     forward   xq = quantize(p(x) R)                   # the rotation in the same pass (kernel: 128)
               wq = quantize(R^T w)                    # float32 jnp rotation of w's rows
               y  = mxfp8_matmul(xq, wq)
-    dgrad     dp = mxfp8_matmul(q(dy), wq) R^T        # float32 GEMM output rotated back, then vjp(p)
+    dgrad     dp = mxfp8_matmul(q(dy), wq) R^T        # the GEMM's output dtype, rotated back with bf16
+                                                      # operands (reference.rotate_bf16), then vjp(p)
     wgrad     dw = R (deq(xq)^T dy)                   # the [in, out] gradient's rows rotated back
 
 (QuaRot, arXiv:2404.00456; NVIDIA's NVFP4 training recipe, arXiv:2509.25149; GEM's FP8 recipe.)
@@ -291,13 +292,12 @@ def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
     x, param, xq, sx, wq, sw, key, w = residuals
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key, implementation=recipe.implementation)
     signs = _input_signs(xq.shape[1], recipe)
-    dp_dtype = dy.dtype if signs is None else jnp.float32  # rotated back in float32
-    dp = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dp_dtype, implementation=recipe.implementation, config=recipe.config)
+    dp = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
     x16 = dequantize_mxfp8(xq, sx, block=recipe.act_block, dtype=jnp.bfloat16)
     token_axis = (((0,), (0,)), ((), ()))  # dw = x16^T dy without transposing either operand
     dw = jax.lax.dot_general(x16, dy.astype(jnp.bfloat16), token_axis, preferred_element_type=jnp.float32)
     if signs is not None:  # the GEMMs saw p(x) R and R^T w: dp = (.) R^T, dw = R (.)
-        dp = reference.rotate(dp, signs, block=recipe.block, inverse=True).astype(dy.dtype)
+        dp = reference.rotate_bf16(dp, signs, recipe.block, inverse=True).astype(dy.dtype)
         dw = reference.rotate(dw, signs, block=recipe.block, axis=0, inverse=True)
     dw = dw.astype(w_dtype)
     if recipe.fsdp_axis is not None:  # inside shard_map: back to this device's shard of the kernel

@@ -177,18 +177,20 @@ def test_fused_prologue_forward_and_gradients(block, prologue, hadamard):
         assert dscale is None or not np.any(np.asarray(dscale))
 
     # Exactly the documented formulas: p in float32, FP8 forward and dgrad, bf16 wgrad from the saved FP8 input;
-    # with the rotation R (signs hadamard_signs(256), blocks of `block`): p R and R^T w quantized, dgrad (.) R^T, wgrad R (.).
+    # with the rotation R (signs hadamard_signs(256), blocks of `block`): p R and R^T w quantized, dgrad (.) R^T
+    # (bf16 operands, float32 sums: reference.rotate_bf16), wgrad R (.).
     # Compiled like the layer (which runs through one jit per configuration), so both take XLA's tanh.
     ab, wb = recipe.act_block, recipe.weight_block
     signs = hadamard_signs(256) if hadamard else None
     back = (lambda a, axis=-1: reference.rotate(a, signs, block=block, axis=axis, inverse=True)) if hadamard else (lambda a, axis=-1: a)
+    dgrad_back = (lambda a: reference.rotate_bf16(a, signs, block, inverse=True)) if hadamard else (lambda a: a)
     p, p_vjp = jax.jit(lambda x, scale: jax.vjp(lambda x, s: _prologue_ref(prologue, x, s), x, scale))(x, scale)
     pq = dequantize_mxfp8(*quantize_mxfp8(p, block=ab, hadamard_signs=signs), block=ab)
     w_rot = reference.rotate(w, signs, block=block, axis=0) if hadamard else w
     wq = dequantize_mxfp8(*quantize_mxfp8(w_rot, block=wb), block=wb)
     gq = dequantize_mxfp8(*quantize_mxfp8(g, block=ab), block=ab)
     np.testing.assert_allclose(np.asarray(y), np.asarray(pq @ wq), rtol=1e-4, atol=1e-4)
-    want_dx, want_dscale = p_vjp(back(gq @ wq.T))
+    want_dx, want_dscale = p_vjp(dgrad_back(gq @ wq.T))
     np.testing.assert_allclose(np.asarray(dx), np.asarray(want_dx), rtol=1e-4, atol=1e-4)
     if has_param:
         np.testing.assert_allclose(np.asarray(dscale), np.asarray(want_dscale), rtol=1e-4, atol=1e-4)
