@@ -28,7 +28,7 @@ def _executions(hlo_text: str) -> dict[str, int]:
 
     Identical kernel calls that jax lowered once (`pallas_kernels/_src/shared_lowering.py`) are
     one computation called from every site. Computations entered otherwise (loop bodies,
-    branches, reducers) are absent.
+    branches, reducers), and what they call, count once per appearance.
     """
     entry, calls, current = None, {}, None
     for line in hlo_text.splitlines():
@@ -42,10 +42,13 @@ def _executions(hlo_text: str) -> dict[str, int]:
 
     def visit(name: str, times: int) -> None:
         runs[name] += times
-        for callee in calls[name]:
+        for callee in calls.get(name, ()):
             visit(callee, times)
 
-    visit(entry, 1)
+    called = {callee for callees in calls.values() for callee in callees}
+    for root in [entry, *(name for name in calls if name not in called and name != entry)]:
+        if root is not None:
+            visit(root, 1)  # the entry, and computations entered otherwise (loop bodies, branches) once
     return runs
 
 

@@ -476,6 +476,9 @@ def model_quantization(log, m, deadline, widths=(1024, 4096)):
                 fns[f"hadamard_rmsnorm_quantize_{label}"] = lambda x, g, i=impl: rmsnorm_quantize_mxfp8(
                     x, g, block=(1, 128), hadamard_signs=signs, implementation=i
                 )
+                fns[f"hadamard_gelu_quantize_{label}"] = lambda x, g, i=impl: gelu_quantize_mxfp8(
+                    x, bias=g, block=(1, 128), hadamard_signs=signs, implementation=i
+                )
         for label, fn in fns.items():
             try:
                 res[f"{m}x{width}_{label}"] = {"seconds": jax_time(jax.jit(fn), x, g, **MODEL_TIMING), **fusion_count(fn, x, g)}
@@ -491,7 +494,7 @@ def quantize_kernel_check(log, smoke=False) -> dict:
     Cases: rows not a multiple of the kernel's 64, one row, one 128-column block, an all-zero
     tile, NaN- and Inf-poisoned rows (slack), values near E4M3's subnormal edge and above 448,
     and fresh random inputs at the model's width, each op also with the random Hadamard
-    rotation of `Fp8Recipe(hadamard=True)` for the plain and RMSNorm quantizations. Counts the
+    rotation of `Fp8Recipe(hadamard=True)` for the plain, RMSNorm and GELU quantizations. Counts the
     data and scale bytes that differ; for GELU, bytes may differ where the GPU's `tanhf` and
     XLA's tanh differ by an ulp; with the rotation, where the kernel's dot sums in another
     order than XLA's (a scale byte where a tile's amax sits at a scale boundary).
@@ -511,6 +514,7 @@ def quantize_kernel_check(log, smoke=False) -> dict:
             "gelu_bias": lambda x, i: gelu_quantize_mxfp8(x, bias=g, block=(1, 128), implementation=i),
             "hadamard_quantize": lambda x, i: quantize_mxfp8(x, block=(1, 128), hadamard_signs=hadamard_signs(k), implementation=i),
             "hadamard_rmsnorm": lambda x, i: rmsnorm_quantize_mxfp8(x, g, block=(1, 128), hadamard_signs=hadamard_signs(k), implementation=i),
+            "hadamard_gelu_bias": lambda x, i: gelu_quantize_mxfp8(x, bias=g, block=(1, 128), hadamard_signs=hadamard_signs(k), implementation=i),
         }
         for name, op in ops.items():
             got = jax.jit(lambda x, op=op: op(x, "pallas"))(x)

@@ -78,7 +78,7 @@ class ModelConfig:
       fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).
       fp8_hadamard: rotate each FP8 layer's input features by a fixed random Hadamard in
         blocks of `fp8_block` before quantizing (`Fp8Recipe.hadamard`: the input, the weight's
-        rows and the gradients; QuaRot, arXiv:2404.00456; arXiv:2509.25149). With
+        rows and the gradients; QuaRot, arXiv:2404.00456). With
         `fp8_block=128` the rotation runs inside the one-pass quantize kernel on the GPU.
       fp8_saved_activations: keep the sequence tower's largest saved activations for the
         backward as FP8 E4M3 with 1x128 block scales (`gem_jax.quant.saved_activations`):

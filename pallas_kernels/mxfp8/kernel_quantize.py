@@ -33,14 +33,14 @@ over its row's 128-block, the tile it poisons anyway, so poisoning is unchanged:
 scale byte 255 for that row tile, as the reference (whose rotation propagates Inf/NaN the same
 way). A finite row block whose rotated values exceed float32's range becomes Inf and is
 poisoned too. The rotation's operands and code exist only under that static flag: without it
-the kernel takes the same operands and traces the same body as before. Equivalent jnp: `reference.quantize(p(x),
-block=(1, 128), hadamard_signs=s)` (`reference.rotate_bf16`); the dot may sum in
+the kernel takes three operands and has no dot. Equivalent jnp: `reference.quantize(p(x),
+block=(1, 128), hadamard_signs=s)` (`reference.rotate(..., bf16_operands=True)`); the dot may sum in
 another order on the GPU, so a byte may sit one E4M3 code away, and a scale one step away
 where a tile's amax sits at a scale boundary (`mxfp8_bench.py --quantize` counts them).
 
 Sources: DeepSeek-V3 (arXiv:2412.19437) section 3.3 for 1x128 activation tiles; Transformer
 Engine's fused LayerNorm/activation cast kernels for the prologue in the cast; QuaRot
-(arXiv:2404.00456) and NVIDIA's NVFP4 training recipe (arXiv:2509.25149) for the random Hadamard rotation.
+(arXiv:2404.00456) for the random Hadamard rotation of a GEMM's contraction axis.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def quantize_rows(
       bias: `[K]` bias added before the GELU, with `Kind.GELU` only, or None.
       hadamard_signs: `[K]` +-1 floats, or None. Given, the tile is rotated after the
         prologue and before its amax by `R = diag(hadamard_signs) blockdiag(H_128) / sqrt(128)`
-        (`reference.rotate_bf16`: a `[64, 128] @ [128, 128]` bf16 dot with float32
-        accumulation per program). Without it the kernel takes the same operands and body as before.
+        (`reference.rotate(..., bf16_operands=True)`: a `[64, 128] @ [128, 128]` bf16 dot with float32
+        accumulation per program). Without it the kernel has no rotation operands and no dot.
       interpret: run the Pallas interpreter (CPU tests).
 
     Raises:

@@ -232,7 +232,7 @@ def quantize_mxfp8(
 
         u = (x.astype(f32) * hadamard_signs).astype(bf16)                  # the only extra rounding
         v = (u.reshape(R, C/bc, bc) @ H_bc.astype(bf16)).reshape(R, C)     # float32 accumulation
-        quantize(v * f32(1 / sqrt(bc)))                                    # reference.rotate_bf16
+        quantize(v * f32(1 / sqrt(bc)))                                    # reference.rotate(..., bf16_operands=True)
 
     A tile holding Inf or NaN is poisoned as without the rotation (it spreads within the tile).
     A finite tile whose rotated values pass float32's range (|x| ~ 3e37 and above) turns Inf

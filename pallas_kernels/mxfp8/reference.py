@@ -101,14 +101,14 @@ def quantize_blocks(xb: jax.Array, rounding: Rounding, key) -> tuple[jax.Array, 
 
 
 def quantize(x: jax.Array, *, block=(32, 32), rounding="nearest", key=None, hadamard_signs=None) -> tuple[jax.Array, jax.Array]:
-    """Block-scaled FP8 quantization of `x [R, C]` (rotated first by `rotate_bf16` when
+    """Block-scaled FP8 quantization of `x [R, C]` (rotated first by `rotate(..., bf16_operands=True)` when
     `hadamard_signs` is given); see `pallas_kernels.mxfp8.quantize_mxfp8`."""
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [R, C], got shape {x.shape}")
     block = check_block(block)
     rounding = check_rounding(rounding, key)
     if hadamard_signs is not None:
-        x = rotate_bf16(x, hadamard_signs, block[1])
+        x = rotate(x, hadamard_signs, block=block[1], bf16_operands=True)
     data, scales = quantize_blocks(_to_blocks(x, block), rounding, key)
     return _from_blocks(data, x.shape), scales
 
@@ -183,7 +183,8 @@ def matmul(a, a_scales, b, b_scales, *, a_block, b_block, b_contracting_dim=1, o
 # single outlier (QuaRot issues #26/#79).
 #
 # Sources: QuaRot (Ashkboos et al., arXiv:2404.00456); NVIDIA NVFP4 training recipe
-# (arXiv:2509.25149) for per-tile random Hadamard transforms in low-precision training.
+# (arXiv:2509.25149), which applies per-tile random Hadamard transforms to the weight-gradient
+# GEMM's inputs in low-precision training.
 #
 # On the GPU this is one small batched matmul `[rows * C/b, b] @ [b, b]` that XLA/cuBLAS runs
 # at memory speed (b <= 128 makes it bandwidth-bound: 2*b FLOP per 4-6 bytes moved).
@@ -222,41 +223,39 @@ def check_hadamard_signs(signs, c: int, block: int, what: str) -> None:
         raise ValueError(f"{what}: the Hadamard rotation needs {c} columns in whole power-of-two blocks, got block {block}")
 
 
-def rotate(x: jax.Array, signs: jax.Array, *, block: int, axis: int = -1, inverse: bool = False) -> jax.Array:
+def rotate(x: jax.Array, signs: jax.Array, *, block: int, axis: int = -1, inverse: bool = False, bf16_operands: bool = False) -> jax.Array:
     """float32 `x` rotated along `axis` by `R = diag(signs) blockdiag(H_b) / sqrt(b)` (`R^T` if `inverse`).
 
     Along the last axis of a 2-D `x` this is `x @ R` (`x @ R^T`); along axis 0 it is `R^T @ x`
-    (`R @ x`). float32 at HIGHEST precision.
+    (`R @ x`). By default float32 at HIGHEST precision. With `bf16_operands` the (sign-flipped)
+    input is rounded to bf16 and multiplied by the +-1 `H_b` in bf16 (exact products, float32
+    accumulation), then scaled by `1/sqrt(b)` in float32: one tensor-core pass, as the one-pass
+    quantize kernel rotates its tile and as the FP8 layer's dgrad rotates its bf16 GEMM output
+    back. That bf16 rounding (relative 2**-9) is far below E4M3's (2**-4).
+
+    Raises:
+      ValueError: the extent of `axis` is not a multiple of `block`, or `signs` is not of that extent.
     """
     xf = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     c = xf.shape[-1]
     if c % block:
-        raise ValueError(f"last axis ({c}) must be a multiple of the Hadamard block ({block})")
-    hb = jnp.asarray(hadamard_matrix(block) * (1.0 / np.sqrt(block)), jnp.float32)
+        raise ValueError(f"rotate: axis {axis} of x {x.shape} ({c}) must be a multiple of the Hadamard block ({block})")
+    if jnp.shape(signs) != (c,):
+        raise ValueError(f"rotate: signs must be [{c}] for axis {axis} of x {x.shape}, got {jnp.shape(signs)}")
+    signs = jnp.asarray(signs, jnp.float32)
     if not inverse:
         xf = xf * signs
     xb = xf.reshape(*xf.shape[:-1], c // block, block)
-    y = jnp.einsum("...gi,ij->...gj", xb, hb, precision=jax.lax.Precision.HIGHEST).reshape(xf.shape)
+    if bf16_operands:
+        h = jnp.asarray(hadamard_matrix(block), jnp.bfloat16)
+        y = jnp.einsum("...gi,ij->...gj", xb.astype(jnp.bfloat16), h, preferred_element_type=jnp.float32) * np.float32(1.0 / np.sqrt(block))
+    else:
+        hb = jnp.asarray(hadamard_matrix(block) * (1.0 / np.sqrt(block)), jnp.float32)
+        y = jnp.einsum("...gi,ij->...gj", xb, hb, precision=jax.lax.Precision.HIGHEST)
+    y = y.reshape(xf.shape)
     if inverse:
         y = y * signs
     return jnp.moveaxis(y, -1, axis)
-
-
-def rotate_bf16(v: jax.Array, signs: jax.Array, block: int, *, inverse: bool = False) -> jax.Array:
-    """float32 `v @ R` (`v @ R^T` if `inverse`) of `v [R, C]` with bf16 operands (see `rotate`).
-
-    `u = bf16(v * signs)` (`bf16(v)` if `inverse`), then per block of `block` columns `u @ H_b`
-    with the +-1 `H_b` (exact products, float32 accumulation), times `1/sqrt(b)` in float32
-    (and `signs` if `inverse`, since `R^T = H_b / sqrt(b) diag(signs)`). The one-pass quantize
-    kernel rotates its tile this way, and the FP8 layer's dgrad rotates its bf16 GEMM output
-    back this way: one bf16 tensor-core pass, where float32 at HIGHEST precision costs several.
-    The bf16 rounding (relative 2**-9) is far below E4M3's (2**-4).
-    """
-    u = v.astype(jnp.float32) if inverse else v.astype(jnp.float32) * signs.astype(jnp.float32)
-    (r, c), h = v.shape, jnp.asarray(hadamard_matrix(block), jnp.bfloat16)
-    t = jnp.einsum("rgi,ij->rgj", u.astype(jnp.bfloat16).reshape(r, c // block, block), h, preferred_element_type=jnp.float32)
-    t = t.reshape(r, c) * np.float32(1.0 / np.sqrt(block))
-    return t * signs.astype(jnp.float32) if inverse else t
 
 
 def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:

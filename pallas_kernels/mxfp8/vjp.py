@@ -19,10 +19,11 @@ so `p(x) @ w = (p(x) R)(R^T w)` and an outlier feature spreads over its block be
               wq = quantize(R^T w)                    # float32 jnp rotation of w's rows
               y  = mxfp8_matmul(xq, wq)
     dgrad     dp = mxfp8_matmul(q(dy), wq) R^T        # the GEMM's output dtype, rotated back with bf16
-                                                      # operands (reference.rotate_bf16), then vjp(p)
+                                                      # operands (reference.rotate(..., bf16_operands=True)), then vjp(p)
     wgrad     dw = R (deq(xq)^T dy)                   # the [in, out] gradient's rows rotated back
 
-(QuaRot, arXiv:2404.00456; NVIDIA's NVFP4 training recipe, arXiv:2509.25149; GEM's FP8 recipe.)
+(QuaRot, arXiv:2404.00456, for rotating both operands of a GEMM; GEM's FP8 recipe for a random
+Hadamard rotation in FP8 training.)
 
 No operand is transposed and nothing is quantized twice: the weight is quantized once per
 step with square tiles, so the same bytes and scales serve the forward (contracted over
@@ -102,6 +103,12 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe.grad_rounding must be one of {[r.value for r in Rounding]}, got {self.grad_rounding!r}")
         if self.fsdp_dim not in (0, 1):
             raise ValueError(f"Fp8Recipe.fsdp_dim must be 0 or 1, got {self.fsdp_dim}")
+        if isinstance(self.fsdp_axis, list):  # the recipe is a static (hashed) argument of the layer's jit
+            object.__setattr__(self, "fsdp_axis", tuple(self.fsdp_axis))
+        try:
+            hash(self.config)
+        except TypeError:
+            raise ValueError(f"Fp8Recipe.config must be hashable (a TuningConfig or None), got {type(self.config).__name__}") from None
 
     @property
     def act_block(self) -> tuple[int, int]:
@@ -125,7 +132,9 @@ def hadamard_signs(n: int) -> np.ndarray:
     inputs (and every step) rotates by the same `R`, a constant of the compiled program.
     """
     with jax.ensure_compile_time_eval():
-        return np.asarray(reference.random_signs(jax.random.key(HADAMARD_SEED), n))
+        signs = np.array(reference.random_signs(jax.random.key(HADAMARD_SEED), n))
+    signs.flags.writeable = False  # cached and shared by every layer of this width
+    return signs
 
 
 def _input_signs(n: int, recipe: Fp8Recipe) -> np.ndarray | None:
@@ -297,7 +306,7 @@ def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
     token_axis = (((0,), (0,)), ((), ()))  # dw = x16^T dy without transposing either operand
     dw = jax.lax.dot_general(x16, dy.astype(jnp.bfloat16), token_axis, preferred_element_type=jnp.float32)
     if signs is not None:  # the GEMMs saw p(x) R and R^T w: dp = (.) R^T, dw = R (.)
-        dp = reference.rotate_bf16(dp, signs, recipe.block, inverse=True).astype(dy.dtype)
+        dp = reference.rotate(dp, signs, block=recipe.block, inverse=True, bf16_operands=True).astype(dy.dtype)
         dw = reference.rotate(dw, signs, block=recipe.block, axis=0, inverse=True)
     dw = dw.astype(w_dtype)
     if recipe.fsdp_axis is not None:  # inside shard_map: back to this device's shard of the kernel

@@ -178,12 +178,12 @@ def test_fused_prologue_forward_and_gradients(block, prologue, hadamard):
 
     # Exactly the documented formulas: p in float32, FP8 forward and dgrad, bf16 wgrad from the saved FP8 input;
     # with the rotation R (signs hadamard_signs(256), blocks of `block`): p R and R^T w quantized, dgrad (.) R^T
-    # (bf16 operands, float32 sums: reference.rotate_bf16), wgrad R (.).
+    # (bf16 operands, float32 sums: reference.rotate(..., bf16_operands=True)), wgrad R (.).
     # Compiled like the layer (which runs through one jit per configuration), so both take XLA's tanh.
     ab, wb = recipe.act_block, recipe.weight_block
     signs = hadamard_signs(256) if hadamard else None
     back = (lambda a, axis=-1: reference.rotate(a, signs, block=block, axis=axis, inverse=True)) if hadamard else (lambda a, axis=-1: a)
-    dgrad_back = (lambda a: reference.rotate_bf16(a, signs, block, inverse=True)) if hadamard else (lambda a: a)
+    dgrad_back = (lambda a: reference.rotate(a, signs, block=block, inverse=True, bf16_operands=True)) if hadamard else (lambda a: a)
     p, p_vjp = jax.jit(lambda x, scale: jax.vjp(lambda x, s: _prologue_ref(prologue, x, s), x, scale))(x, scale)
     pq = dequantize_mxfp8(*quantize_mxfp8(p, block=ab, hadamard_signs=signs), block=ab)
     w_rot = reference.rotate(w, signs, block=block, axis=0) if hadamard else w

@@ -83,6 +83,20 @@ SCRIPT = textwrap.dedent(
     np.testing.assert_array_equal(bits(scales), bits(ref_s))
     for a, b in zip((value, dx, dw), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    # With the random Hadamard rotation each row shard rotates by its slice of the signs: the same layer.
+    hadamard = Fp8Recipe(implementation="xla", fsdp_axis=axes, fsdp_dim=0, hadamard=True)
+    want = jax.jit(step(Fp8Recipe(implementation="xla", hadamard=True)))(x, w)
+
+    def local_rotated(x_rows, g_rows, w_shard):
+        f = lambda x, w: jnp.sum(fp8_matmul(x, w, None, hadamard, w.dtype) * g_rows)
+        value, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x_rows, w_shard)
+        return jax.lax.psum(value, axes), dx, dw
+
+    got = jax.jit(jax.shard_map(local_rotated, mesh=mesh2, in_specs=(P(axes, None),) * 3, out_specs=out_specs[2:]))(
+        jax.device_put(x, rows), jax.device_put(g, rows), jax.device_put(w, rows)
+    )
+    for a, b in zip(got, jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
     # Outside a shard_map the gradient is already the global one.
     np.testing.assert_array_equal(np.asarray(shard_gradient(jnp.ones((4, 2)), axis_name=axes)), np.ones((4, 2)))
 

@@ -66,6 +66,7 @@ def test_checkpoints_are_saved_every_n_steps_only(tmp_path):
     """No extra save after the first step of a new run (Orbax's default policy has one)."""
     checkpointer = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(every_steps=1000))
     assert [step for step in (1, 2, 999, 1000, 2000) if checkpointer.should_save(step)] == [1000, 2000]
+    checkpointer.manager.close()
 
 
 def test_intact_step_verifies(tmp_path):
