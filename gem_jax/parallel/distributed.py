@@ -171,3 +171,16 @@ def check_processes_agree(values: Mapping[str, object], what: str) -> None:
             f"the processes hold different {what}s (process {jax.process_index()} of {jax.process_count()} reporting):\n  {report}\n"
             f"Every process must read the same {what}."
         )
+
+
+def wait_for_processes(name: str) -> None:
+    """Returns once every process of the run has called it with `name` (a barrier); at once in a single process.
+
+    Raises:
+      RuntimeError (from jax's coordination service): some process did not arrive in time.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)

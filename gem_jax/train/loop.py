@@ -18,7 +18,7 @@ from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
 from gem_jax.data.pipeline import load_dataset
 from gem_jax.model import flops as flops_lib
 from gem_jax.nn.embeddings import check_lookup_stats
-from gem_jax.parallel.distributed import check_processes_agree
+from gem_jax.parallel.distributed import check_processes_agree, wait_for_processes
 from gem_jax.train import run_record
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.config import TrainConfig
@@ -51,7 +51,8 @@ def train_and_evaluate(
       stop_after_steps: stop this run after so many steps (a checkpoint is saved),
         as a preemption would; the same call again resumes.
       force_new: start a new run even if `workdir` holds one with another config
-        (its files are moved to `workdir/previous_runs/<time>/`).
+        (its files are moved to `workdir/previous_runs/<time>/`, by process 0 alone;
+        the other processes wait for it).
       progress: show a progress bar (default: when stdout is a terminal).
       fallback: when the newest checkpoint is corrupt, move it to
         `workdir/corrupt_checkpoints/` and resume from the newest intact one
@@ -84,7 +85,9 @@ def train_and_evaluate(
 
 def _train(config, workdir, signals, stop_after_steps, force_new, progress, fallback) -> dict:
     if force_new:
-        moved = run_record.start_new_run(workdir)
+        # The workdir is shared: process 0 moves the earlier run, the others wait until it has.
+        moved = run_record.start_new_run(workdir) if jax.process_index() == 0 else None
+        wait_for_processes("gem-train --force-new")
         if moved:
             print(f"gem-train: the earlier run in {workdir} was moved to {moved}")
     dataset = load_dataset(config.data)

@@ -57,6 +57,28 @@ def test_processes_with_different_data_sets_are_refused(start_cli, repo_root, tm
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_force_new_moves_the_earlier_run_once(start_cli, repo_root, tmp_path):
+    """Two processes sharing a workdir with `--force-new`: process 0 moves the earlier run, once, before either
+    reads the workdir (both then stop at the data-set check, which differing data sets make them fail fast)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("metrics.jsonl", "run.json"):
+        (run / name).write_text("{}\n")
+    procs = [
+        start_cli(
+            "--config", repo_root / "configs" / "gem_sharded_tiny.py", "--workdir", run, "--no-progress", "--compile-cache", "off", "--force-new",
+            "--set", "topology.zones=1", f"data.synthetic.num_train_examples={n}", devices=2, timeout=300, **env,
+        )
+        for n, env in zip((80, 70), process_envs())
+    ]
+    logs = [p.communicate(timeout=330)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 2 and "the processes hold different data sets" in log, log[-4000:]
+    (archive,) = (run / "previous_runs").iterdir()
+    assert sorted(p.name for p in archive.iterdir()) == ["metrics.jsonl", "run.json"]
+    assert "was moved to" in logs[0] and "was moved to" not in logs[1]
+
+
 def test_two_processes_run_an_uneven_epoch_like_one_process(start_worker, run_worker, tmp_path):
     """One epoch of 70 examples in global batches of 32 (the last batch's 6 real examples all on process 0's
     devices) and an eval set of 52 (the last batch 20): both processes finish every step and eval batch; each
