@@ -100,22 +100,14 @@ def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None) -> nnx
     return nnx.RMSNorm(dim, epsilon=1e-6, dtype=dtype, scale_init=scale_init, rngs=rngs)
 
 
-def norm_dense(
-    norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *, fp8_saved_input: bool = False, add_bias: bool = True
-) -> jax.Array:
+def norm_dense(norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *, fp8_saved_input: bool = False) -> jax.Array:
     """`layer(norm(x))`; an `Fp8Linear` quantizes the normed rows in the norm's own pass (`Fp8Linear(norm=)`).
 
     `fp8_saved_input`: a bf16 layer's weight gradient reads an FP8 copy of `norm(x)`
     (`gem_jax.quant.saved_activations.dense_fp8_input`); an `Fp8Linear` keeps FP8 inputs anyway.
-    `add_bias=False` (an `Fp8Linear` only) leaves the bias to the next layer (`Fp8Linear(input_bias=)`).
-
-    Raises:
-      ValueError: `add_bias=False` for a layer that is not an `Fp8Linear`.
     """
     if isinstance(layer, Fp8Linear):
-        return layer(x, norm=norm, add_bias=add_bias)
-    if not add_bias:
-        raise ValueError("norm_dense: add_bias=False leaves the bias to the next FP8 layer; this layer is not an Fp8Linear")
+        return layer(x, norm=norm)
     return dense_fp8_input(layer, norm(x)) if fp8_saved_input else layer(norm(x))
 
 

@@ -46,6 +46,17 @@ def gathered_extent(w: jax.Array, *, axis_name: str | tuple[str, ...], dim: int 
     return w.shape[dim] * shards
 
 
+def local_part(v: jax.Array, *, axis_name: str | tuple[str, ...], size: int) -> jax.Array:
+    """This device's `size` entries of `v [gathered extent]`, a vector laid out along the gathered dimension.
+
+    Inside a `shard_map` over `axis_name`, `quantize_gathered` concatenates the shards with the
+    outermost axis first; device `i` (its index over `axis_name`) holds entries
+    `[i * size, (i + 1) * size)`. E.g. the slice of the per-row Hadamard signs that a row shard
+    of a kernel needs.
+    """
+    return lax.dynamic_slice_in_dim(v, lax.axis_index(_axes(axis_name)) * size, size)
+
+
 def _gather_bytes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
     """All-gather an 8-bit float array as uint8 (no reliance on FP8 collectives) and bitcast back."""
     gathered = lax.all_gather(lax.bitcast_convert_type(x, jnp.uint8), axes, axis=dim, tiled=True, to="invarying")

@@ -190,16 +190,15 @@ def quantize_kernel_takes(shape, dtype, block, rounding) -> bool:
     )
 
 
-def _row_kernel(op: dispatch.OpSupport, x: jax.Array, block, rounding, implementation) -> bool:
+def _row_kernel(op: dispatch.OpSupport, x: jax.Array, block, rounding, implementation, hadamard_signs) -> bool:
     """Whether `op` runs the kernel on `x`: the implementation (checked first, for every input)
-    is "pallas" or None on a Hopper GPU, and the kernel takes the input."""
+    is "pallas" or None on a Hopper GPU, and the kernel takes the input. Checks `hadamard_signs`
+    (if given) for every input too, naming `op`."""
+    block = reference.check_block(block)
     impl = dispatch.choose(op, implementation, [x.dtype]).implementation
-    return impl is dispatch.Implementation.PALLAS and quantize_kernel_takes(x.shape, x.dtype, block, rounding)
-
-
-def _check_signs(op: dispatch.OpSupport, x: jax.Array, block, hadamard_signs) -> None:
     if hadamard_signs is not None:
         reference.check_hadamard_signs(hadamard_signs, x.shape[-1], block[1], op.name)
+    return impl is dispatch.Implementation.PALLAS and quantize_kernel_takes(x.shape, x.dtype, block, rounding)
 
 
 def quantize_mxfp8(
@@ -260,9 +259,7 @@ def quantize_mxfp8(
         `hadamard_signs` not `[C]` or `C` not in whole power-of-two blocks of `block[1]`.
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
     """
-    kernel = _row_kernel(_QUANTIZE, x, reference.check_block(block), rounding, implementation)
-    _check_signs(_QUANTIZE, x, block, hadamard_signs)
-    if kernel:
+    if _row_kernel(_QUANTIZE, x, block, rounding, implementation, hadamard_signs):
         return kernel_quantize.quantize_rows(x, kernel_quantize.Kind.NONE, hadamard_signs=hadamard_signs, interpret=dispatch.interpreting())
     return reference.quantize(x, block=block, rounding=rounding, key=key, hadamard_signs=hadamard_signs)
 
@@ -325,9 +322,7 @@ def rmsnorm_quantize_mxfp8(
     Raises:
       ValueError: mismatched shapes, or the errors of `quantize_mxfp8`.
     """
-    kernel = _row_kernel(_RMSNORM_QUANTIZE, x, reference.check_block(block), rounding, implementation)
-    _check_signs(_RMSNORM_QUANTIZE, x, block, hadamard_signs)
-    if kernel and weight.shape == (x.shape[1],):
+    if _row_kernel(_RMSNORM_QUANTIZE, x, block, rounding, implementation, hadamard_signs) and weight.shape == (x.shape[1],):
         inv_rms = reference.inv_rms(x, eps)[:, 0]
         kind = kernel_quantize.Kind.RMSNORM
         return kernel_quantize.quantize_rows(
@@ -376,9 +371,7 @@ def gelu_quantize_mxfp8(
         raise ValueError(f"gelu_quantize_mxfp8: x must be 2-D [R, C], got shape {x.shape}")
     if bias is not None and jnp.shape(bias) != (x.shape[1],):
         raise ValueError(f"gelu_quantize_mxfp8: bias must be [{x.shape[1]}] for x {x.shape}, got {jnp.shape(bias)}")
-    kernel = _row_kernel(_GELU_QUANTIZE, x, reference.check_block(block), rounding, implementation)
-    _check_signs(_GELU_QUANTIZE, x, block, hadamard_signs)
-    if kernel:
+    if _row_kernel(_GELU_QUANTIZE, x, block, rounding, implementation, hadamard_signs):
         kind = kernel_quantize.Kind.GELU
         return kernel_quantize.quantize_rows(x, kind, bias=bias, hadamard_signs=hadamard_signs, interpret=dispatch.interpreting())
     return reference.quantize(reference.gelu(x, bias), block=block, rounding=rounding, key=key, hadamard_signs=hadamard_signs)

@@ -219,8 +219,10 @@ def check_hadamard_signs(signs, c: int, block: int, what: str) -> None:
     """
     if jnp.shape(signs) != (c,):
         raise ValueError(f"{what}: hadamard_signs must be [{c}] (one sign per column), got {jnp.shape(signs)}")
-    if block < 1 or block & (block - 1) or c % block:
-        raise ValueError(f"{what}: the Hadamard rotation needs {c} columns in whole power-of-two blocks, got block {block}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"{what}: the Hadamard block must be a power of two, got {block}")
+    if c % block:
+        raise ValueError(f"{what}: the Hadamard rotation needs {c} columns in whole power-of-two blocks; {c} is not a multiple of {block}")
 
 
 def rotate(x: jax.Array, signs: jax.Array, *, block: int, axis: int = -1, inverse: bool = False, bf16_operands: bool = False) -> jax.Array:
@@ -234,14 +236,11 @@ def rotate(x: jax.Array, signs: jax.Array, *, block: int, axis: int = -1, invers
     back. That bf16 rounding (relative 2**-9) is far below E4M3's (2**-4).
 
     Raises:
-      ValueError: the extent of `axis` is not a multiple of `block`, or `signs` is not of that extent.
+      ValueError: as `check_hadamard_signs`, for the extent of `axis`.
     """
     xf = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     c = xf.shape[-1]
-    if c % block:
-        raise ValueError(f"rotate: axis {axis} of x {x.shape} ({c}) must be a multiple of the Hadamard block ({block})")
-    if jnp.shape(signs) != (c,):
-        raise ValueError(f"rotate: signs must be [{c}] for axis {axis} of x {x.shape}, got {jnp.shape(signs)}")
+    check_hadamard_signs(signs, c, block, f"rotate (axis {axis} of x {x.shape})")
     signs = jnp.asarray(signs, jnp.float32)
     if not inverse:
         xf = xf * signs
@@ -260,5 +259,4 @@ def rotate(x: jax.Array, signs: jax.Array, *, block: int, axis: int = -1, invers
 
 def random_hadamard(x: jax.Array, *, key: jax.Array, block: int = 32, inverse: bool = False) -> jax.Array:
     """Reference of `pallas_kernels.mxfp8.random_hadamard` (same arguments; computed in float32)."""
-    hadamard_matrix(block)  # checks the block
     return rotate(x, random_signs(key, x.shape[-1]), block=block, inverse=inverse).astype(x.dtype)

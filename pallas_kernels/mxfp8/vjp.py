@@ -56,7 +56,7 @@ import numpy as np
 
 from pallas_kernels._src import shared_lowering
 from pallas_kernels.mxfp8 import reference
-from pallas_kernels.mxfp8.fsdp import gathered_extent, quantize_gathered, shard_gradient
+from pallas_kernels.mxfp8.fsdp import gathered_extent, local_part, quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.reference import Rounding
 
@@ -151,9 +151,8 @@ def _rotate_weight(w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
     row_shards = recipe.fsdp_axis is not None and recipe.fsdp_dim == 0
     n_in = gathered_extent(w, axis_name=recipe.fsdp_axis) if row_shards else w.shape[0]
     signs = jnp.asarray(_input_signs(n_in, recipe))
-    if n_in != w.shape[0]:  # a row shard inside shard_map: its slice of the signs (gather order: outermost axis first)
-        axes = (recipe.fsdp_axis,) if isinstance(recipe.fsdp_axis, str) else tuple(recipe.fsdp_axis)
-        signs = jax.lax.dynamic_slice_in_dim(signs, jax.lax.axis_index(axes) * w.shape[0], w.shape[0])
+    if n_in != w.shape[0]:  # a row shard inside shard_map: its slice of the signs
+        signs = local_part(signs, axis_name=recipe.fsdp_axis, size=w.shape[0])
     return reference.rotate(w, signs, block=recipe.block, axis=0)
 
 

@@ -73,7 +73,7 @@ def test_kernel_matches_reference_bit_for_bit(op, shape, dtype, rotated):
     _assert_same(op, got, want, rotated)
 
 
-@pytest.mark.parametrize("op, rotated", [(op, False) for op in sorted(OPS)] + [("none", True), ("gelu_bias", True)])
+@pytest.mark.parametrize("op, rotated", [(op, False) for op in sorted(OPS)] + [("none", True), ("rmsnorm", True), ("gelu_bias", True)])
 def test_poisoned_slack_rows_and_edge_values(op, rotated):
     """Poison stays in its row tile; with the rotation an Inf or NaN spreads over its 128-block,
     which is the tile it poisons anyway (an Inf poisons it as the reference does, NaN data, byte 255)."""
