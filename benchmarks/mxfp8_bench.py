@@ -48,8 +48,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
-from pallas_kernels.mxfp8 import gelu_quantize_mxfp8, kernel_matmul, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8  # noqa: E402
-from pallas_kernels.mxfp8.vjp import hadamard_signs  # noqa: E402
+from pallas_kernels.mxfp8 import (  # noqa: E402
+    gelu_quantize_mxfp8,
+    hadamard_signs,
+    kernel_matmul,
+    mxfp8_matmul,
+    quantize_mxfp8,
+    random_hadamard,
+    rmsnorm_quantize_mxfp8,
+)
 
 SHAPES = [  # (M, N, K)
     (4096, 4096, 4096),

@@ -9,9 +9,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gem_jax.nn.layers import MLP, rms_norm
 from gem_jax.quant import Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight
-from pallas_kernels.mxfp8 import dequantize_mxfp8, kernel_matmul, quantize_mxfp8, reference
+from pallas_kernels.mxfp8 import dequantize_mxfp8, hadamard_signs, kernel_matmul, quantize_mxfp8, reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent
-from pallas_kernels.mxfp8.vjp import hadamard_signs
 
 
 def _rel(x, ref):
