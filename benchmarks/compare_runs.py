@@ -4,7 +4,9 @@ Reads the `metrics.jsonl` of finished `gem-train` runs (same config and seed, on
 changed, e.g. `ModelConfig.fp8` or `ModelConfig.fp8_saved_activations`), writes a JSON
 summary (the final eval record of each run; per task the relative change of its NE and BCE,
 and of the mean train loss of the last `--loss-window` logged steps, against the first run)
-and a figure of the NE curves.
+and a figure of the NE curves. A run that stopped after its last train step but before its
+final eval (killed while checkpointing, say) is still compared on train loss and train NE; the
+summary names it under `runs_without_eval` and leaves it out of the eval comparisons.
 
     gem-train --config configs/movielens.py --workdir runs/f32
     gem-train --config configs/movielens_fp8.py --workdir runs/fp8
@@ -42,25 +44,41 @@ def main() -> None:
     parser.add_argument("--title", default="eval and train NE per run")
     parser.add_argument("--loss-window", type=int, default=5, help="last logged train steps averaged for the final loss")
     args = parser.parse_args()
-    runs = {name: read_run(Path(path)) for name, path in (r.split("=", 1) for r in args.run)}
+    paths = {name: Path(path) for name, path in (r.split("=", 1) for r in args.run)}
+    runs = {name: read_run(path) for name, path in paths.items()}
+    for name, run in runs.items():
+        if not run["train"]:
+            raise SystemExit(f"compare_runs: run {name!r} logged no train step ({paths[name] / 'metrics.jsonl'})")
     reference = next(iter(runs))
-    final = {name: run["eval"][-1] for name, run in runs.items()}
-    loss = {name: float(np.mean([r["loss"] for r in run["train"][-args.loss_window:]])) for name, run in runs.items()}
-    tasks = sorted(k[len("ne_"):] for k in final[reference] if k.startswith("ne_"))
+    window = {name: run["train"][-args.loss_window:] for name, run in runs.items()}
+    loss = {name: float(np.mean([r["loss"] for r in records])) for name, records in window.items()}
+    tasks = sorted(k[len("ne_"):] for k in runs[reference]["train"][-1] if k.startswith("ne_"))
+    train_ne = {name: {task: float(np.mean([r[f"ne_{task}"] for r in records])) for task in tasks} for name, records in window.items()}
+    final = {name: run["eval"][-1] for name, run in runs.items() if run["eval"]}
+    without_eval = [name for name in runs if name not in final]
+    if without_eval:
+        print(f"compare_runs: no eval record in {', '.join(without_eval)}: compared on train loss and train NE only")
+    compared = final if reference in final else {}
+
+    def eval_change(metric: str) -> dict:
+        return {name: {task: record[f"{metric}_{task}"] / compared[reference][f"{metric}_{task}"] - 1 for task in tasks} for name, record in compared.items()}
+
     summary = {
         "date": datetime.date.today().isoformat(),
         "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
         "jax": jax.__version__,
         "reference": reference,
         "final_eval": final,
-        "ne_relative_change_vs_reference": {
-            name: {task: final[name][f"ne_{task}"] / final[reference][f"ne_{task}"] - 1 for task in tasks} for name in runs
-        },
-        "eval_bce_relative_change_vs_reference": {
-            name: {task: final[name][f"bce_{task}"] / final[reference][f"bce_{task}"] - 1 for task in tasks} for name in runs
-        },
+        "runs_without_eval": without_eval,
+        "ne_relative_change_vs_reference": eval_change("ne"),
+        "eval_bce_relative_change_vs_reference": eval_change("bce"),
+        "loss_window": args.loss_window,
         "final_train_loss": loss,
         "train_loss_relative_change_vs_reference": {name: loss[name] / loss[reference] - 1 for name in runs},
+        "final_train_ne": train_ne,
+        "train_ne_relative_change_vs_reference": {
+            name: {task: train_ne[name][task] / train_ne[reference][task] - 1 for task in tasks} for name in runs
+        },
         "curves": {name: {"train": run["train"], "eval": run["eval"]} for name, run in runs.items()},
     }
     args.out.write_text(json.dumps(summary, indent=1))

@@ -221,6 +221,27 @@ class TokenBuckets:
         Raises:
           ValueError: `batch_size < 1`.
         """
+        rows, full = self._fine_rows(batch_size)
+        while rows[0] > CAPACITY_MULTIPLE:
+            rows.insert(0, rows[0] / 2)
+        while rows[-1] < full:
+            rows.append(rows[-1] * 2)
+        return tuple(sorted({min(_round_up(r), full) for r in rows}))
+
+    def fine_capacities(self, batch_size: int) -> tuple[int, ...]:
+        """The fine part of `capacities(batch_size)`: those that hold the batches within `sigmas` standard deviations.
+
+        A jitted step compiles once for each capacity its batches take, so this is about how many
+        compiles a run's steady state costs (the coarse capacities serve rare batches).
+
+        Raises:
+          ValueError: `batch_size < 1`.
+        """
+        rows, full = self._fine_rows(batch_size)
+        return tuple(sorted({min(_round_up(r), full) for r in rows}))
+
+    def _fine_rows(self, batch_size: int) -> tuple[list[float], int]:
+        """Unrounded fine capacities (rows) of a batch of `batch_size` examples, and its full `batch_size * max_seq_len` rounded up."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         full = _round_up(batch_size * self.max_seq_len)
@@ -230,12 +251,7 @@ class TokenBuckets:
         high = min(anchor + spread, full)
         log_step = math.log(self.step)
         ks = range(math.floor(math.log(low / anchor) / log_step), math.ceil(math.log(high / anchor) / log_step) + 1)
-        rows = [anchor * self.step**k for k in ks]
-        while rows[0] > CAPACITY_MULTIPLE:
-            rows.insert(0, rows[0] / 2)
-        while rows[-1] < full:
-            rows.append(rows[-1] * 2)
-        return tuple(sorted({min(_round_up(r), full) for r in rows}))
+        return [anchor * self.step**k for k in ks], full
 
 
 def check_bucket_settings(step: float, sigmas: float, names: tuple[str, str] = ("TokenBuckets.step", "TokenBuckets.sigmas")) -> None:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from gem_jax.batch import validate_ids
 from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
-from gem_jax.data.pipeline import load_dataset
+from gem_jax.data.pipeline import describe_capacities, load_dataset
 from gem_jax.model import flops as flops_lib
 from gem_jax.nn.embeddings import check_lookup_stats
 from gem_jax.parallel.distributed import check_processes_agree, wait_for_processes
@@ -112,6 +112,7 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
             print(f"gem-train: {line}", flush=True)
         spec = dataset.spec
         num_shards = training.mesh.devices.size
+        print(f"gem-train: {describe_capacities(dataset.token_buckets, config.data, num_shards)}", flush=True)
         train_iter = dataset.local_train_iterator(sharding.shard)
         restored = checkpointer.restore_latest(setup.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
         start = 0

@@ -172,6 +172,9 @@ def test_token_buckets_values():
     )
     assert TokenBuckets(2.0, 1.0, 16).capacities(8) == (128,)  # everything rounds to one block
     assert TokenBuckets(0.0, 0.0, 16).capacities(100) == (128, 256, 512, 1024, 1664)  # the last: 100 * 16 rounded up
+    # The fine part alone: 6400 * 1.25**k for k = -1..1, rounded up to blocks of 128.
+    assert TokenBuckets(100.0, 50.0, 400, step=1.25, sigmas=2.0).fine_capacities(64) == (5120, 6400, 8064)
+    assert TokenBuckets(2.0, 1.0, 16).fine_capacities(8) == (128,)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -182,6 +185,7 @@ def test_token_buckets_bound_the_slack_of_every_total_in_the_fine_range(seed):
     buckets = TokenBuckets(mean, float(rng.uniform(0.1, 1.5) * mean), max_len, step=float(rng.uniform(1.01, 1.2)), sigmas=float(rng.uniform(1, 5)))
     n = int(rng.integers(64, 4096))
     caps = buckets.capacities(n)
+    assert set(buckets.fine_capacities(n)) <= set(caps)
     full = n * max_len
     assert list(caps) == sorted(set(caps)) and all(c % CAPACITY_MULTIPLE == 0 for c in caps)
     assert caps[-1] == -(-full // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE and pick_capacity(full, caps) == caps[-1]
@@ -206,3 +210,5 @@ def test_token_buckets_from_lengths_and_errors():
         TokenBuckets(1.0, 1.0, 8, sigmas=-1)
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         TokenBuckets(1.0, 1.0, 8).capacities(0)
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        TokenBuckets(1.0, 1.0, 8).fine_capacities(0)

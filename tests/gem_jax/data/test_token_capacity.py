@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gem_jax.data.config import DataConfig, Source, SyntheticConfig
-from gem_jax.data.pipeline import load_dataset
+from gem_jax.data.pipeline import describe_capacities, load_dataset
 from gem_jax.parallel.placement import stack_batch
 from gem_jax.train.config import load_config
 
@@ -69,3 +69,18 @@ def test_every_batch_fits_and_short_batches_take_small_capacities():
     np.testing.assert_array_equal(placed.history.offsets[:, -1], [8 * 64, 8 * 64])
     one = stack_batch(short.train_batch([3]), 1, short.token_buckets)  # a short last batch of an epoch
     assert one.history.values.shape[1] == 128
+
+
+def test_the_capacities_batches_take_are_the_fine_ones_the_start_up_line_names(repo_root):
+    data = dataclasses.replace(load_config(repo_root / "configs" / "gem_sharded.py").data, batch_size=512, capacity_step=1.25)
+    dataset = load_dataset(data)
+    batches = [dataset.train_batch(range(i * 512, (i + 1) * 512)) for i in range(20)]
+    _, capacities = placed_slack(dataset, batches)
+    fine = dataset.token_buckets.fine_capacities(512)
+    assert set(capacities) <= set(fine) and len(fine) == 3, (sorted(set(capacities)), fine)
+    line = describe_capacities(dataset.token_buckets, data, num_shards=1)
+    expected = 512 * dataset.token_buckets.mean_length
+    assert line.startswith(f"3 token capacities of {fine[0]:,} to {fine[-1]:,} rows per device hold a batch within 4 standard deviations of its expected {expected:,.0f} rows")
+    assert "DataConfig.capacity_step=1.25" in line
+    # Split over two devices, each holds 256 examples and takes the capacities of 256.
+    assert describe_capacities(dataset.token_buckets, data, num_shards=2).startswith(f"{len(dataset.token_buckets.fine_capacities(256))} token capacities of {dataset.token_buckets.fine_capacities(256)[0]:,}")

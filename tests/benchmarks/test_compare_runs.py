@@ -1,0 +1,66 @@
+"""benchmarks/compare_runs.py: relative changes against the reference run, and runs without a final eval."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def compare_main(repo_root):
+    spec = importlib.util.spec_from_file_location("bench_compare_runs", repo_root / "benchmarks" / "compare_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _write_run(directory, losses, ne_primary, eval_ne=None):
+    directory.mkdir()
+    records = [
+        {"step": 10 * (i + 1), "kind": "train", "loss": loss, "ne_primary": ne, "bce_primary": loss / 2}
+        for i, (loss, ne) in enumerate(zip(losses, ne_primary))
+    ]
+    if eval_ne is not None:
+        records.append({"step": 10 * len(losses), "kind": "eval", "ne_primary": eval_ne, "bce_primary": eval_ne / 2})
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+def _compare(compare_main, monkeypatch, tmp_path, runs, window=2):
+    out = tmp_path / "summary.json"
+    argv = ["compare_runs.py", *(f"--run={name}={path}" for name, path in runs), f"--out={out}", f"--figure={tmp_path / 'ne.png'}", f"--loss-window={window}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    compare_main()
+    return json.loads(out.read_text())
+
+
+def test_changes_against_the_reference_run(compare_main, monkeypatch, tmp_path):
+    reference = _write_run(tmp_path / "ref", [3.0, 2.0, 1.0], [1.0, 0.9, 0.8], eval_ne=0.8)
+    other = _write_run(tmp_path / "other", [3.0, 2.2, 1.1], [1.0, 0.9, 0.9], eval_ne=0.84)
+    summary = _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("other", other)])
+    assert summary["runs_without_eval"] == []
+    assert summary["final_train_loss"] == {"ref": 1.5, "other": pytest.approx(1.65)}
+    assert summary["train_loss_relative_change_vs_reference"]["other"] == pytest.approx(0.1)
+    assert summary["train_ne_relative_change_vs_reference"]["other"]["primary"] == pytest.approx(0.9 / 0.85 - 1)
+    assert summary["ne_relative_change_vs_reference"]["other"]["primary"] == pytest.approx(0.05)
+    assert summary["eval_bce_relative_change_vs_reference"]["other"]["primary"] == pytest.approx(0.05)
+    assert (tmp_path / "ne.png").stat().st_size > 0
+
+
+def test_a_run_without_its_final_eval_is_compared_on_train_metrics(compare_main, monkeypatch, tmp_path, capsys):
+    reference = _write_run(tmp_path / "ref", [2.0, 1.0], [0.9, 0.8])  # stopped before its final eval
+    other = _write_run(tmp_path / "other", [2.0, 0.5], [0.9, 0.4], eval_ne=0.5)
+    summary = _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("other", other)], window=1)
+    assert "no eval record in ref" in capsys.readouterr().out
+    assert summary["runs_without_eval"] == ["ref"]
+    assert summary["ne_relative_change_vs_reference"] == {}
+    assert summary["final_eval"]["other"]["ne_primary"] == 0.5
+    assert summary["train_loss_relative_change_vs_reference"]["other"] == pytest.approx(-0.5)
+
+
+def test_a_run_that_logged_no_train_step_is_refused(compare_main, monkeypatch, tmp_path):
+    reference = _write_run(tmp_path / "ref", [2.0], [0.9])
+    empty = _write_run(tmp_path / "empty", [], [])
+    with pytest.raises(SystemExit, match=r"run 'empty' logged no train step \(.*empty/metrics.jsonl\)"):
+        _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("empty", empty)])
