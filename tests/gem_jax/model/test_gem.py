@@ -143,7 +143,12 @@ def test_fp8_hadamard_block_is_within_fp8_rounding_like_the_unrotated_one():
             assert np.linalg.norm(np.asarray(g8) - np.asarray(g)) < 0.15 * np.linalg.norm(np.asarray(g))
     with pytest.raises(ValueError, match="fp8_hadamard must be a bool"):
         ModelConfig(fp8_hadamard="yes")
-    assert apply_overrides(CONFIG, ["fp8=True", "fp8_hadamard=True"]).fp8_recipe == Fp8Recipe(block=32, hadamard=True)
+    with pytest.raises(ValueError, match="blocks of fp8_block=128; embed_dim 96 is not a multiple of it"):
+        ModelConfig(embed_dim=96, num_heads=2, fp8=True, fp8_block=128, fp8_hadamard=True)
+    # Without the rotation, or with FP8 off, such widths are accepted.
+    ModelConfig(embed_dim=96, num_heads=2, fp8=True, fp8_block=128)
+    ModelConfig(embed_dim=96, num_heads=2, fp8_block=128, fp8_hadamard=True)
+    assert apply_overrides(CONFIG, ["embed_dim=32", "fp8=True", "fp8_hadamard=True"]).fp8_recipe == Fp8Recipe(block=32, hadamard=True)
 
 
 def test_gradient_norms_bounded_at_init_with_empty_features(split_model):
@@ -274,7 +279,7 @@ def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
     lines = describe_attention(dataclasses.replace(CONFIG, fp8=True, fp8_block=128, fp8_saved_activations=True))
     assert lines[0].startswith("self-attention (full): xla") and lines[1].startswith("GELU attention (GDPA): xla")
     assert lines[2].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
-    rotated = describe_attention(dataclasses.replace(CONFIG, fp8=True, fp8_hadamard=True))[2]
+    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[2]
     assert rotated.startswith("FP8 dense layers (32-wide blocks, random Hadamard rotation; seq_attention")
     assert lines[3].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
     assert len(describe_attention(CONFIG)) == 2
