@@ -4,9 +4,11 @@ Reads the `metrics.jsonl` of finished `gem-train` runs (same config and seed, on
 changed, e.g. `ModelConfig.fp8` or `ModelConfig.fp8_saved_activations`), writes a JSON
 summary (the final eval record of each run; per task the relative change of its NE and BCE,
 and of the mean train loss of the last `--loss-window` logged steps, against the first run)
-and a figure of the NE curves. A run that stopped after its last train step but before its
-final eval (killed while checkpointing, say) is still compared on train loss and train NE; the
-summary names it under `runs_without_eval` and leaves it out of the eval comparisons.
+and a figure of the NE curves. A run without a final eval (an eval record at its last train
+step; killed while checkpointing, say) is still compared on train loss and train NE; the summary
+names it under `runs_without_eval` and leaves it out of the eval comparisons, which need the
+reference run's final eval. A record that lacks a metric the reference logs is refused, naming
+the run, the step and the file.
 
     gem-train --config configs/movielens.py --workdir runs/f32
     gem-train --config configs/movielens_fp8.py --workdir runs/fp8
@@ -42,22 +44,34 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
     parser.add_argument("--title", default="eval and train NE per run")
-    parser.add_argument("--loss-window", type=int, default=5, help="last logged train steps averaged for the final loss")
+    parser.add_argument("--loss-window", type=int, default=5, help="last logged train steps averaged for the final loss (>= 1)")
     args = parser.parse_args()
+    if args.loss_window < 1:
+        raise SystemExit(f"compare_runs: --loss-window must be >= 1, got {args.loss_window}")
     paths = {name: Path(path) for name, path in (r.split("=", 1) for r in args.run)}
     runs = {name: read_run(path) for name, path in paths.items()}
-    for name, run in runs.items():
-        if not run["train"]:
-            raise SystemExit(f"compare_runs: run {name!r} logged no train step ({paths[name] / 'metrics.jsonl'})")
     reference = next(iter(runs))
+    tasks = sorted(k[len("ne_"):] for k in (runs[reference]["train"] or [{}])[-1] if k.startswith("ne_"))
+    for name, run in runs.items():
+        where = paths[name] / "metrics.jsonl"
+        if not run["train"]:
+            raise SystemExit(f"compare_runs: run {name!r} logged no train step ({where})")
+        for record in run["train"] + run["eval"]:
+            missing = [key for task in tasks for key in (f"ne_{task}", f"bce_{task}") if key not in record]
+            if missing or (record["kind"] == "train" and "loss" not in record):
+                raise SystemExit(f"compare_runs: run {name!r}, {record['kind']} record of step {record['step']} lacks {missing or ['loss']} ({where})")
+    if not tasks:
+        raise SystemExit(f"compare_runs: the reference run {reference!r} logs no NE (no ne_<task> key in {paths[reference] / 'metrics.jsonl'})")
     window = {name: run["train"][-args.loss_window:] for name, run in runs.items()}
     loss = {name: float(np.mean([r["loss"] for r in records])) for name, records in window.items()}
-    tasks = sorted(k[len("ne_"):] for k in runs[reference]["train"][-1] if k.startswith("ne_"))
     train_ne = {name: {task: float(np.mean([r[f"ne_{task}"] for r in records])) for task in tasks} for name, records in window.items()}
-    final = {name: run["eval"][-1] for name, run in runs.items() if run["eval"]}
+    # A final eval is the eval of the run's last train step; an earlier one is not compared.
+    final = {name: run["eval"][-1] for name, run in runs.items() if run["eval"] and run["eval"][-1]["step"] == run["train"][-1]["step"]}
     without_eval = [name for name in runs if name not in final]
     if without_eval:
-        print(f"compare_runs: no eval record in {', '.join(without_eval)}: compared on train loss and train NE only")
+        print(f"compare_runs: no final eval record in {', '.join(without_eval)}: compared on train loss and train NE only")
+    if reference not in final:
+        print(f"compare_runs: the reference run {reference!r} has no final eval: no eval comparison")
     compared = final if reference in final else {}
 
     def eval_change(metric: str) -> dict:

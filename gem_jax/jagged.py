@@ -226,7 +226,7 @@ class TokenBuckets:
             rows.insert(0, rows[0] / 2)
         while rows[-1] < full:
             rows.append(rows[-1] * 2)
-        return tuple(sorted({min(_round_up(r), full) for r in rows}))
+        return _rounded_capacities(rows, full)
 
     def fine_capacities(self, batch_size: int) -> tuple[int, ...]:
         """The fine part of `capacities(batch_size)`: those that hold the batches within `sigmas` standard deviations.
@@ -237,8 +237,7 @@ class TokenBuckets:
         Raises:
           ValueError: `batch_size < 1`.
         """
-        rows, full = self._fine_rows(batch_size)
-        return tuple(sorted({min(_round_up(r), full) for r in rows}))
+        return _rounded_capacities(*self._fine_rows(batch_size))
 
     def _fine_rows(self, batch_size: int) -> tuple[list[float], int]:
         """Unrounded fine capacities (rows) of a batch of `batch_size` examples, and its full `batch_size * max_seq_len` rounded up."""
@@ -252,6 +251,11 @@ class TokenBuckets:
         log_step = math.log(self.step)
         ks = range(math.floor(math.log(low / anchor) / log_step), math.ceil(math.log(high / anchor) / log_step) + 1)
         return [anchor * self.step**k for k in ks], full
+
+
+def _rounded_capacities(rows, full: int) -> tuple[int, ...]:
+    """`rows` rounded up to multiples of `CAPACITY_MULTIPLE`, at most `full`, sorted and distinct."""
+    return tuple(sorted({min(_round_up(r), full) for r in rows}))
 
 
 def check_bucket_settings(step: float, sigmas: float, names: tuple[str, str] = ("TokenBuckets.step", "TokenBuckets.sigmas")) -> None:

@@ -377,22 +377,22 @@ def token_buckets(config: DataConfig, train_lengths: Callable[[np.ndarray], np.n
     return TokenBuckets.from_lengths(train_lengths(sample), config.max_seq_len, config.capacity_step, config.capacity_sigmas)
 
 
-def describe_capacities(buckets: TokenBuckets, config: DataConfig, num_shards: int) -> str:
+def describe_capacities(buckets: TokenBuckets, per_device: int) -> str:
     """One line on the token capacities a run's step compiles for: how many fine ones, their rows, and the setting.
 
     Args:
       buckets: the data set's `token_buckets`.
-      config: `batch_size`, `capacity_step` and `capacity_sigmas` are named.
-      num_shards: devices the global batch is split over (each holds `batch_size / num_shards` examples).
+      per_device: examples of a batch on each device (`DataConfig.batch_size` / devices).
+
+    Raises:
+      ValueError: `per_device < 1`.
     """
-    per_device = config.batch_size // num_shards
     fine = buckets.fine_capacities(per_device)
-    expected = per_device * buckets.mean_length
+    rows = f"{len(fine)} token capacities of {fine[0]:,} to {fine[-1]:,} rows" if len(fine) > 1 else f"1 token capacity of {fine[0]:,} rows"
     return (
-        f"{len(fine)} token capacities of {fine[0]:,} to {fine[-1]:,} rows per device hold a batch within "
-        f"{config.capacity_sigmas:g} standard deviations of its expected {expected:,.0f} rows; the train step compiles once "
-        f"for each capacity a batch takes (DataConfig.capacity_step={config.capacity_step:g}: a larger step compiles fewer "
-        "shapes and leaves more slack)"
+        f"{rows} per device hold a batch within {buckets.sigmas:g} standard deviations of its expected "
+        f"{per_device * buckets.mean_length:,.0f} rows; the train step compiles once for each capacity a batch takes "
+        f"(DataConfig.capacity_step={buckets.step:g}: a larger step compiles fewer shapes and leaves more slack)"
     )
 
 

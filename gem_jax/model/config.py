@@ -80,7 +80,7 @@ class ModelConfig:
         blocks of `fp8_block` before quantizing (`Fp8Recipe.hadamard`: the input, the weight's
         rows and the gradients; QuaRot, arXiv:2404.00456). With
         `fp8_block=128` the rotation runs inside the one-pass quantize kernel on the GPU.
-        With `fp8` on, `embed_dim` must be a multiple of `fp8_block` (ValueError).
+        With `fp8` and `fp8_hadamard` on, `embed_dim` must be a multiple of `fp8_block` (ValueError).
       fp8_saved_activations: keep the sequence tower's largest saved activations for the
         backward as FP8 E4M3 with 1x128 block scales (`gem_jax.quant.saved_activations`):
         each MLP's pre-GELU `h [T, mlp_ratio * d]` (GELU recomputed in the backward) and the
@@ -132,7 +132,7 @@ class ModelConfig:
         if len(set(regions)) != len(regions):
             raise ValueError(f"fp8_regions names a region twice: {[r.name for r in regions]}")
         object.__setattr__(self, "fp8_regions", regions)
-        if self.fp8 and self.fp8_hadamard and self.embed_dim % self.fp8_block:
+        if self.fp8 and self.fp8_recipe.hadamard and self.embed_dim % self.fp8_block:  # the recipe checks fp8_block
             # Every FP8 layer's input width is a multiple of embed_dim (d, mlp_ratio d, 3 F d in DHEN mixing).
             raise ValueError(
                 f"fp8_hadamard rotates each FP8 layer's input features in blocks of fp8_block={self.fp8_block}; "

@@ -15,14 +15,15 @@ def compare_main(repo_root):
     return module.main
 
 
-def _write_run(directory, losses, ne_primary, eval_ne=None):
+def _write_run(directory, losses, ne_primary, eval_ne=None, eval_step=None):
     directory.mkdir()
     records = [
         {"step": 10 * (i + 1), "kind": "train", "loss": loss, "ne_primary": ne, "bce_primary": loss / 2}
         for i, (loss, ne) in enumerate(zip(losses, ne_primary))
     ]
     if eval_ne is not None:
-        records.append({"step": 10 * len(losses), "kind": "eval", "ne_primary": eval_ne, "bce_primary": eval_ne / 2})
+        step = 10 * len(losses) if eval_step is None else eval_step
+        records.append({"step": step, "kind": "eval", "ne_primary": eval_ne, "bce_primary": eval_ne / 2})
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return directory
 
@@ -52,7 +53,8 @@ def test_a_run_without_its_final_eval_is_compared_on_train_metrics(compare_main,
     reference = _write_run(tmp_path / "ref", [2.0, 1.0], [0.9, 0.8])  # stopped before its final eval
     other = _write_run(tmp_path / "other", [2.0, 0.5], [0.9, 0.4], eval_ne=0.5)
     summary = _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("other", other)], window=1)
-    assert "no eval record in ref" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "no final eval record in ref" in printed and "the reference run 'ref' has no final eval: no eval comparison" in printed
     assert summary["runs_without_eval"] == ["ref"]
     assert summary["ne_relative_change_vs_reference"] == {}
     assert summary["final_eval"]["other"]["ne_primary"] == 0.5
@@ -64,3 +66,22 @@ def test_a_run_that_logged_no_train_step_is_refused(compare_main, monkeypatch, t
     empty = _write_run(tmp_path / "empty", [], [])
     with pytest.raises(SystemExit, match=r"run 'empty' logged no train step \(.*empty/metrics.jsonl\)"):
         _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("empty", empty)])
+
+
+def test_an_eval_before_the_last_train_step_is_not_a_final_eval(compare_main, monkeypatch, tmp_path):
+    reference = _write_run(tmp_path / "ref", [2.0, 1.0], [0.9, 0.8], eval_ne=0.8)
+    stopped = _write_run(tmp_path / "stopped", [2.0, 1.0], [0.9, 0.8], eval_ne=0.7, eval_step=10)  # its step-20 eval is missing
+    summary = _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("stopped", stopped)])
+    assert summary["runs_without_eval"] == ["stopped"]
+    assert list(summary["ne_relative_change_vs_reference"]) == ["ref"]
+
+
+def test_bad_inputs_are_refused_with_the_run_and_step_named(compare_main, monkeypatch, tmp_path):
+    reference = _write_run(tmp_path / "ref", [2.0, 1.0], [0.9, 0.8])
+    with pytest.raises(SystemExit, match="--loss-window must be >= 1, got 0"):
+        _compare(compare_main, monkeypatch, tmp_path, [("ref", reference)], window=0)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text(json.dumps({"step": 10, "kind": "train", "loss": 1.0, "ne_secondary": 0.9}) + "\n")
+    with pytest.raises(SystemExit, match=r"run 'other', train record of step 10 lacks \['ne_primary', 'bce_primary'\] \(.*other/metrics.jsonl\)"):
+        _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("other", other)])

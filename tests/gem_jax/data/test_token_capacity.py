@@ -12,6 +12,7 @@ import pytest
 
 from gem_jax.data.config import DataConfig, Source, SyntheticConfig
 from gem_jax.data.pipeline import describe_capacities, load_dataset
+from gem_jax.jagged import TokenBuckets
 from gem_jax.parallel.placement import stack_batch
 from gem_jax.train.config import load_config
 
@@ -78,9 +79,8 @@ def test_the_capacities_batches_take_are_the_fine_ones_the_start_up_line_names(r
     _, capacities = placed_slack(dataset, batches)
     fine = dataset.token_buckets.fine_capacities(512)
     assert set(capacities) <= set(fine) and len(fine) == 3, (sorted(set(capacities)), fine)
-    line = describe_capacities(dataset.token_buckets, data, num_shards=1)
+    line = describe_capacities(dataset.token_buckets, 512)
     expected = 512 * dataset.token_buckets.mean_length
     assert line.startswith(f"3 token capacities of {fine[0]:,} to {fine[-1]:,} rows per device hold a batch within 4 standard deviations of its expected {expected:,.0f} rows")
     assert "DataConfig.capacity_step=1.25" in line
-    # Split over two devices, each holds 256 examples and takes the capacities of 256.
-    assert describe_capacities(dataset.token_buckets, data, num_shards=2).startswith(f"{len(dataset.token_buckets.fine_capacities(256))} token capacities of {dataset.token_buckets.fine_capacities(256)[0]:,}")
+    assert describe_capacities(TokenBuckets(2.0, 1.0, 16), 8).startswith("1 token capacity of 128 rows per device hold a batch")

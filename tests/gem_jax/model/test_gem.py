@@ -145,6 +145,8 @@ def test_fp8_hadamard_block_is_within_fp8_rounding_like_the_unrotated_one():
         ModelConfig(fp8_hadamard="yes")
     with pytest.raises(ValueError, match="blocks of fp8_block=128; embed_dim 96 is not a multiple of it"):
         ModelConfig(embed_dim=96, num_heads=2, fp8=True, fp8_block=128, fp8_hadamard=True)
+    with pytest.raises(ValueError, match="Fp8Recipe.block must be 32 or 128, got 0"):
+        ModelConfig(embed_dim=96, num_heads=2, fp8=True, fp8_block=0, fp8_hadamard=True)
     # Without the rotation, or with FP8 off, such widths are accepted.
     ModelConfig(embed_dim=96, num_heads=2, fp8=True, fp8_block=128)
     ModelConfig(embed_dim=96, num_heads=2, fp8_block=128, fp8_hadamard=True)
