@@ -1,6 +1,5 @@
 """benchmarks/compare_runs.py: relative changes against the reference run, and runs without a final eval."""
 
-import importlib.util
 import json
 import sys
 
@@ -8,11 +7,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def compare_main(repo_root):
-    spec = importlib.util.spec_from_file_location("bench_compare_runs", repo_root / "benchmarks" / "compare_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+def compare_main(load_benchmark):
+    return load_benchmark("compare_runs").main
 
 
 def _write_run(directory, losses, ne_primary, eval_ne=None, eval_step=None):

@@ -1,16 +1,11 @@
 """benchmarks/_lowered.collectives counts a collective once per run of the computation that holds it."""
 
-import importlib.util
-
 import pytest
 
 
 @pytest.fixture(scope="module")
-def collectives(repo_root):
-    spec = importlib.util.spec_from_file_location("bench_lowered", repo_root / "benchmarks" / "_lowered.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.collectives
+def collectives(load_benchmark):
+    return load_benchmark("_lowered").collectives
 
 
 # A kernel call lowered once (shared_lowering) and called from two sites, once nested, and from a loop body.

@@ -1,16 +1,11 @@
 """The step profile's kernel classifier (benchmarks/_profile.py) on real GPU kernel names."""
 
-import importlib.util
-
 import pytest
 
 
 @pytest.fixture(scope="module")
-def profile(repo_root):
-    spec = importlib.util.spec_from_file_location("bench_profile", repo_root / "benchmarks" / "_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def profile(load_benchmark):
+    return load_benchmark("_profile")
 
 
 # Names as CUPTI reported them on the H200 (cuBLAS, cuBLASLt, CUTLASS, cuDNN, NCCL, XLA, Pallas Mosaic GPU).

@@ -1,15 +1,12 @@
 """The saved-residual listing (benchmarks/saved_residuals.py) on the tiny GEM config."""
 
-import importlib.util
 import json
 
 import jax.numpy as jnp
 
 
-def test_lists_fp8_residuals_in_place_of_the_mlp_activations(repo_root, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_saved_residuals", repo_root / "benchmarks" / "saved_residuals.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_lists_fp8_residuals_in_place_of_the_mlp_activations(repo_root, load_benchmark, tmp_path):
+    module = load_benchmark("saved_residuals")
     out = tmp_path / "residuals.json"
     module.main(["--config", str(repo_root / "configs" / "gem_h200_tiny.py"), "--tokens", "131", "--batch", "4",
                  "--dtype", "bfloat16", "--fp8-saved-activations", "--out", str(out)])
