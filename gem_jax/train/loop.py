@@ -112,7 +112,7 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
             print(f"gem-train: {line}", flush=True)
         spec = dataset.spec
         num_shards = training.mesh.devices.size
-        print(f"gem-train: {describe_capacities(dataset.token_buckets, config.data.batch_size // num_shards)}", flush=True)
+        print(f"gem-train: {describe_capacities(dataset.token_buckets, training.per_device_batch)}", flush=True)
         train_iter = dataset.local_train_iterator(sharding.shard)
         restored = checkpointer.restore_latest(setup.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
         start = 0

@@ -63,6 +63,11 @@ class Training:
     eval_step: Callable
     remat_plan: RematPlan | None = None
 
+    @property
+    def per_device_batch(self) -> int:
+        """Examples of a global batch on each device: `B / D`."""
+        return self.dataset.batch_size // self.mesh.devices.size
+
     def describe_exchanges(self) -> list[str]:
         """One line per sharded embedding table: its exchange buffers for a lookup of a device's expected history rows.
 
@@ -72,7 +77,7 @@ class Training:
         (`embed/user/*`) for `B/D` (the item table's candidate lookup, `B/D` ids more, is a
         lookup of its own).
         """
-        per_device = self.dataset.batch_size // self.mesh.devices.size
+        per_device = self.per_device_batch
         buckets = self.dataset.token_buckets
         rows = pick_capacity(math.ceil(per_device * buckets.mean_length), buckets.capacities(per_device))
         model = self.config.model
