@@ -81,6 +81,7 @@ class ConvertOptions:
       vocab_from: a converted directory whose vocabularies to reuse (ids
         unseen there go to OOV and are counted), or None to build them.
       block_size: CSV bytes parsed per batch.
+      buckets: the bucket count, or None to derive it from the input size and `memory_mb`.
     """
 
     split: SplitRule
@@ -91,6 +92,7 @@ class ConvertOptions:
     on_bad_row: OnBadRow = OnBadRow.RAISE
     vocab_from: str | None = None
     block_size: int = 16 << 20
+    buckets: int | None = None
 
     def __post_init__(self):
         if self.min_count < 1 or (self.max_vocab is not None and self.max_vocab < 1) or (self.shards is not None and self.shards < 1) or self.memory_mb < 64:
@@ -309,7 +311,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     bad = BadRows(options.on_bad_row)
     kinds = event_kinds(schema)
     event_features = [f for f in schema.features if schema.table(f.side) is None]
-    num_buckets = max(1, min(4096, math.ceil(_input_bytes(files) * _BYTES_PER_BUDGET / (options.memory_mb << 20))))
+    num_buckets = options.buckets or max(1, min(4096, math.ceil(_input_bytes(files) * _BYTES_PER_BUDGET / (options.memory_mb << 20))))
     counters = {"user": CountAccumulator(), "item": CountAccumulator()}
     if schema.action:
         counters["action"] = CountAccumulator()

@@ -162,13 +162,22 @@ def _csv_line_locator(skipped_lines: list[int], rows_before: int) -> Callable[[i
 
 def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str]]]:
     skipped_lines: list[int] = []
+    pending: list[BadRowError] = []  # raised from here, not through pyarrow's parser
 
     def on_invalid(row) -> str:
+        lines = row.text.count("\n") + 1
+        skipped_lines.extend(range(row.number, row.number + lines))
         if row.actual_columns == 1 and not row.text.strip():
-            skipped_lines.append(row.number)
             return "skip"
-        bad.one(str(file), f"line {row.number}", BadRowKind.FIELD_COUNT, f"{row.actual_columns} fields, the header has {row.expected_columns}: {row.text[:200]!r}")
-        skipped_lines.append(row.number)
+        if row.text.count('"') % 2:
+            kind, detail = BadRowKind.QUOTING, f"the record runs over {lines} line(s) to {'the end of the file' if lines > 1 else 'its end'}: {row.text[:200]!r}"
+        else:
+            kind, detail = BadRowKind.FIELD_COUNT, f"{row.actual_columns} fields, the header has {row.expected_columns}: {row.text[:200]!r}"
+        try:
+            bad.one(str(file), f"line {row.number}", kind, detail)
+        except BadRowError as error:
+            pending.append(error)
+            return "error"
         return "skip"
 
     try:
@@ -183,8 +192,8 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
         missing = [c for c in columns if c not in header]
         raise DataFormatError(f"{file}: missing column(s) {missing}; the header has {header}") from error
     except pa.ArrowInvalid as error:
-        if isinstance(error.__context__, BadRowError):
-            raise error.__context__ from None
+        if pending:
+            raise pending[0] from None
         raise DataFormatError(f"{file}: not a readable CSV file ({error})") from error
     rows_before = 0
     while True:
@@ -193,8 +202,8 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
         except StopIteration:
             return
         except pa.ArrowInvalid as error:
-            if isinstance(error.__context__, BadRowError):
-                raise error.__context__ from None
+            if pending:
+                raise pending[0] from None
             raise DataFormatError(f"{file}: unreadable CSV after line {rows_before + 1 + len(skipped_lines)} ({error})") from error
         # A blank line comes through as a row with every column empty: it is no row.
         blank = np.ones(batch.num_rows, dtype=bool)
@@ -212,7 +221,7 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
 
 def _csv_header(file: InputFile) -> list[str]:
     with pa.input_stream(str(file.path), compression="detect") as stream:
-        first = stream.readline().decode("utf-8", errors="replace").rstrip("\r\n")
+        first = stream.read(1 << 16).decode("utf-8", errors="replace").split("\n")[0].rstrip("\r")
     return [f.strip('"') for f in first.split(file.delimiter)]
 
 

@@ -30,7 +30,7 @@ import re
 from typing import Any
 
 _OPERATORS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt, "<": operator.lt}
-_RULE = re.compile(r"^\s*([^<>=!]+?)\s*(>=|<=|==|!=|>|<)\s*(\S+)\s*$")
+_RULE = re.compile(r"^\s*([^<>=!]+?)\s*(>=|<=|==|!=|>|<)\s*([^<>=!\s]+)\s*$")
 
 
 class SchemaError(ValueError):
