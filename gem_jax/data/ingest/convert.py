@@ -54,7 +54,7 @@ import pyarrow.parquet as pq
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from gem_jax.data.ingest import manifest as manifest_lib
-from gem_jax.data.ingest.readers import BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, stream_columns
+from gem_jax.data.ingest.readers import BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, stream_columns
 from gem_jax.data.ingest.records import RecordLayout
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, Side, label_values
 from gem_jax.data.ingest.split import SplitKind, SplitRule, eval_flags, time_quantile
@@ -127,8 +127,16 @@ def _vocab_name(feature: FeatureColumn) -> str:
 def bucket_of(ids: pa.Array, num_buckets: int) -> np.ndarray:
     """int64 `[n]` bucket of each non-empty string id: a multiplicative hash of its UTF-8 bytes, mod B.
 
-    The same id gets the same bucket in every process and run.
+    The same id gets the same bucket in every process and run. Each distinct id
+    of `ids` is hashed once.
     """
+    if num_buckets == 1:
+        return np.zeros(len(ids), dtype=np.int64)
+    encoded = pc.dictionary_encode(ids)
+    return _hash_buckets(encoded.dictionary, num_buckets)[encoded.indices.to_numpy(zero_copy_only=False)]
+
+
+def _hash_buckets(ids: pa.Array, num_buckets: int) -> np.ndarray:
     ids = pc.cast(ids, pa.large_string())
     offsets = np.frombuffer(ids.buffers()[1], dtype=np.int64, count=len(ids) + 1, offset=ids.offset * 8)
     data = np.frombuffer(ids.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
@@ -165,6 +173,9 @@ class _Buckets:
         self._writers = [pa.ipc.new_file(str(p), schema) for p in self.paths]
 
     def write(self, table: pa.Table, bucket: np.ndarray) -> None:
+        if len(self.paths) == 1:
+            self._writers[0].write_table(table)
+            return
         order = np.argsort(bucket, kind="stable")
         ends = np.cumsum(np.bincount(bucket, minlength=len(self.paths)))
         table = table.take(pa.array(order))
@@ -329,7 +340,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     fields += [pa.field(f"feature/{f.name}", pa.list_(pa.string()) if f.multi else pa.string()) for f in event_features]
     buckets = _Buckets(work / "buckets", num_buckets, pa.schema(fields))
     log(f"reading {len(files)} file(s) into {num_buckets} bucket(s)")
-    for _, columns in stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=options.block_size):
+    for _, columns in prefetched(stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=options.block_size)):
         n = len(columns[schema.time])
         if n == 0:
             continue
@@ -437,17 +448,17 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         order = np.lexsort((np.arange(n), times, codes))
         num_users = len(encoded.dictionary)
         starts = np.searchsorted(codes[order], np.arange(num_users + 1))
-        ordered = table.take(pa.array(order))
 
+        # Ids are mapped in input order (Arrow), then every column is reordered in numpy.
         events_out = np.zeros(n, dtype=layout.event_dtype)
-        events_out["item"] = vocabs["item"].lookup(ordered["item"].combine_chunks())
+        events_out["item"] = vocabs["item"].lookup(table["item"].combine_chunks())[order]
         events_out["time"] = times[order]
         if schema.action:
-            events_out["action"] = vocabs["action"].lookup(ordered["action"].combine_chunks())
+            events_out["action"] = vocabs["action"].lookup(table["action"].combine_chunks())[order]
         for k, rule in enumerate(schema.labels):
-            events_out["labels"][:, k] = ordered[f"label/{rule.name}"].to_numpy()
+            events_out["labels"][:, k] = table[f"label/{rule.name}"].to_numpy()[order]
         if schema.weight:
-            events_out["weight"] = ordered["weight"].to_numpy()
+            events_out["weight"] = table["weight"].to_numpy()[order]
         events_out["split"] = eval_flags(options.split, cutoff, starts, events_out["time"])
         split_counts += np.bincount(events_out["split"], minlength=2)
         eval_positives += (events_out["labels"][events_out["split"] == 1] > 0).sum(axis=0).astype(np.int64)
@@ -466,7 +477,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
                 rows = _feature_rows(vocab, feature_columns[feature.name], width)
                 users_out[f"user_feature/{feature.name}"][found] = rows[pc.drop_null(at).to_numpy()]
             else:
-                rows = _feature_rows(vocab, ordered[f"feature/{feature.name}"], width)
+                rows = _feature_rows(vocab, table[f"feature/{feature.name}"], width)[order]
                 chosen, conflict = _last_per_group(starts, rows)
                 users_out[f"user_feature/{feature.name}"] = chosen
                 user_conflicts[feature.name] += int(conflict.sum())
@@ -480,7 +491,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             latest = events_out["time"][by_item][item_starts[1:] - 1]
             newer = latest >= item_time[present]
             for feature in item_features:
-                rows = _feature_rows(vocabs[_vocab_name(feature)], ordered[f"feature/{feature.name}"], max_values[feature.name])[by_item]
+                rows = _feature_rows(vocabs[_vocab_name(feature)], table[f"feature/{feature.name}"], max_values[feature.name])[order][by_item]
                 chosen, conflict = _last_per_group(item_starts, rows)
                 before = item_table[feature.name][present]
                 item_conflict[feature.name][present] |= conflict | ((before != chosen).any(axis=1) & before.any(axis=1) & chosen.any(axis=1))

@@ -19,11 +19,13 @@ is no row, as in every reader of this package.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import glob
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,7 @@ import pyarrow.parquet as pq
 from gem_jax.data.ingest.schema import EventSchema
 from gem_jax.data.rows import BadRowError, BadRowKind, DataFormatError, OnBadRow
 
+T = TypeVar("T")
 CSV_SUFFIXES = (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".csv.bz2", ".tsv.bz2")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _INTEGER = r"^\s*[-+]?[0-9]+\s*$"
@@ -206,9 +209,10 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
                 raise pending[0] from None
             raise DataFormatError(f"{file}: unreadable CSV after line {rows_before + 1 + len(skipped_lines)} ({error})") from error
         # A blank line comes through as a row with every column empty: it is no row.
-        blank = np.ones(batch.num_rows, dtype=bool)
-        for column in batch.columns:
-            blank &= pc.equal(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
+        blank = pc.equal(pc.binary_length(batch.column(0)), 0).to_numpy(zero_copy_only=False)
+        if blank.any():
+            for column in batch.columns[1:]:
+                blank &= pc.equal(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
         locate = _csv_line_locator(list(skipped_lines), rows_before)
         rows_before += batch.num_rows
         if blank.any():
@@ -313,6 +317,14 @@ def _parse_number(path, column, values, locate, bad, rejected) -> np.ndarray:
         rejected |= infinite
         return np.where(rejected, 0.0, numbers)
     text = _to_text(path, column, values, locate, bad, rejected)
+    fast = _strict_cast(text, pa.float64())
+    if fast is not None:
+        numbers = fast
+        infinite = ~np.isfinite(numbers) & ~rejected
+        bad.many(path, infinite, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{text[i].as_py()!r} is not a finite float64")
+        rejected |= infinite
+        return np.where(rejected, 0.0, numbers)
+    # Slow path, only for a batch that needs it: trim, true/false, find the bad values.
     text = pc.utf8_trim_whitespace(text)
     for word, value in _TRUE_FALSE.items():
         text = pc.if_else(pc.equal(text, word), str(value), text)
@@ -325,6 +337,17 @@ def _parse_number(path, column, values, locate, bad, rejected) -> np.ndarray:
     bad.many(path, infinite, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.OUT_OF_RANGE, lambda i: f"{show(i)} is not a finite float64")
     rejected |= infinite
     return np.where(rejected, 0.0, numbers)
+
+
+def _strict_cast(text: pa.Array, to: pa.DataType) -> np.ndarray | None:
+    """`text` cast to `to` as numpy when every value is present and parses; None otherwise
+    (then the caller's checks find the bad values)."""
+    if text.null_count:
+        return None
+    try:
+        return pc.cast(text, to).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
 
 
 def _check_binary(path, column, numbers: np.ndarray, locate, bad, rejected) -> None:
@@ -346,7 +369,11 @@ def _parse_time(path, column, values, locate, bad, rejected) -> np.ndarray:
         bad.many(path, missing, where, BadRowKind.BAD_VALUE, lambda i: "missing time")
         rejected |= missing
         return pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False)
-    text = pc.utf8_trim_whitespace(_to_text(path, column, values, locate, bad, rejected))
+    text = _to_text(path, column, values, locate, bad, rejected)
+    fast = _strict_cast(text, pa.int64())
+    if fast is not None:
+        return fast
+    text = pc.utf8_trim_whitespace(text)
     integer = pc.fill_null(pc.match_substring_regex(text, _INTEGER), False).to_numpy(zero_copy_only=False)
     iso = pc.fill_null(pc.match_substring_regex(text, _ISO_TIME), False).to_numpy(zero_copy_only=False)
     show = _text_values(text)
@@ -420,6 +447,21 @@ def event_kinds(schema: EventSchema) -> dict[str, ColumnKind]:
         binary = rule.op is None or kinds.get(rule.column) is ColumnKind.BINARY
         kinds[rule.column], flags[rule.column] = (ColumnKind.BINARY if binary else ColumnKind.NUMBER), "--label"
     return kinds
+
+
+def prefetched(items: Iterator[T]) -> Iterator[T]:
+    """`items`, with the next one computed in a background thread while the caller uses the current one.
+
+    pyarrow's parsing and compute kernels release the GIL, so reading and
+    parsing the next batch overlaps the caller's work on two cores. An
+    exception raised while computing an item is raised here, in order.
+    """
+    end = object()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        upcoming = pool.submit(next, items, end)
+        while (item := upcoming.result()) is not end:
+            upcoming = pool.submit(next, items, end)
+            yield item
 
 
 def stream_columns(

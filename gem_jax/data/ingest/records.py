@@ -63,10 +63,11 @@ class RecordLayout:
         head = np.zeros(users.size, dtype=[("num_events", _HEADER), ("user", self.user_dtype)])
         head["num_events"] = np.diff(starts)
         head["user"] = users
-        head_bytes, event_bytes = head.tobytes(), events.tobytes()
+        head_bytes, event_bytes = memoryview(head.tobytes()), memoryview(events.tobytes())
         h, e = head.dtype.itemsize, self.event_dtype.itemsize
+        bounds = (np.asarray(starts, dtype=np.int64) * e).tolist()
         for k in range(users.size):
-            yield head_bytes[k * h : (k + 1) * h] + event_bytes[int(starts[k]) * e : int(starts[k + 1]) * e]
+            yield b"".join((head_bytes[k * h : (k + 1) * h], event_bytes[bounds[k] : bounds[k + 1]]))
 
     def decode(self, raw: bytes) -> dict[str, np.ndarray]:
         """The fields of one record: `user` int32 `[]`, `user_feature/<name>` int32 `[m]`,
