@@ -5,8 +5,9 @@ Two streaming passes over the input, in memory bounded by `ConvertOptions.memory
 1. Every input file is read in record batches (`readers.stream_columns`), its
    values checked, its ids, actions and feature values counted, and its rows
    appended, by a hash of the user id, to one of B bucket files (Arrow IPC,
-   in a scratch folder of the output). B = ceil(input bytes x 6 / memory), so
-   a bucket's sorting fits the memory budget whatever the input size. The
+   in a scratch folder of the output). B = ceil(input bytes x 6 / (memory -
+   a fixed share)), so a bucket's sorting fits the memory budget whatever the
+   input size (`ConvertOptions.memory_plan`). The
    inputs' sha256 are computed in a background thread meanwhile.
 2. The vocabularies are built (`vocab.Vocab.build`: min count, max size, OOV),
    the split resolved (a time quantile exactly, from histograms of the bucket
@@ -63,7 +64,9 @@ from gem_jax.data.ingest.vocab import FIRST_ID_ROW, CountAccumulator, Vocab
 from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow
 
 WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access reads one record
-_BYTES_PER_BUDGET = 6  # bucket bytes held while sorting one bucket, per input byte
+_BYTES_PER_BUDGET = 6  # memory while sorting one bucket, per input byte of its events
+_BASE_MB = 320  # the interpreter, numpy, pyarrow, its CSV reader (about 100 MiB of its own), the writers
+_READ_AHEAD_BLOCKS = 8  # batches in flight (read ahead, parsed, partitioned), in CSV blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,6 @@ class ConvertOptions:
       on_bad_row: `OnBadRow.RAISE` (default) or `SKIP` (count and drop).
       vocab_from: a converted directory whose vocabularies to reuse (ids
         unseen there go to OOV and are counted), or None to build them.
-      block_size: CSV bytes parsed per batch.
       buckets: the bucket count, or None to derive it from the input size and `memory_mb`.
     """
 
@@ -91,12 +93,25 @@ class ConvertOptions:
     memory_mb: int = 2048
     on_bad_row: OnBadRow = OnBadRow.RAISE
     vocab_from: str | None = None
-    block_size: int = 16 << 20
     buckets: int | None = None
 
     def __post_init__(self):
-        if self.min_count < 1 or (self.max_vocab is not None and self.max_vocab < 1) or (self.shards is not None and self.shards < 1) or self.memory_mb < 64:
-            raise ValueError(f"min_count, max_vocab and shards must be >= 1 and memory_mb >= 64, got {self}")
+        if self.min_count < 1 or (self.max_vocab is not None and self.max_vocab < 1) or (self.shards is not None and self.shards < 1):
+            raise ValueError(f"min_count, max_vocab and shards must be >= 1, got {self}")
+        self.memory_plan()
+
+    def memory_plan(self) -> tuple[int, int]:
+        """`(block_size, bucket_bytes)`: CSV bytes parsed per batch (1 to 16 MiB) and the memory
+        left for sorting one bucket once the fixed share (interpreter, read-ahead) is taken.
+
+        Raises:
+          ValueError: `memory_mb` below that fixed share plus 64 MiB (the minimum named).
+        """
+        block_mb = max(1, min(16, self.memory_mb // 128))
+        fixed = _BASE_MB + _READ_AHEAD_BLOCKS * block_mb
+        if self.memory_mb < fixed + 64:
+            raise ValueError(f"memory_mb must be at least {fixed + 64} (MiB), got {self.memory_mb}")
+        return block_mb << 20, (self.memory_mb - fixed) << 20
 
     def settings(self, schema: EventSchema) -> dict:
         """What the output depends on (compared by `manifest.check_unchanged`)."""
@@ -322,7 +337,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     bad = BadRows(options.on_bad_row)
     kinds = event_kinds(schema)
     event_features = [f for f in schema.features if schema.table(f.side) is None]
-    num_buckets = options.buckets or max(1, min(4096, math.ceil(_input_bytes(files) * _BYTES_PER_BUDGET / (options.memory_mb << 20))))
+    block_size, bucket_bytes = options.memory_plan()
+    num_buckets = options.buckets or max(1, min(4096, math.ceil(_input_bytes(files) * _BYTES_PER_BUDGET / bucket_bytes)))
     counters = {"user": CountAccumulator(), "item": CountAccumulator()}
     if schema.action:
         counters["action"] = CountAccumulator()
@@ -340,7 +356,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     fields += [pa.field(f"feature/{f.name}", pa.list_(pa.string()) if f.multi else pa.string()) for f in event_features]
     buckets = _Buckets(work / "buckets", num_buckets, pa.schema(fields))
     log(f"reading {len(files)} file(s) into {num_buckets} bucket(s)")
-    for _, columns in prefetched(stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=options.block_size)):
+    for _, columns in prefetched(stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)):
         n = len(columns[schema.time])
         if n == 0:
             continue
@@ -373,7 +389,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     # Side tables.
     tables = {}
     for side in table_files:
-        keys, feature_columns, _ = _read_table(schema, side, bad, options.block_size)
+        keys, feature_columns, _ = _read_table(schema, side, bad, block_size)
         for feature in schema.side_features(side):
             counter = counters[_vocab_name(feature)] = CountAccumulator()
             counter.add(feature_columns[feature.name])

@@ -39,14 +39,16 @@ FIRST_ID_ROW = 2
 class CountAccumulator:
     """Counts the distinct strings of a stream, merged in Arrow.
 
-    Each `add` keeps the batch's `value_counts`; once more than `merge_rows`
-    partial rows are held they are merged with a group-by, so memory follows
-    the number of distinct values, not the stream's length.
+    Each `add` keeps the batch's `value_counts`; once the partial counts held
+    since the last merge outnumber `merge_rows` and the merged rows, they are
+    merged with a group-by, so memory stays within a few times the number of
+    distinct values, whatever the stream's length, at an amortised linear cost.
     """
 
-    def __init__(self, merge_rows: int = 1 << 21):
+    def __init__(self, merge_rows: int = 1 << 16):
         self._parts: list[pa.Table] = []
-        self._held = 0
+        self._held = 0  # rows added since the last merge
+        self._merged = 0  # rows of the merged table
         self._merge_rows = merge_rows
         self.total = 0  # non-null values added
 
@@ -59,14 +61,15 @@ class CountAccumulator:
         self.total += int(pc.sum(part["count"]).as_py() or 0)
         self._parts.append(part)
         self._held += part.num_rows
-        if self._held > self._merge_rows:
+        if self._held > max(self._merge_rows, self._merged):
             self._merge()
 
     def _merge(self) -> None:
         if len(self._parts) > 1:
             merged = pa.concat_tables(self._parts).group_by("id").aggregate([("count", "sum")])
-            self._parts = [merged.rename_columns(["id", "count"])]
-        self._held = self._parts[0].num_rows if self._parts else 0
+            self._parts = [merged.rename_columns(["id", "count"]).combine_chunks()]
+        self._merged = self._parts[0].num_rows if self._parts else 0
+        self._held = 0
 
     def table(self) -> pa.Table:
         """`id` (string), `count` (int64): one row per distinct value, in no particular order."""
