@@ -110,7 +110,7 @@ class ConvertOptions:
         block_mb = max(1, min(16, self.memory_mb // 128))
         fixed = _BASE_MB + _READ_AHEAD_BLOCKS * block_mb
         if self.memory_mb < fixed + 64:
-            raise ValueError(f"memory_mb must be at least {fixed + 64} (MiB), got {self.memory_mb}")
+            raise ValueError(f"--memory-mb must be at least {fixed + 64} (MiB), got {self.memory_mb}")
         return block_mb << 20, (self.memory_mb - fixed) << 20
 
     def settings(self, schema: EventSchema) -> dict:

@@ -57,6 +57,7 @@ class ColumnKind(enum.Enum):
     ID = "id"  # non-empty string (integers become their decimal text)
     TIME = "time"  # int64: integers as given, ISO 8601 / Parquet timestamps as Unix seconds
     NUMBER = "number"  # float64, finite
+    WEIGHT = "weight"  # float64, finite, >= 0
     BINARY = "binary"  # float64, 0 or 1 (also true / false)
     CATEGORY = "category"  # string; empty or null = absent
     MULTI_CATEGORY = "multi_category"  # list<string> split at the separator; empty = no values
@@ -368,6 +369,11 @@ def _parse_time(path, column, values, locate, bad, rejected) -> np.ndarray:
         missing = np.asarray(values.is_null()) & ~rejected
         bad.many(path, missing, where, BadRowKind.BAD_VALUE, lambda i: "missing time")
         rejected |= missing
+        if values.type == pa.uint64():
+            huge = pc.fill_null(pc.greater(values, pa.scalar(2**63 - 1, pa.uint64())), False).to_numpy(zero_copy_only=False) & ~rejected
+            bad.many(path, huge, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{values[i].as_py()} does not fit in int64")
+            rejected |= huge
+            values = pc.if_else(pa.array(huge), pa.scalar(0, pa.uint64()), values)
         return pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False)
     text = _to_text(path, column, values, locate, bad, rejected)
     fast = _strict_cast(text, pa.int64())
@@ -434,7 +440,7 @@ def event_kinds(schema: EventSchema) -> dict[str, ColumnKind]:
     may read one column (read as a number, checked 0/1 when one of them is a plain 0/1 label)."""
     roles = [(schema.user, ColumnKind.ID, "--user"), (schema.item, ColumnKind.ID, "--item"), (schema.time, ColumnKind.TIME, "--time")]
     roles += [(schema.action, ColumnKind.CATEGORY, "--action")] if schema.action else []
-    roles += [(schema.weight, ColumnKind.NUMBER, "--weight")] if schema.weight else []
+    roles += [(schema.weight, ColumnKind.WEIGHT, "--weight")] if schema.weight else []
     roles += [(f.name, ColumnKind.MULTI_CATEGORY if f.multi else ColumnKind.CATEGORY, f"--{f.side.value}-feature") for f in schema.features if schema.table(f.side) is None]
     kinds, flags = {}, {}
     for column, kind, flag in roles:
@@ -507,8 +513,12 @@ def stream_columns(
                     parsed[column] = _parse_id(path, column, values, locate, bad, rejected)
                 elif kind is ColumnKind.TIME:
                     parsed[column] = _parse_time(path, column, values, locate, bad, rejected)
-                elif kind in (ColumnKind.NUMBER, ColumnKind.BINARY):
+                elif kind in (ColumnKind.NUMBER, ColumnKind.BINARY, ColumnKind.WEIGHT):
                     parsed[column] = _parse_number(path, column, values, locate, bad, rejected)
+                    if kind is ColumnKind.WEIGHT:
+                        negative = (parsed[column] < 0) & ~rejected
+                        bad.many(path, negative, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.OUT_OF_RANGE, lambda i: f"weight {parsed[column][i]:g} is negative")
+                        rejected |= negative
                     if kind is ColumnKind.BINARY:
                         _check_binary(path, column, parsed[column], locate, bad, rejected)
                 else:

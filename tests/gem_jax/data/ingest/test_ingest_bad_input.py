@@ -49,6 +49,19 @@ def test_a_bad_csv_row_is_named_then_skipped_and_counted(tmp_path, row, kind, me
     assert skipped["kind"] == kind.value
 
 
+def test_weights_and_huge_times_are_checked(tmp_path):
+    schema = EventSchema(user="u", item="i", time="t", weight="w", labels=(LabelRule.parse("click"),))
+    path = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"u": ["a", "b"], "i": ["x", "y"], "t": pa.array([1, 2], pa.uint64()), "click": [1, 0], "w": [1.0, -0.5]}), path)
+    with pytest.raises(BadRowError, match=r"row group 0, row 1, column 'w': value out of range: weight -0.5 is negative"):
+        _convert(path, tmp_path / "out", schema=schema)
+    pq.write_table(pa.table({"u": ["a", "b"], "i": ["x", "y"], "t": pa.array([1, 2**64 - 1], pa.uint64()), "click": [1, 0], "w": [1.0, 1.0]}), path)
+    with pytest.raises(BadRowError, match=r"row 1, column 't': value out of range: 18446744073709551615 does not fit in int64"):
+        _convert(path, tmp_path / "out", schema=schema)
+    with pytest.raises(ValueError, match=r"--memory-mb must be at least 392 \(MiB\), got 100"):
+        ConvertOptions(split=SplitRule.parse("last:1"), memory_mb=100)
+
+
 def test_undecodable_bytes_name_the_line_and_byte(tmp_path):
     path = tmp_path / "log.csv"
     path.write_bytes(HEADER.encode() + b"a,b,1,1,5\nc\xff,d,2,0,3\n")
