@@ -14,7 +14,7 @@ Targets (on 2 cores): a 20M-event CSV (~1 GB) converted in <= 60 s, Parquet
 faster, peak RSS <= 2 GB whatever the input size (`--memory-mb 2048`).
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/convert_bench.py [--events 2000000] [--data /tmp/gem_convert_bench]
-Writes benchmarks/results/convert_<events>.json.
+Writes benchmarks/results/convert_<events>_<memory_mb>mb.json.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main() -> None:
         "results": results,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"convert_{args.events}.json"
+    out = RESULTS / f"convert_{args.events}_{args.memory_mb}mb.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
 

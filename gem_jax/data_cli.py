@@ -65,7 +65,7 @@ def _inspect(args) -> None:
         report = inspect.inspect_converted(args.inputs[0])
     else:
         if not (args.user and args.item and args.time):
-            raise SystemExit("gem-data inspect: raw inputs need --user, --item and --time (or pass a converted directory)")
+            raise ValueError("raw inputs need --user, --item and --time (or pass one converted directory)")
         report = inspect.inspect_raw(args.inputs, _schema(args), _on_bad_row(args))
     if args.batch_size:
         inspect.add_layout(report, args.batch_size, args.gpus, args.max_seq_len)

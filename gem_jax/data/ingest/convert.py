@@ -243,7 +243,7 @@ def _last_per_group(starts: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, n
     return chosen.astype(np.int32), conflict
 
 
-def _read_table(schema: EventSchema, side: Side, bad: BadRows, block_size: int) -> tuple[pa.Array, dict[str, pa.Array], list[InputFile]]:
+def _read_table(schema: EventSchema, side: Side, bad: BadRows, block_size: int) -> tuple[pa.Array, dict[str, pa.Array]]:
     """A side table: its key ids (duplicates reported as bad rows, the first kept) and feature columns."""
     files = list(expand_inputs([schema.table(side)], schema.delimiter))
     features = schema.side_features(side)
@@ -259,7 +259,7 @@ def _read_table(schema: EventSchema, side: Side, bad: BadRows, block_size: int) 
         ids = table[key]
         bad.many(str(schema.table(side)), duplicate, lambda i: f"{key} {ids[i].as_py()!r}", BadRowKind.DUPLICATE_ID, lambda i: f"a {side.value} table holds each id once")
         table = table.take(pa.array(np.sort(first)))
-    return table[key].combine_chunks(), {f.name: table[f.name].combine_chunks() for f in features}, files
+    return table[key].combine_chunks(), {f.name: table[f.name].combine_chunks() for f in features}
 
 
 def convert(
@@ -279,7 +279,8 @@ def convert(
       schema: which column is what.
       options: split, vocabulary, shard, memory and bad-row settings.
       overwrite: convert again when `out` holds a conversion of other inputs
-        or settings (else refused).
+        or settings (else refused). A non-empty `out` without a manifest is
+        always refused.
       log: receives progress lines.
 
     Returns:
@@ -304,8 +305,8 @@ def convert(
         if not overwrite:
             raise DataFormatError(f"{out} holds a conversion of other inputs or settings: {reason}; pass --overwrite to convert again")
         log(f"converting again: {reason}")
-    elif out.exists() and any(out.iterdir()) and not overwrite:
-        raise DataFormatError(f"{out} exists and is not a converted log; choose another --out or pass --overwrite")
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataFormatError(f"{out} exists and is not a converted log (no {manifest_lib.MANIFEST}); choose another --out: only a converted log is ever replaced")
 
     started = time.perf_counter()
     work = out.with_name(out.name + ".partial")
@@ -389,7 +390,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     # Side tables.
     tables = {}
     for side in table_files:
-        keys, feature_columns, _ = _read_table(schema, side, bad, block_size)
+        keys, feature_columns = _read_table(schema, side, bad, block_size)
         for feature in schema.side_features(side):
             counter = counters[_vocab_name(feature)] = CountAccumulator()
             counter.add(feature_columns[feature.name])

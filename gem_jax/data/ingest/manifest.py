@@ -88,7 +88,7 @@ def check_unchanged(manifest: dict[str, Any], settings: dict[str, Any], inputs: 
     if now != set(recorded):
         added, removed = sorted(now - set(recorded)), sorted(set(recorded) - now)
         return False, f"the input files differ (added {added}, removed {removed})"
-    moved = [p for p in now if {k: v for k, v in file_identity(p).items()} != {k: recorded[p][k] for k in ("path", "size", "mtime_ns")}]
+    moved = [p for p in now if file_identity(p) != {k: recorded[p][k] for k in ("path", "size", "mtime_ns")}]
     if not moved:
         return True, "by size and modification time"
     changed = [p for p in moved if sha256_of(p) != recorded[p]["sha256"]]

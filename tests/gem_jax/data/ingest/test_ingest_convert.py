@@ -156,6 +156,11 @@ def test_rerun_is_a_no_op_and_a_changed_input_is_refused(tmp_path):
     assert convert(*args, overwrite=True, log=lambda _: None).status == "converted"
     assert convert(*args).status.startswith("unchanged")
     assert not (tmp_path / "out.partial").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(DataFormatError, match="mine exists and is not a converted log"):
+        convert([events], tmp_path / "mine", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.5")), overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
 
 def test_side_tables_and_reused_vocabularies(tmp_path):
