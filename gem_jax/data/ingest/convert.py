@@ -63,7 +63,7 @@ from gem_jax.data.ingest.stats import length_summary
 from gem_jax.data.ingest.vocab import FIRST_ID_ROW, CountAccumulator, Vocab
 from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow
 
-WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access reads one record
+WRITER_OPTIONS = "group_size:1,uncompressed"  # one record per chunk: random access reads one record; ids and times barely compress
 _BYTES_PER_BUDGET = 6  # memory while sorting one bucket, per input byte of its events
 _BASE_MB = 320  # the interpreter, numpy, pyarrow, its CSV reader (about 100 MiB of its own), the writers
 _READ_AHEAD_BLOCKS = 8  # batches in flight (read ahead, parsed, partitioned), in CSV blocks
