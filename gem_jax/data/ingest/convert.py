@@ -145,13 +145,14 @@ def bucket_of(ids: pa.Array, num_buckets: int) -> np.ndarray:
     The same id gets the same bucket in every process and run. Each distinct id
     of `ids` is hashed once.
     """
-    if num_buckets == 1:
-        return np.zeros(len(ids), dtype=np.int64)
     encoded = pc.dictionary_encode(ids)
     return _hash_buckets(encoded.dictionary, num_buckets)[encoded.indices.to_numpy(zero_copy_only=False)]
 
 
 def _hash_buckets(ids: pa.Array, num_buckets: int) -> np.ndarray:
+    """int64 `[k]` bucket of each of the distinct ids `ids` (`bucket_of`)."""
+    if num_buckets == 1:
+        return np.zeros(len(ids), dtype=np.int64)
     ids = pc.cast(ids, pa.large_string())
     offsets = np.frombuffer(ids.buffers()[1], dtype=np.int64, count=len(ids) + 1, offset=ids.offset * 8)
     data = np.frombuffer(ids.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
@@ -375,13 +376,15 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             arrays[f"feature/{feature.name}"] = columns[feature.name]
             max_values[feature.name] = max(max_values[feature.name], _max_values(columns[feature.name]))
             counters[_vocab_name(feature)].add(columns[feature.name])
-        counters["user"].add(columns[schema.user])
+        users = pc.dictionary_encode(columns[schema.user])  # one hash pass: counts and buckets
+        user_index = users.indices.to_numpy(zero_copy_only=False)
+        counters["user"].add_counted(users.dictionary, np.bincount(user_index, minlength=len(users.dictionary)))
         counters["item"].add(columns[schema.item])
         if schema.action:
             counters["action"].add(columns[schema.action])
         events += n
         t_low, t_high = min(t_low, int(columns[schema.time].min())), max(t_high, int(columns[schema.time].max()))
-        buckets.write(pa.table(arrays, schema=buckets.schema), bucket_of(columns[schema.user], num_buckets))
+        buckets.write(pa.table(arrays, schema=buckets.schema), _hash_buckets(users.dictionary, num_buckets)[user_index])
     buckets.close()
     if events == 0:
         raise DataFormatError(f"no events left in {', '.join(map(str, files))}" + (f" ({bad.total} bad row(s) skipped)" if bad.total else ""))
@@ -462,7 +465,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         encoded = pc.dictionary_encode(table["user"]).combine_chunks()
         codes = encoded.indices.to_numpy()
         times = table["time"].to_numpy()
-        order = np.lexsort((np.arange(n), times, codes))
+        order = np.lexsort((times, codes))  # stable: ties keep input order
         num_users = len(encoded.dictionary)
         starts = np.searchsorted(codes[order], np.arange(num_users + 1))
 

@@ -57,7 +57,11 @@ class CountAccumulator:
         if pa.types.is_list(values.type):
             values = pc.list_flatten(values)
         counts = pc.value_counts(values.drop_null())
-        part = pa.table({"id": counts.field("values"), "count": pc.cast(counts.field("counts"), pa.int64())})
+        self.add_counted(counts.field("values"), counts.field("counts"))
+
+    def add_counted(self, values: pa.Array, counts) -> None:
+        """Adds distinct non-null strings `values` `[k]` seen `counts` (int `[k]`) times each."""
+        part = pa.table({"id": values, "count": pc.cast(pa.array(counts), pa.int64())})
         self.total += int(pc.sum(part["count"]).as_py() or 0)
         self._parts.append(part)
         self._held += part.num_rows
