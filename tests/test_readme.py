@@ -164,8 +164,3 @@ def test_bash_block_is_valid(block, readme_cwd, monkeypatch):
     for args in commands(code):
         rule(args[0])(args, monkeypatch)
 
-
-def test_gem_train_help_runs(capsys):
-    # The README refers to `gem-train --help` for the list of config fields.
-    check_gem_train([VENV_BIN + "gem-train", "--help"], None)
-    assert "loop.num_steps" in capsys.readouterr().out
