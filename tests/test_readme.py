@@ -21,6 +21,7 @@ fails the test: add a rule for it here.
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 import subprocess
@@ -30,7 +31,10 @@ from pathlib import Path
 
 import pytest
 
+import gem_jax.train.loop
 from gem_jax.cli import train_main
+from gem_jax.train import config_tree
+from gem_jax.train.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -124,16 +128,13 @@ def check_gem_train(args, monkeypatch):
             train_main(args[1:])
         assert done.value.code == 0
         return
-    import gem_jax.train.loop
-    from gem_jax.train import config_tree
-    from gem_jax.train.config import load_config
-
     trained = []
     monkeypatch.setattr(gem_jax.train.loop, "train_and_evaluate", lambda config, workdir, **_: trained.append((config, workdir)))
     train_main(args[1:])
     (config, workdir), = trained
     assert workdir == args[args.index("--workdir") + 1]
-    overrides = args[args.index("--set") + 1 :] if "--set" in args else []
+    after_set = args[args.index("--set") + 1 :] if "--set" in args else []
+    overrides = list(itertools.takewhile(lambda word: not word.startswith("--"), after_set))
     assert config == config_tree.apply_overrides(load_config(args[args.index("--config") + 1]), overrides)
 
 
