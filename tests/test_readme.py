@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 import gem_jax.train.loop
+from gem_jax import data_cli
 from gem_jax.cli import train_main
 from gem_jax.train import config_tree
 from gem_jax.train.config import load_config
@@ -138,6 +139,16 @@ def check_gem_train(args, monkeypatch):
     assert config == config_tree.apply_overrides(load_config(args[args.index("--config") + 1]), overrides)
 
 
+def check_gem_data(args, monkeypatch):
+    """gem-data runs for real; `events/` (when a command reads it and it is absent) is a small
+    log with the columns the README's commands name."""
+    if "events/" in args and not Path("events").exists():
+        Path("events").mkdir()
+        rows = [f"u{k % 7},i{k % 5},{1700000000 + k},{k % 2},{k % 3 == 0},c{k % 4},{['fr', 'de'][k % 7 % 2]}" for k in range(120)]
+        Path("events/log.csv").write_text("user_id,item_id,ts,click,purchase,category,country\n" + "\n".join(rows) + "\n")
+    data_cli.main(args[1:])
+
+
 def check_pytest(args, monkeypatch):
     command = [sys.executable, "-m", "pytest", *args[1:], "--collect-only", "-p", "no:cacheprovider", "tests/test_scripts.py"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -149,6 +160,7 @@ RULES = {
     VENV_BIN + "pip": check_pip,
     VENV_BIN + "gem-train": check_gem_train,
     VENV_BIN + "pytest": check_pytest,
+    VENV_BIN + "gem-data": check_gem_data,
 }
 
 
