@@ -20,6 +20,7 @@ is no row, as in every reader of this package.
 from __future__ import annotations
 
 import concurrent.futures
+import csv
 import dataclasses
 import enum
 import glob
@@ -184,17 +185,19 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
             return "error"
         return "skip"
 
+    header = _csv_header(file)
+    missing = [c for c in columns if c not in header]
+    if missing:
+        raise DataFormatError(f"{file}: missing column(s) {missing}; the header has {header}")
     try:
+        # Every column is read (as bytes, not converted) so that a blank line is told from a row
+        # whose read columns are empty; only `columns` are parsed.
         reader = pa_csv.open_csv(
             pa.input_stream(str(file.path), compression="detect"),
             read_options=pa_csv.ReadOptions(block_size=block_size, use_threads=False),
             parse_options=pa_csv.ParseOptions(delimiter=file.delimiter, invalid_row_handler=on_invalid, ignore_empty_lines=False),
-            convert_options=pa_csv.ConvertOptions(include_columns=list(columns), column_types={c: pa.binary() for c in columns}, strings_can_be_null=False),
+            convert_options=pa_csv.ConvertOptions(column_types={c: pa.binary() for c in header}, strings_can_be_null=False),
         )
-    except pa.ArrowKeyError as error:
-        header = _csv_header(file)
-        missing = [c for c in columns if c not in header]
-        raise DataFormatError(f"{file}: missing column(s) {missing}; the header has {header}") from error
     except pa.ArrowInvalid as error:
         if pending:
             raise pending[0] from None
@@ -216,6 +219,7 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
                 blank &= pc.equal(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
         locate = _csv_line_locator(list(skipped_lines), rows_before)
         rows_before += batch.num_rows
+        batch = batch.select(list(columns))
         if blank.any():
             batch = batch.filter(pa.array(~blank))
             positions = np.flatnonzero(~blank)
@@ -225,9 +229,23 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
 
 
 def _csv_header(file: InputFile) -> list[str]:
+    """The column names of a CSV file's header line.
+
+    Raises:
+      DataFormatError: the file is empty, its header is not UTF-8 or names a column twice.
+    """
     with pa.input_stream(str(file.path), compression="detect") as stream:
-        first = stream.read(1 << 16).decode("utf-8", errors="replace").split("\n")[0].rstrip("\r")
-    return [f.strip('"') for f in first.split(file.delimiter)]
+        head = stream.read(1 << 20)
+    try:
+        first = head.split(b"\n")[0].rstrip(b"\r").decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataFormatError(f"{file}: the header line is not UTF-8 text") from None
+    header = next(csv.reader([first], delimiter=file.delimiter), [])
+    if not header or header == [""]:
+        raise DataFormatError(f"{file}: no header line (the first line names the columns)")
+    if len(set(header)) != len(header):
+        raise DataFormatError(f"{file}: the header names a column twice: {header}")
+    return header
 
 
 def _parquet_batches(file: InputFile, columns: Sequence[str], batch_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str]]]:

@@ -62,6 +62,13 @@ def test_weights_and_huge_times_are_checked(tmp_path):
         ConvertOptions(split=SplitRule.parse("last:1"), memory_mb=100)
 
 
+def test_a_row_empty_in_the_read_columns_is_a_bad_row_not_a_blank_line(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("u,i,t,click,r,note\na,b,1,1,5,\n,,,,,kept for the record\n\n")
+    with pytest.raises(BadRowError, match=r"line 3, column 'u': invalid value: empty id"):
+        _convert(path, tmp_path / "out")
+
+
 def test_undecodable_bytes_name_the_line_and_byte(tmp_path):
     path = tmp_path / "log.csv"
     path.write_bytes(HEADER.encode() + b"a,b,1,1,5\nc\xff,d,2,0,3\n")
