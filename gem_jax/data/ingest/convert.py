@@ -5,9 +5,10 @@ Two streaming passes over the input, in memory bounded by `ConvertOptions.memory
 1. Every input file is read in record batches (`readers.stream_columns`), its
    values checked, its ids, actions and feature values counted, and its rows
    appended, by a hash of the user id, to one of B bucket files (Arrow IPC,
-   in a scratch folder of the output). B = ceil(input bytes x 6 / (memory -
-   a fixed share)), so a bucket's sorting fits the memory budget whatever the
-   input size (`ConvertOptions.memory_plan`). The
+   in a scratch folder of the output). B = ceil(events x 320 bytes / (memory -
+   a fixed share)), events estimated from Parquet row counts or the CSV size
+   over its mean line length, so a bucket's sorting fits the memory budget
+   whatever the input size (`ConvertOptions.memory_plan`). The
    inputs' sha256 are computed in a background thread meanwhile.
 2. The vocabularies are built (`vocab.Vocab.build`: min count, max size, OOV),
    the split resolved (a time quantile exactly, from histograms of the bucket
@@ -64,7 +65,7 @@ from gem_jax.data.ingest.vocab import FIRST_ID_ROW, CountAccumulator, Vocab
 from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow
 
 WRITER_OPTIONS = "group_size:1,uncompressed"  # one record per chunk: random access reads one record; ids and times barely compress
-_BYTES_PER_BUDGET = 6  # memory while sorting one bucket, per input byte of its events
+_BYTES_PER_EVENT = 320  # memory while sorting one bucket, per event (ids, rows, sort orders, records)
 _BASE_MB = 320  # the interpreter, numpy, pyarrow, its CSV reader (about 100 MiB of its own), the writers
 _READ_AHEAD_BLOCKS = 8  # batches in flight (read ahead, parsed, partitioned), in CSV blocks
 
@@ -167,15 +168,18 @@ def _hash_buckets(ids: pa.Array, num_buckets: int) -> np.ndarray:
     return (mixed % np.uint64(num_buckets)).astype(np.int64)
 
 
-def _input_bytes(files: Sequence[InputFile]) -> int:
-    """Estimated in-memory size of the inputs: CSV bytes, Parquet uncompressed bytes."""
+def _estimated_events(files: Sequence[InputFile]) -> int:
+    """Events in the inputs: Parquet row counts; for CSV, the size over the mean line length of
+    its first MiB (compressed files counted at 4x their size)."""
     total = 0
     for file in files:
         if file.format is Format.PARQUET:
-            meta = pq.ParquetFile(str(file.path)).metadata
-            total += sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
-        else:
-            total += os.path.getsize(file.path) * (4 if file.path.name.endswith((".gz", ".bz2")) else 1)
+            total += pq.ParquetFile(str(file.path)).metadata.num_rows
+            continue
+        with pa.input_stream(str(file.path), compression="detect") as stream:
+            head = stream.read(1 << 20)
+        line = max(1.0, len(head) / max(1, head.count(b"\n")))
+        total += math.ceil(os.path.getsize(file.path) * (4 if file.path.name.endswith((".gz", ".bz2")) else 1) / line)
     return total
 
 
@@ -340,7 +344,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     kinds = event_kinds(schema)
     event_features = [f for f in schema.features if schema.table(f.side) is None]
     block_size, bucket_bytes = options.memory_plan()
-    num_buckets = options.buckets or max(1, min(4096, math.ceil(_input_bytes(files) * _BYTES_PER_BUDGET / bucket_bytes)))
+    num_buckets = options.buckets or max(1, min(4096, math.ceil(_estimated_events(files) * _BYTES_PER_EVENT / bucket_bytes)))
     counters = {"user": CountAccumulator(), "item": CountAccumulator()}
     if schema.action:
         counters["action"] = CountAccumulator()

@@ -45,7 +45,7 @@ class CountAccumulator:
     distinct values, whatever the stream's length, at an amortised linear cost.
     """
 
-    def __init__(self, merge_rows: int = 1 << 20):
+    def __init__(self, merge_rows: int = 1 << 18):
         self._parts: list[pa.Table] = []
         self._held = 0  # rows added since the last merge
         self._merged = 0  # rows of the merged table
