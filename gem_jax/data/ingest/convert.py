@@ -143,15 +143,9 @@ def _vocab_name(feature: FeatureColumn) -> str:
 def bucket_of(ids: pa.Array, num_buckets: int) -> np.ndarray:
     """int64 `[n]` bucket of each non-empty string id: a multiplicative hash of its UTF-8 bytes, mod B.
 
-    The same id gets the same bucket in every process and run. Each distinct id
-    of `ids` is hashed once.
+    The same id gets the same bucket in every process and run (pass distinct
+    ids: each value is hashed).
     """
-    encoded = pc.dictionary_encode(ids)
-    return _hash_buckets(encoded.dictionary, num_buckets)[encoded.indices.to_numpy(zero_copy_only=False)]
-
-
-def _hash_buckets(ids: pa.Array, num_buckets: int) -> np.ndarray:
-    """int64 `[k]` bucket of each of the distinct ids `ids` (`bucket_of`)."""
     if num_buckets == 1:
         return np.zeros(len(ids), dtype=np.int64)
     ids = pc.cast(ids, pa.large_string())
@@ -388,7 +382,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             counters["action"].add(columns[schema.action])
         events += n
         t_low, t_high = min(t_low, int(columns[schema.time].min())), max(t_high, int(columns[schema.time].max()))
-        buckets.write(pa.table(arrays, schema=buckets.schema), _hash_buckets(users.dictionary, num_buckets)[user_index])
+        buckets.write(pa.table(arrays, schema=buckets.schema), bucket_of(users.dictionary, num_buckets)[user_index])
     buckets.close()
     if events == 0:
         raise DataFormatError(f"no events left in {', '.join(map(str, files))}" + (f" ({bad.total} bad row(s) skipped)" if bad.total else ""))
