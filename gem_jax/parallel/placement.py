@@ -127,6 +127,19 @@ class BatchPlacement:
         sharding = self.sharding
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, (self.num_shards,) + x.shape[1:]), stacked)
 
+    def abstract(self, batch: Batch, capacity: int) -> Batch:
+        """The stacked `Batch` that `put` gives for a batch shaped like `batch`, at token capacity `capacity`,
+        as `jax.ShapeDtypeStruct`s with `sharding`: history values `[D, capacity, F]`, the rest as `put`'s.
+
+        For compiling a step ahead of time (`jax.jit(...).lower(...)`) for each capacity.
+        `batch` is a whole global host batch (numpy leaves); only its shapes and dtypes count.
+        """
+        stacked = stack_batch(batch, self.num_shards, self.buckets)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self.sharding), stacked)
+        values = abstract.history.values
+        values = jax.ShapeDtypeStruct((values.shape[0], capacity, *values.shape[2:]), values.dtype, sharding=values.sharding)
+        return dataclasses.replace(abstract, history=abstract.history.replace_values(values))
+
     def put(self, batch: Batch) -> Batch:
         """Host `Batch` (the whole global batch, on every process) -> stacked `Batch` of global `jax.Array`s.
 
