@@ -3,10 +3,13 @@
 import json
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import monitoring
 
+from gem_jax.cli import train_main
 from gem_jax.data.pipeline import load_dataset
 from gem_jax.jagged import TokenBuckets
 from gem_jax.parallel.placement import stack_batch
@@ -14,6 +17,7 @@ from gem_jax.train import goodput, programs
 from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
 from gem_jax.train.loop import train_and_evaluate
+from gem_jax.train.state import TrainState, state_nbytes
 
 # ml-latest-small, 16 examples of up to 64 events: its first 6 train batches take 3 token capacities.
 SEVERAL_CAPACITIES = ["data.capacity_step=1.05", "data.max_seq_len=64", "data.batch_size=16", "loop.num_steps=50", "loop.log_every=2"]
@@ -72,3 +76,22 @@ def test_a_run_over_three_capacities_compiles_nothing_after_step_1(config, tmp_p
     summary_record = records[-1]
     assert summary_record["kind"] == "summary" and summary_record["goodput"] == summary["goodput"]
     assert all("goodput" in r and "data_wait_s" in r for r in train)
+
+
+def test_state_nbytes_counts_params_and_optimizer_state_from_shapes():
+    abstract = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params={"w": jax.ShapeDtypeStruct((3, 4), jnp.float32)},
+        opt_state=(jax.ShapeDtypeStruct((3, 4), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32)),
+    )
+    assert state_nbytes(abstract) == {"params": 48, "opt_state": 28, "total": 80}
+
+
+def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(repo_root, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(workdir), "--dry-run", "--set", *SEVERAL_CAPACITIES])
+    out = capsys.readouterr().out
+    assert '"capacity_step": 1.05' in out  # the resolved config
+    assert "would compile" in out and "train steps at token capacities [" in out
+    assert "a checkpoint holds" in out
+    assert not workdir.exists()
