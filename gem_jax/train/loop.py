@@ -196,7 +196,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
                     checkpointer.save(done, state, train_iter)
             if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
                 with chrono.measure(goodput.EVAL):
-                    eval_record = training.evaluate(state.params, eval_step=programs.eval_step)
+                    eval_record = training.evaluate(state.params, eval_step=programs.eval_step, capacity=programs.eval_capacity)
                 logger.log(done, "eval", eval_record)
                 tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
             progress_bar.update(1)
@@ -216,7 +216,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
         eval_keys: set[str] = set()
         if final_step == num_steps:
             with chrono.measure(goodput.EVAL):
-                eval_record = training.evaluate(state.params, baseline=True, eval_step=programs.eval_step)
+                eval_record = training.evaluate(state.params, baseline=True, eval_step=programs.eval_step, capacity=programs.eval_capacity)
             eval_keys = set(eval_record)
             summary.update(eval_record)
             if trains:
@@ -282,7 +282,7 @@ def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
     sizes = state_nbytes(training.state.abstract)
     print(
         f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {list(train)} "
-        f"(the batches of steps 1 to {config.loop.num_steps}), eval steps at {list(evals)}",
+        f"(the batches of steps 1 to {config.loop.num_steps}), the eval step at {list(evals)}",
         flush=True,
     )
     print(

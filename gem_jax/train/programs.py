@@ -1,11 +1,14 @@
-"""Every step program a run executes, compiled before its first step: a train and an eval step per token capacity.
+"""Every step program a run executes, compiled before its first step: a train step per token capacity, one eval step.
 
 A batch's history rows are packed into one of the data set's token capacities
 (`gem_jax.jagged.TokenBuckets`), and each capacity is its own program. Which ones a run
 takes is known before it starts: the batches' example indices come from the shuffle
 seed, their history lengths from the data set's metadata, so `run_capacities` replays
 the placement's choice (`gem_jax.parallel.placement`) for every batch of the steps to
-run and of the eval set, without building a batch. `compile_programs` then lowers each
+run and of the eval set, without building a batch. Every eval batch is placed at the
+largest capacity an eval batch takes, so the eval step is one program (eval is forward
+only: its extra slack costs less than lowering and compiling a program per capacity).
+`compile_programs` then lowers each
 program (`jax.jit(...).lower` on abstract arguments: Python tracing, which holds the
 GIL) one after the other and compiles them in parallel threads (XLA compiles release
 the GIL); jax's persistent cache (`gem_jax.train.compile_cache`) serves a warm start.
@@ -119,6 +122,11 @@ class Programs:
         with self.chrono.measure(goodput.COMPILE_AFTER_START, reason=reason):
             return step.lower(*abstract).compile()
 
+    @property
+    def eval_capacity(self) -> int | None:
+        """The token capacity every eval batch is placed at (`Training.evaluate(capacity=...)`); None: no eval step."""
+        return max(self.eval) if self.eval else None
+
     def describe(self) -> str:
         """One line: how many programs, for which capacities, lowering and compile seconds."""
         parts = [f"{len(self.train)} train step(s) (token capacities {sorted(self.train)})" if self.train else "no train step"]
@@ -130,11 +138,12 @@ class Programs:
 
 
 def planned_capacities(training: Training, train_steps: range, evaluates: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The token capacities of the train batches of `train_steps` and, if `evaluates`, of every eval batch."""
+    """The token capacities of the train batches of `train_steps`, and, if `evaluates`, the eval step's:
+    the largest any eval batch takes (all of them are placed at it)."""
     dataset, num_shards, buckets = training.dataset, training.placement.num_shards, training.dataset.token_buckets
     train = run_capacities(dataset.train_indices(), dataset.train_lengths, train_steps, dataset.batch_size, num_shards, buckets)
     evals = (
-        run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), dataset.batch_size, num_shards, buckets)
+        run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), dataset.batch_size, num_shards, buckets)[-1:]
         if evaluates
         else ()
     )
