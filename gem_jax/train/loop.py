@@ -19,7 +19,7 @@ from tqdm import tqdm
 from gem_jax.batch import validate_ids
 from gem_jax.data.pipeline import describe_capacities, load_dataset
 from gem_jax.model import flops as flops_lib
-from gem_jax.parallel.distributed import check_processes_agree, wait_for_processes
+from gem_jax.parallel.distributed import check_processes_agree, wait_at_barrier, wait_for_processes
 from gem_jax.train import config_tree, goodput, run_record
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.config import TrainConfig
@@ -258,6 +258,7 @@ def _compile_programs(training, train_steps: range, last_step: int, chrono, lear
     programs = compile_programs(training, train, evals, chrono=chrono)
     with chrono.measure(goodput.COMPILE):
         float(learning_rate(max(train_steps.start, 0)))  # the schedule's host-side ops compile on first use
+        wait_at_barrier("gem-train: programs compiled")  # processes finish compiling at different times
     print(f"gem-train: {programs.describe()}", flush=True)
     return programs
 
