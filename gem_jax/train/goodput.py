@@ -98,20 +98,20 @@ class Chrono:
         self._thread = threading.get_ident()
         self._taken = 0.0  # compile seconds taken out of the open measurement
         self._watching = False
+        self._compiling = False  # inside `late_compile`: its compiles are counted there
 
     def wall(self) -> float:
         """Seconds from `start` to now."""
         return time.time() - self.start
 
     @contextlib.contextmanager
-    def measure(self, bucket: str, reason: str | None = None):
+    def measure(self, bucket: str):
         """Adds the time spent inside the block to `bucket`.
 
-        `reason` names a `compile_after_start` measurement (e.g. "train step, token
-        capacity 896"). Raises ValueError for an unknown bucket or a nested measurement.
+        Raises ValueError for an unknown bucket or a nested measurement.
         """
-        if bucket not in self._seconds or bucket == IMPORTS:
-            raise ValueError(f"unknown time bucket {bucket!r}; measurable ones: {sorted(set(self._seconds) - {IMPORTS})}")
+        if bucket not in self._seconds or bucket in (IMPORTS, COMPILE_AFTER_START):
+            raise ValueError(f"unknown time bucket {bucket!r}; measurable ones: {sorted(set(self._seconds) - {IMPORTS, COMPILE_AFTER_START})}")
         if self._open is not None:
             raise ValueError(f"time bucket {bucket!r} opened inside {self._open!r}: measurements do not nest")
         self._open, self._taken = bucket, 0.0
@@ -122,8 +122,22 @@ class Chrono:
             elapsed = time.perf_counter() - began
             self._open = None
             self._seconds[bucket] += elapsed - self._taken
-            if bucket == COMPILE_AFTER_START:
-                self.compiles_after_start.append((reason or "unnamed", elapsed))
+
+    @contextlib.contextmanager
+    def late_compile(self, reason: str):
+        """Counts the time inside the block in `compile_after_start`, with `reason` (e.g. "train
+        step, token capacity 896"), taking it out of the measurement it runs in, if any."""
+        self._compiling = True
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - began
+            self._compiling = False
+            if self._open is not None:
+                self._taken += elapsed
+            self._seconds[COMPILE_AFTER_START] += elapsed
+            self.compiles_after_start.append((reason, elapsed))
 
     def add(self, bucket: str, seconds: float) -> None:
         """Adds `seconds` measured elsewhere to `bucket` (for a phase that is not one block)."""
@@ -147,7 +161,7 @@ class Chrono:
             self._watching = False
 
     def _on_compile(self, event: str, duration: float, **kwargs) -> None:
-        if event != BACKEND_COMPILE_EVENT or threading.get_ident() != self._thread or self._open == COMPILE_AFTER_START:
+        if event != BACKEND_COMPILE_EVENT or threading.get_ident() != self._thread or self._compiling:
             return
         if self._open is not None:
             self._taken += duration

@@ -36,6 +36,8 @@ from gem_jax.jagged import TokenBuckets, pick_capacity
 from gem_jax.train import goodput
 from gem_jax.train.setup import Training
 
+THREADS_ENV_VAR = "GEM_COMPILE_THREADS"
+
 
 def batch_capacity(lengths: np.ndarray, num_shards: int, buckets: TokenBuckets) -> int:
     """The token capacity the placement packs a global batch into.
@@ -117,9 +119,7 @@ class Programs:
     def _late(self, reason: str, step, *args) -> jax.stages.Compiled:
         print(f"gem-train: compiling the {reason}: no batch of the planned steps took it", flush=True)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
-        if self.chrono is None:
-            return step.lower(*abstract).compile()
-        with self.chrono.measure(goodput.COMPILE_AFTER_START, reason=reason):
+        with self.chrono.late_compile(reason) if self.chrono is not None else contextlib.nullcontext():
             return step.lower(*abstract).compile()
 
     @property
@@ -165,7 +165,9 @@ def compile_programs(
         arguments (`training.state.abstract`, `BatchPlacement.abstract`).
       train_capacities, eval_capacities: token capacities (rows per device).
       chrono: lowering goes to its `startup/lowering` bucket, compiling to `startup/compile`.
-      threads: compile threads (default: one per program, at most the CPU count).
+      threads: compile threads (default: `$GEM_COMPILE_THREADS`, else one per program,
+        at most the CPU count). On a GPU, XLA autotunes while it compiles, on the device:
+        fewer threads trade start-up time for undisturbed autotuning.
     """
     dataset, placement = training.dataset, training.placement
     template = dataset.train_batch(range(min(dataset.batch_size, dataset.info.num_train_examples)))
@@ -178,7 +180,7 @@ def compile_programs(
     lowering_s = time.perf_counter() - began
     began = time.perf_counter()
     with measure(goodput.COMPILE):
-        workers = max(1, min(len(jobs), threads or os.cpu_count() or 1))
+        workers = max(1, min(len(jobs), threads or int(os.environ.get(THREADS_ENV_VAR, 0)) or os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             compiled = list(pool.map(lambda program: program.compile(), lowered))
     compile_s = time.perf_counter() - began
