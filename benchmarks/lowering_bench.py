@@ -1,77 +1,101 @@
-"""How the train step's Python lowering time grows with the layer stack (sequence and DHEN layers).
+"""Where a warm start's seconds go before the first step: tracing and lowering by layer count.
 
-A warm start (persistent compilation cache) still traces and lowers every program in
-Python; this measures that cost per layer, to judge whether a scanned layer stack (one
-traced layer body for all layers) would pay. For each `(num_seq_layers, num_dhen_layers)`
-it builds the job (`setup_training`, no state), then times `jax.jit(train_step).lower`
-on abstract arguments at one token capacity (`--repeats` times after clearing jax's caches;
-the minimum is kept), in wall and in process CPU seconds (lowering is single-threaded
-Python, so its CPU time stays meaningful on a busy machine), and the XLA compile of the
-last lowering. A first, discarded lowering of the first configuration warms jax up.
+jax's persistent compilation cache skips the XLA compile on a warm start, but not the Python
+work before it: tracing the model into a jaxpr and lowering it to StableHLO (the Mosaic GPU
+kernels lower here too). Both grow with the number of layers the Python code unrolls. This
+benchmark builds the trainer's own job (`gem_jax.train.setup.setup_training`, abstract state:
+nothing is initialised) at each `(num_seq_layers, num_dhen_layers)` and times, for one train
+step program: `trace` (`jit(...).trace`), `lower` (`Traced.lower`) and, for the first setting
+only with `--compile`, `compile`. A per-layer cost that dominates the total is what a scanned
+layer stack (`nnx.scan`: one layer traced and lowered, whatever the depth) would remove.
 
-    PYTHONPATH=. python3 benchmarks/lowering_bench.py --config configs/gem_h200_tiny.py --out lowering_cpu.json
-    PYTHONPATH=. python3 benchmarks/lowering_bench.py --config configs/gem_h200.py --layers 1,1 2,1 4,1 4,2 --out lowering_h200.json
+    PYTHONPATH=. python3 benchmarks/lowering_bench.py --config configs/gem_h200.py \
+        --layers 1,1 2,1 4,1 4,2 --out lowering.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import platform
 import time
 from pathlib import Path
 
-import jax
+T_PROCESS = time.perf_counter()
 
-from gem_jax.train import config_tree
-from gem_jax.train.config import load_config
-from gem_jax.train.programs import planned_capacities
-from gem_jax.train.setup import setup_training
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gem_jax.train import config_tree  # noqa: E402
+from gem_jax.train.config import load_config  # noqa: E402
+from gem_jax.train.run_record import code_version  # noqa: E402
+from gem_jax.train.setup import setup_training  # noqa: E402
+
+IMPORT_S = time.perf_counter() - T_PROCESS
 
 
-def lower_and_compile(config, repeats: int, compile_too: bool) -> dict:
+def abstract(tree):
+    """ShapeDtypeStructs carrying each array's sharding."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+def measure(config, seq_layers: int, dhen_layers: int, compile_too: bool) -> dict:
+    config = config_tree.apply_overrides(config, [f"model.num_seq_layers={seq_layers}", f"model.num_dhen_layers={dhen_layers}"])
+    t0 = time.perf_counter()
     training, _ = setup_training(config, init_state=False)
-    capacity = planned_capacities(training, range(1), evaluates=False)[0][0]
-    dataset = training.dataset
-    template = dataset.train_batch(range(min(dataset.batch_size, dataset.info.num_train_examples)))
-    batch = training.placement.abstract(template, capacity)
-    times, cpu = [], []
-    for _ in range(repeats):
-        jax.clear_caches()
-        began, began_cpu = time.perf_counter(), time.process_time()
-        lowered = training.train_step.lower(training.state.abstract, batch)
-        times.append(time.perf_counter() - began)
-        cpu.append(time.process_time() - began_cpu)
-    if not compile_too:
-        return {"lowering_s": min(times), "lowering_cpu_s": min(cpu), "capacity": capacity}
-    began, began_cpu = time.perf_counter(), time.process_time()
-    lowered.compile()
-    return {
-        "lowering_s": min(times), "lowering_cpu_s": min(cpu), "compile_s": time.perf_counter() - began,
-        "compile_cpu_s": time.process_time() - began_cpu, "capacity": capacity,
+    setup_s = time.perf_counter() - t0
+    batch_size = training.dataset.batch_size
+    host = training.dataset.train_batch(range(batch_size))
+    batch = abstract(training.placement.put(host))
+    t1 = time.perf_counter()
+    traced = training.train_step.trace(training.state.abstract, batch)
+    t2 = time.perf_counter()
+    lowered = traced.lower()
+    t3 = time.perf_counter()
+    result = {
+        "num_seq_layers": seq_layers,
+        "num_dhen_layers": dhen_layers,
+        "setup_s": setup_s,
+        "trace_s": t2 - t1,
+        "lower_s": t3 - t2,
+        "capacity": int(np.prod(batch.history.values.shape[:2])),
     }
+    if compile_too:
+        lowered.compile()
+        result["compile_s"] = time.perf_counter() - t3
+    print(json.dumps(result), flush=True)
+    return result
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--layers", nargs="+", default=["1,1", "2,1", "4,1", "1,2", "1,4"], metavar="SEQ,DHEN")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--no-compile", action="store_true", help="time the lowering only")
-    parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="PATH=VALUE")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    base = config_tree.apply_overrides(load_config(args.config), args.overrides)
+    parser.add_argument("--config", default="configs/gem_h200.py")
+    parser.add_argument("--set", nargs="*", default=[], dest="overrides")
+    parser.add_argument("--layers", nargs="+", default=["1,1", "2,1", "4,1", "4,2"], help="num_seq_layers,num_dhen_layers pairs")
+    parser.add_argument("--compile", action="store_true", help="also compile the first setting's program")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    config = config_tree.apply_overrides(load_config(args.config), args.overrides)
     runs = []
-    first = args.layers[0].split(",")
-    lower_and_compile(config_tree.apply_overrides(base, [f"model.num_seq_layers={first[0]}", f"model.num_dhen_layers={first[1]}"]), 1, False)
-    for layers in args.layers:
-        seq, dhen = (int(x) for x in layers.split(","))
-        config = config_tree.apply_overrides(base, [f"model.num_seq_layers={seq}", f"model.num_dhen_layers={dhen}"])
-        run = {"num_seq_layers": seq, "num_dhen_layers": dhen, **lower_and_compile(config, args.repeats, not args.no_compile)}
-        print(json.dumps(run), flush=True)
-        runs.append(run)
-    record = {"benchmark": "lowering", "config": args.config, "overrides": args.overrides, "device_kind": jax.devices()[0].device_kind, "jax_version": jax.__version__, "runs": runs}
-    Path(args.out).write_text(json.dumps(record, indent=2))
+    for i, pair in enumerate(args.layers):
+        seq, dhen = (int(v) for v in pair.split(","))
+        runs.append(measure(config, seq, dhen, args.compile and i == 0))
+    record = {
+        "benchmark": "lowering_bench",
+        "date": datetime.date.today().isoformat(),
+        "device": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "host": platform.node(),
+        "jax": jax.__version__,
+        "code": code_version(),
+        "config": args.config,
+        "overrides": args.overrides,
+        "import_s": IMPORT_S,
+        "runs": runs,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -95,13 +95,14 @@ class Batch:
 def random_batch(spec: FeatureSpec, rng: np.random.Generator, lengths, capacity: int, *, slack_value: int = 0) -> Batch:
     """A `Batch` of random in-vocabulary ids and labels, for trying a model (and for tests).
 
-    Ids are uniform over each vocabulary without the padding id 0, genres multi-hot with
-    probability 0.4, labels fair coins, every weight 1.
+    Ids are uniform over each vocabulary without the padding id 0 (a vocabulary of the padding
+    id alone, such as `FeatureSpec`'s default `num_ages=1`, gives `PAD_ID` everywhere), genres
+    multi-hot with probability 0.4, labels fair coins, every weight 1.
 
     Args:
       spec: the vocabularies.
       rng: numpy generator (its draws, in order: history items, actions, time buckets, user
-        fields, candidate items, genres, labels).
+        fields, candidate items, genres, labels; none for a padding-only vocabulary).
       lengths: int `[B]` history length of each example (each <= `spec.max_seq_len`).
       capacity: token rows `T_cap` of the history (>= sum(lengths)).
       slack_value: id written into every column of the slack rows past the last history.
@@ -110,17 +111,26 @@ def random_batch(spec: FeatureSpec, rng: np.random.Generator, lengths, capacity:
       A `Batch` of B examples (jax arrays).
 
     Raises:
-      ValueError: from `gem_jax.jagged.from_lengths` (lengths over capacity or max_seq_len).
+      ValueError: a vocabulary size below 1 (it must hold the padding id), or from
+        `gem_jax.jagged.from_lengths` (lengths over capacity or max_seq_len).
     """
     lengths = np.asarray(lengths)
     b, t = len(lengths), int(lengths.sum())
-    values = np.stack([rng.integers(1, n, t) for n in (spec.num_items, spec.num_actions, spec.num_time_buckets)], 1)
+
+    def ids(name: str, vocab: int, size: int) -> np.ndarray:
+        if vocab < 1:
+            raise ValueError(f"random_batch: the {name} vocabulary has size {vocab}; it holds at least the padding id {PAD_ID}")
+        return rng.integers(PAD_ID + 1, vocab, size) if vocab > 1 else np.full(size, PAD_ID)
+
+    history_vocabs = {"item": spec.num_items, "action": spec.num_actions, "time bucket": spec.num_time_buckets}
+    values = np.stack([ids(name, vocab, t) for name, vocab in history_vocabs.items()], 1)
     history = from_lengths(values, lengths, max_seq_len=spec.max_seq_len, capacity=capacity)
     history = history.replace_values(history.values.at[t:].set(slack_value))
+    user = [ids(f"user {field.name.lower()}", vocab, b) for field, vocab in zip(UserField, spec.user_vocab_sizes())]
     return Batch(
         history=history,
-        user=jnp.asarray(np.stack([rng.integers(1, n, b) for n in spec.user_vocab_sizes()], 1), jnp.int32),
-        candidate_item=jnp.asarray(rng.integers(1, spec.num_items, b), jnp.int32),
+        user=jnp.asarray(np.stack(user, 1), jnp.int32),
+        candidate_item=jnp.asarray(ids("item", spec.num_items, b), jnp.int32),
         candidate_genres=jnp.asarray(rng.random((b, spec.num_genres)) < 0.4, jnp.float32),
         labels=jnp.asarray(rng.random((b, 2)) < 0.5, jnp.float32),
         weights=jnp.ones((b,), jnp.float32),
