@@ -24,6 +24,7 @@ from gem_jax.train import config_tree, goodput, run_record
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.divergence import FiniteTracker
+from gem_jax.train.executable_cache import ExecutableCache
 from gem_jax.train.metric_log import MetricLogger, train_line
 from gem_jax.train.optimizer import learning_rate_schedule
 from gem_jax.train.preemption import Preempted, StopSignals
@@ -255,7 +256,8 @@ def _compile_programs(training, train_steps: range, last_step: int, chrono, lear
     periodic = loop.eval_every and any(step % loop.eval_every == 0 and step != loop.num_steps for step in range(train_steps.start + 1, last_step + 1))
     with chrono.measure(goodput.DATA):
         train, evals = planned_capacities(training, train_steps, evaluates=bool(periodic) or last_step == loop.num_steps)
-    programs = compile_programs(training, train, evals, chrono=chrono)
+    cache = jax.config.jax_compilation_cache_dir  # compiled programs beside jax's cache: off with it
+    programs = compile_programs(training, train, evals, chrono=chrono, cache=ExecutableCache(cache) if cache else None)
     with chrono.measure(goodput.COMPILE):
         float(learning_rate(max(train_steps.start, 0)))  # the schedule's host-side ops compile on first use
         wait_at_barrier("gem-train: programs compiled")  # processes finish compiling at different times

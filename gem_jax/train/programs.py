@@ -16,7 +16,9 @@ the GIL); jax's persistent cache (`gem_jax.train.compile_cache`) serves a warm s
 A batch at a capacity that was not compiled (the replay and the placement disagree,
 which is a bug, or the train iterator was moved) is compiled when it comes, with its
 reason counted in the run's `compile_after_start` time (`gem_jax.train.goodput`),
-rather than stopping a long job for a shape.
+rather than stopping a long job for a shape. With an `ExecutableCache` (`gem-train` keeps
+it beside jax's persistent cache), a warm start loads each program and skips its lowering,
+which the persistent cache cannot skip.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import numpy as np
 
 from gem_jax.batch import Batch
 from gem_jax.jagged import TokenBuckets, pick_capacity
-from gem_jax.train import goodput
+from gem_jax.train import config_tree, goodput
+from gem_jax.train.executable_cache import ExecutableCache
 from gem_jax.train.setup import Training
 
 THREADS_ENV_VAR = "GEM_COMPILE_THREADS"
@@ -91,8 +94,10 @@ class Programs:
       training: the job whose `train_step` / `eval_step` these are.
       train: capacity -> compiled train step.
       eval: capacity -> compiled eval step.
-      lowering_s, compile_s: wall seconds of the ahead-of-time lowering and compiling.
+      lowering_s, compile_s: wall seconds of the ahead-of-time lowering and compiling
+        (loading from the executable cache included).
       chrono: where late compiles are counted (None: not counted).
+      loaded: how many of the programs came from the executable cache.
     """
 
     training: Training
@@ -101,6 +106,7 @@ class Programs:
     lowering_s: float = 0.0
     compile_s: float = 0.0
     chrono: goodput.Chrono | None = None
+    loaded: int = 0
 
     def train_step(self, state, batch: Batch):
         """`(state, placed batch) -> (state, metrics)`, donating `state` (`gem_jax.train.step.make_train_step`)."""
@@ -132,8 +138,8 @@ class Programs:
         parts = [f"{len(self.train)} train step(s) (token capacities {sorted(self.train)})" if self.train else "no train step"]
         parts.append(f"{len(self.eval)} eval step(s) (token capacities {sorted(self.eval)})" if self.eval else "no eval step")
         return (
-            f"compiled {len(self.train) + len(self.eval)} programs before the first step: {', '.join(parts)}; "
-            f"lowering {self.lowering_s:.1f} s, compile {self.compile_s:.1f} s"
+            f"compiled {len(self.train) + len(self.eval)} programs before the first step ({self.loaded} loaded from the "
+            f"executable cache): {', '.join(parts)}; lowering {self.lowering_s:.1f} s, compile {self.compile_s:.1f} s"
         )
 
 
@@ -150,6 +156,14 @@ def planned_capacities(training: Training, train_steps: range, evaluates: bool) 
     return train, evals
 
 
+def program_job(training: Training) -> dict:
+    """What shapes a run's programs besides their arguments, for `ExecutableCache` keys: the resolved config
+    without the loop and checkpoint settings (they change no program: a restart with more steps finds its
+    programs) and the feature spec."""
+    config = config_tree.to_tree(training.config)
+    return {"config": {k: v for k, v in config.items() if k not in ("loop", "checkpoint")}, "spec": repr(training.dataset.spec)}
+
+
 def compile_programs(
     training: Training,
     train_capacities: Iterable[int],
@@ -157,34 +171,51 @@ def compile_programs(
     *,
     chrono: goodput.Chrono | None = None,
     threads: int | None = None,
+    cache: ExecutableCache | None = None,
 ) -> Programs:
-    """Lowers, then compiles in `threads` parallel threads, the train and eval steps at the given capacities.
+    """The train and eval steps at the given capacities: loaded from `cache`, else lowered one after the
+    other and compiled in `threads` parallel threads (and stored in `cache`).
 
     Args:
       training: the job (`setup_training`); its jitted steps are lowered on abstract
         arguments (`training.state.abstract`, `BatchPlacement.abstract`).
       train_capacities, eval_capacities: token capacities (rows per device).
-      chrono: lowering goes to its `startup/lowering` bucket, compiling to `startup/compile`.
+      chrono: lowering goes to its `startup/lowering` bucket, loading, compiling and storing
+        to `startup/compile`.
       threads: compile threads (default: `$GEM_COMPILE_THREADS`, else one per program,
         at most the CPU count). On a GPU, XLA autotunes while it compiles, on the device:
         fewer threads trade start-up time for undisturbed autotuning.
+      cache: compiled programs on disk under a key known before tracing
+        (`gem_jax.train.executable_cache`); a hit skips lowering and compiling.
     """
     dataset, placement = training.dataset, training.placement
+    cache = ExecutableCache(None) if cache is None else cache
     template = dataset.train_batch(range(min(dataset.batch_size, dataset.info.num_train_examples)))
-    jobs = [("train", c, training.train_step, training.state.abstract) for c in sorted(set(train_capacities))]
-    jobs += [("eval", c, training.eval_step, training.state.abstract.params) for c in sorted(set(eval_capacities))]
+    jobs = [("train", c, training.train_step, (training.state.abstract, placement.abstract(template, c))) for c in sorted(set(train_capacities))]
+    jobs += [("eval", c, training.eval_step, (training.state.abstract.params, placement.abstract(template, c))) for c in sorted(set(eval_capacities))]
     measure = chrono.measure if chrono is not None else lambda bucket: contextlib.nullcontext()
+    job = program_job(training)
+    began = time.perf_counter()
+    with measure(goodput.COMPILE):
+        paths = [cache.path(f"{kind}_step", args, job) for kind, _, _, args in jobs]
+        compiled = [cache.load(path) for path in paths]
+    missing = [i for i, c in enumerate(compiled) if c is None]
+    loading_s = time.perf_counter() - began
     began = time.perf_counter()
     with measure(goodput.LOWERING):
-        lowered = [step.lower(first, placement.abstract(template, capacity)) for _, capacity, step, first in jobs]
+        lowered = {i: jobs[i][2].lower(*jobs[i][3]) for i in missing}
     lowering_s = time.perf_counter() - began
     began = time.perf_counter()
     with measure(goodput.COMPILE):
-        workers = max(1, min(len(jobs), threads or int(os.environ.get(THREADS_ENV_VAR, 0)) or os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compiled = list(pool.map(lambda program: program.compile(), lowered))
-    compile_s = time.perf_counter() - began
+        if missing:
+            workers = max(1, min(len(missing), threads or int(os.environ.get(THREADS_ENV_VAR, 0)) or os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                for i, program in zip(missing, pool.map(lambda i: lowered[i].compile(), missing)):
+                    compiled[i] = program
+                    note = cache.store(paths[i], program)
+                    if note:
+                        print(f"gem-train: the {jobs[i][0]} step at token capacity {jobs[i][1]} was {note}", flush=True)
+    compile_s = loading_s + time.perf_counter() - began
     train = {capacity: c for (kind, capacity, _, _), c in zip(jobs, compiled) if kind == "train"}
     evals = {capacity: c for (kind, capacity, _, _), c in zip(jobs, compiled) if kind == "eval"}
-    return Programs(training, train, evals, lowering_s, compile_s, chrono)
-
+    return Programs(training, train, evals, lowering_s, compile_s, chrono, loaded=len(jobs) - len(missing))
