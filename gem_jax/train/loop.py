@@ -256,7 +256,9 @@ def _compile_programs(training, train_steps: range, last_step: int, chrono, lear
     periodic = loop.eval_every and any(step % loop.eval_every == 0 and step != loop.num_steps for step in range(train_steps.start + 1, last_step + 1))
     with chrono.measure(goodput.DATA):
         train, evals = planned_capacities(training, train_steps, evaluates=bool(periodic) or last_step == loop.num_steps)
-    cache = jax.config.jax_compilation_cache_dir  # compiled programs beside jax's cache: off with it
+    # Compiled programs beside jax's cache (off with it). Not on the CPU: an XLA:CPU executable loaded in
+    # another process can fail to run ("Function wrapped_broadcast not found", jax 0.11.2).
+    cache = jax.config.jax_compilation_cache_dir if jax.default_backend() != "cpu" else None
     programs = compile_programs(training, train, evals, chrono=chrono, cache=ExecutableCache(cache) if cache else None)
     with chrono.measure(goodput.COMPILE):
         float(learning_rate(max(train_steps.start, 0)))  # the schedule's host-side ops compile on first use

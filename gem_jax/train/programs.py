@@ -17,8 +17,8 @@ A batch at a capacity that was not compiled (the replay and the placement disagr
 which is a bug, or the train iterator was moved) is compiled when it comes, with its
 reason counted in the run's `compile_after_start` time (`gem_jax.train.goodput`),
 rather than stopping a long job for a shape. With an `ExecutableCache` (`gem-train` keeps
-it beside jax's persistent cache), a warm start loads each program and skips its lowering,
-which the persistent cache cannot skip.
+it beside jax's persistent cache, on GPUs), a warm start loads each program and skips its
+lowering, which the persistent cache cannot skip.
 """
 
 from __future__ import annotations
