@@ -108,10 +108,13 @@ def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
     if config.moments_dtype == "float32":
         dense = [optax.adamw(learning_rate_schedule(config), weight_decay=config.weight_decay)]
     else:
+        # optax.adamw's own chain, with the moments kept in bfloat16: the same state tree.
         dense = [
-            bf16_moments(optax.scale_by_adam(mu_dtype=jnp.bfloat16)),
-            optax.add_decayed_weights(config.weight_decay),
-            optax.scale_by_learning_rate(learning_rate_schedule(config)),
+            optax.chain(
+                bf16_moments(optax.scale_by_adam(mu_dtype=jnp.bfloat16)),
+                optax.add_decayed_weights(config.weight_decay),
+                optax.scale_by_learning_rate(learning_rate_schedule(config)),
+            )
         ]
     if config.grad_clip_norm:
         dense.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
