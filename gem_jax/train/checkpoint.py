@@ -207,20 +207,24 @@ class Checkpointer:
         """Whether `save(step, ...)` without `force` saves now.
 
         True on the interval (and at a preemption Orbax sees) and at the first step after a
-        deferred save's blocking write has finished; False while a write is in flight,
-        which defers a save due now (noted for `report`).
+        deferred save's predecessor has finished writing; False while a write is in flight,
+        which defers a save due now (noted for `report`). Also notes a write that has
+        finished (its seconds; its manifest is queued).
 
         Raises:
           CheckpointWriteError: the save in flight failed.
         """
         if self.read_only:
             return False
-        writing = self._poll()
+        self._poll()
         due = self.manager.should_save(step)
-        if due and writing:
-            self._pending = self._pending or step
+        if not (due or self._pending is not None):
             return False
-        return due or (self._pending is not None and not writing)
+        if self._still_writing():
+            if due:
+                self._pending = self._pending or step
+            return False
+        return True
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -248,7 +252,8 @@ class Checkpointer:
         start = time.perf_counter()
         if force:
             self._finish_write()
-        self._await_manifests(self.all_steps()[: max(0, len(self.all_steps()) + 1 - self.config.max_to_keep)])
+        steps = self.all_steps()
+        self._await_manifests(steps[: max(0, len(steps) + 1 - self.config.max_to_keep)])  # this save's rotation deletes them
         if self._pending is not None:
             self._announce_deferral(step)
         copy_bytes = self._copy_bytes or disk_space.checkpoint_bytes(state)
@@ -376,21 +381,19 @@ class Checkpointer:
         """Orbax's background thread, once the files of the save in flight are complete (process 0)."""
         self._committed_at = time.perf_counter()
 
-    def _poll(self) -> bool:
-        """Whether a write is still in flight; finishes (records, queues the manifest of) one that is done.
+    def _poll(self) -> None:
+        """Finishes (records, queues the manifest of) a write that is done; no waiting, no collective."""
+        if self._writing is not None and not self.manager.is_saving_in_progress():
+            self._finish_write()
 
-        In a multi-process run every process must decide alike, so the processes agree on
-        "still writing" if any of them still is.
-        """
-        if self._writing is None:
-            return False
-        writing = self.manager.is_saving_in_progress()
+    def _still_writing(self) -> bool:
+        """Whether a write is in flight on any process: in a multi-process run all must decide alike
+        (one small all-gather, only at steps where a save is due or deferred)."""
+        writing = self._writing is not None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             writing = bool(np.any(multihost_utils.process_allgather(np.array(writing))))
-        if not writing:
-            self._finish_write()
         return writing
 
     def _finish_write(self) -> None:
