@@ -444,10 +444,6 @@ class Checkpointer:
         if not committed and jax.process_index() == 0:
             for partial in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
                 shutil.rmtree(partial, ignore_errors=True)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"gem-checkpoint-failed-{step}")
         self.manager.reload()  # Orbax forgets rotated steps at save time; the disk still holds them
         good = [s for s in self.all_steps() if s != step or committed]
         cause = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if str(error) else type(error).__name__

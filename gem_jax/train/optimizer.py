@@ -5,8 +5,8 @@ choice for recommendation embeddings (DLRM, TorchRec); dense weights get AdamW
 (Loshchilov & Hutter, 2019) with linear warm-up and cosine decay.
 
 AdamW's two moments may be stored in bfloat16 (`OptimConfig.moments_dtype`), halving
-them in device memory and in every checkpoint (at GEM width ~9.2 of the ~37 GB a
-float32 checkpoint writes). The update itself is computed in float32 either way; only
+them in device memory and in every checkpoint (`configs/gem_h200.py`: 9.6 of the 45.1 GB
+a checkpoint with float32 moments writes). The update itself is computed in float32 either way; only
 what is kept between steps is rounded:
 
 - the first moment `mu` (an average of signed gradients, decay `b1 = 0.9`: each step
@@ -156,8 +156,8 @@ def bf16_moments(adam: optax.GradientTransformation) -> optax.GradientTransforma
 
     The state is created with `nu` in bfloat16; both moments are widened to float32
     before optax's update, which rounds the new `mu` to bfloat16 (nearest) and leaves
-    the new `nu` in float32 for this wrapper's stochastic rounding (`stochastic_round_bf16`, salted with
-    the step count and the leaf's index). The state's structure is optax's
+    the new `nu` in float32 for this wrapper's stochastic rounding (`stochastic_round_bf16`,
+    salted with the step count and the leaf's index). The state's structure is optax's
     `ScaleByAdamState`, so checkpoints and shardings see the usual tree.
     """
 
