@@ -37,10 +37,13 @@ def test_divergence_names_the_step_and_no_later_checkpoint_is_written(tiny_confi
         train_and_evaluate(config, tmp_path)
     bad = error.value.step
     assert 1 < bad <= 6
+    # The newest saved step survives rotation; nothing after it is saved. Saves due while the previous
+    # one still writes are deferred, so it need not be step bad - 1.
     steps = _steps(tmp_path)
-    assert steps == [bad - 1]  # the newest finite step survives rotation; nothing after it is saved
-    assert f"Last good checkpoint: step {bad - 1} ({tmp_path.absolute() / 'checkpoints' / str(bad - 1)})" in str(error.value)
-    assert integrity.verify(tmp_path / "checkpoints" / str(bad - 1)) == []  # closed cleanly: its manifest is written
+    assert len(steps) == 1 and steps[0] < bad
+    good = steps[0]
+    assert f"Last good checkpoint: step {good} ({tmp_path.absolute() / 'checkpoints' / str(good)})" in str(error.value)
+    assert integrity.verify(tmp_path / "checkpoints" / str(good)) == []  # closed cleanly: its manifest is written
     params = load_params(tmp_path).params
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(params))
     assert not (tmp_path / ".lock.0").exists()
