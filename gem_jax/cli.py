@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
+
 
 class _ConfigFields(argparse.Action):
     """`--help-config`: prints every config field with its type and default, then exits (imports the config schema)."""
@@ -40,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
             "goodput = train-step time / wall time), tensorboard/, checkpoints/, run.json.\n\n"
             "SIGTERM, SIGINT and SIGUSR1 stop after the current step with a checkpoint (a second signal aborts).\n"
             "exit status: 0 the run is finished (or --dry-run); 2 refused (bad arguments or config, workdir in use or holding another run, "
-            "corrupt checkpoint with --no-fallback, processes holding different data sets); 3 the loss diverged (NaN/Inf); "
+            "corrupt checkpoint with --no-fallback, processes holding different data sets, checkpoints that cannot fit on their "
+            "disk); 3 the loss diverged (NaN/Inf); 4 a checkpoint could not be written (e.g. the disk filled up: the last "
+            "good checkpoint stays intact, the summary says what was saved; free space and run the same command again); "
             "75 stopped before loop.num_steps, by a signal or by --stop-after-steps, with a checkpoint: "
             "run the same command again to resume"
         ),
@@ -87,6 +91,8 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.parallel.distributed import ProcessMismatchError
     from gem_jax.train import compile_cache, config_tree, goodput
     from gem_jax.train.config import load_config
+    from gem_jax.train.checkpoint import CheckpointWriteError
+    from gem_jax.train.disk_space import CheckpointSpaceError
     from gem_jax.train.divergence import NonFiniteLossError
     from gem_jax.train.integrity import CorruptCheckpointError
     from gem_jax.train.loop import dry_run, train_and_evaluate
@@ -137,7 +143,7 @@ def train_main(argv: list[str] | None = None) -> None:
         sys.exit(PREEMPTED_EXIT_CODE)
     except (
         RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError,
-        ProcessMismatchError, RematBudgetError,
+        ProcessMismatchError, RematBudgetError, CheckpointSpaceError,
     ) as error:
         # refused: the run, the workdir, the data set or the memory budget is not usable as given,
         # or the processes hold different data (the message says why)
@@ -146,6 +152,9 @@ def train_main(argv: list[str] | None = None) -> None:
     except NonFiniteLossError as error:
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except CheckpointWriteError as error:  # the summary of what was saved is printed; restart once the disk has room
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
+        sys.exit(CHECKPOINT_WRITE_EXIT_CODE)
     if not summary["finished"]:  # --stop-after-steps: stopped like a preemption, the run goes on when started again
         print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); run the same command again to resume", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)

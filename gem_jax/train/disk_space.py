@@ -48,9 +48,12 @@ def checkpoint_bytes(abstract_state) -> int:
       The arrays' bytes plus `FIXED_METADATA_BYTES` and `PER_ARRAY_METADATA_BYTES` per
       array (metadata, the data iterator's state, block rounding).
     """
-    leaves = jax.tree.leaves(abstract_state)
-    data = sum(math.prod(leaf.shape) * jax.numpy.dtype(leaf.dtype).itemsize for leaf in leaves)
-    return data + FIXED_METADATA_BYTES + PER_ARRAY_METADATA_BYTES * len(leaves)
+    return array_bytes(abstract_state) + FIXED_METADATA_BYTES + PER_ARRAY_METADATA_BYTES * len(jax.tree.leaves(abstract_state))
+
+
+def array_bytes(tree) -> int:
+    """Bytes of the arrays of `tree` (leaves with `.shape` and `.dtype`), from shapes and dtypes alone."""
+    return sum(math.prod(leaf.shape) * jax.numpy.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def largest_shard_bytes(abstract_state) -> int:

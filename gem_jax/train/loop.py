@@ -20,8 +20,8 @@ from gem_jax.batch import validate_ids
 from gem_jax.data.pipeline import describe_capacities, load_dataset
 from gem_jax.model import flops as flops_lib
 from gem_jax.parallel.distributed import check_processes_agree, wait_at_barrier, wait_for_processes
-from gem_jax.train import config_tree, goodput, run_record
-from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train import config_tree, disk_space, goodput, run_record
+from gem_jax.train.checkpoint import Checkpointer, CheckpointWriteError
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.divergence import FiniteTracker
 from gem_jax.train.executable_cache import ExecutableCache
@@ -30,7 +30,6 @@ from gem_jax.train.optimizer import learning_rate_schedule
 from gem_jax.train.preemption import Preempted, StopSignals
 from gem_jax.train.programs import Programs, compile_programs, planned_capacities
 from gem_jax.train.setup import setup_training
-from gem_jax.train.state import state_nbytes
 from gem_jax.train.window import TrainWindow
 from gem_jax.train.workdir_lock import WorkdirLock
 from gem_jax.units import format_bytes
@@ -118,12 +117,14 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
     primary = jax.process_index() == 0  # writes the run record and the metrics of the shared workdir
     run_record.check_run(workdir, run_record.make_record(config, identity, dataset.spec), has_checkpoints=has_checkpoints, write=primary)
     checkpointer = Checkpointer(checkpoint_dir, config.checkpoint)
-    logger, progress_bar = None, None
+    logger, progress_bar, write_error = None, None, None
     try:
         run_record.check_num_steps(config.loop.num_steps, checkpointer.latest_step(), checkpoint_dir)
         with chrono.measure(goodput.INIT):  # a resumed run restores its state instead of initialising it
             training, state = setup_training(config, dataset=dataset, init_state=checkpointer.latest_step() is None)
         _describe(training)
+        for line in checkpointer.preflight(training.state.abstract):  # refuses a run whose checkpoints cannot fit
+            print(f"gem-train: {line}", flush=True)
         dataset = training.dataset
         train_iter = dataset.local_train_iterator(training.placement.shard)
         with chrono.measure(goodput.RESTORE):
@@ -155,67 +156,73 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
         window_start, window_time = chrono.snapshot(), chrono.wall()
         progress_bar = tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not (sys.stdout.isatty() if progress is None else progress))
         done, stopped = start, False
-        for step in range(start, last_step):
-            if signals.stop_requested():
-                stopped = True
-                break
-            with chrono.measure(goodput.DATA_WAIT):
-                local = next(train_iter)  # this process's part of the global batch
-            with chrono.measure(goodput.TRAIN_STEP):
-                validate_ids(local.batch, dataset.spec, where=f"train batch {step}")
-                placed = training.placement.put_local(local)
-                state, step_metrics = programs.train_step(state, placed)
-                window.add(local, placed, step_metrics)
-                done = step + 1
-                finite.update(done, step_metrics)
-            if done % config.loop.log_every == 0 or done == last_step:
-                with chrono.measure(goodput.TRAIN_STEP):  # the window's steps finish here: asynchronous dispatch
-                    finite.check(last_good())
-                    fetched, window_flops, window_examples = window.fetch(), window.flops, window.examples
-                seconds = {k: v - window_start[k] for k, v in chrono.snapshot().items()}
-                step_seconds = seconds[goodput.TRAIN_STEP] + seconds[goodput.DATA_WAIT]
-                with chrono.measure(goodput.LOGGING):
-                    record = window.record(fetched, done, step_seconds, float(learning_rate(done - 1)))
-                    wall = chrono.wall()
-                    record.update(
-                        time_steps_s=step_seconds,
-                        data_wait_s=seconds[goodput.DATA_WAIT],
-                        window_goodput=seconds[goodput.TRAIN_STEP] / (wall - window_time),
-                        goodput=chrono.seconds()[goodput.TRAIN_STEP] / wall,
-                    )
-                    logger.log(done, "train", record)
-                    progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
-                    tqdm.write(train_line(done, record, dataset.task_names))
-                if done - len(fetched) > start:  # the run's first window holds the first steps' start-up: not steady state
-                    steady["seconds"] += step_seconds
-                    steady["flops"] += window_flops
-                    steady["examples"] += window_examples
-                window_start, window_time = chrono.snapshot(), chrono.wall()
-            if checkpointer.should_save(done):
-                with chrono.measure(goodput.CHECKPOINT):
-                    finite.check(last_good())
-                    checkpointer.save(done, state, train_iter)
-            if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
-                with chrono.measure(goodput.EVAL):
-                    eval_record = training.evaluate(state.params, eval_step=programs.eval_step, capacity=programs.eval_capacity)
-                logger.log(done, "eval", eval_record)
-                tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
-            progress_bar.update(1)
-            if step == start:
-                chrono.watch_compiles()  # from here on every compile is one the run should not need
+        try:
+            for step in range(start, last_step):
+                if signals.stop_requested():
+                    stopped = True
+                    break
+                with chrono.measure(goodput.DATA_WAIT):
+                    local = next(train_iter)  # this process's part of the global batch
+                with chrono.measure(goodput.TRAIN_STEP):
+                    validate_ids(local.batch, dataset.spec, where=f"train batch {step}")
+                    placed = training.placement.put_local(local)
+                    state, step_metrics = programs.train_step(state, placed)
+                    window.add(local, placed, step_metrics)
+                    done = step + 1
+                    finite.update(done, step_metrics)
+                if done % config.loop.log_every == 0 or done == last_step:
+                    with chrono.measure(goodput.TRAIN_STEP):  # the window's steps finish here: asynchronous dispatch
+                        finite.check(last_good())
+                        fetched, window_flops, window_examples = window.fetch(), window.flops, window.examples
+                    seconds = {k: v - window_start[k] for k, v in chrono.snapshot().items()}
+                    step_seconds = seconds[goodput.TRAIN_STEP] + seconds[goodput.DATA_WAIT]
+                    with chrono.measure(goodput.LOGGING):
+                        record = window.record(fetched, done, step_seconds, float(learning_rate(done - 1)))
+                        wall = chrono.wall()
+                        record.update(
+                            time_steps_s=step_seconds,
+                            data_wait_s=seconds[goodput.DATA_WAIT],
+                            window_goodput=seconds[goodput.TRAIN_STEP] / (wall - window_time),
+                            goodput=chrono.seconds()[goodput.TRAIN_STEP] / wall,
+                        )
+                        logger.log(done, "train", record)
+                        progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
+                        tqdm.write(train_line(done, record, dataset.task_names))
+                    if done - len(fetched) > start:  # the run's first window holds the first steps' start-up: not steady state
+                        steady["seconds"] += step_seconds
+                        steady["flops"] += window_flops
+                        steady["examples"] += window_examples
+                    window_start, window_time = chrono.snapshot(), chrono.wall()
+                if checkpointer.should_save(done):
+                    with chrono.measure(goodput.CHECKPOINT):
+                        finite.check(last_good())
+                        checkpointer.save(done, state, train_iter)
+                if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
+                    with chrono.measure(goodput.EVAL):
+                        eval_record = training.evaluate(state.params, eval_step=programs.eval_step, capacity=programs.eval_capacity)
+                    logger.log(done, "eval", eval_record)
+                    tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
+                progress_bar.update(1)
+                if step == start:
+                    chrono.watch_compiles()  # from here on every compile is one the run should not need
 
+            with chrono.measure(goodput.CHECKPOINT):
+                if done and checkpointer.latest_step() != done:
+                    finite.check(last_good())
+                    checkpointer.save(done, state, train_iter, force=True)
+                checkpointer.wait()
+        except CheckpointWriteError as error:  # e.g. the disk filled up: end with a summary of what was saved
+            write_error = error
         final_step = done
-        with chrono.measure(goodput.CHECKPOINT):
-            if final_step and checkpointer.latest_step() != final_step:
-                finite.check(last_good())
-                checkpointer.save(final_step, state, train_iter, force=True)
-            checkpointer.wait()
-        if stopped or signals.stop_requested():
+
+        if write_error is None and (stopped or signals.stop_requested()):
             raise Preempted(final_step, signals.signal_name, last_good())
 
-        summary = {"step": final_step, "finished": final_step == num_steps}
+        summary = {"step": final_step, "finished": final_step == num_steps and write_error is None}
+        if write_error is not None:
+            summary.update(checkpoint_error=str(write_error), last_good_step=write_error.last_good_step)
         eval_keys: set[str] = set()
-        if final_step == num_steps:
+        if final_step == num_steps and write_error is None:
             with chrono.measure(goodput.EVAL):
                 eval_record = training.evaluate(state.params, baseline=True, eval_step=programs.eval_step, capacity=programs.eval_capacity)
             eval_keys = set(eval_record)
@@ -228,16 +235,25 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
             if peak:
                 summary["mfu"] = steady["flops"] / steady["seconds"] / peak
         summary.update({k: v for k, v in record.items() if k in ("loss",)})
+        summary.update(checkpointer.report())
         summary.update(chrono.record())
         if trains:
             logger.log(final_step, "summary", summary, not_in_tensorboard=eval_keys)
     finally:
         if progress_bar is not None:
             progress_bar.close()
-        checkpointer.close()
+        try:
+            checkpointer.close()
+        except CheckpointWriteError:
+            if write_error is None:  # a failure the loop has not reported yet
+                raise
         if logger is not None:
             logger.close()
     print_summary(summary, chrono, outputs(workdir) if trains else {})
+    if "checkpoint_final_write_s" in summary:
+        print(f"gem-train: the final checkpoint took {summary['checkpoint_final_write_s']:.1f} s to write", flush=True)
+    if write_error is not None:
+        raise write_error
     return summary
 
 
@@ -272,11 +288,12 @@ def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
 
     Prints the resolved config, the data set's summary, the start-up lines about the job
     (remat plan, exchanges, token capacities), the token capacities of the train programs
-    for the run's steps and of the eval programs, and the size of a checkpoint.
+    for the run's steps and of the eval programs, the size of a checkpoint and the disk
+    preflight (`gem_jax.train.disk_space`: whether the kept copies fit).
 
     Returns:
-      `{"train_capacities", "eval_capacities", "checkpoint_bytes"}` (the last as
-      `gem_jax.train.state.state_nbytes`).
+      `{"train_capacities", "eval_capacities", "checkpoint_bytes"}` (the last: bytes of the
+      `params` and `opt_state` arrays and of one written `copy`, `gem_jax.train.disk_space`).
     """
     print("gem-train: resolved config\n" + json.dumps(config_tree.to_tree(config), indent=2), flush=True)
     dataset = load_dataset(config.data)
@@ -284,19 +301,28 @@ def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
     training, _ = setup_training(config, dataset=dataset, init_state=False)
     _describe(training)
     train, evals = planned_capacities(training, range(config.loop.num_steps), evaluates=True)
-    sizes = state_nbytes(training.state.abstract)
+    abstract = training.state.abstract
+    sizes = {"params": disk_space.array_bytes(abstract.params), "opt_state": disk_space.array_bytes(abstract.opt_state)}
+    checkpoint_dir = Path(workdir) / "checkpoints"
+    on_disk = sum(1 for p in checkpoint_dir.iterdir() if p.name.isdigit()) if checkpoint_dir.is_dir() else 0
+    plan = disk_space.plan_space(abstract, config.checkpoint.max_to_keep, on_disk, checkpoint_dir)
     print(
         f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {list(train)} "
         f"(the batches of steps 1 to {config.loop.num_steps}), the eval step at {list(evals)}",
         flush=True,
     )
     print(
-        f"gem-train: a checkpoint holds {format_bytes(sizes['total'])}: parameters {format_bytes(sizes['params'])}, "
-        f"optimizer state {format_bytes(sizes['opt_state'])}, and the data iterator's position (a few hundred bytes); "
-        f"{config.checkpoint.max_to_keep} kept in {Path(workdir) / 'checkpoints'}",
+        f"gem-train: a checkpoint holds parameters {format_bytes(sizes['params'])}, optimizer state "
+        f"{format_bytes(sizes['opt_state'])} and the data iterator's position; {config.checkpoint.max_to_keep} kept in {checkpoint_dir}",
         flush=True,
     )
-    return {"train_capacities": train, "eval_capacities": evals, "checkpoint_bytes": sizes}
+    for line in plan.lines():
+        print(f"gem-train: {line}", flush=True)
+    try:
+        plan.check()
+    except disk_space.CheckpointSpaceError as error:
+        print(f"gem-train: the run would be refused: {error}", flush=True)
+    return {"train_capacities": train, "eval_capacities": evals, "checkpoint_bytes": sizes | {"copy": plan.copy_bytes}}
 
 
 def outputs(workdir: Path) -> dict[str, Path]:

@@ -131,20 +131,3 @@ def create_train_state(
     setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype)
     state = jax.jit(_init_fn(model_factory, optimizer, seed), out_shardings=setup.shardings)()
     return state, setup
-
-
-def state_nbytes(abstract: TrainState) -> dict[str, int]:
-    """Bytes of a train state's arrays, from shapes and dtypes alone: what a checkpoint of it holds.
-
-    Args:
-      abstract: a `TrainState` of arrays or `jax.ShapeDtypeStruct`s (`StateSetup.abstract`).
-
-    Returns:
-      `{"params": ..., "opt_state": ..., "total": ...}` in bytes (`total` adds the step
-      counter); a checkpoint also holds the data iterator's position, a few hundred bytes.
-    """
-    def nbytes(tree) -> int:
-        return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
-
-    params, opt_state = nbytes(abstract.params), nbytes(abstract.opt_state)
-    return {"params": params, "opt_state": opt_state, "total": params + opt_state + nbytes(abstract.step)}

@@ -17,7 +17,8 @@ from gem_jax.train import goodput, programs
 from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
 from gem_jax.train.loop import train_and_evaluate
-from gem_jax.train.state import TrainState, state_nbytes
+from gem_jax.train import disk_space
+from gem_jax.train.state import TrainState
 
 # ml-latest-small, 16 examples of up to 64 events: its first 6 train batches take 3 token capacities.
 SEVERAL_CAPACITIES = ["data.capacity_step=1.05", "data.max_seq_len=64", "data.batch_size=16", "loop.num_steps=50", "loop.log_every=2"]
@@ -78,13 +79,14 @@ def test_a_run_over_three_capacities_compiles_nothing_after_step_1(config, tmp_p
     assert all("goodput" in r and "data_wait_s" in r for r in train)
 
 
-def test_state_nbytes_counts_params_and_optimizer_state_from_shapes():
+def test_array_bytes_counts_params_and_optimizer_state_from_shapes():
     abstract = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
         params={"w": jax.ShapeDtypeStruct((3, 4), jnp.float32)},
         opt_state=(jax.ShapeDtypeStruct((3, 4), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32)),
     )
-    assert state_nbytes(abstract) == {"params": 48, "opt_state": 28, "total": 80}
+    sizes = [disk_space.array_bytes(tree) for tree in (abstract.params, abstract.opt_state, abstract)]
+    assert sizes == [48, 28, 80]
 
 
 def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(repo_root, tmp_path, capsys):
