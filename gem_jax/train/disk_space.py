@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 
+from gem_jax.train.state import state_nbytes
 from gem_jax.units import format_bytes
 
 # What a copy writes beyond the arrays' bytes: Orbax's step and tree metadata, the OCDBT
@@ -40,17 +41,15 @@ def checkpoint_bytes(abstract_state) -> int:
     """Bytes one checkpoint copy of `abstract_state` writes, an upper bound (Orbax compresses nothing that matters).
 
     Args:
-      abstract_state: a pytree whose leaves have `.shape` and `.dtype` (a `TrainState` of
-        `jax.ShapeDtypeStruct`s or of arrays); global shapes: every element is written
-        once, whatever the sharding and replication.
+      abstract_state: a `TrainState` of `jax.ShapeDtypeStruct`s or of arrays; global
+        shapes: every element is written once, whatever the sharding and replication.
 
     Returns:
-      The arrays' bytes plus `FIXED_METADATA_BYTES` and `PER_ARRAY_METADATA_BYTES` per
-      array (metadata, the data iterator's state, block rounding).
+      The arrays' bytes (`gem_jax.train.state.state_nbytes`) plus `FIXED_METADATA_BYTES`
+      and `PER_ARRAY_METADATA_BYTES` per array (metadata, the data iterator's state,
+      block rounding).
     """
-    leaves = jax.tree.leaves(abstract_state)
-    data = sum(math.prod(leaf.shape) * jax.numpy.dtype(leaf.dtype).itemsize for leaf in leaves)
-    return data + FIXED_METADATA_BYTES + PER_ARRAY_METADATA_BYTES * len(leaves)
+    return state_nbytes(abstract_state)["total"] + FIXED_METADATA_BYTES + PER_ARRAY_METADATA_BYTES * len(jax.tree.leaves(abstract_state))
 
 
 def largest_shard_bytes(abstract_state) -> int:
