@@ -40,13 +40,13 @@ def checkpoint_bytes(abstract_state) -> int:
     """Bytes one checkpoint copy of `abstract_state` writes, an upper bound (Orbax compresses nothing that matters).
 
     Args:
-      abstract_state: a pytree whose leaves have `.shape` and `.dtype` (a `TrainState` of
-        `jax.ShapeDtypeStruct`s or of arrays); global shapes: every element is written
-        once, whatever the sharding and replication.
+      abstract_state: a `TrainState` of `jax.ShapeDtypeStruct`s or of arrays; global
+        shapes: every element is written once, whatever the sharding and replication.
 
     Returns:
-      The arrays' bytes plus `FIXED_METADATA_BYTES` and `PER_ARRAY_METADATA_BYTES` per
-      array (metadata, the data iterator's state, block rounding).
+      The arrays' bytes (`array_bytes`) plus `FIXED_METADATA_BYTES` and
+      `PER_ARRAY_METADATA_BYTES` per array (metadata, the data iterator's state, block
+      rounding).
     """
     return array_bytes(abstract_state) + FIXED_METADATA_BYTES + PER_ARRAY_METADATA_BYTES * len(jax.tree.leaves(abstract_state))
 
