@@ -1,0 +1,123 @@
+"""Runs the low-precision comparison tests under XLA CPU settings that change float summation order,
+and tabulates each checked error against its bound (tests/tolerances.py `check`).
+
+    .venv/bin/python benchmarks/tolerance_sweep.py [--settings default,eigen1,...] [--out FILE] [TEST ...]
+
+Each setting runs `pytest TEST...` once with `GEM_TOLERANCE_LOG` set, so every `tolerances.check` appends
+its (test, name, error, bound); the multi-device tests' workers inherit the setting's `XLA_FLAGS` (their
+conftest appends the device count). Prints a markdown table (one row per check: the bound, the error
+under each setting, the smallest headroom bound / error) and writes it to `--out` when given. A failed
+check fails that pytest run, which is reported under the table; the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SETTINGS = {  # name: (environment, what it changes)
+    "default": ({}, "the suite's settings"),
+    "eigen1": (
+        {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "OMP_NUM_THREADS": "1"},
+        "single-threaded Eigen dots and convolutions (another blocking of the sums); one OpenMP thread",
+    ),
+    "avx2": ({"XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}, "code generated for AVX2 only: 256-bit vectors, as on a machine without AVX-512"),
+    "fast_math": ({"XLA_FLAGS": "--xla_cpu_enable_fast_math=true"}, "LLVM may reassociate float sums (and approximate exp, tanh, division)"),
+}
+
+TESTS = [
+    "tests/gem_jax/test_quant_dense.py",
+    "tests/gem_jax/test_quant_saved_activations.py",
+    "tests/pallas_kernels/test_mxfp8_matmul.py",
+    "tests/pallas_kernels/test_mxfp8_quantize_kernel.py",
+    "tests/gem_jax/model/test_gem.py::test_fp8_switch_swaps_tower_layers_with_the_same_parameters",
+    "tests/gem_jax/model/test_gem.py::test_fp8_hadamard_block_is_within_fp8_rounding_like_the_unrotated_one",
+    "tests/gem_jax/parallel/test_parallel_exchange.py::test_fp8_sharded_step_matches_the_unsharded_fp8_step",
+]
+
+
+def run_setting(name: str, tests: list[str]) -> tuple[list[dict], int, float]:
+    """`(checks, pytest exit code, seconds)` of one setting."""
+    env_extra, _ = SETTINGS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "checks.jsonl"
+        env = {**os.environ, **env_extra, "GEM_TOLERANCE_LOG": str(log), "PYTHONPATH": str(REPO)}
+        start = datetime.datetime.now()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO, env=env)
+        seconds = (datetime.datetime.now() - start).total_seconds()
+        checks = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return checks, proc.returncode, seconds
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    """Markdown: one row per (test, check), the bound, each setting's error, the smallest headroom."""
+    names = list(results)
+    rows: dict[tuple[str, str], dict] = collections.OrderedDict()
+    for setting, checks in results.items():
+        for c in checks:
+            row = rows.setdefault((c["test"], c["name"]), {"bound": c["bound"]})
+            row[setting] = max(row.get(setting, 0.0), c["err"])  # a check repeated in a test: its largest error
+    lines = ["| test | check | bound | " + " | ".join(names) + " | headroom |", "|---" * (len(names) + 4) + "|"]
+    for (test, name), row in rows.items():
+        errs = [row.get(s) for s in names]
+        worst = max((e for e in errs if e is not None), default=None)
+        headroom = "-" if not worst else f"{row['bound'] / worst:.1f}x"
+        cells = ["-" if e is None else f"{e:.3g}" for e in errs]
+        lines.append(f"| {test.removeprefix('tests/')} | {name} | {row['bound']:.3g} | " + " | ".join(cells) + f" | {headroom} |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tests", nargs="*", default=TESTS, help="pytest node ids (default: the FP8/bf16 comparison tests)")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
+    parser.add_argument("--out", type=Path, help="also write the table (with the machine and settings) here")
+    args = parser.parse_args(argv)
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+    results, status = {}, []
+    for name in names:
+        checks, code, seconds = run_setting(name, args.tests)
+        results[name] = checks
+        status.append(f"- `{name}`: {SETTINGS[name][1]} (`{' '.join(f'{k}={v}' for k, v in SETTINGS[name][0].items()) or 'no change'}`); "
+                      f"pytest exit {code}, {seconds:.0f} s, {len(checks)} checks")
+    import jax  # noqa: PLC0415 (only for its version)
+
+    text = "\n".join(
+        [
+            f"Machine: {cpu_model()}, {os.cpu_count()} CPUs; jax {jax.__version__}; {datetime.date.today().isoformat()}.",
+            "",
+            "Settings:",
+            *status,
+            "",
+            table(results),
+            "",
+        ]
+    )
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
