@@ -1,13 +1,14 @@
 """Runs the low-precision comparison tests under XLA CPU settings that change float summation order,
 and tabulates each checked error against its bound (tests/tolerances.py `check`).
 
-    .venv/bin/python benchmarks/tolerance_sweep.py [--settings default,eigen1,...] [--out FILE] [TEST ...]
+    .venv/bin/python benchmarks/tolerance_sweep.py [--settings default,eigen1,...] [--logs DIR] [--out FILE] [TEST ...]
 
-Each setting runs `pytest TEST...` once with `GEM_TOLERANCE_LOG` set, so every `tolerances.check` appends
-its (test, name, error, bound); the multi-device tests' workers inherit the setting's `XLA_FLAGS` (their
-conftest appends the device count). Prints a markdown table (one row per check: the bound, the error
-under each setting, the smallest headroom bound / error) and writes it to `--out` when given. A failed
-check fails that pytest run, which is reported under the table; the sweep goes on.
+Each setting runs `pytest TEST...` once with `GEM_TOLERANCE_LOG=DIR/<setting>.jsonl` (emptied first), so
+every `tolerances.check` appends its (test, name, error, bound); the multi-device tests' workers inherit
+the setting's `XLA_FLAGS` (their conftest appends the device count). Then prints a markdown table of
+every setting logged in DIR (so runs of different settings, or of different tests, add up): one row per
+check with the bound, the error under each setting and the smallest headroom (bound / error); written
+to `--out` when given. A failed check fails that pytest run (its exit code is listed); the sweep goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,17 +48,21 @@ TESTS = [
 ]
 
 
-def run_setting(name: str, tests: list[str]) -> tuple[list[dict], int, float]:
-    """`(checks, pytest exit code, seconds)` of one setting."""
-    env_extra, _ = SETTINGS[name]
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "checks.jsonl"
-        env = {**os.environ, **env_extra, "GEM_TOLERANCE_LOG": str(log), "PYTHONPATH": str(REPO)}
-        start = datetime.datetime.now()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO, env=env)
-        seconds = (datetime.datetime.now() - start).total_seconds()
-        checks = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return checks, proc.returncode, seconds
+def run_setting(name: str, tests: list[str], logs: Path) -> str:
+    """Runs `tests` under setting `name`, logging to `logs/<name>.jsonl`; returns a status line."""
+    env_extra, what = SETTINGS[name]
+    log = logs / f"{name}.jsonl"
+    log.unlink(missing_ok=True)
+    env = {**os.environ, **env_extra, "GEM_TOLERANCE_LOG": str(log), "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=REPO, env=env).returncode
+    flags = " ".join(f"{k}={v}" for k, v in env_extra.items()) or "no change"
+    return f"- `{name}`: {what} (`{flags}`); pytest exit {code}, {time.perf_counter() - start:.0f} s"
+
+
+def read_logs(logs: Path) -> dict[str, list[dict]]:
+    """`{setting: checks}` for each setting with a log in `logs`, in SETTINGS order."""
+    return {n: [json.loads(line) for line in (logs / f"{n}.jsonl").read_text().splitlines()] for n in SETTINGS if (logs / f"{n}.jsonl").exists()}
 
 
 def table(results: dict[str, list[dict]]) -> str:
@@ -89,25 +95,23 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tests", nargs="*", default=TESTS, help="pytest node ids (default: the FP8/bf16 comparison tests)")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
+    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "gem-tolerance-sweep", help="where each setting's checks go")
     parser.add_argument("--out", type=Path, help="also write the table (with the machine and settings) here")
     args = parser.parse_args(argv)
     names = args.settings.split(",")
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
-    results, status = {}, []
-    for name in names:
-        checks, code, seconds = run_setting(name, args.tests)
-        results[name] = checks
-        status.append(f"- `{name}`: {SETTINGS[name][1]} (`{' '.join(f'{k}={v}' for k, v in SETTINGS[name][0].items()) or 'no change'}`); "
-                      f"pytest exit {code}, {seconds:.0f} s, {len(checks)} checks")
+    args.logs.mkdir(parents=True, exist_ok=True)
+    status = [run_setting(name, args.tests, args.logs) for name in names]
+    results = read_logs(args.logs)
     import jax  # noqa: PLC0415 (only for its version)
 
     text = "\n".join(
         [
             f"Machine: {cpu_model()}, {os.cpu_count()} CPUs; jax {jax.__version__}; {datetime.date.today().isoformat()}.",
             "",
-            "Settings:",
+            "This run's settings:",
             *status,
             "",
             table(results),

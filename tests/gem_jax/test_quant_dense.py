@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tolerances import BFLOAT16, DRAW, E4M3, FLOAT32, check, check_within, dot_bound, product_rms, rel_err as _rel, sum_worst
+from tolerances import BFLOAT16, DRAW, E4M3, check, check_within, dot_bound, product_rms, rel_err as _rel, sum_worst
 
 from gem_jax.nn.layers import MLP, rms_norm
 from gem_jax.quant import Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight

@@ -1,3 +1,6 @@
+"""The GEM model: slack and capacity invariance, independence of examples, gradients, RoPE, the FP8 switch
+(FP8 bounds from the formats, tests/tolerances.py; measured: benchmarks/tolerances.md), attention choices."""
+
 import dataclasses
 
 import jax
