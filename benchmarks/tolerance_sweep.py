@@ -97,11 +97,11 @@ def cpu_model() -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tests", nargs="*", default=TESTS, help="pytest node ids (default: the FP8/bf16 comparison tests)")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}; empty: tabulate --logs only")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "gem-tolerance-sweep", help="where each setting's checks go")
     parser.add_argument("--out", type=Path, help="also write the table (with the machine and settings) here")
     args = parser.parse_args(argv)
-    names = args.settings.split(",")
+    names = [n for n in args.settings.split(",") if n]  # none: only tabulate what --logs holds
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
