@@ -8,7 +8,9 @@ MODE:
             fit, bounded rounds equal to the worst-case exchange.
   fp8       the FP8 model (d = 128) in the sharded step on the same meshes: kernels
             quantized on the shard and gathered in 8 bits (checked in the HLO), against
-            the unsharded FP8 model and (on (1,2,4)) the sharded step that gathers first.
+            the unsharded FP8 model, the float32 model (both), and (on (1,2,4)) the sharded
+            step that gathers first; and what E4M3 rounding noise on the FP8 kernels does
+            to the float32 step (the scale of the FP8 steps' bounds).
 
 Writes a JSON report to OUT.json; `test_parallel_exchange.py` asserts on it.
 """
@@ -217,8 +219,9 @@ def step_errors(got, want) -> dict:
 
 
 def check_fp8(mesh, config, spec, batch, params, graphdef, reference, float32, gathered_first: bool) -> dict:
-    """The sharded FP8 step (kernels quantized on the shard) against the unsharded FP8 model and,
-    if `gathered_first`, against the sharded step that gathers every kernel first; the 8-bit gathers in its HLO."""
+    """The sharded FP8 step (kernels quantized on the shard) against the unsharded FP8 model (`reference`), the
+    float32 model (`float32`) and, if `gathered_first`, the sharded step that gathers every kernel first; the 8-bit
+    gathers in its HLO. `reference` and `float32` are `(loss, logits, grads)` on one device."""
     setup = state_setup(lambda rngs: GEMModel(spec, config.model, rngs=rngs), make_optimizer(config.optim), mesh, config.rules)
     sharded_params = jax.device_put(params, setup.shardings.params)
     stacked = BatchPlacement(mesh, load_dataset(config.data).token_buckets).put(batch)
@@ -298,12 +301,19 @@ def fp8(out: Path) -> None:
     device_batch = jax.tree.map(jnp.asarray, batch)
 
     def one_device_step(graphdef):
+        """`params -> (loss, logits, grads)` of `graphdef`'s model on the whole batch, on one device."""
+
         def loss_fn(p):
             logits = nnx.merge(graphdef, p)(device_batch)
             return metrics.weighted_bce(logits, device_batch.labels, device_batch.weights).sum(), logits
 
         step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
-        return lambda p: (lambda out: (float(out[0][0]), np.asarray(out[0][1]), jax.device_get(out[1])))(step(p))
+
+        def run(p):
+            (loss, logits), grads = step(p)
+            return float(loss), np.asarray(logits), jax.device_get(grads)
+
+        return run
 
     reference = timed("fp8 one device", lambda: one_device_step(graphdef)(params))
     step32 = one_device_step(graphdef32)
