@@ -11,13 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from tolerances import BFLOAT16, FLOAT16, FLOAT32, attention_budget, check
 
 from pallas_kernels import ImplementationUnavailableError
 from pallas_kernels.jagged_flash_attention import _mgpu, cudnn, ops, reference, schedule
 from pallas_kernels.jagged_flash_attention.config import TILE_ROWS
 
-# Budget on max |kernel - reference| / max |reference|, per tensor, by input dtype.
-BUDGET = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.float32): 1e-5}
+# Budget on max |kernel - reference| / max |reference|, per tensor, by input dtype (tests/tolerances.py;
+# measured: benchmarks/tolerances.md).
+BUDGET = {jnp.dtype(d): attention_budget(f) for d, f in ((jnp.bfloat16, BFLOAT16), (jnp.float16, FLOAT16), (jnp.float32, FLOAT32))}
 
 
 def _offsets(lengths):
@@ -67,7 +69,7 @@ def _assert_close(actual, expected, dtype, name):
         return
     scale = max(float(np.max(np.abs(expected))), 1e-6)
     err = float(np.max(np.abs(actual - expected)))
-    assert err <= BUDGET[jnp.dtype(dtype)] * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+    check(name, err / scale, BUDGET[jnp.dtype(dtype)])
 
 
 # --- the "xla" path: the reference itself --------------------------------------------------
@@ -81,6 +83,7 @@ def test_reference_matches_per_sequence_loop(causal):
     out = ops.jagged_flash_attention(q, k, v, _offsets(lengths), max_seq_len=23, causal=causal, implementation="xla")
     expected = _naive(q, k, v, lengths, causal, dim**-0.5)
     end = sum(lengths)
+    # float32 against float64: sums of <= 23 keys and 8 features, gamma_23 = 1.4e-6 of the largest term, and exp.
     np.testing.assert_allclose(np.asarray(out)[:end], expected[:end], atol=1e-5, rtol=1e-5)
     assert np.all(np.asarray(out)[end:] == 0)
 
@@ -198,7 +201,7 @@ def test_jagged_containers_give_offsets_and_bound_and_get_the_result():
     np.testing.assert_array_equal(np.asarray(got), want)  # q is an array: so is the result
     # Under jit the containers are pytree arguments (their offsets distinct tracers of one shape).
     attend = jax.jit(lambda *x: ops.jagged_flash_attention(*x, causal=True, implementation="xla"))
-    np.testing.assert_allclose(np.asarray(attend(jq, jk, jv).values), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(attend(jq, jk, jv).values), want, rtol=1e-6, atol=1e-6)  # jit: 9-key sums, a few u
     grads = jax.grad(lambda x: jnp.sum(attend(_Jagged(x, offsets, 9), jk, jv).values ** 2))(q)
     assert grads.shape == q.shape and np.all(np.isfinite(np.asarray(grads)))
 
@@ -243,7 +246,7 @@ def test_padded_dot_product_attention_layout_matches_reference(causal, window):
     got = run(functools.partial(cudnn.jagged_flash_attention, implementation="xla"))
     want = run(reference.jagged_flash_attention)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        np.testing.assert_allclose(a[:end], b[:end], rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(a[:end], b[:end], rtol=1e-5, atol=1e-5, err_msg=name)  # float32, <= 11 keys: gamma_11 ~ 1e-6
         assert np.all(a[end:] == 0), f"{name}: slack rows must be 0"
 
 
@@ -367,7 +370,7 @@ def test_reference_window_matches_band_of_per_sequence_loop():
             x = np.array([qn[start + i, 0] @ kn[start + j, 0] for j in js]) * 8**-0.5
             p = np.exp(x - x.max())
             want[start + i, 0] = (p / p.sum()) @ vn[[start + j for j in js], 0]
-    np.testing.assert_allclose(np.asarray(got)[:14], want[:14], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got)[:14], want[:14], atol=1e-5)  # float32 vs float64, 4-key windows: a few u
 
 
 def test_window_errors_name_the_problem():

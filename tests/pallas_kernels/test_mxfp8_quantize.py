@@ -147,6 +147,7 @@ def test_stochastic_rounding_is_unbiased_including_small_magnitudes():
     sigma = ulp / 2 / np.sqrt(n_draws)  # std of the mean is at most ulp / (2 sqrt(n))
     assert np.all(np.abs(mean - v) <= 5 * sigma + 1e-12), np.max(np.abs(mean - v) / sigma)
     # Nearest rounding of the same values is biased for most of them; stochastic is not.
+    # Stochastic: E|mean - v| / ulp <= sqrt(f (1 - f) / n) <= 0.5 / sqrt(4000) = 0.008; nearest is ~0.25 on average.
     assert np.mean(np.abs(mean - v) / ulp) < 0.02
 
 

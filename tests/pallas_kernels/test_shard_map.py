@@ -8,7 +8,6 @@ same as on many, and the Mosaic GPU interpreter does not run two devices'
 kernels side by side in one process.
 """
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tolerances import BFLOAT16, attention_budget, check
 
 from pallas_kernels import gdpa, jagged_flash_attention
 from pallas_kernels.mxfp8 import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8
@@ -58,10 +58,14 @@ def _value_and_grads(attend, d_out):
 
 
 def _assert_close(got, want, real_rows, name):
-    """Real rows within 2% of the reference's scale (a NaN fails the comparison)."""
+    """Real rows within the bf16 attention budget of the reference's scale (a NaN fails the comparison).
+
+    bf16 kernels against the float32 reference on the same bf16 inputs: `attention_budget(BFLOAT16)` =
+    8 u = 3.1% of the largest entry (tests/tolerances.py; measured: benchmarks/tolerances.md).
+    """
     got, want = (np.asarray(x[:real_rows].astype(jnp.float32)) for x in (got, want))
     scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-    chex.assert_trees_all_close({name: got}, {name: want}, atol=2e-2 * scale, rtol=2e-2)
+    check(name, float(np.max(np.abs(got - want), initial=0.0)) / scale, attention_budget(BFLOAT16))  # NaN fails too
 
 
 def _compare(mesh, call, args, specs, real_rows):
@@ -131,4 +135,6 @@ def test_mxfp8_matmul(mesh):
         return mxfp8_matmul(a8, sa, b8, sb, out_dtype=jnp.float32, implementation="pallas")
 
     got = _sharded(mesh, call, (a8, sa, b8, sb), [P(AXIS), P(AXIS), P(), P()])
+    # Exact FP8 products, float32 sums over K = 96 in the kernel's order against float32 numpy's: gamma_96 = 6e-6 of the
+    # sum of |terms| (~sqrt(96) x the O(10) entries): atol 1e-3 with rtol 1e-4.
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)

@@ -1,3 +1,6 @@
+"""The GEM model: slack and capacity invariance, independence of examples, gradients, RoPE, the FP8 switch
+(FP8 bounds from the formats, tests/tolerances.py; measured: benchmarks/tolerances.md), attention choices."""
+
 import dataclasses
 
 import jax
@@ -14,6 +17,7 @@ from gem_jax.nn.layers import apply_rope, rope_table
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.train.config_tree import ConfigError, apply_overrides
 from pallas_kernels.mxfp8 import Fp8Recipe
+from tolerances import DRAW, E4M3, check, product_rms
 
 SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8, num_genres=5, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=12)
 CONFIG = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=16)
@@ -55,6 +59,7 @@ def test_capacity_bucket_does_not_change_logits(model):
     seed = np.random.default_rng().integers(1 << 30)
     a = make_batch(np.random.default_rng(seed), [4, 9, 2], capacity=16)
     b = make_batch(np.random.default_rng(seed), [4, 9, 2], capacity=64)
+    # Other shapes can sum in another float32 order (attention over 16 vs 64 rows): ~sqrt(64) u = 5e-7 per sum.
     np.testing.assert_allclose(np.asarray(model(a)), np.asarray(model(b)), rtol=1e-5, atol=1e-6)
 
 
@@ -67,7 +72,7 @@ def test_examples_are_independent(model):
         user=batch.user[1:2], candidate_item=batch.candidate_item[1:2], candidate_genres=batch.candidate_genres[1:2],
         labels=batch.labels[1:2], weights=batch.weights[1:2],
     )
-    np.testing.assert_allclose(np.asarray(model(batch))[1], np.asarray(model(alone))[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(model(batch))[1], np.asarray(model(alone))[0], rtol=1e-5, atol=1e-6)  # as above
 
 
 def test_gradients_finite_and_history_item_gets_gradient(split_model):
@@ -92,11 +97,11 @@ def test_rope_preserves_norm_and_relative_positions():
     q = jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32)
     rot = lambda x, p: apply_rope(x, rope_table(jnp.array([p]), 8, 10_000.0))
-    np.testing.assert_allclose(jnp.linalg.norm(rot(q, 5)), jnp.linalg.norm(q), rtol=1e-6)
+    np.testing.assert_allclose(jnp.linalg.norm(rot(q, 5)), jnp.linalg.norm(q), rtol=1e-6)  # float32: a few u = 6e-8
     # <R_m q, R_n k> depends on m - n only.
     d1 = jnp.sum(rot(q, 7) * rot(k, 3))
     d2 = jnp.sum(rot(q, 14) * rot(k, 10))
-    np.testing.assert_allclose(d1, d2, rtol=1e-5)
+    np.testing.assert_allclose(d1, d2, rtol=1e-5)  # float32 cos/sin of larger angles: ~position x u each, 8 terms
 
 
 def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
@@ -118,7 +123,10 @@ def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
     ref = np.asarray(ref_block(x, history, rope))[:20]
     out = np.asarray(fp8_block(x, history, rope))[:20]
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-    assert 0 < rel < 0.05  # E4M3 keeps 3 mantissa bits: a few percent per block, and not zero
+    # The block is x + attention(x) + mlp(x): x is exact, and each branch is within one FP8 x FP8 GEMM's error of
+    # its float32 value, so the sum is within that share of the output; not zero, else the FP8 path did not run.
+    assert rel > 0
+    check("FP8 block vs float32", rel, DRAW * product_rms(E4M3, E4M3))
 
 
 def test_fp8_hadamard_block_is_within_fp8_rounding_like_the_unrotated_one():
@@ -136,11 +144,16 @@ def test_fp8_hadamard_block_is_within_fp8_rounding_like_the_unrotated_one():
             block = SelfAttentionBlock(config, rngs=nnx.Rngs(1))
         outs.append(nnx.jit(nnx.value_and_grad(lambda b: jnp.sum(jnp.sin(b(x, batch.history, rope)[:20]))))(block))
     (value, grads), fp8_outs = outs[0], outs[1:]
-    for fp8_value, fp8_grads in fp8_outs:  # measured: 7-10% on the loss and on each gradient, both FP8 blocks
-        assert abs(float(fp8_value) - float(value)) < 0.15 * abs(float(value))
-        for g, g8 in zip(jax.tree.leaves(grads), jax.tree.leaves(fp8_grads)):
+    # A parameter's gradient passes through up to three FP8 GEMMs in a row (the forward to the loss, the dgrad
+    # back to the layer, the layer's wgrad), each within product_rms(E4M3, E4M3) = 5.1%; their errors can add in
+    # the same direction (the loss is a sum of sines of the outputs, whose error feeds every cotangent), so 3x.
+    # Measured 7-10% on the loss and each gradient, both FP8 blocks (1.9x under the bound).
+    bound = DRAW * 3 * product_rms(E4M3, E4M3)
+    for fp8_value, fp8_grads in fp8_outs:
+        check("loss", abs(float(fp8_value) - float(value)) / abs(float(value)), bound)
+        for (path, g), g8 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(fp8_grads)):
             assert np.all(np.isfinite(np.asarray(g8)))
-            assert np.linalg.norm(np.asarray(g8) - np.asarray(g)) < 0.15 * np.linalg.norm(np.asarray(g))
+            check(jax.tree_util.keystr(path), float(np.linalg.norm(np.asarray(g8) - np.asarray(g)) / np.linalg.norm(np.asarray(g))), bound)
     with pytest.raises(ValueError, match="fp8_hadamard must be a bool"):
         ModelConfig(fp8_hadamard="yes")
     with pytest.raises(ValueError, match="blocks of fp8_block=128; embed_dim 96 is not a multiple of it"):

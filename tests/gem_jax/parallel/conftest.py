@@ -21,7 +21,10 @@ def limited(command: list[str], seconds: int) -> list[str]:
 
 
 def worker_env(devices: int, **extra: str) -> dict:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **extra}
+    """This process's environment with `devices` fake CPU devices; XLA flags already set here (say, a
+    tolerance sweep's summation-order settings) come first, so the device count is the one that holds."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
 
 
 @pytest.fixture(scope="session")

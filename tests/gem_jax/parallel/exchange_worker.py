@@ -8,7 +8,9 @@ MODE:
             fit, bounded rounds equal to the worst-case exchange.
   fp8       the FP8 model (d = 128) in the sharded step on the same meshes: kernels
             quantized on the shard and gathered in 8 bits (checked in the HLO), against
-            the unsharded FP8 model and (on (1,2,4)) the sharded step that gathers first.
+            the unsharded FP8 model, the float32 model (both), and (on (1,2,4)) the sharded
+            step that gathers first; and what E4M3 rounding noise on the FP8 kernels does
+            to the float32 step (the scale of the FP8 steps' bounds).
 
 Writes a JSON report to OUT.json; `test_parallel_exchange.py` asserts on it.
 """
@@ -27,6 +29,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import dataclasses  # noqa: E402
@@ -45,10 +48,12 @@ from gem_jax.parallel.placement import BatchPlacement  # noqa: E402
 from gem_jax.parallel.rules import spec_from_axes  # noqa: E402
 from gem_jax.parallel.spmd import ShardedModel  # noqa: E402
 from gem_jax.pytree import path_keys  # noqa: E402
+from gem_jax.quant import Fp8Linear  # noqa: E402
 from gem_jax.train import metrics  # noqa: E402
 from gem_jax.train.config import load_config  # noqa: E402
 from gem_jax.train.optimizer import make_optimizer  # noqa: E402
 from gem_jax.train.state import state_setup  # noqa: E402
+from tolerances import E4M3  # noqa: E402
 
 P = jax.sharding.PartitionSpec
 MESHES = {"2x2x2": Topology(2, 2, 2, experts_per_node=2), "1x2x4": Topology(1, 2, 4, experts_per_node=2)}
@@ -193,12 +198,30 @@ def timed(label, fn):
 
 
 def tree_rel_err(got, want) -> float:
+    """The largest relative error of one leaf."""
     return max(jax.tree.leaves(jax.tree.map(rel_err, got, want)))
 
 
-def check_fp8(mesh, config, spec, batch, params, graphdef, reference, gathered_first: bool) -> dict:
-    """The sharded FP8 step (kernels quantized on the shard) against the unsharded FP8 model and,
-    if `gathered_first`, against the sharded step that gathers every kernel first; the 8-bit gathers in its HLO."""
+def global_rel_err(got, want) -> float:
+    """The relative error of the whole tree as one vector."""
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)])  # noqa: E731
+    return rel_err(flat(got), flat(want))
+
+
+def step_errors(got, want) -> dict:
+    """`{loss, logits, grad, grad_leaf}` relative errors of one step `(loss, logits, grads)` against another."""
+    return {
+        "loss": rel_err(got[0], want[0]),
+        "logits": rel_err(got[1], want[1]),
+        "grad": global_rel_err(got[2], want[2]),
+        "grad_leaf": tree_rel_err(got[2], want[2]),
+    }
+
+
+def check_fp8(mesh, config, spec, batch, params, graphdef, reference, float32, gathered_first: bool) -> dict:
+    """The sharded FP8 step (kernels quantized on the shard) against the unsharded FP8 model (`reference`), the
+    float32 model (`float32`) and, if `gathered_first`, the sharded step that gathers every kernel first; the 8-bit
+    gathers in its HLO. `reference` and `float32` are `(loss, logits, grads)` on one device."""
     setup = state_setup(lambda rngs: GEMModel(spec, config.model, rngs=rngs), make_optimizer(config.optim), mesh, config.rules)
     sharded_params = jax.device_put(params, setup.shardings.params)
     stacked = BatchPlacement(mesh, load_dataset(config.data).token_buckets).put(batch)
@@ -211,7 +234,7 @@ def check_fp8(mesh, config, spec, batch, params, graphdef, reference, gathered_f
         return float(loss), np.asarray(logits), jax.device_get(grads), lowered.as_text(dialect="hlo")
 
     loss, logits, grads, hlo = run(setup.plan, "fp8 on the shard")
-    want_loss, want_logits, want_grads = reference
+    step = (loss, logits, grads)
     gathers = [c for c in collectives(hlo) if c["op"] == "all-gather"]
     kernels = fp8_kernel_shapes(graphdef, params, setup.plan.fp8)
     shape = lambda t: t.split("[")[1].rstrip("]")  # noqa: E731
@@ -228,9 +251,8 @@ def check_fp8(mesh, config, spec, batch, params, graphdef, reference, gathered_f
     report = {
         "fp8_layers": len(kernels),
         "gathers": {name: {"dim": g.dim, "axes": list(g.axes)} for name, g in setup.plan.fp8.items()},
-        "loss_err": rel_err(loss, want_loss),
-        "logits_err": rel_err(logits, want_logits),
-        "grad_err": tree_rel_err(grads, want_grads),
+        "against_unsharded": step_errors(step, reference),
+        "against_float32": step_errors(step, float32),
         "kernels_gathered_in_8_bits": sorted(
             name for name, (shape, axes) in kernels.items() if (",".join(map(str, shape)), axes) in u8_gathers
         ),
@@ -259,6 +281,11 @@ def fp8_kernel_shapes(graphdef, params, gathers) -> dict:
     return out
 
 
+def fp8_layer_names(graphdef, params) -> set[str]:
+    """The `Fp8Linear` layers of the model, as `a/b/c` paths."""
+    return {"/".join(map(str, path)) for path, module in nnx.iter_modules(nnx.merge(graphdef, params)) if isinstance(module, Fp8Linear)}
+
+
 def fp8(out: Path) -> None:
     config = load_config(REPO / "configs" / "gem_sharded_tiny.py")
     # Every region in FP8: the cross tower's kernels are sharded over other axes than the sequence tower's.
@@ -269,17 +296,48 @@ def fp8(out: Path) -> None:
     batch = SyntheticBatchBuilder(data.synthetic, spec, data.batch_size, data.seed, TRAIN_STREAM)(range(data.batch_size))
     with nnx.use_eager_sharding(False):
         graphdef, state = nnx.split(GEMModel(spec, config.model, rngs=nnx.Rngs(0)))
+        graphdef32 = nnx.graphdef(GEMModel(spec, dataclasses.replace(model, fp8=False), rngs=nnx.Rngs(0)))
     params = jax.device_get(nnx.to_pure_dict(state))
     device_batch = jax.tree.map(jnp.asarray, batch)
 
-    def loss_fn(p):
-        logits = nnx.merge(graphdef, p)(device_batch)
-        return metrics.weighted_bce(logits, device_batch.labels, device_batch.weights).sum(), logits
+    def one_device_step(graphdef):
+        """`params -> (loss, logits, grads)` of `graphdef`'s model on the whole batch, on one device."""
 
-    (loss, logits), grads = timed("fp8 one device", lambda: jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params))
-    reference = (float(loss), np.asarray(logits), jax.device_get(grads))
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p)(device_batch)
+            return metrics.weighted_bce(logits, device_batch.labels, device_batch.weights).sum(), logits
+
+        step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+        def run(p):
+            (loss, logits), grads = step(p)
+            return float(loss), np.asarray(logits), jax.device_get(grads)
+
+        return run
+
+    reference = timed("fp8 one device", lambda: one_device_step(graphdef)(params))
+    step32 = one_device_step(graphdef32)
+    float32 = timed("float32 one device", lambda: step32(params))
+    # The float32 step with the FP8 layers' kernels perturbed by the E4M3 rounding noise (relative rms
+    # tolerances.E4M3.rms): what one rounded operand per GEMM does to this model's loss, logits and gradients.
+    kernels = fp8_layer_names(graphdef, params)
+    rng = np.random.default_rng(0)
+
+    def perturb(path, leaf):
+        keys = tuple(str(k) for k in path_keys(path))
+        if keys[-1] == "kernel" and "/".join(keys[:-1]) in kernels:
+            return leaf * (1 + E4M3.rms * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
+        return leaf
+
+    noisy = step32(jax.tree_util.tree_map_with_path(perturb, params))
+    report = {
+        "fp8_layers_perturbed": len(kernels),
+        "kernel_rounding_noise": step_errors(noisy, float32),
+        "unsharded_against_float32": step_errors(reference, float32),
+    }
     # The bit-identity with the gather-first step on (1,2,4) only, where kernels take both paths (8-bit over all or part of their axes).
-    report = {name: check_fp8(make_mesh(t), config, spec, batch, params, graphdef, reference, name == "1x2x4") for name, t in MESHES.items()}
+    for name, t in MESHES.items():
+        report[name] = check_fp8(make_mesh(t), config, spec, batch, params, graphdef, reference, float32, name == "1x2x4")
     out.write_text(json.dumps(report, indent=1))
 
 

@@ -6,6 +6,7 @@ process already initialised jax with one device.
 """
 
 import pytest
+from tolerances import check
 
 MESHES = ["2x2x2", "1x2x4"]
 
@@ -22,6 +23,7 @@ def test_lookup_of_every_generation_matches_the_gather(report, mesh):
     seen = set()
     for check in report[mesh]["lookup"]:
         assert check["effective"] == check["generation"], check
+        # Rows are gathered, not summed (exact); a table gradient sums <= 8 devices' rows: gamma_8 = 5e-7.
         assert check["rows_err"] < 1e-6 and check["grad_err"] < 1e-6, check
         assert check["finite"] and check["out_of_range"] == 3, check
         if check["capacity_factor"] is None:
@@ -37,15 +39,20 @@ def test_expert_layer_matches_one_device(report, mesh):
     experts = report[mesh]["experts"]
     assert experts["local_experts"] == 2  # 4 experts over 2 expert slots
     assert experts["up_kernel_spec"].startswith("P('expert'")
-    for key in ("loss_err", "out_err", "grad_err"):
+    for key in ("loss_err", "out_err", "grad_err"):  # float32 in both; sums split over 2-8 devices: a few u per level
         assert experts[key] < 1e-5, experts
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_model_forward_loss_and_gradients_match_one_device(report, mesh):
     model = report[mesh]["model"]
+    # float32 in both; only summation orders differ (per-device batches, psums, reduce-scatters). The logits sum
+    # over features (sqrt(K) u ~ 1e-6 for K <= 512); a gradient leaf sums over 512 tokens, and this model at its
+    # initialisation amplifies relative perturbations some 50-100x in its gradients (norm and attention gradients
+    # cancel; 50-85x measured at embed_dim=128: benchmarks/tolerances.md), so 100 x sqrt(512) u = 1.3e-4: 1e-3 is 7x
+    # (measured here: 6.5e-6).
     assert model["loss_err"] < 1e-5 and model["logits_err"] < 1e-5, model
-    assert model["grad_err"] < 1e-3, model
+    check("grad (largest leaf)", model["grad_err"], 1e-3)
     assert model["out_of_range"] == 0 and model["expert_local"] == 2 and model["grad_shardings_match"]
 
 

@@ -72,6 +72,7 @@ def test_the_large_unsharded_tables_are_row_wise(runs):
 def test_sparse_steps_match_dense_steps(runs):
     got, want = runs[True]["final"], runs[False]["final"]
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        # float32 row sums in another order (segment sums against a scatter-add): a few u of each row's sum.
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
     np.testing.assert_allclose(runs[True]["norms"], runs[False]["norms"], rtol=1e-6)
 
@@ -121,7 +122,7 @@ def test_lookup_row_deltas_are_the_dense_row_gradients(policy):
     np.testing.assert_array_equal(recorded, want_ids)
     summed = np.zeros_like(np.asarray(dense))
     np.add.at(summed, np.asarray(recorded)[np.asarray(recorded) < table.shape[0]], np.asarray(row_grads)[np.asarray(recorded) < table.shape[0]])
-    np.testing.assert_allclose(summed, dense, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(summed, dense, rtol=1e-6, atol=1e-7)  # float32 sums of a few rows in another order: a few u
     if policy is not OutOfRange.HASH:
         np.testing.assert_array_equal(row_grads[3:5], 0)  # rejected ids: no gradient
 
@@ -154,7 +155,7 @@ def test_sparse_update_equals_the_dense_optimizer_step():
         grads = sparse_tables.SparseGrads({"embed": {"t": {"embedding": sums}}, "w": w_grad}, {0: uid})
         sparse_params, sparse_state = sparse_tables.apply_sparse_updates(optimizer, grads, sparse_params, sparse_state)
     for got, want in zip(jax.tree.leaves((sparse_params, sparse_state)), jax.tree.leaves((dense_params, dense_state))):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)  # as above, then the same elementwise update
     untouched = slice(8, rows_)
     np.testing.assert_array_equal(sparse_params["embed"]["t"]["embedding"][untouched], params["embed"]["t"]["embedding"][untouched])
 
