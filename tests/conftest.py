@@ -4,8 +4,13 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Mosaic GPU interpret mode blocks XLA:CPU intra-op threads in its barrier callbacks; with the
-# default pool (one thread per core) a 2-core machine can run out of threads and hang.
+# Mosaic GPU interpret mode runs each simulated warpgroup of a CTA as its own XLA:CPU program,
+# and a program's later steps may continue on an XLA:CPU intra-op pool thread that then blocks
+# in a barrier wait; the kernel call's own callback blocks one more. With the default pool (one
+# thread per core) a 2-core machine can have every pool thread parked in a barrier while a
+# warpgroup that would release them waits for a thread: a hang in about 3 runs of 4 of the
+# causal GDPA tests (benchmarks/gdpa.md, "Interpret-mode hang"). Kernels of 3 warpgroups need
+# at least 4 threads; 8 leaves room.
 os.environ.setdefault("PJRT_NPROC", "8")
 
 import jax  # noqa: E402

@@ -7,6 +7,7 @@ rows, zeros on the slack rows, and no NaN anywhere.
 
 import dataclasses
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -59,12 +60,58 @@ def _forward_and_grads(impl, q, k, v, d_out, q_offsets, kv_offsets, **kw):
     return (out, *vjp(d_out))
 
 
-def _check(name, got, want, real_rows):
-    got = np.asarray(got.astype(jnp.float32))
-    want = np.asarray(want.astype(jnp.float32))
+# Error bound of a kernel output against the float32 reference on the same bf16 inputs.
+# Every output element is a sum of products a_j b_j (P V, dS K, dS^T Q, P^T dO), and
+# M = sum_j |a_j| |b_j| bounds what each bf16 rounding on the way can move it by:
+# u * M per rounding, u = 2^-8 the bf16 unit roundoff. The kernels round at most four
+# times: the P / dS operand of the second matmul, the per-warpgroup partial outputs
+# (column split), the per-sequence partial dQ (broadcast_q) and the output.
+BF16_U = 2.0**-8
+ROUNDINGS = 4
+# float32 slack: accumulation over n <= 320 terms (n 2^-24 < 2^-15), the activation in
+# float32 on both sides and the u^2 terms of the four roundings, all far below 2^-12.
+F32_SLACK = 2.0**-12
+ERROR_PER_MAGNITUDE = ROUNDINGS * BF16_U + F32_SLACK
+# Measured in these tests: at most 1.92 u M (a forward with rows split, which rounds twice,
+# so its own worst case is 2 u M), 2.1x under the bound; a proven worst case, not a fit.
+
+
+def _magnitudes(q, k, v, d_out, q_lens, kv_lens, *, activation="gelu", scale=None, causal=False, broadcast_q=False,
+                **_):
+    """float64 M = sum_j |a_j| |b_j| per element of out, dq, dk, dv (shapes of the results; zero on slack rows)."""
+    q, k, v, d_out = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, d_out))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    act = reference.activation_fn(activation)
+    m_out, m_dq, m_dk, m_dv = np.zeros(d_out.shape), np.zeros(q.shape), np.zeros(k.shape), np.zeros(k.shape)
+    q_start = kv_start = 0
+    for b, lk in enumerate(kv_lens):
+        lq = q.shape[0] if broadcast_q else q_lens[b]
+        rows_q = slice(0, lq) if broadcast_q else slice(q_start, q_start + lq)
+        rows_out = slice(b * lq, (b + 1) * lq) if broadcast_q else rows_q
+        rows_kv = slice(kv_start, kv_start + lk)
+        keep = np.tril(np.ones((lq, lk))) if causal else np.ones((lq, lk))
+        for h in range(q.shape[1]):
+            qb, kb, vb, dob = q[rows_q, h], k[rows_kv, h], v[rows_kv, h], d_out[rows_out, h]
+            p, act_vjp = jax.vjp(act, jnp.asarray(scale * qb @ kb.T, jnp.float32))
+            (ds,) = act_vjp(jnp.asarray(dob @ vb.T, jnp.float32))
+            p, ds = (np.abs(np.asarray(x, np.float64)) * keep for x in (p, ds))
+            m_out[rows_out, h] = p @ np.abs(vb)
+            m_dv[rows_kv, h] = p.T @ np.abs(dob)
+            m_dq[rows_q, h] += scale * ds @ np.abs(kb)
+            m_dk[rows_kv, h] = scale * ds.T @ np.abs(qb)
+        q_start += 0 if broadcast_q else lq
+        kv_start += lk
+    return m_out, m_dq, m_dk, m_dv
+
+
+def _check(name, got, want, magnitude, real_rows):
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    want = np.asarray(want.astype(jnp.float32), np.float64)
     assert not np.isnan(got).any(), f"{name}: NaN in kernel result"
-    scale = max(1.0, float(np.abs(want[:real_rows]).max(initial=0.0)))
-    np.testing.assert_allclose(got[:real_rows], want[:real_rows], atol=2e-2 * scale, rtol=2e-2, err_msg=name)
+    err = np.abs(got[:real_rows] - want[:real_rows])
+    bound = ERROR_PER_MAGNITUDE * magnitude[:real_rows]
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), f"{name}: error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
     np.testing.assert_array_equal(got[real_rows:], 0.0, err_msg=f"{name}: slack rows not zero")
 
 
@@ -76,10 +123,12 @@ def _compare(q, k, v, d_out, q_lens, kv_lens, *, broadcast_q=False, **kw):
     # The reference on float32 copies of the inputs: exact up to float32 rounding.
     exact = tuple(x.astype(jnp.float32) for x in (q, k, v, d_out))
     want = _forward_and_grads("xla", *exact, q_offsets, kv_offsets, broadcast_q=broadcast_q, **kw)
+    magnitudes = _magnitudes(q, k, v, d_out, q_lens, kv_lens, broadcast_q=broadcast_q, **kw)
     out_rows = len(kv_lens) * q.shape[0] if broadcast_q else sum(q_lens)
     q_rows = q.shape[0] if broadcast_q else sum(q_lens)
-    for name, g, w, n in zip(("out", "dq", "dk", "dv"), got, want, (out_rows, q_rows, sum(kv_lens), sum(kv_lens))):
-        _check(name, g, w, n)
+    rows = (out_rows, q_rows, sum(kv_lens), sum(kv_lens))
+    for name, g, w, m, n in zip(("out", "dq", "dk", "dv"), got, want, magnitudes, rows):
+        _check(name, g, w, m, n)
     return got
 
 
@@ -203,6 +252,7 @@ def test_poly6_gelu_error_against_exact_gelu(at, max_error):
     err = jnp.abs(activations.value(Activation.GELU_POLY6, x) - jax.nn.gelu(x, approximate=False))
     assert float(err.max()) <= max_error
     assert float(err.max()) >= 0.5 * max_error  # the bound is tight: the error grows with |x|
+    # The same polynomial in two float32 evaluation orders: a few ulp (2^-24 ~ 6e-8) apart.
     np.testing.assert_allclose(activations.value(Activation.GELU_POLY6, x), reference.activation_fn("gelu_poly6")(x), rtol=1e-6, atol=1e-6)
 
 
@@ -226,6 +276,8 @@ def test_activation_derivatives_match_autodiff():
     for activation in Activation:
         value, vjp = activations.value_and_vjp(activation, x, g)
         want_value, want_vjp = jax.vjp(reference.activation_fn(activation), x)
+        # float32 formulas against autodiff of other float32 formulas (tanh, erf, exp near |x| <= 4):
+        # tens of ulp (2^-24 ~ 6e-8) on values, more on derivatives, which subtract terms near x = 0.
         np.testing.assert_allclose(value, want_value, rtol=1e-5, atol=1e-6, err_msg=activation)
         np.testing.assert_allclose(vjp, want_vjp(g)[0], rtol=1e-4, atol=1e-5, err_msg=activation)
 
@@ -425,6 +477,7 @@ def test_causal_reference_matches_per_sequence_silu_loop():
                 x = np.array([qn[start + i, h] @ kn[start + j, h] for j in range(i + 1)]) * 0.5
                 want[start + i, h] = (x / (1 + np.exp(-x))) @ vn[start : start + i + 1, h]
         start += n
+    # float32 against float64 on outputs below 16 (ulp 2^-20 ~ 1e-6): measured 9e-7, the bound allows ~10 ulp.
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
@@ -449,3 +502,36 @@ def test_causal_errors_name_the_problem():
         ops.gdpa(q, q, q, _offsets([3, 5]), _offsets([4, 4]), max_seq_len_q=8, max_seq_len_kv=8, causal=True, implementation="xla")
     with pytest.raises(ValueError, match="broadcast_q"):
         ops.gdpa(q, q, q, None, off, max_seq_len_kv=8, causal=True, broadcast_q=True, implementation="xla")
+
+
+# Short causal self-attention batches of one shape (two sequences in 136 rows, NaN
+# slack after them), so one compiled program serves every repetition.
+REPEAT_LENS = ([64, 65], [1, 64], [0, 3])
+REPEAT_ROWS = 136
+REPEAT_SECONDS = 20.0
+
+
+def test_causal_backward_repeated_runs_stay_correct():
+    """The causal forward and backward many times over: every run finishes (the suite's per-test
+    timeout turns a hang into a failure) and matches the reference.
+
+    The simulated warpgroups of the interpreter run on CPU threads whose interleaving
+    differs from run to run, so repetitions exercise different schedules of the
+    barrier protocol. Runs cycle through `REPEAT_LENS` until `REPEAT_SECONDS` have
+    passed, each case at least once.
+    """
+    kw = dict(max_seq_len_q=65, max_seq_len_kv=65, activation="silu", causal=True, scale=0.1)
+    kernel = jax.jit(lambda *a: _forward_and_grads("pallas", *a, **kw))
+    exact = jax.jit(lambda *a: _forward_and_grads("xla", *a, **kw))
+    start, runs = time.monotonic(), 0
+    while runs < len(REPEAT_LENS) or time.monotonic() - start < REPEAT_SECONDS:
+        lens = REPEAT_LENS[runs % len(REPEAT_LENS)]
+        slack = REPEAT_ROWS - sum(lens)
+        q, k, v, d_out = _batch(100 + runs, lens, lens, q_slack=slack, kv_slack=slack)
+        offsets = _offsets(lens)
+        got = kernel(q, k, v, d_out, offsets, offsets)
+        want = exact(*(x.astype(jnp.float32) for x in (q, k, v, d_out)), offsets, offsets)
+        magnitudes = _magnitudes(q, k, v, d_out, lens, lens, **kw)
+        for name, g, w, m in zip(("out", "dq", "dk", "dv"), got, want, magnitudes):
+            _check(f"{name} (run {runs}, lengths {lens})", g, w, m, sum(lens))
+        runs += 1
