@@ -45,7 +45,7 @@ class ShardingRules:
     Attributes:
       logical: `(logical axis name, mesh axes)` pairs; names without a pair stay
         replicated.
-      tables: `(table path, TableSharding)` per table ("embed/item", "embed/user/0").
+      tables: `(table path, TableSharding)` per table ("embed/item", "embed/user/user").
       default_table: the sharding of tables not in `tables`.
     """
 
