@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.batch import PAD_ID, Batch, CategoricalFeature, FeatureSpec, HistoryField, Pooling, random_batch
+from gem_jax.batch import Batch, CategoricalFeature, FeatureSpec, HistoryField, Pooling, random_batch
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import Fp8Region, ModelConfig, describe_attention
 from gem_jax.model.gem import GEMModel
