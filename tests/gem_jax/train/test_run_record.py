@@ -62,7 +62,7 @@ def test_observation_settings_may_change(finished_run, tiny_config):
         model=dataclasses.replace(tiny_config.model, remat=RematConfig(policies=(("seq*", RematPolicy.SAVE_NOTHING),))),
     )
     again = train_and_evaluate(relaxed, workdir)  # finished: re-reports the same run
-    assert again["auc_primary"] == first["auc_primary"]
+    assert again["auc_like"] == first["auc_like"]
 
 
 def test_another_data_set_refuses(tiny_config, tmp_path, repo_root):
@@ -95,7 +95,7 @@ def test_load_params_reproduces_the_runs_eval(finished_run):
     assert run.step == summary["step"]
     training, _ = setup_training(run.config, init_state=False)
     metrics = training.evaluate(run.params)
-    for key in ("auc_primary", "auc_secondary", "ne_primary"):
+    for key in ("auc_like", "auc_love", "ne_like"):
         np.testing.assert_allclose(metrics[key], summary[key], rtol=1e-6, err_msg=key)
     model = run.model()  # a plain module with the restored parameters
     assert isinstance(model, gem_jax.GEMModel)
