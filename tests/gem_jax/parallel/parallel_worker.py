@@ -16,6 +16,7 @@ Writes a JSON report to OUT.json; the pytest files assert on it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -273,9 +274,7 @@ def equivalence(out: Path) -> None:
 
 
 def sparse(out: Path) -> None:
-    """2 train steps on mesh 2x2x2 with row-wise and with dense table updates (user/0 replicated, the others sharded)."""
-    import dataclasses
-
+    """2 train steps on mesh 2x2x2 with row-wise and with dense table updates (the user table replicated, the others sharded)."""
     from gem_jax.train import sparse_tables
     from gem_jax.train.setup import setup_training
 

@@ -65,7 +65,7 @@ def runs():
 
 
 def test_the_large_unsharded_tables_are_row_wise(runs):
-    # item (10240 rows) and user/0 (1024 rows) see ~1.1k and 64 ids per step; the others have fewer rows than ids.
+    # item (10240 rows) and user (1024 rows) see ~1.1k and 64 ids per step; the others have fewer rows than ids.
     assert runs[True]["tables"] == [ITEM, "embed/user/user"]
 
 
