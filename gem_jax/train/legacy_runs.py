@@ -23,9 +23,9 @@ USER_COLUMNS = ("user", "age", "gender", "occupation")  # the fixed layout's use
 GENRES = "genres"
 
 
-def is_legacy_spec(tree: Mapping[str, Any]) -> bool:
+def is_legacy_spec(tree: Any) -> bool:
     """Whether a recorded spec is the fixed layout's (it has no task names)."""
-    return "tasks" not in tree and "num_genres" in tree
+    return isinstance(tree, Mapping) and "tasks" not in tree and "num_genres" in tree
 
 
 def spec_from_legacy(tree: Mapping[str, Any], tasks: tuple[str, ...]) -> FeatureSpec:

@@ -108,8 +108,8 @@ def mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any,
         if not any(path == m or path.startswith(m + ".") for m in MAY_CHANGE)
     ]
     rows += [(f"data.{path}", a, b) for path, a, b in config_tree.diff(old.get("data", {}), new["data"]) if path != "path"]
-    if "spec" in new:
-        rows += [(f"spec.{path}", a, b) for path, a, b in config_tree.diff(old.get("spec", {}), new["spec"])]
+    if new.get("spec") is not None:
+        rows += [(f"spec.{path}", a, b) for path, a, b in config_tree.diff(old.get("spec") or {}, new["spec"])]
     return rows
 
 
@@ -138,7 +138,7 @@ def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: b
         if write:
             write_record(workdir, record)
         return record
-    if legacy_runs.is_legacy_spec(old.get("spec", {})):
+    if legacy_runs.is_legacy_spec(old.get("spec")):
         raise RunMismatchError(
             f"{workdir} holds a run of a gem-jax before the feature schema ({workdir / RUN_FILE} records the fixed "
             f"MovieLens layout: spec fields {sorted(old['spec'])}, tasks 'primary' and 'secondary'): its checkpoints "

@@ -7,10 +7,11 @@ Format (the publisher's README): `u.data` is tab-separated
 `user|age|gender|occupation|zip`; `u.occupation` lists the occupation names.
 
 Features:
-- Genres: the 19 flags of u.item (the first, "unknown", included as a column).
-- Age: the seven MovieLens-1M buckets, ids 1..7: under 18, 18-24, 25-34,
-  35-44, 45-49, 50-55, 56 and over.
-- Gender: M -> 1, F -> 2. Occupation: 1..21 in u.occupation order. Zip codes
+- Item feature "genres" (multi-valued, `Pooling.MULTI_HOT`): the 19 flags of
+  u.item as ids 1..19 (the first, "unknown", included).
+- User features "age", "gender", "occupation". Age: the seven MovieLens-1M
+  buckets, ids 1..7: under 18, 18-24, 25-34, 35-44, 45-49, 50-55, 56 and over.
+  Gender: M -> 1, F -> 2. Occupation: 1..21 in u.occupation order. Zip codes
   are not used.
 - Actions are half-star ids `rating * 2` (2, 4, .., 10), on the same scale as
   ml-latest-small.
