@@ -72,7 +72,7 @@ def train_main(argv: list[str] | None = None) -> None:
 
     try:
         config = config_tree.apply_overrides(load_config(args.config), args.overrides)
-    except (FileNotFoundError, TypeError, ValueError) as error:  # ConfigError is a ValueError
+    except (FileNotFoundError, TypeError, ValueError) as error:  # ConfigError and ConfigFileError are ValueErrors
         parser.error(str(error))
     try:
         cache = compile_cache.enable(compile_cache.cache_dir(args.workdir, args.compile_cache))

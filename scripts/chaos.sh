@@ -11,17 +11,19 @@
 # arguments go to gem-train (default: --set checkpoint.every_steps=5). A kill counts only if it
 # interrupted a run still training; the run must last long enough for N of them (the default
 # config's 400 steps take about 8 CPU-minutes), else the script fails saying so. Exit status 0
-# when N kills interrupted the run and the parameters match.
+# when N kills interrupted the run and the parameters match; 2 for a bad argument.
 set -uo pipefail
+USAGE="usage: scripts/chaos.sh [N=20] [CONFIG=configs/movielens.py] [ROOT=a new temporary folder] [--set ...]"
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$REPO/scripts/common.sh"
 N=${1:-20}
 CONFIG=${2:-configs/movielens.py}
+[[ "$N" =~ ^[1-9][0-9]*$ ]] || usage_error "N must be a positive number of kills, got '$N'"
+[ -f "$CONFIG" ] || usage_error "config file '$CONFIG' not found"
 ROOT=${3:-$(mktemp -d -t gem-chaos-XXXXXX)}
 shift $(( $# < 3 ? $# : 3 ))
 EXTRA=("$@")
 [ ${#EXTRA[@]} -eq 0 ] && EXTRA=(--set checkpoint.every_steps=5)
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PYTHON=${PYTHON:-python3}
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 RANDOM=${CHAOS_SEED:-$$}
 MIN=${CHAOS_MIN_S:-10}
 MAX=${CHAOS_MAX_S:-60}

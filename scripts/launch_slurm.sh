@@ -12,15 +12,22 @@
 # limit). SIGUSR1 and SIGTERM (scancel, preemption) reaching this script are forwarded to every
 # task through srun; each task finishes its step, saves a checkpoint and exits with 75, and so
 # does this script. `sbatch --requeue` with the same command resumes from that checkpoint.
+# Exit status 2 for a bad argument.
 set -euo pipefail
-CONFIG=${1:?usage: launch_slurm.sh CONFIG WORKDIR [gem-train args]}
-WORKDIR=${2:?usage: launch_slurm.sh CONFIG WORKDIR [gem-train args]}
-shift 2
+USAGE="usage: sbatch [sbatch options] scripts/launch_slurm.sh CONFIG WORKDIR [gem-train args]"
+# sbatch runs a copy of this script from its spool folder: the repository is then the folder
+# the job was submitted from.
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-eval "$(python3 "$REPO/scripts/xla_flags.py" --env)"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+[ -f "$REPO/scripts/common.sh" ] || REPO=${SLURM_SUBMIT_DIR:-$PWD}
+source "$REPO/scripts/common.sh"
+[ $# -ge 2 ] || usage_error "expected CONFIG WORKDIR, got $# argument(s)"
+CONFIG=$1 WORKDIR=$2
+shift 2
+[ -f "$CONFIG" ] || usage_error "config file '$CONFIG' not found"
+XLA_ENV=$("$PYTHON" "$REPO/scripts/xla_flags.py" --env)
+eval "$XLA_ENV"
 srun --kill-on-bad-exit=1 \
-  python3 -c 'from gem_jax.cli import train_main; train_main()' --config "$CONFIG" --workdir "$WORKDIR" "$@" &
+  "$PYTHON" -c 'from gem_jax.cli import train_main; train_main()' --config "$CONFIG" --workdir "$WORKDIR" "$@" &
 SRUN=$!
 # srun forwards SIGTERM and SIGUSR1 to the tasks (SIGINT to srun only prints its status: send TERM).
 trap 'kill -s USR1 $SRUN 2> /dev/null || true' USR1

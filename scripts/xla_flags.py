@@ -1,7 +1,8 @@
 """The XLA flags and environment of a GPU training run, kept in one place.
 
-`python3 scripts/xla_flags.py` prints the `XLA_FLAGS` value; `--env` prints `export`
-lines for the launch scripts. Sources: jax's GPU performance tips
+`python scripts/xla_flags.py` prints the `XLA_FLAGS` value; `--env` prints `export`
+lines for the launch scripts (which run it with the project's interpreter,
+scripts/common.sh; it needs only the standard library). Sources: jax's GPU performance tips
 (docs/gpu_performance_tips.md), NVIDIA JAX-Toolbox docs/GPU_performance.md and MaxText's
 A3 launch scripts. Every flag was checked to parse with the pinned jaxlib (0.11.2)
 (`tests/gem_jax/parallel/test_parallel_launch.py`).
@@ -36,7 +37,7 @@ def xla_flags() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", action="store_true", help="print export lines for XLA_FLAGS and the environment")
     args = parser.parse_args()
     if args.env:

@@ -1,4 +1,4 @@
-"""Data sets, splits, jagged batches, BBS and the grain pipeline.
+"""Data sets, splits, jagged batches, BBS, the grain pipeline and converted own event logs (`ingest`).
 
 Names are imported on first use, so the config classes do not pull in grain.
 """
@@ -16,6 +16,8 @@ _EXPORTS = {
     "Dataset": "gem_jax.data.pipeline",
     "DatasetInfo": "gem_jax.data.pipeline",
     "load_dataset": "gem_jax.data.pipeline",
+    "ConvertedLog": "gem_jax.data.ingest.shards",
+    "EventSchema": "gem_jax.data.ingest.schema",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -11,6 +11,7 @@ _EXPORTS = {
     "TrainConfig": "gem_jax.train.config",
     "LoopConfig": "gem_jax.train.config",
     "load_config": "gem_jax.train.config",
+    "ConfigFileError": "gem_jax.train.config",
     "OptimConfig": "gem_jax.train.optimizer",
     "CheckpointConfig": "gem_jax.train.checkpoint",
     "apply_overrides": "gem_jax.train.config_tree",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import traceback
 from pathlib import Path
 
 from gem_jax.checks import check_int
@@ -51,11 +52,18 @@ class TrainConfig:
     rules: Rules = DATA_PARALLEL_RULES
 
 
+class ConfigFileError(ValueError):
+    """A config file that does not run: a syntax error, or an exception while executing it."""
+
+
 def load_config(path: str | Path) -> TrainConfig:
     """Imports a config file and returns its `get_config()`.
 
     Raises:
       FileNotFoundError: no such file.
+      ConfigFileError: the file does not parse, or running it (its module body or
+        `get_config()`, including the config classes' field checks) raised; the message names
+        the file, the line in it and the error (the original error is the `__cause__`).
       TypeError: the file has no `get_config` returning a `TrainConfig`.
     """
     path = Path(path)
@@ -63,9 +71,22 @@ def load_config(path: str | Path) -> TrainConfig:
         raise FileNotFoundError(f"config file {path} not found")
     spec = importlib.util.spec_from_file_location(f"gem_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    get_config = getattr(module, "get_config", None)
-    config = get_config() if callable(get_config) else None
+    try:
+        spec.loader.exec_module(module)
+        get_config = getattr(module, "get_config", None)
+        config = get_config() if callable(get_config) else None
+    except Exception as error:  # noqa: BLE001 - whatever the file raises is reported with its line
+        raise ConfigFileError(_describe_failure(path, error)) from error
     if not isinstance(config, TrainConfig):
         raise TypeError(f"{path}: get_config() must return a gem_jax.train.config.TrainConfig, got {type(config).__name__}")
     return config
+
+
+def _describe_failure(path: Path, error: Exception) -> str:
+    """`FILE, line N: ErrorType: message`, at the innermost line of `path` the error passed through."""
+    if isinstance(error, SyntaxError) and error.filename == str(path):
+        text = f": {error.text.strip()}" if error.text and error.text.strip() else ""
+        return f"{path}, line {error.lineno}: {type(error).__name__}: {error.msg}{text}"
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == str(path)]
+    where = f", line {lines[-1]}" if lines else ""
+    return f"{path}{where}: {type(error).__name__}: {error}"

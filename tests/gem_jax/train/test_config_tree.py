@@ -8,7 +8,7 @@ import pytest
 from gem_jax.cli import train_main
 from gem_jax.data.config import Source
 from gem_jax.train import config_tree
-from gem_jax.train.config import TrainConfig, load_config
+from gem_jax.train.config import ConfigFileError, TrainConfig, load_config
 from pallas_kernels import Implementation
 
 CONFIGS = ["movielens.py", "movielens_tiny.py", "movielens_fp8.py", "gem_sharded.py", "gem_sharded_tiny.py", "gem_h200_fp8.py"]
@@ -121,3 +121,30 @@ def test_an_implementation_this_machine_lacks_is_refused_at_start_up(repo_root, 
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "no Hopper GPU" in err and "Traceback" not in err
+
+
+BROKEN_CONFIGS = {
+    # file text -> (line, what the one error line says)
+    "from gem_jax.train.config import TrainConfig\n\ndef get_config(:\n    pass\n": (3, "SyntaxError: invalid syntax: def get_config(:"),
+    "import gem_jax.no_such_module\n": (1, "ModuleNotFoundError: No module named 'gem_jax.no_such_module'"),
+    "from gem_jax.data.config import DataConfig\nfrom gem_jax.train.config import TrainConfig\n\n\ndef get_config():\n"
+    "    return TrainConfig(data=DataConfig(), loop=LoopConfg())\n": (6, "NameError: name 'LoopConfg' is not defined"),
+    "from gem_jax.data.config import DataConfig\nfrom gem_jax.train.config import LoopConfig, TrainConfig\n\n\ndef get_config():\n"
+    "    return TrainConfig(data=DataConfig(), loop=LoopConfig(num_steps=0))\n": (6, "ValueError: LoopConfig.num_steps must be >= 1, got 0"),
+}
+
+
+@pytest.mark.parametrize("text", BROKEN_CONFIGS, ids=["syntax", "import", "name", "field-check"])
+def test_a_config_file_that_does_not_run_is_refused_naming_file_and_line(tmp_path, capsys, text):
+    line, what = BROKEN_CONFIGS[text]
+    path = tmp_path / "broken.py"
+    path.write_text(text)
+    with pytest.raises(ConfigFileError) as error:
+        load_config(path)
+    assert str(error.value) == f"{path}, line {line}: {what}"
+    with pytest.raises(SystemExit) as done:
+        train_main(["--config", str(path), "--workdir", str(tmp_path / "run")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"gem-train: error: {path}, line {line}: {what}" and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,585 @@
+"""`gem-data convert`: an event log -> vocabularies + per-user sequences in sharded ArrayRecord files.
+
+Two streaming passes over the input, in memory bounded by `ConvertOptions.memory_mb`:
+
+1. Every input file is read in record batches (`readers.stream_columns`), its
+   values checked, its ids, actions and feature values counted, and its rows
+   appended, by a hash of the user id, to one of B bucket files (Arrow IPC,
+   in a scratch folder of the output). B = ceil(events x 320 bytes / (memory -
+   a fixed share)), events estimated from Parquet row counts or the CSV size
+   over its mean line length, so a bucket's sorting fits the memory budget
+   whatever the input size (`ConvertOptions.memory_plan`). The
+   inputs' sha256 are computed in a background thread meanwhile.
+2. The vocabularies are built (`vocab.Vocab.build`: min count, max size, OOV),
+   the split resolved (a time quantile exactly, from histograms of the bucket
+   times), then each bucket is read back, its ids mapped to rows, its events
+   sorted by (user, time, input order) and written as one record per user
+   (`records.RecordLayout`) to the shards, dealt in turn.
+
+Memory: besides the buckets, the vocabularies (distinct ids and counts) and the
+item feature table (rows x max values) are held; they grow with the number of
+distinct ids, not with the number of events. One user's events must fit in a
+bucket's share (a user with more events than the budget holds is one bucket).
+
+The output directory (written as `OUT.partial`, moved to `OUT` when complete)::
+
+    manifest.json            everything below, the schema and the settings
+    vocab/user.csv           row,id,count (row 0 padding, row 1 OOV; `vocab` module)
+    vocab/item.csv
+    vocab/action.csv         with an action column
+    vocab/<side>_feature.<name>.csv
+    item_features.npz        int32 [item rows, max values] per item feature
+    lengths.npz              int32 [records] of each shard (its file name)
+    shards/part-SSSSS-of-NNNNN.array_record
+
+Re-running on the same inputs and settings is a no-op (decided by size and
+modification time, or by sha256 when those moved; `manifest.check_unchanged`).
+A changed input or setting is refused with what changed unless `overwrite`,
+which converts again and replaces the directory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from gem_jax.data.ingest import manifest as manifest_lib
+from gem_jax.data.ingest.readers import BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, stream_columns
+from gem_jax.data.ingest.records import RecordLayout
+from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, Side, label_values
+from gem_jax.data.ingest.split import SplitKind, SplitRule, eval_flags, time_quantile
+from gem_jax.data.ingest.stats import length_summary
+from gem_jax.data.ingest.vocab import FIRST_ID_ROW, CountAccumulator, Vocab
+from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow
+
+WRITER_OPTIONS = "group_size:1,uncompressed"  # one record per chunk: random access reads one record; ids and times barely compress
+_BYTES_PER_EVENT = 320  # memory while sorting one bucket, per event (ids, rows, sort orders, records)
+_BASE_MB = 320  # the interpreter, numpy, pyarrow, its CSV reader (about 100 MiB of its own), the writers
+_READ_AHEAD_BLOCKS = 8  # batches in flight (read ahead, parsed, partitioned), in CSV blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """How to convert (the `gem-data convert` flags other than the schema).
+
+    Attributes:
+      split: the train / eval split.
+      min_count: user and item ids seen fewer times go to the OOV row.
+      max_vocab: at most this many user ids and item ids are kept each (the
+        most frequent), or None.
+      shards: number of shard files; None: 16, or fewer when there are fewer users.
+      memory_mb: the memory budget that sets the bucket count (MiB).
+      on_bad_row: `OnBadRow.RAISE` (default) or `SKIP` (count and drop).
+      vocab_from: a converted directory whose vocabularies to reuse (ids
+        unseen there go to OOV and are counted), or None to build them.
+      buckets: the bucket count, or None to derive it from the input size and `memory_mb`.
+    """
+
+    split: SplitRule
+    min_count: int = 1
+    max_vocab: int | None = None
+    shards: int | None = None
+    memory_mb: int = 2048
+    on_bad_row: OnBadRow = OnBadRow.RAISE
+    vocab_from: str | None = None
+    buckets: int | None = None
+
+    def __post_init__(self):
+        if self.min_count < 1 or (self.max_vocab is not None and self.max_vocab < 1) or (self.shards is not None and self.shards < 1):
+            raise ValueError(f"min_count, max_vocab and shards must be >= 1, got {self}")
+        self.memory_plan()
+
+    def memory_plan(self) -> tuple[int, int]:
+        """`(block_size, bucket_bytes)`: CSV bytes parsed per batch (1 to 16 MiB) and the memory
+        left for sorting one bucket once the fixed share (interpreter, read-ahead) is taken.
+
+        Raises:
+          ValueError: `memory_mb` below that fixed share plus 64 MiB (the minimum named).
+        """
+        block_mb = max(1, min(16, self.memory_mb // 128))
+        fixed = _BASE_MB + _READ_AHEAD_BLOCKS * block_mb
+        if self.memory_mb < fixed + 64:
+            raise ValueError(f"--memory-mb must be at least {fixed + 64} (MiB), got {self.memory_mb}")
+        return block_mb << 20, (self.memory_mb - fixed) << 20
+
+    def settings(self, schema: EventSchema) -> dict:
+        """What the output depends on (compared by `manifest.check_unchanged`)."""
+        return {
+            "schema": schema.to_json(),
+            "split": self.split.to_json(),
+            "min_count": self.min_count,
+            "max_vocab": self.max_vocab,
+            "shards": self.shards,
+            "on_bad_row": self.on_bad_row.value,
+            "vocab_from": str(Path(self.vocab_from).resolve()) if self.vocab_from else None,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertResult:
+    """`out`: the converted directory; `manifest`: its manifest; `status`: "converted" or why nothing was done."""
+
+    out: Path
+    manifest: dict
+    status: str
+
+
+def _vocab_name(feature: FeatureColumn) -> str:
+    return f"{feature.side.value}_feature.{feature.name}"
+
+
+def bucket_of(ids: pa.Array, num_buckets: int) -> np.ndarray:
+    """int64 `[n]` bucket of each non-empty string id: a multiplicative hash of its UTF-8 bytes, mod B.
+
+    The same id gets the same bucket in every process and run (pass distinct
+    ids: each value is hashed).
+    """
+    if num_buckets == 1:
+        return np.zeros(len(ids), dtype=np.int64)
+    ids = pc.cast(ids, pa.large_string())
+    offsets = np.frombuffer(ids.buffers()[1], dtype=np.int64, count=len(ids) + 1, offset=ids.offset * 8)
+    data = np.frombuffer(ids.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
+    lengths = np.diff(offsets)
+    position = np.arange(data.size, dtype=np.int64) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    multipliers = (np.arange(1, 65, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        mixed = np.add.reduceat(data.astype(np.uint64) * multipliers[position % 64], offsets[:-1] - offsets[0]) + lengths.astype(np.uint64)
+        mixed ^= mixed >> np.uint64(31)
+        mixed *= np.uint64(0xBF58476D1CE4E5B9)
+        mixed ^= mixed >> np.uint64(29)
+    return (mixed % np.uint64(num_buckets)).astype(np.int64)
+
+
+def _estimated_events(files: Sequence[InputFile]) -> int:
+    """Events in the inputs: Parquet row counts; for CSV, the size over the mean line length of
+    its first MiB (compressed files counted at 4x their size)."""
+    total = 0
+    for file in files:
+        if file.format is Format.PARQUET:
+            total += pq.ParquetFile(str(file.path)).metadata.num_rows
+            continue
+        with pa.input_stream(str(file.path), compression="detect") as stream:
+            head = stream.read(1 << 20)
+        line = max(1.0, len(head) / max(1, head.count(b"\n")))
+        total += math.ceil(os.path.getsize(file.path) * (4 if file.path.name.endswith((".gz", ".bz2")) else 1) / line)
+    return total
+
+
+class _Buckets:
+    """B Arrow IPC files of event rows, partitioned by user."""
+
+    def __init__(self, directory: Path, count: int, schema: pa.Schema):
+        directory.mkdir(parents=True)
+        self.paths = [directory / f"bucket-{b:05d}.arrow" for b in range(count)]
+        self.schema = schema
+        self._writers = [pa.ipc.new_file(str(p), schema) for p in self.paths]
+
+    def write(self, table: pa.Table, bucket: np.ndarray) -> None:
+        if len(self.paths) == 1:
+            self._writers[0].write_table(table)
+            return
+        order = np.argsort(bucket, kind="stable")
+        ends = np.cumsum(np.bincount(bucket, minlength=len(self.paths)))
+        table = table.take(pa.array(order))
+        start = 0
+        for b, end in enumerate(ends):
+            if end > start:
+                self._writers[b].write_table(table.slice(start, end - start))
+            start = end
+
+    def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+
+    def read(self, b: int, columns: list[str] | None = None) -> pa.Table:
+        with pa.memory_map(str(self.paths[b])) as source:
+            return pa.ipc.open_file(source).read_all().select(columns) if columns else pa.ipc.open_file(source).read_all()
+
+
+def _feature_rows(vocab: Vocab, values, width: int) -> np.ndarray:
+    """int32 `[n, width]` rows of a string (one value) or list<string> array (unused slots 0)."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if not pa.types.is_list(values.type):
+        return vocab.lookup(values)[:, None]
+    out = np.zeros((len(values), width), dtype=np.int32)
+    flat = pc.list_flatten(values)
+    parent = pc.list_parent_indices(values).to_numpy(zero_copy_only=False)
+    starts = np.searchsorted(parent, np.arange(len(values)))
+    out[parent, np.arange(parent.size) - starts[parent]] = vocab.lookup(flat)
+    return out
+
+
+def _max_values(values) -> int:
+    if not pa.types.is_list(values.type):
+        return 1
+    return int(pc.max(pc.list_value_length(values)).as_py() or 0)
+
+
+def _last_per_group(starts: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group (events `starts[k]:starts[k+1]`, in time order) the rows `[m]` of its last event
+    with a value, and whether its events with a value disagree; int32 `[g, m]`, bool `[g]`."""
+    has = rows.any(axis=1)
+    index = np.where(has, np.arange(rows.shape[0]), -1)
+    group = np.repeat(np.arange(starts.size - 1), np.diff(starts))
+    last = np.full(starts.size - 1, -1, dtype=np.int64)
+    np.maximum.at(last, group, index)
+    chosen = np.where((last >= 0)[:, None], rows[np.maximum(last, 0)], 0)
+    differs = has & (rows != chosen[group]).any(axis=1)
+    conflict = np.bincount(group[differs], minlength=starts.size - 1) > 0
+    return chosen.astype(np.int32), conflict
+
+
+def _read_table(schema: EventSchema, side: Side, bad: BadRows, block_size: int) -> tuple[pa.Array, dict[str, pa.Array]]:
+    """A side table: its key ids (duplicates reported as bad rows, the first kept) and feature columns."""
+    files = list(expand_inputs([schema.table(side)], schema.delimiter))
+    features = schema.side_features(side)
+    key = schema.key(side)
+    kinds = {key: ColumnKind.ID} | {f.name: ColumnKind.MULTI_CATEGORY if f.multi else ColumnKind.CATEGORY for f in features}
+    parts = [pa.table(columns) for _, columns in stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)]
+    table = pa.concat_tables(parts) if parts else pa.table({c: pa.array([], pa.string()) for c in kinds})
+    codes = pc.dictionary_encode(table[key]).combine_chunks()
+    _, first = np.unique(codes.indices.to_numpy(), return_index=True)
+    if first.size < table.num_rows:
+        duplicate = np.ones(table.num_rows, dtype=bool)
+        duplicate[first] = False
+        ids = table[key]
+        bad.many(str(schema.table(side)), duplicate, lambda i: f"{key} {ids[i].as_py()!r}", BadRowKind.DUPLICATE_ID, lambda i: f"a {side.value} table holds each id once")
+        table = table.take(pa.array(np.sort(first)))
+    return table[key].combine_chunks(), {f.name: table[f.name].combine_chunks() for f in features}
+
+
+def convert(
+    inputs: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    schema: EventSchema,
+    options: ConvertOptions,
+    *,
+    overwrite: bool = False,
+    log: Callable[[str], None] = print,
+) -> ConvertResult:
+    """Converts an event log (module docstring).
+
+    Args:
+      inputs: event files, directories or globs (`readers.expand_inputs`).
+      out: the output directory.
+      schema: which column is what.
+      options: split, vocabulary, shard, memory and bad-row settings.
+      overwrite: convert again when `out` holds a conversion of other inputs
+        or settings (else refused). A non-empty `out` without a manifest is
+        always refused.
+      log: receives progress lines.
+
+    Returns:
+      The result; `status` says whether anything was done and why not.
+
+    Raises:
+      BadRowError: a malformed row under `OnBadRow.RAISE` (file, line or row group and row, column, value).
+      DataFormatError: a missing or mistyped column, files that disagree, an
+        output directory holding something else (without `overwrite`), no
+        events left.
+    """
+    out = Path(out)
+    files = list(expand_inputs(inputs, schema.delimiter))
+    table_files = {side: list(expand_inputs([schema.table(side)], schema.delimiter)) for side in Side if schema.table(side)}
+    all_paths = [str(f.path) for f in files] + [str(f.path) for side in table_files for f in table_files[side]]
+    settings = options.settings(schema)
+    if (out / manifest_lib.MANIFEST).exists():
+        previous = manifest_lib.read_manifest(out)
+        unchanged, reason = manifest_lib.check_unchanged(previous, settings, all_paths)
+        if unchanged:
+            return ConvertResult(out, previous, f"unchanged ({reason}): nothing to do")
+        if not overwrite:
+            raise DataFormatError(f"{out} holds a conversion of other inputs or settings: {reason}; pass --overwrite to convert again")
+        log(f"converting again: {reason}")
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataFormatError(f"{out} exists and is not a converted log (no {manifest_lib.MANIFEST}); choose another --out: only a converted log is ever replaced")
+
+    started = time.perf_counter()
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    hashing = concurrent.futures.ThreadPoolExecutor(1)
+    hashes = {p: hashing.submit(manifest_lib.sha256_of, p) for p in all_paths}
+    try:
+        manifest = _convert(files, table_files, work, schema, options, log)
+        manifest["settings"] = settings
+        manifest["inputs"] = [manifest_lib.file_identity(p) | {"sha256": hashes[p].result()} for p in all_paths]
+        manifest["seconds"] = round(time.perf_counter() - started, 2)
+        shutil.rmtree(work / "buckets")
+        manifest_lib.write_manifest(work, manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        work.rename(out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    finally:
+        hashing.shutdown(cancel_futures=True)
+    return ConvertResult(out, manifest_lib.read_manifest(out), "converted")
+
+
+def _convert(files, table_files, work: Path, schema: EventSchema, options: ConvertOptions, log) -> dict:
+    if not schema.labels:
+        raise DataFormatError("at least one --label is needed to convert (a task to train)")
+    bad = BadRows(options.on_bad_row)
+    kinds = event_kinds(schema)
+    event_features = [f for f in schema.features if schema.table(f.side) is None]
+    block_size, bucket_bytes = options.memory_plan()
+    num_buckets = options.buckets or max(1, min(4096, math.ceil(_estimated_events(files) * _BYTES_PER_EVENT / bucket_bytes)))
+    counters = {"user": CountAccumulator(), "item": CountAccumulator()}
+    if schema.action:
+        counters["action"] = CountAccumulator()
+    for feature in event_features:
+        counters[_vocab_name(feature)] = CountAccumulator()
+    max_values = {f.name: 1 for f in schema.features}
+    positives = np.zeros(len(schema.labels), dtype=np.int64)
+    events, t_low, t_high = 0, np.iinfo(np.int64).max, np.iinfo(np.int64).min
+
+    # Pass 1: check, count, partition by user.
+    fields = [pa.field("user", pa.string()), pa.field("item", pa.string()), pa.field("time", pa.int64())]
+    fields += [pa.field("action", pa.string())] if schema.action else []
+    fields += [pa.field(f"label/{rule.name}", pa.uint8()) for rule in schema.labels]
+    fields += [pa.field("weight", pa.float32())] if schema.weight else []
+    fields += [pa.field(f"feature/{f.name}", pa.list_(pa.string()) if f.multi else pa.string()) for f in event_features]
+    buckets = _Buckets(work / "buckets", num_buckets, pa.schema(fields))
+    log(f"reading {len(files)} file(s) into {num_buckets} bucket(s)")
+    for _, columns in prefetched(stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)):
+        n = len(columns[schema.time])
+        if n == 0:
+            continue
+        arrays = {"user": columns[schema.user], "item": columns[schema.item], "time": pa.array(columns[schema.time])}
+        if schema.action:
+            arrays["action"] = columns[schema.action]
+        for k, rule in enumerate(schema.labels):
+            raw = columns[rule.column]
+            label = label_values(rule, raw).astype(np.uint8)
+            positives[k] += int(label.sum())
+            arrays[f"label/{rule.name}"] = pa.array(label)
+        if schema.weight:
+            arrays["weight"] = pa.array(columns[schema.weight].astype(np.float32))
+        for feature in event_features:
+            arrays[f"feature/{feature.name}"] = columns[feature.name]
+            max_values[feature.name] = max(max_values[feature.name], _max_values(columns[feature.name]))
+            counters[_vocab_name(feature)].add(columns[feature.name])
+        users = pc.dictionary_encode(columns[schema.user])  # one hash pass: counts and buckets
+        user_index = users.indices.to_numpy(zero_copy_only=False)
+        counters["user"].add_counted(users.dictionary, np.bincount(user_index, minlength=len(users.dictionary)))
+        counters["item"].add(columns[schema.item])
+        if schema.action:
+            counters["action"].add(columns[schema.action])
+        events += n
+        t_low, t_high = min(t_low, int(columns[schema.time].min())), max(t_high, int(columns[schema.time].max()))
+        buckets.write(pa.table(arrays, schema=buckets.schema), bucket_of(users.dictionary, num_buckets)[user_index])
+    buckets.close()
+    if events == 0:
+        raise DataFormatError(f"no events left in {', '.join(map(str, files))}" + (f" ({bad.total} bad row(s) skipped)" if bad.total else ""))
+    log(f"read {events} events in pass 1")
+
+    # Side tables.
+    tables = {}
+    for side in table_files:
+        keys, feature_columns = _read_table(schema, side, bad, block_size)
+        for feature in schema.side_features(side):
+            counter = counters[_vocab_name(feature)] = CountAccumulator()
+            counter.add(feature_columns[feature.name])
+            max_values[feature.name] = max(1, _max_values(feature_columns[feature.name]))
+        tables[side] = (keys, feature_columns)
+
+    # Vocabularies.
+    distinct_users = counters["user"].table().num_rows
+    vocabs: dict[str, Vocab] = {}
+    reused = Path(options.vocab_from) if options.vocab_from else None
+    unseen: dict[str, int] = {}
+    for name, counter in counters.items():
+        if reused is not None:
+            vocabs[name] = Vocab.load(name, reused / "vocab" / f"{name}.csv")
+            counts = counter.table()
+            known = pc.is_in(counts["id"], value_set=vocabs[name].ids)
+            unseen[name] = int(pc.sum(pc.filter(counts["count"], pc.invert(known))).as_py() or 0)
+        elif name in ("user", "item"):
+            vocabs[name] = Vocab.build(name, counter.table(), options.min_count, options.max_vocab)
+        else:
+            vocabs[name] = Vocab.build(name, counter.table())
+    del counters
+
+    # Split.
+    cutoff = None
+    if options.split.kind is SplitKind.TIME_QUANTILE:
+        cutoff = time_quantile(lambda: (buckets.read(b, ["time"])["time"].to_numpy() for b in range(num_buckets)), options.split.value, events, t_low, t_high)
+    elif options.split.kind is SplitKind.TIME_CUTOFF:
+        cutoff = int(options.split.value)
+
+    layout = RecordLayout(
+        num_tasks=len(schema.labels),
+        has_action=schema.action is not None,
+        has_weight=schema.weight is not None,
+        user_features=tuple((f.name, max_values[f.name]) for f in schema.side_features(Side.USER)),
+    )
+    item_features = schema.side_features(Side.ITEM)
+    item_rows = vocabs["item"].num_rows
+    item_table = {f.name: np.zeros((item_rows, max_values[f.name]), dtype=np.int32) for f in item_features}
+    item_time = np.full(item_rows, np.iinfo(np.int64).min)
+    item_conflict = {f.name: np.zeros(item_rows, dtype=bool) for f in item_features}
+    conflicts: dict[str, int] = {}
+    for feature in item_features:
+        if Side.ITEM in tables:
+            keys, feature_columns = tables[Side.ITEM]
+            at = pc.index_in(vocabs["item"].ids, value_set=keys)
+            found = at.is_valid().to_numpy(zero_copy_only=False)
+            rows = _feature_rows(vocabs[_vocab_name(feature)], feature_columns[feature.name], max_values[feature.name])
+            item_table[feature.name][FIRST_ID_ROW:][found] = rows[pc.drop_null(at).to_numpy()]
+            conflicts["items without a row in the item table"] = int((~found).sum())
+
+    # Pass 2: per bucket, map, sort, split, write one record per user.
+    num_shards = options.shards or min(16, distinct_users)
+    shard_names = [f"part-{s:05d}-of-{num_shards:05d}.array_record" for s in range(num_shards)]
+    (work / "shards").mkdir()
+    writers = [ArrayRecordWriter(str(work / "shards" / name), WRITER_OPTIONS) for name in shard_names]
+    shard_lengths: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
+    split_counts = np.zeros(2, dtype=np.int64)
+    eval_positives = np.zeros(len(schema.labels), dtype=np.int64)
+    user_conflicts = dict.fromkeys((f.name for f in schema.side_features(Side.USER) if Side.USER not in tables), 0)
+    missing_users = 0
+    records_written = 0
+    oov_events = {"user": 0, "item": 0}
+    for b in range(num_buckets):
+        table = buckets.read(b)
+        n = table.num_rows
+        if n == 0:
+            continue
+        encoded = pc.dictionary_encode(table["user"]).combine_chunks()
+        codes = encoded.indices.to_numpy()
+        times = table["time"].to_numpy()
+        order = np.lexsort((times, codes))  # stable: ties keep input order
+        num_users = len(encoded.dictionary)
+        starts = np.searchsorted(codes[order], np.arange(num_users + 1))
+
+        # Ids are mapped in input order (Arrow), then every column is reordered in numpy.
+        events_out = np.zeros(n, dtype=layout.event_dtype)
+        events_out["item"] = vocabs["item"].lookup(table["item"].combine_chunks())[order]
+        events_out["time"] = times[order]
+        if schema.action:
+            events_out["action"] = vocabs["action"].lookup(table["action"].combine_chunks())[order]
+        for k, rule in enumerate(schema.labels):
+            events_out["labels"][:, k] = table[f"label/{rule.name}"].to_numpy()[order]
+        if schema.weight:
+            events_out["weight"] = table["weight"].to_numpy()[order]
+        events_out["split"] = eval_flags(options.split, cutoff, starts, events_out["time"])
+        split_counts += np.bincount(events_out["split"], minlength=2)
+        eval_positives += (events_out["labels"][events_out["split"] == 1] > 0).sum(axis=0).astype(np.int64)
+
+        users_out = np.zeros(num_users, dtype=layout.user_dtype)
+        users_out["user"] = vocabs["user"].lookup(encoded.dictionary)
+        oov_events["user"] += int(np.diff(starts)[users_out["user"] == 1].sum())
+        oov_events["item"] += int((events_out["item"] == 1).sum())
+        for feature in schema.side_features(Side.USER):
+            vocab, width = vocabs[_vocab_name(feature)], max_values[feature.name]
+            if Side.USER in tables:
+                keys, feature_columns = tables[Side.USER]
+                at = pc.index_in(encoded.dictionary, value_set=keys)
+                found = at.is_valid().to_numpy(zero_copy_only=False)
+                missing_users += int((~found).sum())
+                rows = _feature_rows(vocab, feature_columns[feature.name], width)
+                users_out[f"user_feature/{feature.name}"][found] = rows[pc.drop_null(at).to_numpy()]
+            else:
+                rows = _feature_rows(vocab, table[f"feature/{feature.name}"], width)[order]
+                chosen, conflict = _last_per_group(starts, rows)
+                users_out[f"user_feature/{feature.name}"] = chosen
+                user_conflicts[feature.name] += int(conflict.sum())
+        if item_features and Side.ITEM not in tables:
+            # Latest value per item in this bucket, merged into the item table by time.
+            item = events_out["item"]
+            by_item = np.lexsort((events_out["time"], item))
+            item_sorted = item[by_item]
+            item_starts = np.r_[0, np.flatnonzero(np.diff(item_sorted)) + 1, n]
+            present = item_sorted[item_starts[:-1]]
+            latest = events_out["time"][by_item][item_starts[1:] - 1]
+            newer = latest >= item_time[present]
+            for feature in item_features:
+                rows = _feature_rows(vocabs[_vocab_name(feature)], table[f"feature/{feature.name}"], max_values[feature.name])[order][by_item]
+                chosen, conflict = _last_per_group(item_starts, rows)
+                before = item_table[feature.name][present]
+                item_conflict[feature.name][present] |= conflict | ((before != chosen).any(axis=1) & before.any(axis=1) & chosen.any(axis=1))
+                item_table[feature.name][present[newer]] = chosen[newer]
+            item_time[present] = np.maximum(item_time[present], latest)
+
+        lengths = np.diff(starts).astype(np.int32)
+        shard_of = (records_written + np.arange(num_users)) % num_shards
+        for k, record in enumerate(layout.records(users_out, events_out, starts)):
+            writers[shard_of[k]].write(record)
+        for s in range(num_shards):
+            shard_lengths[s].append(lengths[shard_of == s])
+        records_written += num_users
+        log(f"bucket {b + 1}/{num_buckets}: {num_users} users, {n} events")
+    for writer in writers:
+        writer.close()
+
+    # Files beside the shards.
+    (work / "vocab").mkdir()
+    for name, vocab in vocabs.items():
+        vocab.save(work / "vocab" / f"{name}.csv")
+    if item_features:
+        for feature in item_features:
+            item_table[feature.name][:FIRST_ID_ROW] = 0  # padding and OOV rows carry no features
+        np.savez(work / "item_features.npz", **item_table)
+    lengths_by_shard = {name: np.concatenate(parts) if parts else np.zeros(0, np.int32) for name, parts in zip(shard_names, shard_lengths)}
+    np.savez(work / "lengths.npz", **lengths_by_shard)
+    all_lengths = np.concatenate(list(lengths_by_shard.values()))
+    if Side.ITEM not in tables:
+        for feature in item_features:
+            conflicts[f"items whose {feature.name} differs between events (latest kept)"] = int(item_conflict[feature.name][FIRST_ID_ROW:].sum())
+    for name, count in user_conflicts.items():
+        conflicts[f"users whose {name} differs between events (latest kept)"] = count
+    if Side.USER in tables:
+        conflicts["users without a row in the user table"] = missing_users // max(1, len(schema.side_features(Side.USER)))
+
+    vocab_info = {}
+    for name, vocab in vocabs.items():
+        vocab_info[name] = {"file": f"vocab/{name}.csv", "rows": vocab.num_rows, "ids": len(vocab.ids), "oov_count": vocab.oov_count, "dropped_ids": vocab.dropped}
+        if name in unseen:
+            vocab_info[name]["unseen_occurrences"] = unseen[name]
+    return {
+        "schema": schema.to_json(),
+        "counts": {
+            "events": events,
+            "users": int(records_written),
+            "items": len(vocabs["item"].ids),
+            "train_events": int(split_counts[0]),
+            "eval_events": int(split_counts[1]),
+            "oov_user_events": oov_events["user"],
+            "oov_item_events": oov_events["item"],
+            "skipped_rows": bad.total,
+            "buckets": num_buckets,
+        },
+        "skipped_rows": bad.counts(),
+        "feature_conflicts": conflicts,
+        "split": options.split.to_json() | {"description": options.split.describe(), "cutoff": cutoff},
+        "time_range": [t_low, t_high],
+        "vocabularies": vocab_info,
+        "features": [
+            {"name": f.name, "side": f.side.value, "vocab": f"vocab/{_vocab_name(f)}.csv", "vocab_size": vocabs[_vocab_name(f)].num_rows, "multi": f.multi, "max_values": max_values[f.name]}
+            for f in schema.features
+        ],
+        "tasks": [
+            {"name": rule.name, "rule": rule.describe(), "positive_rate": float(positives[k] / events), "eval_positive_rate": float(eval_positives[k] / split_counts[1]) if split_counts[1] else None}
+            for k, rule in enumerate(schema.labels)
+        ],
+        "shards": [f"shards/{name}" for name in shard_names],
+        "lengths": "lengths.npz",
+        "item_features": "item_features.npz" if item_features else None,
+        "record_layout": layout.to_json(),
+        "sequence_lengths": length_summary(all_lengths),
+    }

@@ -1,0 +1,548 @@
+"""Streaming readers of CSV/TSV and Parquet event logs, with per-row checks.
+
+`expand_inputs` turns paths, directories and globs into a sorted list of
+`InputFile`s; `stream_columns` yields their rows in record batches (pyarrow
+`csv.open_csv` blocks, `ParquetFile.iter_batches` per row group), parsed
+column by column with vectorised pyarrow / numpy code, never reading a whole
+file. A malformed value is reported through `BadRows`: under
+`OnBadRow.RAISE` the first one raises `BadRowError` naming the file, the line
+(CSV) or row group and row (Parquet, both 0-based), the column and the value;
+under `OnBadRow.SKIP` its row is dropped and counted by file and kind. A
+missing or mistyped column, and Parquet files whose column types disagree,
+raise `DataFormatError` naming the file(s).
+
+CSV files are read with a header line, RFC 4180 quoting (a quoted field may
+hold the delimiter, not a line break) and UTF-8 text; `.csv.gz` / `.csv.bz2`
+are decompressed on the fly. A line whose fields are all empty (a blank line)
+is no row, as in every reader of this package.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import csv
+import dataclasses
+import enum
+import glob
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from gem_jax.data.ingest.schema import EventSchema
+from gem_jax.data.rows import BadRowError, BadRowKind, DataFormatError, OnBadRow
+
+T = TypeVar("T")
+CSV_SUFFIXES = (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".csv.bz2", ".tsv.bz2")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_INTEGER = r"^\s*[-+]?[0-9]+\s*$"
+_NUMBER = r"^\s*[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?\s*$"
+_ISO_TIME = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]+)?)?)?Z?$"
+_TRUE_FALSE = {"true": 1.0, "false": 0.0, "True": 1.0, "False": 0.0}
+
+
+class Format(enum.Enum):
+    CSV = "csv"
+    PARQUET = "parquet"
+
+
+class ColumnKind(enum.Enum):
+    """How a column is parsed (`stream_columns`)."""
+
+    ID = "id"  # non-empty string (integers become their decimal text)
+    TIME = "time"  # int64: integers as given, ISO 8601 / Parquet timestamps as Unix seconds
+    NUMBER = "number"  # float64, finite
+    WEIGHT = "weight"  # float64, finite, >= 0
+    BINARY = "binary"  # float64, 0 or 1 (also true / false)
+    CATEGORY = "category"  # string; empty or null = absent
+    MULTI_CATEGORY = "multi_category"  # list<string> split at the separator; empty = no values
+
+
+@dataclasses.dataclass(frozen=True)
+class InputFile:
+    """One input file and how to read it."""
+
+    path: Path
+    format: Format
+    delimiter: str = ","
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def _format_of(path: Path) -> Format | None:
+    name = path.name.lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        return Format.PARQUET
+    if name.endswith(CSV_SUFFIXES):
+        return Format.CSV
+    return None
+
+
+def expand_inputs(specs: Sequence[str | os.PathLike], delimiter: str = ",") -> tuple[InputFile, ...]:
+    """The input files named by `specs`: files, directories (their CSV/TSV/Parquet files) or globs.
+
+    Files are sorted by path within each spec and kept once. A `.tsv` file is
+    read with a tab unless `delimiter` is set to something other than `,`.
+
+    Raises:
+      DataFormatError: a spec matches nothing, or names a file of unknown type.
+    """
+    files: dict[Path, InputFile] = {}
+    for spec in specs:
+        path = Path(spec)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and _format_of(p) is not None)
+            if not found:
+                raise DataFormatError(f"{path}: no CSV/TSV ({', '.join(CSV_SUFFIXES)}) or Parquet ({', '.join(PARQUET_SUFFIXES)}) files in this directory")
+        elif path.is_file():
+            found = [path]
+        else:
+            found = sorted(Path(p) for p in glob.glob(str(spec)) if Path(p).is_file())
+            if not found:
+                raise DataFormatError(f"{spec}: no such file or directory, and no file matches it as a glob")
+        for p in found:
+            fmt = _format_of(p)
+            if fmt is None:
+                raise DataFormatError(f"{p}: unknown file type; expected one of {', '.join(CSV_SUFFIXES + PARQUET_SUFFIXES)}")
+            sep = "\t" if delimiter == "," and p.name.lower().split(".")[1:2] == ["tsv"] else delimiter
+            files.setdefault(p.resolve(), InputFile(p, fmt, sep))
+    return tuple(files.values())
+
+
+class BadRows:
+    """Applies an `OnBadRow` policy to whole batches and counts what it skips.
+
+    `counts()` are the skipped rows by (file, kind) with the first location and
+    column, the record the manifest and the summaries carry.
+    """
+
+    def __init__(self, on_bad_row: OnBadRow):
+        if not isinstance(on_bad_row, OnBadRow):
+            raise TypeError(f"on_bad_row must be an OnBadRow, got {on_bad_row!r}")
+        self.on_bad_row = on_bad_row
+        self._counts: dict[tuple[str, BadRowKind], list] = {}
+
+    def one(self, path: str, location: str, kind: BadRowKind, detail: str) -> None:
+        """Reports one bad row. Raises `BadRowError` under `OnBadRow.RAISE`."""
+        if self.on_bad_row is OnBadRow.RAISE:
+            raise BadRowError(path, location, kind, detail)
+        entry = self._counts.setdefault((path, kind), [0, f"{location}: {detail}"])
+        entry[0] += 1
+
+    def many(self, path: str, mask: np.ndarray, locate: Callable[[int], str], kind: BadRowKind, detail: Callable[[int], str]) -> None:
+        """Reports the rows where bool `mask` is set (row i at `locate(i)`, described by `detail(i)`)."""
+        rows = np.flatnonzero(mask)
+        if rows.size == 0:
+            return
+        first = int(rows[0])
+        self.one(path, locate(first), kind, detail(first))
+        self._counts[(path, kind)][0] += rows.size - 1
+
+    @property
+    def total(self) -> int:
+        return sum(count for count, _ in self._counts.values())
+
+    def counts(self) -> list[dict]:
+        """`[{"file", "kind", "count", "first"}]`, in the order first met."""
+        return [{"file": path, "kind": kind.value, "count": count, "first": first} for (path, kind), (count, first) in self._counts.items()]
+
+
+def _csv_line_locator(skipped_lines: list[int], rows_before: int) -> Callable[[int], str]:
+    """Line of a batch's row i: the header is line 1, rows follow, minus the lines the parser rejected."""
+
+    def locate(i: int) -> str:
+        k = rows_before + i  # 0-based index among accepted rows
+        adjusted = np.asarray(skipped_lines, dtype=np.int64) - np.arange(len(skipped_lines)) - 2
+        return f"line {k + 2 + int(np.searchsorted(adjusted, k, side='right'))}"
+
+    return locate
+
+
+def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str]]]:
+    skipped_lines: list[int] = []
+    pending: list[BadRowError] = []  # raised from here, not through pyarrow's parser
+
+    def on_invalid(row) -> str:
+        lines = row.text.count("\n") + 1
+        skipped_lines.extend(range(row.number, row.number + lines))
+        if row.actual_columns == 1 and not row.text.strip():
+            return "skip"
+        if row.text.count('"') % 2:
+            kind, detail = BadRowKind.QUOTING, f"the record runs over {lines} line(s) to {'the end of the file' if lines > 1 else 'its end'}: {row.text[:200]!r}"
+        else:
+            kind, detail = BadRowKind.FIELD_COUNT, f"{row.actual_columns} fields, the header has {row.expected_columns}: {row.text[:200]!r}"
+        try:
+            bad.one(str(file), f"line {row.number}", kind, detail)
+        except BadRowError as error:
+            pending.append(error)
+            return "error"
+        return "skip"
+
+    header = _csv_header(file)
+    missing = [c for c in columns if c not in header]
+    if missing:
+        raise DataFormatError(f"{file}: missing column(s) {missing}; the header has {header}")
+    try:
+        # Every column is read (as bytes, not converted) so that a blank line is told from a row
+        # whose read columns are empty; only `columns` are parsed.
+        reader = pa_csv.open_csv(
+            pa.input_stream(str(file.path), compression="detect"),
+            read_options=pa_csv.ReadOptions(block_size=block_size, use_threads=False),
+            parse_options=pa_csv.ParseOptions(delimiter=file.delimiter, invalid_row_handler=on_invalid, ignore_empty_lines=False),
+            convert_options=pa_csv.ConvertOptions(column_types={c: pa.binary() for c in header}, strings_can_be_null=False),
+        )
+    except pa.ArrowInvalid as error:
+        if pending:
+            raise pending[0] from None
+        raise DataFormatError(f"{file}: not a readable CSV file ({error})") from error
+    rows_before = 0
+    while True:
+        try:
+            batch = reader.read_next_batch()
+        except StopIteration:
+            return
+        except pa.ArrowInvalid as error:
+            if pending:
+                raise pending[0] from None
+            raise DataFormatError(f"{file}: unreadable CSV after line {rows_before + 1 + len(skipped_lines)} ({error})") from error
+        # A blank line comes through as a row with every column empty: it is no row.
+        blank = pc.equal(pc.binary_length(batch.column(0)), 0).to_numpy(zero_copy_only=False)
+        if blank.any():
+            for column in batch.columns[1:]:
+                blank &= pc.equal(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
+        locate = _csv_line_locator(list(skipped_lines), rows_before)
+        rows_before += batch.num_rows
+        batch = batch.select(list(columns))
+        if blank.any():
+            batch = batch.filter(pa.array(~blank))
+            positions = np.flatnonzero(~blank)
+            base = locate
+            locate = lambda i, base=base, positions=positions: base(int(positions[i]))  # noqa: E731
+        yield batch, locate
+
+
+def _csv_header(file: InputFile) -> list[str]:
+    """The column names of a CSV file's header line.
+
+    Raises:
+      DataFormatError: the file is empty, its header is not UTF-8 or names a column twice.
+    """
+    with pa.input_stream(str(file.path), compression="detect") as stream:
+        head = stream.read(1 << 20)
+    try:
+        first = head.split(b"\n")[0].rstrip(b"\r").decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataFormatError(f"{file}: the header line is not UTF-8 text") from None
+    header = next(csv.reader([first], delimiter=file.delimiter), [])
+    if not header or header == [""]:
+        raise DataFormatError(f"{file}: no header line (the first line names the columns)")
+    if len(set(header)) != len(header):
+        raise DataFormatError(f"{file}: the header names a column twice: {header}")
+    return header
+
+
+def _parquet_batches(file: InputFile, columns: Sequence[str], batch_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str]]]:
+    try:
+        parquet = pq.ParquetFile(str(file.path))
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataFormatError(f"{file}: not a readable Parquet file ({error})") from error
+    names = parquet.schema_arrow.names
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise DataFormatError(f"{file}: missing column(s) {missing}; the file has {names}")
+    for group in range(parquet.num_row_groups):
+        start = 0
+        for batch in parquet.iter_batches(batch_size=batch_size, row_groups=[group], columns=list(columns)):
+            yield batch, (lambda i, g=group, s=start: f"row group {g}, row {s + i}")
+            start += batch.num_rows
+
+
+def parquet_column_types(file: InputFile, columns: Sequence[str]) -> dict[str, str]:
+    """The Arrow type (as text) of each of `columns` in a Parquet file."""
+    schema = pq.read_schema(str(file.path))
+    return {c: str(schema.field(c).type) for c in columns if c in schema.names}
+
+
+def check_parquet_types(files: Sequence[InputFile], columns: Sequence[str]) -> None:
+    """Parquet files must agree on the types of the columns read.
+
+    Raises:
+      DataFormatError: naming two files that disagree, the column and both types.
+    """
+    first: dict[str, tuple[InputFile, str]] = {}
+    for file in files:
+        if file.format is not Format.PARQUET:
+            continue
+        for column, kind in parquet_column_types(file, columns).items():
+            seen = first.setdefault(column, (file, kind))
+            if seen[1] != kind:
+                raise DataFormatError(f"files disagree on column {column!r}: {seen[0]} has type {seen[1]}, {file} has type {kind}")
+
+
+def _to_text(path: str, column: str, values: pa.Array, locate, bad: BadRows, rejected: np.ndarray) -> pa.Array:
+    """`values` as a string array (binary CSV fields checked as UTF-8; integers as decimal text)."""
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return values
+    if pa.types.is_integer(values.type):
+        return pc.cast(values, pa.string())
+    if pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type):
+        try:
+            return values.cast(pa.string())
+        except pa.ArrowInvalid:
+            texts = values.to_pylist()
+            valid = np.ones(len(texts), dtype=bool)
+            for i, raw in enumerate(texts):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    valid[i] = False
+                    if not rejected[i]:
+                        bad.one(path, f"{locate(i)}, column {column!r}", BadRowKind.ENCODING, f"byte {raw[error.start]:#04x} at byte {error.start + 1} is not valid UTF-8")
+            rejected |= ~valid
+            return pa.array([raw.decode("utf-8") if ok else "" for raw, ok in zip(texts, valid)], pa.string())
+    raise DataFormatError(f"{path}: column {column!r} has type {values.type}; expected text or integers")
+
+
+def _text_values(values: pa.Array) -> Callable[[int], str]:
+    return lambda i: repr(values[i].as_py())
+
+
+def _parse_id(path, column, values, locate, bad, rejected) -> pa.Array:
+    text = _to_text(path, column, values, locate, bad, rejected)
+    empty = pc.fill_null(pc.equal(pc.utf8_length(text), 0), True).to_numpy(zero_copy_only=False) & ~rejected
+    bad.many(path, empty, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.BAD_VALUE, lambda i: "empty id")
+    rejected |= empty
+    return text
+
+
+def _parse_number(path, column, values, locate, bad, rejected) -> np.ndarray:
+    where = lambda i: f"{locate(i)}, column {column!r}"  # noqa: E731
+    if pa.types.is_boolean(values.type) or pa.types.is_integer(values.type) or pa.types.is_floating(values.type):
+        null = values.is_null().to_numpy(zero_copy_only=False) & ~rejected
+        bad.many(path, null, where, BadRowKind.BAD_VALUE, lambda i: "missing value")
+        rejected |= null
+        numbers = pc.cast(values, pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+        infinite = ~np.isfinite(numbers) & ~rejected
+        bad.many(path, infinite, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{numbers[i]!r} is not a finite number")
+        rejected |= infinite
+        return np.where(rejected, 0.0, numbers)
+    text = _to_text(path, column, values, locate, bad, rejected)
+    fast = _strict_cast(text, pa.float64())
+    if fast is not None:
+        numbers = fast
+        infinite = ~np.isfinite(numbers) & ~rejected
+        bad.many(path, infinite, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{text[i].as_py()!r} is not a finite float64")
+        rejected |= infinite
+        return np.where(rejected, 0.0, numbers)
+    # Slow path, only for a batch that needs it: trim, true/false, find the bad values.
+    text = pc.utf8_trim_whitespace(text)
+    for word, value in _TRUE_FALSE.items():
+        text = pc.if_else(pc.equal(text, word), str(value), text)
+    numeric = pc.fill_null(pc.match_substring_regex(text, _NUMBER), False).to_numpy(zero_copy_only=False)
+    show = _text_values(text)
+    bad.many(path, ~numeric & ~rejected, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.NOT_A_NUMBER, lambda i: f"{show(i)} is not a number")
+    rejected |= ~numeric
+    numbers = pc.cast(pc.if_else(pa.array(numeric), text, "0"), pa.float64()).to_numpy(zero_copy_only=False)
+    infinite = ~np.isfinite(numbers) & ~rejected
+    bad.many(path, infinite, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.OUT_OF_RANGE, lambda i: f"{show(i)} is not a finite float64")
+    rejected |= infinite
+    return np.where(rejected, 0.0, numbers)
+
+
+def _strict_cast(text: pa.Array, to: pa.DataType) -> np.ndarray | None:
+    """`text` cast to `to` as numpy when every value is present and parses; None otherwise
+    (then the caller's checks find the bad values)."""
+    if text.null_count:
+        return None
+    try:
+        return pc.cast(text, to).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+
+
+def _check_binary(path, column, numbers: np.ndarray, locate, bad, rejected) -> None:
+    other = (numbers != 0) & (numbers != 1) & ~rejected
+    bad.many(path, other, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.BAD_VALUE, lambda i: f"{numbers[i]:g} is not 0 or 1 (a 0/1 label; use a rule such as {column}>=1 for other values)")
+    rejected |= other
+
+
+def _parse_time(path, column, values, locate, bad, rejected) -> np.ndarray:
+    where = lambda i: f"{locate(i)}, column {column!r}"  # noqa: E731
+    if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
+        seconds = pc.cast(pc.cast(values, pa.timestamp("s", values.type.tz if pa.types.is_timestamp(values.type) else None)), pa.int64())
+        missing = np.asarray(seconds.is_null()) & ~rejected
+        bad.many(path, missing, where, BadRowKind.BAD_VALUE, lambda i: "missing time")
+        rejected |= missing
+        return pc.fill_null(seconds, 0).to_numpy(zero_copy_only=False)
+    if pa.types.is_integer(values.type):
+        missing = np.asarray(values.is_null()) & ~rejected
+        bad.many(path, missing, where, BadRowKind.BAD_VALUE, lambda i: "missing time")
+        rejected |= missing
+        if values.type == pa.uint64():
+            huge = pc.fill_null(pc.greater(values, pa.scalar(2**63 - 1, pa.uint64())), False).to_numpy(zero_copy_only=False) & ~rejected
+            bad.many(path, huge, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{values[i].as_py()} does not fit in int64")
+            rejected |= huge
+            values = pc.if_else(pa.array(huge), pa.scalar(0, pa.uint64()), values)
+        return pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False)
+    text = _to_text(path, column, values, locate, bad, rejected)
+    fast = _strict_cast(text, pa.int64())
+    if fast is not None:
+        return fast
+    text = pc.utf8_trim_whitespace(text)
+    integer = pc.fill_null(pc.match_substring_regex(text, _INTEGER), False).to_numpy(zero_copy_only=False)
+    iso = pc.fill_null(pc.match_substring_regex(text, _ISO_TIME), False).to_numpy(zero_copy_only=False)
+    show = _text_values(text)
+    unknown = ~(integer | iso) & ~rejected
+    bad.many(path, unknown, where, BadRowKind.BAD_VALUE, lambda i: f"{show(i)} is neither an integer nor an ISO 8601 date/time")
+    rejected |= unknown
+    out = np.zeros(len(text), dtype=np.int64)
+    if integer.any():
+        digits = pc.filter(text, pa.array(integer))
+        try:
+            out[integer] = pc.cast(digits, pa.int64()).to_numpy(zero_copy_only=False)
+        except pa.ArrowInvalid:
+            rows = np.flatnonzero(integer)
+            big = np.array([not -(2**63) <= int(v) < 2**63 for v in digits.to_pylist()])
+            bad.many(path, np.isin(np.arange(len(text)), rows[big]) & ~rejected, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{show(i)} does not fit in int64")
+            rejected[rows[big]] = True
+            out[rows[~big]] = pc.cast(pc.filter(digits, pa.array(~big)), pa.int64()).to_numpy(zero_copy_only=False)
+    if iso.any():
+        stamps = pc.replace_substring_regex(pc.filter(text, pa.array(iso)), "Z$", "")
+        rows = np.flatnonzero(iso)
+        try:
+            out[rows] = pc.cast(pc.cast(stamps, pa.timestamp("s")), pa.int64()).to_numpy(zero_copy_only=False)
+        except pa.ArrowInvalid:  # e.g. month 13: find the rows one by one (only on this error path)
+            for row, stamp in zip(rows, stamps.to_pylist()):
+                try:
+                    out[row] = pc.cast(pa.scalar(stamp).cast(pa.timestamp("s")), pa.int64()).as_py()
+                except pa.ArrowInvalid:
+                    if not rejected[row]:
+                        bad.one(path, where(int(row)), BadRowKind.BAD_VALUE, f"{stamp!r} is not a valid date/time")
+                    rejected[row] = True
+    return out
+
+
+def _parse_category(path, column, values, locate, bad, rejected, multi: bool, separator: str) -> pa.Array:
+    if multi and (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
+        parent = pc.list_parent_indices(values)
+        flat = _to_text(path, column, pc.list_flatten(values), lambda i: f"{locate(int(parent[i].as_py()))}", bad, np.zeros(len(parent), dtype=bool))
+        return _lists(flat, parent, len(values))
+    text = _to_text(path, column, values, locate, bad, rejected)
+    text = pc.if_else(pc.equal(pc.utf8_length(text), 0), pa.scalar(None, pa.string()), text)
+    if not multi:
+        return text
+    parts = pc.split_pattern(pc.fill_null(text, ""), separator)
+    return _lists(pc.list_flatten(parts), pc.list_parent_indices(parts), len(text))
+
+
+def _lists(flat: pa.Array, parent: pa.Array, n: int) -> pa.ListArray:
+    """list<string> `[n]` of the non-empty strings `flat`, value j in row `parent[j]` (non-decreasing)."""
+    keep = pc.fill_null(pc.greater(pc.utf8_length(flat), 0), False)
+    flat, parent = pc.filter(flat, keep), pc.filter(parent, keep).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.bincount(parent, minlength=n), out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), flat)
+
+
+def event_kinds(schema: EventSchema) -> dict[str, ColumnKind]:
+    """How each event column is parsed. A column may serve one role, except labels: several rules
+    may read one column (read as a number, checked 0/1 when one of them is a plain 0/1 label)."""
+    roles = [(schema.user, ColumnKind.ID, "--user"), (schema.item, ColumnKind.ID, "--item"), (schema.time, ColumnKind.TIME, "--time")]
+    roles += [(schema.action, ColumnKind.CATEGORY, "--action")] if schema.action else []
+    roles += [(schema.weight, ColumnKind.WEIGHT, "--weight")] if schema.weight else []
+    roles += [(f.name, ColumnKind.MULTI_CATEGORY if f.multi else ColumnKind.CATEGORY, f"--{f.side.value}-feature") for f in schema.features if schema.table(f.side) is None]
+    kinds, flags = {}, {}
+    for column, kind, flag in roles:
+        if column in kinds:
+            raise DataFormatError(f"column {column!r} is named by both {flags[column]} and {flag}; a column serves one role")
+        kinds[column], flags[column] = kind, flag
+    for rule in schema.labels:
+        if rule.column in kinds and flags[rule.column] != "--label":
+            raise DataFormatError(f"column {rule.column!r} is named by both {flags[rule.column]} and --label")
+        binary = rule.op is None or kinds.get(rule.column) is ColumnKind.BINARY
+        kinds[rule.column], flags[rule.column] = (ColumnKind.BINARY if binary else ColumnKind.NUMBER), "--label"
+    return kinds
+
+
+def prefetched(items: Iterator[T]) -> Iterator[T]:
+    """`items`, with the next one computed in a background thread while the caller uses the current one.
+
+    pyarrow's parsing and compute kernels release the GIL, so reading and
+    parsing the next batch overlaps the caller's work on two cores. An
+    exception raised while computing an item is raised here, in order.
+    """
+    end = object()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        upcoming = pool.submit(next, items, end)
+        while (item := upcoming.result()) is not end:
+            upcoming = pool.submit(next, items, end)
+            yield item
+
+
+def stream_columns(
+    files: Sequence[InputFile],
+    kinds: dict[str, ColumnKind],
+    bad: BadRows,
+    *,
+    separator: str = "|",
+    block_size: int = 16 << 20,
+    on_file: Callable[[InputFile], None] | None = None,
+) -> Iterator[tuple[InputFile, dict[str, object]]]:
+    """Parsed columns of `files`, a record batch at a time.
+
+    Args:
+      files: the inputs, read in order.
+      kinds: column name -> how to parse it.
+      bad: the bad-row policy and tally; rows with a bad value are left out.
+      separator: of multi-valued categories.
+      block_size: bytes of CSV parsed at once (Parquet: rows per batch = block_size / 64).
+      on_file: called with each file before it is read.
+
+    Yields:
+      `(file, columns)` with, per column: ID a string array, TIME int64
+      `[n]`, NUMBER float64 `[n]`, CATEGORY a string array (null = absent),
+      MULTI_CATEGORY a list<string> array; all of the same length n.
+
+    Raises:
+      BadRowError: a bad value under `OnBadRow.RAISE`.
+      DataFormatError: a missing or mistyped column, Parquet files whose types disagree.
+    """
+    check_parquet_types(files, list(kinds))
+    for file in files:
+        if on_file is not None:
+            on_file(file)
+        path = str(file)
+        batches = _csv_batches(file, list(kinds), bad, block_size) if file.format is Format.CSV else _parquet_batches(file, list(kinds), max(1024, block_size // 64))
+        for batch, locate in batches:
+            rejected = np.zeros(batch.num_rows, dtype=bool)
+            parsed: dict[str, object] = {}
+            for column, kind in kinds.items():
+                values = batch.column(column)
+                if kind is ColumnKind.ID:
+                    parsed[column] = _parse_id(path, column, values, locate, bad, rejected)
+                elif kind is ColumnKind.TIME:
+                    parsed[column] = _parse_time(path, column, values, locate, bad, rejected)
+                elif kind in (ColumnKind.NUMBER, ColumnKind.BINARY, ColumnKind.WEIGHT):
+                    parsed[column] = _parse_number(path, column, values, locate, bad, rejected)
+                    if kind is ColumnKind.WEIGHT:
+                        negative = (parsed[column] < 0) & ~rejected
+                        bad.many(path, negative, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.OUT_OF_RANGE, lambda i: f"weight {parsed[column][i]:g} is negative")
+                        rejected |= negative
+                    if kind is ColumnKind.BINARY:
+                        _check_binary(path, column, parsed[column], locate, bad, rejected)
+                else:
+                    parsed[column] = _parse_category(path, column, values, locate, bad, rejected, kind is ColumnKind.MULTI_CATEGORY, separator)
+            if rejected.any():
+                keep = ~rejected
+                keep_arrow = pa.array(keep)
+                parsed = {c: v[keep] if isinstance(v, np.ndarray) else pc.filter(v, keep_arrow) for c, v in parsed.items()}
+            yield file, parsed

@@ -1,0 +1,142 @@
+"""Command-line entry point: `gem-data` (also `python -m gem_jax.data_cli`).
+
+    gem-data inspect events/ --user user_id --item item_id --time ts
+    gem-data convert events/ --out data/mylog --user user_id --item item_id --time ts \\
+        --label click --label purchase --item-feature category --user-feature country --split time:0.9
+    gem-data inspect data/mylog --batch-size 1024 --gpus 8
+
+Exit status: 0 done (or nothing to do); 2 refused (a malformed row, a missing or
+mistyped column, files that disagree, an output holding another conversion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _schema_flags(parser: argparse.ArgumentParser, required: bool) -> None:
+    group = parser.add_argument_group("columns (the event schema)")
+    group.add_argument("--user", required=required, help="user id column")
+    group.add_argument("--item", required=required, help="item id column")
+    group.add_argument("--time", required=required, help="timestamp column: integers, ISO 8601 dates/times, or Parquet timestamps")
+    group.add_argument("--action", help="event-type column (categorical), optional")
+    group.add_argument("--label", action="append", default=[], metavar="RULE", help="a task: a 0/1 column (click), a rule (rating>=4) or name=rule (like=rating>=4); repeatable")
+    group.add_argument("--weight", help="per-event weight column (finite, >= 0), optional")
+    group.add_argument("--item-feature", action="append", default=[], metavar="COLUMN[:multi]", help="categorical item feature; :multi splits values at --multi-separator; repeatable")
+    group.add_argument("--user-feature", action="append", default=[], metavar="COLUMN[:multi]", help="categorical user feature; repeatable")
+    group.add_argument("--item-table", help="file/dir/glob of an item table holding the item features (joined by id)")
+    group.add_argument("--item-key", help="the item table's id column (default: --item)")
+    group.add_argument("--user-table", help="file/dir/glob of a user table holding the user features")
+    group.add_argument("--user-key", help="the user table's id column (default: --user)")
+    group.add_argument("--delimiter", default=",", help="CSV field delimiter (default ','; .tsv files default to a tab); '\\t' for a tab")
+    group.add_argument("--multi-separator", default="|", help="separator of multi-valued features (default '|')")
+    group.add_argument("--on-bad-row", choices=["error", "skip"], default="error", help="error (default): stop at the first malformed row; skip: drop and count them")
+
+
+def _schema(args):
+    from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, Side
+
+    features = tuple(FeatureColumn.parse(text, Side.ITEM) for text in args.item_feature)
+    features += tuple(FeatureColumn.parse(text, Side.USER) for text in args.user_feature)
+    return EventSchema(
+        user=args.user, item=args.item, time=args.time,
+        labels=tuple(LabelRule.parse(text) for text in args.label),
+        action=args.action, weight=args.weight, features=features,
+        item_table=args.item_table, user_table=args.user_table, item_key=args.item_key, user_key=args.user_key,
+        delimiter="\t" if args.delimiter in ("\\t", "tab") else args.delimiter,
+        multi_separator=args.multi_separator,
+    )
+
+
+def _on_bad_row(args):
+    from gem_jax.data.rows import OnBadRow
+
+    return OnBadRow.SKIP if args.on_bad_row == "skip" else OnBadRow.RAISE
+
+
+def _inspect(args) -> None:
+    from gem_jax.data.ingest import inspect
+    from gem_jax.data.ingest.manifest import MANIFEST
+
+    converted = len(args.inputs) == 1 and (Path(args.inputs[0]) / MANIFEST).is_file()
+    if converted:
+        report = inspect.inspect_converted(args.inputs[0])
+    else:
+        if not (args.user and args.item and args.time):
+            raise ValueError("raw inputs need --user, --item and --time (or pass one converted directory)")
+        report = inspect.inspect_raw(args.inputs, _schema(args), _on_bad_row(args))
+    if args.batch_size:
+        inspect.add_layout(report, args.batch_size, args.gpus, args.max_seq_len)
+    print(inspect.format_report(report))
+    figure = args.figure or (Path(args.inputs[0]) / "length_histogram.png" if converted else None)
+    if figure is not None:
+        if inspect.save_figure(report, figure):
+            print(f"figure: {figure}")
+        else:
+            print("figure: not drawn (matplotlib is not installed)")
+
+
+def _convert(args) -> None:
+    from gem_jax.data.ingest.convert import ConvertOptions, convert
+    from gem_jax.data.ingest.split import SplitRule
+
+    options = ConvertOptions(
+        split=SplitRule.parse(args.split), min_count=args.min_count, max_vocab=args.max_vocab, shards=args.shards,
+        memory_mb=args.memory_mb, on_bad_row=_on_bad_row(args), vocab_from=args.vocab_from,
+    )
+    result = convert(args.inputs, args.out, _schema(args), options, overwrite=args.overwrite, log=(lambda line: None) if args.quiet else print)
+    manifest, counts = result.manifest, result.manifest["counts"]
+    print(f"{result.out}: {result.status}")
+    print(
+        f"events {counts['events']} (train {counts['train_events']}, eval {counts['eval_events']}), users {counts['users']}, items {counts['items']}, "
+        f"{len(manifest['shards'])} shard(s), split {manifest['split']['description']}"
+        + (f" (cutoff {manifest['split']['cutoff']})" if manifest["split"]["cutoff"] is not None else "")
+    )
+    for name, vocab in manifest["vocabularies"].items():
+        extra = f", {vocab['unseen_occurrences']} unseen" if "unseen_occurrences" in vocab else ""
+        print(f"  vocab {name}: {vocab['rows']} rows ({vocab['ids']} ids, {vocab['dropped_ids']} dropped, {vocab['oov_count']} occurrences to OOV{extra})")
+    for entry in manifest["skipped_rows"]:
+        print(f"  skipped {entry['count']} row(s) of {entry['file']}: {entry['kind']} (first: {entry['first']})")
+    for what, count in manifest["feature_conflicts"].items():
+        if count:
+            print(f"  {what}: {count}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`gem-data {inspect,convert} ...`; see `gem-data COMMAND --help`."""
+    parser = argparse.ArgumentParser(prog="gem-data", description="Inspect and convert your own event log (CSV/TSV/Parquet) for gem-train.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    inspect_parser = commands.add_parser("inspect", help="counts, label rates, sequence lengths, padding and GPU balance of a raw log or a converted directory")
+    inspect_parser.add_argument("inputs", nargs="+", help="event files, directories or globs; or one converted directory")
+    _schema_flags(inspect_parser, required=False)
+    inspect_parser.add_argument("--batch-size", type=int, help="global batch size for the padding and balance estimate")
+    inspect_parser.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (default 1)")
+    inspect_parser.add_argument("--max-seq-len", type=int, help="longest history kept (default: the longest sequence)")
+    inspect_parser.add_argument("--figure", help="save the length histogram here (default for a converted directory: DIR/length_histogram.png)")
+
+    convert_parser = commands.add_parser("convert", help="vocabularies, split and per-user sequences in sharded ArrayRecord files")
+    convert_parser.add_argument("inputs", nargs="+", help="event files, directories or globs")
+    convert_parser.add_argument("--out", required=True, help="output directory")
+    _schema_flags(convert_parser, required=True)
+    convert_parser.add_argument("--split", default="time:0.9", help="time:Q (quantile), time:DATE, time:T or last:N (default time:0.9)")
+    convert_parser.add_argument("--min-count", type=int, default=1, help="user/item ids seen fewer times go to the OOV row (default 1)")
+    convert_parser.add_argument("--max-vocab", type=int, help="keep at most this many user ids and item ids each (the most frequent)")
+    convert_parser.add_argument("--shards", type=int, help="shard files (default 16, fewer with fewer users); a multiple of the reading processes")
+    convert_parser.add_argument("--memory-mb", type=int, default=2048, help="memory budget, sets the bucket count (default 2048)")
+    convert_parser.add_argument("--vocab-from", help="reuse the vocabularies of this converted directory (unseen ids -> OOV, counted)")
+    convert_parser.add_argument("--overwrite", action="store_true", help="convert again when OUT holds a conversion of other inputs or settings")
+    convert_parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    args = parser.parse_args(argv)
+    try:
+        _inspect(args) if args.command == "inspect" else _convert(args)
+    except ValueError as error:  # BadRowError, DataFormatError, SchemaError, option values out of range
+        print(f"gem-data {args.command}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

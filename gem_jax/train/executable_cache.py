@@ -1,0 +1,162 @@
+"""Compiled programs kept on disk under a key known before tracing: a warm start skips trace, lowering and compile.
+
+jax's persistent compilation cache (`gem_jax.train.compile_cache`) keys an executable by its
+optimized HLO, so a warm start still traces the model and lowers it to StableHLO before it can
+look the executable up. At GEM width on one H200 that Python work is ~10 s per program
+(`benchmarks/lowering_bench.py`: trace 1-1.7 s, lowering 8.5-10.7 s, nearly independent of the
+layer count), and a run compiles one program per token capacity: nine at `configs/gem_h200.py`.
+This cache keys each compiled program by what determines it, computed without tracing:
+
+- the program's name and the abstract arguments (tree structure, shapes, dtypes, shardings);
+- the caller's description of the job (the resolved config and feature spec, minus what
+  cannot change the program);
+- the source of `gem_jax` and `pallas_kernels` (sha256 of every `.py` file's bytes);
+- jax and jaxlib versions, the backend's platform and version, the devices' kinds and ids,
+  the process index (each process of a multi-process run compiles for its own devices);
+- `XLA_FLAGS` and the jax config options that change compiled code.
+
+A hit deserializes the executable (`jax.experimental.serialize_executable`, as MaxText's
+AOT-compiled train steps are saved and loaded); a miss compiles and stores it. Entries are
+written atomically (a temporary file renamed), so a crash never leaves a half entry that
+looks whole; an entry that cannot be read is reported, removed and recompiled. Loading an
+entry runs code from it: keep the cache in a directory only you write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental import serialize_executable
+
+SUBDIR = "executables"
+# jax config options that change the compiled program without changing its arguments.
+_JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion", "jax_threefry_partitionable")
+_PACKAGES = ("gem_jax", "pallas_kernels")
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over the relative path and bytes of every `.py` file of `gem_jax` and `pallas_kernels`."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[2]
+    for package in _PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _describe_leaf(leaf) -> str:
+    sharding = getattr(leaf, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    where = f"{dict(mesh.shape)}:{spec}" if mesh is not None else repr(sharding)
+    return f"{tuple(leaf.shape)}:{leaf.dtype}:{where}"
+
+
+def program_key(name: str, job: Any, abstract_args: tuple) -> str:
+    """The cache key (hex sha256) of program `name` of a job over `abstract_args`.
+
+    Args:
+      name: which program (e.g. `"train_step"`).
+      job: JSON-serialisable description of everything besides the arguments that shapes the
+        program (the resolved config and feature spec); `default=str` renders the rest.
+      abstract_args: the program's arguments: arrays or `jax.ShapeDtypeStruct`s with shardings.
+    """
+    leaves, treedef = jax.tree.flatten(abstract_args)
+    devices = jax.devices()
+    material = {
+        "name": name,
+        "job": job,
+        "args": [str(treedef)] + [_describe_leaf(leaf) for leaf in leaves],
+        "source": source_digest(),
+        "jax": jax.__version__,
+        "jaxlib": metadata.version("jaxlib"),
+        "process": [jax.process_index(), jax.process_count()],
+        "backend": [devices[0].platform, devices[0].client.platform_version],
+        "devices": [f"{d.id}:{d.device_kind}" for d in devices],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "options": {option: str(getattr(jax.config, option, None)) for option in _JAX_OPTIONS},
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """How one program was obtained: `"loaded"` from the cache or `"compiled"`, with seconds per stage.
+
+    `lower_s` counts tracing and lowering (zero on a hit), `compile_s` the XLA compile or the load.
+    `note` says why a compiled program was not stored (e.g. not serializable), else "".
+    """
+
+    name: str
+    source: str
+    lower_s: float = 0.0
+    compile_s: float = 0.0
+    note: str = ""
+
+
+class ExecutableCache:
+    """Compiled programs under `directory/executables/<key>.bin` (None: no cache, always compile)."""
+
+    def __init__(self, directory: str | Path | None):
+        self.directory = None if directory is None else Path(directory) / SUBDIR
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def compile(self, name: str, jitted: Callable, abstract_args: tuple, job: Any) -> tuple[jax.stages.Compiled, CompileReport]:
+        """The compiled `jitted(*abstract_args)`: loaded when cached, else lowered, compiled and stored.
+
+        Args:
+          name: the program's name (part of the key and of messages).
+          jitted: a `jax.jit`-wrapped function.
+          abstract_args: its positional arguments (`jax.ShapeDtypeStruct`s with shardings, or arrays).
+          job: what besides the arguments shapes the program (see `program_key`).
+
+        Returns:
+          `(compiled, report)`.
+        """
+        path = None if self.directory is None else self.directory / f"{program_key(name, job, abstract_args)}.bin"
+        if path is not None and path.exists():
+            start = time.perf_counter()
+            try:
+                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                return compiled, CompileReport(name, "loaded", compile_s=time.perf_counter() - start)
+            except Exception as error:  # a truncated or foreign file: recompile and replace it
+                print(f"gem-train: cached program {path} is unreadable ({type(error).__name__}: {error}); compiling it again", file=sys.stderr, flush=True)
+                path.unlink(missing_ok=True)
+        start = time.perf_counter()
+        lowered = jitted.lower(*abstract_args)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        report = CompileReport(name, "compiled", lower_s=lowered_at - start, compile_s=time.perf_counter() - lowered_at)
+        if path is not None:
+            report.note = self._store(path, compiled)
+        return compiled, report
+
+    @staticmethod
+    def _store(path: Path, compiled: jax.stages.Compiled) -> str:
+        try:
+            payload = pickle.dumps(serialize_executable.serialize(compiled))
+        except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as error:
+            return f"not stored: {type(error).__name__}: {error}"
+        temporary = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            temporary.write_bytes(payload)
+            temporary.replace(path)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            return f"not stored: {error}"
+        return ""

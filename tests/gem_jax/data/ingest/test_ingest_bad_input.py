@@ -1,0 +1,147 @@
+"""Bad input is named by file, line (CSV) or row group and row (Parquet), column and value; skip mode counts it."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gem_jax.data.ingest.convert import ConvertOptions, convert
+from gem_jax.data.ingest.readers import expand_inputs
+from gem_jax.data.ingest.schema import EventSchema, LabelRule, SchemaError
+from gem_jax.data.ingest.split import SplitRule
+from gem_jax.data.rows import BadRowError, BadRowKind, DataFormatError, OnBadRow
+
+SCHEMA = EventSchema(user="u", item="i", time="t", labels=(LabelRule.parse("click"), LabelRule.parse("r>=4")))
+HEADER = "u,i,t,click,r\n"
+
+
+def _convert(path, out, on_bad_row=OnBadRow.RAISE, schema=SCHEMA):
+    return convert([path], out, schema, ConvertOptions(split=SplitRule.parse("time:0.5"), on_bad_row=on_bad_row), log=lambda _: None)
+
+
+@pytest.mark.parametrize(
+    "row, kind, message",
+    [
+        ("a,b,3,1", BadRowKind.FIELD_COUNT, "line 5: wrong number of fields: 4 fields, the header has 5"),
+        ("a,b,3,1,5,6", BadRowKind.FIELD_COUNT, "line 5: wrong number of fields: 6 fields"),
+        ("a,b,3,yes,5", BadRowKind.NOT_A_NUMBER, "line 5, column 'click': not a number: 'yes' is not a number"),
+        ("a,b,3,2,5", BadRowKind.BAD_VALUE, "line 5, column 'click': invalid value: 2 is not 0 or 1"),
+        ("a,b,3,1,1e999", BadRowKind.OUT_OF_RANGE, "line 5, column 'r': value out of range: '1e999' is not a finite float64"),
+        ("a,b,soon,1,5", BadRowKind.BAD_VALUE, "line 5, column 't': invalid value: 'soon' is neither an integer nor an ISO 8601"),
+        ("a,b,2024-13-01,1,5", BadRowKind.BAD_VALUE, "line 5, column 't': invalid value: '2024-13-01' is not a valid date/time"),
+        ("a,b,99999999999999999999,1,5", BadRowKind.OUT_OF_RANGE, "line 5, column 't': value out of range: '99999999999999999999' does not fit in int64"),
+        (",b,3,1,5", BadRowKind.BAD_VALUE, "line 5, column 'u': invalid value: empty id"),
+        ('a,"b,3,1,5', BadRowKind.QUOTING, "line 5: unbalanced quote: the record runs over 2 line(s) to the end of the file"),
+    ],
+)
+def test_a_bad_csv_row_is_named_then_skipped_and_counted(tmp_path, row, kind, message):
+    # line 2 good, line 3 blank (no row), line 4 good, line 5 bad, line 6 good
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "a,b,1,1,5\n\nc,d,2,0,3\n" + row + "\ne,f,4,1,4\n")
+    with pytest.raises(BadRowError) as error:
+        _convert(path, tmp_path / "out")
+    assert error.value.path == str(path)
+    assert message in str(error.value)
+    result = _convert(path, tmp_path / "skip", OnBadRow.SKIP)
+    assert result.manifest["counts"]["events"] == (2 if kind is BadRowKind.QUOTING else 3)  # the quote swallows line 6
+    assert result.manifest["counts"]["skipped_rows"] == 1
+    (skipped,) = result.manifest["skipped_rows"]
+    assert skipped["file"] == str(path) and skipped["count"] == 1 and skipped["first"].startswith("line 5")
+    assert skipped["kind"] == kind.value
+
+
+def test_weights_and_huge_times_are_checked(tmp_path):
+    schema = EventSchema(user="u", item="i", time="t", weight="w", labels=(LabelRule.parse("click"),))
+    path = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"u": ["a", "b"], "i": ["x", "y"], "t": pa.array([1, 2], pa.uint64()), "click": [1, 0], "w": [1.0, -0.5]}), path)
+    with pytest.raises(BadRowError, match=r"row group 0, row 1, column 'w': value out of range: weight -0.5 is negative"):
+        _convert(path, tmp_path / "out", schema=schema)
+    pq.write_table(pa.table({"u": ["a", "b"], "i": ["x", "y"], "t": pa.array([1, 2**64 - 1], pa.uint64()), "click": [1, 0], "w": [1.0, 1.0]}), path)
+    with pytest.raises(BadRowError, match=r"row 1, column 't': value out of range: 18446744073709551615 does not fit in int64"):
+        _convert(path, tmp_path / "out", schema=schema)
+    with pytest.raises(ValueError, match=r"--memory-mb must be at least 392 \(MiB\), got 100"):
+        ConvertOptions(split=SplitRule.parse("last:1"), memory_mb=100)
+
+
+def test_a_row_empty_in_the_read_columns_is_a_bad_row_not_a_blank_line(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("u,i,t,click,r,note\na,b,1,1,5,\n,,,,,kept for the record\n\n")
+    with pytest.raises(BadRowError, match=r"line 3, column 'u': invalid value: empty id"):
+        _convert(path, tmp_path / "out")
+
+
+def test_undecodable_bytes_name_the_line_and_byte(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_bytes(HEADER.encode() + b"a,b,1,1,5\nc\xff,d,2,0,3\n")
+    with pytest.raises(BadRowError, match=r"line 3, column 'u': undecodable bytes: byte 0xff at byte 2 is not valid UTF-8"):
+        _convert(path, tmp_path / "out")
+
+
+def test_every_dropped_row_is_counted_by_kind(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "a,b,1,1,5\nx,y\na,b,x,1,1\nc,d,2,1,x\nc,d,3,1,y\ne,f,4,1,4\n")
+    result = _convert(path, tmp_path / "out", OnBadRow.SKIP)
+    by_kind = {entry["kind"]: (entry["count"], entry["first"]) for entry in result.manifest["skipped_rows"]}
+    assert by_kind == {
+        "wrong number of fields": (1, "line 3: 2 fields, the header has 5: 'x,y'"),
+        "invalid value": (1, "line 4, column 't': 'x' is neither an integer nor an ISO 8601 date/time"),
+        "not a number": (2, "line 5, column 'r': 'x' is not a number"),
+    }
+    assert result.manifest["counts"]["events"] == 2
+
+
+def test_a_bad_parquet_value_names_row_group_and_row(tmp_path):
+    path = tmp_path / "log.parquet"
+    table = pa.table({"u": ["a"] * 6, "i": ["b"] * 6, "t": list(range(6)), "click": ["1", "0", "1", "1", "maybe", "0"], "r": [5.0] * 6})
+    pq.write_table(table, path, row_group_size=3)
+    with pytest.raises(BadRowError, match=r"log\.parquet, row group 1, row 1, column 'click': not a number: 'maybe' is not a number"):
+        _convert(path, tmp_path / "out")
+    nulls = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"u": ["a", None], "i": ["b", "c"], "t": [1, 2], "click": [1, 0], "r": [5.0, None]}), nulls)
+    with pytest.raises(BadRowError, match=r"row group 0, row 1, column 'u': invalid value: empty id"):
+        _convert(nulls, tmp_path / "out")
+
+
+def test_missing_and_mistyped_columns_name_the_file(tmp_path):
+    csv = tmp_path / "log.csv"
+    csv.write_text("u,i,time,click,r\na,b,1,1,5\n")
+    with pytest.raises(DataFormatError, match=r"log\.csv: missing column\(s\) \['t'\]; the header has \['u', 'i', 'time', 'click', 'r'\]"):
+        _convert(csv, tmp_path / "out")
+    parquet = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"u": ["a"], "i": ["b"], "t": [1], "click": [1]}), parquet)
+    with pytest.raises(DataFormatError, match=r"log\.parquet: missing column\(s\) \['r'\]; the file has"):
+        _convert(parquet, tmp_path / "out")
+    listy = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"u": [[1]], "i": ["b"], "t": [1], "click": [1], "r": [1.0]}), listy)
+    with pytest.raises(DataFormatError, match=r"list\.parquet: column 'u' has type list<.*: int64>; expected text or integers"):
+        _convert(listy, tmp_path / "out")
+
+
+def test_parquet_files_that_disagree_are_named(tmp_path):
+    folder = tmp_path / "events"
+    folder.mkdir()
+    pq.write_table(pa.table({"u": ["a"], "i": ["b"], "t": [1], "click": [1], "r": [1.0]}), folder / "a.parquet")
+    pq.write_table(pa.table({"u": ["a"], "i": ["b"], "t": ["2024-01-01"], "click": [1], "r": [1.0]}), folder / "b.parquet")
+    with pytest.raises(DataFormatError, match=r"files disagree on column 't': .*a\.parquet has type int64, .*b\.parquet has type string"):
+        _convert(folder, tmp_path / "out")
+
+
+def test_inputs_and_flags_are_checked(tmp_path):
+    with pytest.raises(DataFormatError, match="no such file or directory, and no file matches it as a glob"):
+        expand_inputs([tmp_path / "nothing*.csv"])
+    (tmp_path / "notes.json").write_text("{}")
+    with pytest.raises(DataFormatError, match=r"notes\.json: unknown file type"):
+        expand_inputs([tmp_path / "notes.json"])
+    with pytest.raises(SchemaError, match="expected a column"):
+        LabelRule.parse("rating>=")
+    with pytest.raises(SchemaError, match="threshold 'high' is not a number"):
+        LabelRule.parse("rating>=high")
+    with pytest.raises(SchemaError, match=r"expected time:Q \(0 < Q < 1\)"):
+        SplitRule.parse("time:1.5")
+    assert LabelRule.parse("like=rating>=4") == LabelRule("like", "rating", ">=", 4.0)
+    assert LabelRule.parse("rating > 3.5") == LabelRule("rating>3.5", "rating", ">", 3.5)
+    assert SplitRule.parse("time:2024-01-02").value == 1704153600
+    schema = EventSchema(user="u", item="i", time="u", labels=(LabelRule.parse("click"),))
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "a,b,1,1,5\n")
+    with pytest.raises(DataFormatError, match="column 'u' is named by both --user and --time"):
+        _convert(path, tmp_path / "out", schema=schema)

@@ -1,0 +1,216 @@
+"""gem-data convert: a mixed CSV + Parquet log with string ids round-trips to per-user records."""
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+import pytest
+
+from gem_jax.data.ingest.convert import ConvertOptions, bucket_of, convert
+from gem_jax.data.ingest.records import RecordLayout
+from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, Side
+from gem_jax.data.ingest.shards import ConvertedLog
+from gem_jax.data.ingest.split import SplitRule
+from gem_jax.data.rows import DataFormatError
+
+USERS = [f"user {k}" for k in range(12)] + ['quo"te', "comma,user", "ünï"]
+ITEMS = [f"item-{k}" for k in range(20)] + ["a|b", "x,y"]
+CATEGORY = {item: f"cat{k % 4}" for k, item in enumerate(ITEMS)}
+TAGS = {item: "|".join(f"t{j}" for j in range(k % 3)) for k, item in enumerate(ITEMS)}
+COUNTRY = {user: ["fr", "de", "us"][k % 3] for k, user in enumerate(USERS)}
+
+SCHEMA = EventSchema(
+    user="uid", item="iid", time="ts",
+    labels=(LabelRule.parse("click"), LabelRule.parse("like=rating>=4")),
+    action="act", weight="w",
+    features=(FeatureColumn("category", Side.ITEM), FeatureColumn("tags", Side.ITEM, multi=True), FeatureColumn("country", Side.USER)),
+)
+
+
+def _events(rng, n):
+    users = rng.choice(USERS, n)
+    items = rng.choice(ITEMS, n)
+    return {
+        "uid": users.tolist(),
+        "iid": items.tolist(),
+        "ts": rng.integers(0, 50, n).tolist(),  # many ties: order by input position
+        "act": rng.choice(["view", "buy", ""], n).tolist(),
+        "click": rng.integers(0, 2, n).tolist(),
+        "rating": rng.integers(1, 6, n).astype(float).tolist(),
+        "w": rng.uniform(0.5, 2, n).round(3).tolist(),
+        "category": [CATEGORY[i] for i in items],
+        "tags": [TAGS[i] for i in items],
+        "country": [COUNTRY[u] for u in users],
+    }
+
+
+@pytest.fixture(scope="module")
+def log(tmp_path_factory):
+    """Two CSV files and one Parquet file (two row groups); returns (dir, events in input order)."""
+    root = tmp_path_factory.mktemp("log")
+    events = root / "events"
+    events.mkdir()
+    rng = np.random.default_rng(0)
+    parts = [_events(rng, n) for n in (70, 50, 80)]
+    pa_csv.write_csv(pa.table(parts[0]), events / "a.csv")
+    pa_csv.write_csv(pa.table(parts[1]), events / "b.csv")
+    pq.write_table(pa.table(parts[2]), events / "c.parquet", row_group_size=40)
+    rows = [dict(zip(part, values)) for part in parts for values in zip(*part.values())]
+    return events, rows
+
+
+def _expected_flags(rows, q):
+    times = np.sort([r["ts"] for r in rows])
+    return times[int(np.floor(q * len(times)))]
+
+
+def _decode_all(reader):
+    user_ids = reader.vocab("user").ids.to_pylist()
+    return {user_ids[int(rec["user"]) - 2]: rec for rec in reader}
+
+
+def test_round_trip_every_event_once_in_time_order(log, tmp_path):
+    events, rows = log
+    result = convert([events], tmp_path / "out", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.7"), shards=3), log=lambda _: None)
+    assert result.status == "converted"
+    cutoff = _expected_flags(rows, 0.7)
+    assert result.manifest["split"]["cutoff"] == cutoff
+    reader = ConvertedLog(tmp_path / "out")
+    records = _decode_all(reader)
+    assert sorted(records) == sorted({r["uid"] for r in rows})
+    item_ids = reader.vocab("item").ids.to_pylist()
+    actions = reader.vocab("action").ids.to_pylist()
+    item_features = reader.item_features()
+    category = reader.vocab("item_feature.category").ids.to_pylist()
+    tags = reader.vocab("item_feature.tags").ids.to_pylist()
+    country = reader.vocab("user_feature.country").ids.to_pylist()
+    for user, rec in records.items():
+        mine = sorted((r for r in rows if r["uid"] == user), key=lambda r: r["ts"])  # stable: input order on ties
+        assert [item_ids[i - 2] for i in rec["item"]] == [r["iid"] for r in mine]
+        np.testing.assert_array_equal(rec["time"], [r["ts"] for r in mine])
+        assert [actions[a - 2] if a else "" for a in rec["action"]] == [r["act"] for r in mine]
+        np.testing.assert_array_equal(rec["labels"], [[r["click"], r["rating"] >= 4] for r in mine])
+        np.testing.assert_allclose(rec["weight"], [r["w"] for r in mine], rtol=1e-6)
+        np.testing.assert_array_equal(rec["split"], [r["ts"] >= cutoff for r in mine])
+        assert country[rec["user_feature/country"][0] - 2] == COUNTRY[user]
+        for item in rec["item"]:
+            assert category[item_features["category"][item, 0] - 2] == CATEGORY[item_ids[item - 2]]
+            assert "|".join(tags[t - 2] for t in item_features["tags"][item] if t) == TAGS[item_ids[item - 2]]
+    counts = result.manifest["counts"]
+    assert counts["events"] == len(rows) == counts["train_events"] + counts["eval_events"]
+    assert counts["eval_events"] == sum(r["ts"] >= cutoff for r in rows)
+    assert result.manifest["features"][1] == {"name": "tags", "side": "item", "vocab": "vocab/item_feature.tags.csv", "vocab_size": 4, "multi": True, "max_values": 2}
+    assert result.manifest["tasks"][1]["positive_rate"] == pytest.approx(np.mean([r["rating"] >= 4 for r in rows]))
+    assert sum(result.manifest["feature_conflicts"].values()) == 0
+    np.testing.assert_array_equal(np.sort(reader.lengths()), np.sort([len(rec["item"]) for rec in records.values()]))
+    assert result.manifest["sequence_lengths"]["events"] == len(rows)
+
+
+def test_buckets_do_not_change_the_records(log, tmp_path):
+    events, _ = log
+    options = dict(split=SplitRule.parse("last:2"), shards=2)
+    one = convert([events], tmp_path / "one", SCHEMA, ConvertOptions(**options, buckets=1), log=lambda _: None)
+    four = convert([events], tmp_path / "four", SCHEMA, ConvertOptions(**options, buckets=4), log=lambda _: None)
+    assert four.manifest["counts"]["buckets"] == 4
+    a, b = _decode_all(ConvertedLog(one.out)), _decode_all(ConvertedLog(four.out))
+    assert a.keys() == b.keys()
+    for user in a:
+        for key in a[user]:
+            np.testing.assert_array_equal(a[user][key], b[user][key])
+        # last:2 holds out the last two events of users with more than two
+        n = len(a[user]["split"])
+        np.testing.assert_array_equal(a[user]["split"], [n > 2 and k >= n - 2 for k in range(n)])
+
+
+def test_two_processes_read_disjoint_shares(log, tmp_path):
+    events, rows = log
+    convert([events], tmp_path / "out", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.9"), shards=3), log=lambda _: None)
+    first, second = ConvertedLog(tmp_path / "out", 0, 2), ConvertedLog(tmp_path / "out", 1, 2)
+    assert [f.name for f in first.files] == ["part-00000-of-00003.array_record", "part-00002-of-00003.array_record"]
+    assert [f.name for f in second.files] == ["part-00001-of-00003.array_record"]
+    users = [int(r["user"]) for r in first] + [int(r["user"]) for r in second]
+    assert len(users) == len(set(users)) == len({r["uid"] for r in rows})
+    np.testing.assert_array_equal(second.lengths(), [len(second[i]["item"]) for i in range(len(second))])
+    with pytest.raises(DataFormatError, match="3 shard file\\(s\\) for 4 processes leaves process\\(es\\) 3..3 without data"):
+        ConvertedLog(tmp_path / "out", 0, 4)
+
+
+def test_rerun_is_a_no_op_and_a_changed_input_is_refused(tmp_path):
+    events = tmp_path / "events"
+    events.mkdir()
+    pa_csv.write_csv(pa.table(_events(np.random.default_rng(1), 30)), events / "a.csv")
+    args = ([events], tmp_path / "out", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.5")))
+    assert convert(*args, log=lambda _: None).status == "converted"
+    assert convert(*args).status == "unchanged (by size and modification time): nothing to do"
+    stat = os.stat(events / "a.csv")
+    os.utime(events / "a.csv", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert convert(*args).status.startswith("unchanged (by sha256 (1 file(s) touched since, same content))")
+    pa_csv.write_csv(pa.table(_events(np.random.default_rng(2), 30)), events / "a.csv")
+    with pytest.raises(DataFormatError, match=r"content of 1 input file\(s\) changed \(sha256\): .*a\.csv; pass --overwrite"):
+        convert(*args)
+    with pytest.raises(DataFormatError, match="the settings differ \\(split\\)"):
+        convert([events], tmp_path / "out", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.6")))
+    assert convert(*args, overwrite=True, log=lambda _: None).status == "converted"
+    assert convert(*args).status.startswith("unchanged")
+    assert not (tmp_path / "out.partial").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(DataFormatError, match="mine exists and is not a converted log"):
+        convert([events], tmp_path / "mine", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.5")), overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_side_tables_and_reused_vocabularies(tmp_path):
+    events = tmp_path / "events.csv"
+    events.write_text("u,i,t,click\nu1,i1,1,1\nu1,i2,2,0\nu2,i1,3,1\nu3,i9,4,0\n")
+    (tmp_path / "items.csv").write_text("item,genres\ni1,a|b\ni2,c\ni3,a\n")
+    pq.write_table(pa.table({"u": ["u1", "u2", "u4"], "age": ["20s", "30s", "40s"]}), tmp_path / "users.parquet")
+    schema = EventSchema(
+        user="u", item="i", time="t", labels=(LabelRule.parse("click"),),
+        features=(FeatureColumn("genres", Side.ITEM, multi=True), FeatureColumn("age", Side.USER)),
+        item_table=str(tmp_path / "items.csv"), item_key="item", user_table=str(tmp_path / "users.parquet"),
+    )
+    result = convert([events], tmp_path / "out", schema, ConvertOptions(split=SplitRule.parse("last:1")), log=lambda _: None)
+    reader = ConvertedLog(tmp_path / "out")
+    items = reader.vocab("item").ids.to_pylist()
+    genres = reader.vocab("item_feature.genres").ids.to_pylist()
+    table = reader.item_features()["genres"]
+    assert {items[r - 2]: sorted(genres[g - 2] for g in table[r] if g) for r in range(2, table.shape[0])} == {"i1": ["a", "b"], "i2": ["c"], "i9": []}
+    ages = reader.vocab("user_feature.age").ids.to_pylist()
+    users = reader.vocab("user").ids.to_pylist()
+    assert {users[int(r["user"]) - 2]: r["user_feature/age"][0] for r in reader} == {"u1": 2 + ages.index("20s"), "u2": 2 + ages.index("30s"), "u3": 0}
+    assert result.manifest["feature_conflicts"] == {"items without a row in the item table": 1, "users without a row in the user table": 1}
+
+    # Eval data through the train vocabularies: unseen ids go to OOV (row 1) and are counted.
+    later = tmp_path / "later.csv"
+    later.write_text("u,i,t,click\nu1,i1,9,1\nu7,i8,9,0\n")
+    plain = EventSchema(user="u", item="i", time="t", labels=(LabelRule.parse("click"),))
+    convert([events], tmp_path / "train", plain, ConvertOptions(split=SplitRule.parse("last:1")), log=lambda _: None)
+    reused = convert([later], tmp_path / "eval", plain, ConvertOptions(split=SplitRule.parse("last:1"), vocab_from=str(tmp_path / "train")), log=lambda _: None)
+    assert reused.manifest["vocabularies"]["item"]["unseen_occurrences"] == 1
+    assert reused.manifest["counts"]["oov_item_events"] == 1
+    assert sorted(int(r["user"]) for r in ConvertedLog(tmp_path / "eval")) == [1, 2 + ["u1", "u2", "u3"].index("u1")]
+
+
+def test_record_layout_round_trips():
+    layout = RecordLayout(num_tasks=2, has_action=True, has_weight=False, user_features=(("country", 1), ("langs", 3)))
+    users = np.zeros(1, layout.user_dtype)
+    users["user"], users["user_feature/langs"] = 7, [[2, 3, 0]]
+    events = np.zeros(3, layout.event_dtype)
+    events["item"], events["time"], events["labels"] = [5, 6, 7], [10, 20, 30], [[1, 0], [0, 1], [1, 1]]
+    (raw,) = layout.records(users, events, np.array([0, 3]))
+    record = layout.decode(raw)
+    assert int(record["user"]) == 7 and record["user_feature/langs"].tolist() == [2, 3, 0]
+    assert record["item"].tolist() == [5, 6, 7] and record["labels"].dtype == np.float32 and record["labels"].shape == (3, 2)
+    assert RecordLayout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+
+
+def test_bucket_of_is_a_function_of_the_id():
+    ids = pa.array([f"user-{k}" for k in range(4000)])
+    buckets = bucket_of(ids, 8)
+    np.testing.assert_array_equal(bucket_of(ids.slice(1000, 10), 8), buckets[1000:1010])
+    np.testing.assert_array_equal(bucket_of(pa.array(["user-7", "user-7"]), 8), [buckets[7]] * 2)
+    assert np.bincount(buckets, minlength=8).min() > 400  # about 500 each

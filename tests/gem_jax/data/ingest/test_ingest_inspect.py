@@ -1,0 +1,75 @@
+"""gem-data inspect on a small known log (raw and converted), and the gem-data command line."""
+
+import numpy as np
+import pytest
+
+from gem_jax import data_cli
+from gem_jax.data.balance import padding_waste
+from gem_jax.data.ingest.batch_layout import layout_report
+from gem_jax.data.ingest.stats import length_summary, text_histogram
+
+# 4 users with 1, 2, 3 and 6 events; click rate 6/12; like (stars>=4) 3/12
+LOG = """user,item,ts,click,stars,genre
+u1,a,1,1,5,x
+u2,a,2,0,1,x
+u2,b,3,1,2,y
+u3,a,4,0,3,x
+u3,b,5,1,4,y
+u3,c,6,0,1,z
+u4,a,7,1,5,x
+u4,b,8,0,1,y
+u4,c,9,1,2,z
+u4,a,10,0,3,x
+u4,b,11,1,1,y
+u4,c,12,0,1,z
+"""
+FLAGS = ["--user", "user", "--item", "item", "--time", "ts", "--label", "click", "--label", "like=stars>=4", "--item-feature", "genre"]
+
+
+def test_length_summary_and_histogram():
+    summary = length_summary(np.array([1, 2, 3, 6]))
+    assert summary["histogram"] == {"edges": [1, 2, 4, 8], "counts": [1, 2, 1]}
+    assert (summary["events"], summary["mean"], summary["max"], summary["quantiles"]["p50"]) == (12, 3.0, 6, 2.5)
+    assert text_histogram(summary, width=4).splitlines() == ["              1 | ##   1", "            2-3 | #### 2", "            4-7 | ##   1"]
+
+
+def test_layout_report_on_known_lengths():
+    equal = layout_report(np.full(64, 10), batch_size=16, gpus=4)
+    assert (equal.padded_waste, equal.padded_to_longest_waste, equal.imbalance, equal.imbalance_bbs) == (0, 0, 0, 0)
+    # 4 devices of 4 samples, 40 real tokens each, in the smallest capacity (128 rows): 1 - 160 / 512
+    assert equal.jagged_slack == pytest.approx(padding_waste(np.full(16, 10), 4 * 128))
+    skewed = layout_report(np.r_[np.full(60, 2), np.full(4, 200)], batch_size=16, gpus=4, batches=32)
+    assert skewed.imbalance_bbs < skewed.imbalance
+    assert skewed.padded_waste > skewed.jagged_slack
+    with pytest.raises(ValueError, match="the shard size 12 / 4 = 3 is odd"):
+        layout_report(np.full(8, 3), batch_size=12, gpus=4)
+
+
+def test_inspect_raw_and_converted(tmp_path, capsys):
+    (tmp_path / "log.csv").write_text(LOG)
+    data_cli.main(["inspect", str(tmp_path / "log.csv"), *FLAGS, "--batch-size", "4", "--gpus", "2", "--figure", str(tmp_path / "raw.png")])
+    raw = capsys.readouterr().out
+    assert "events 12, users 4, items 3, time 1 .. 12" in raw
+    assert "task click: 50.00% positive" in raw and "task like: 25.00% positive" in raw
+    assert "feature genre: 3 distinct values" in raw
+    assert "events per user: mean 3.0, std 1.9, min 1, p50 2.5" in raw and "max 6" in raw
+    assert "layout, batch 4 on 2 GPU(s), histories up to 6 events" in raw
+    assert (tmp_path / "raw.png").stat().st_size > 1000
+
+    data_cli.main(["convert", str(tmp_path / "log.csv"), "--out", str(tmp_path / "out"), *FLAGS, "--split", "last:1", "--shards", "2", "--quiet"])
+    converted = capsys.readouterr().out
+    assert "events 12 (train 9, eval 3), users 4, items 3, 2 shard(s), split each user's last 1 event(s)" in converted
+    data_cli.main(["inspect", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "events 12, users 4, items 3, time 1 .. 12" in out and "task like: 25.00% positive" in out
+    assert "            4-7 | " in out and (tmp_path / "out" / "length_histogram.png").exists()
+
+
+def test_cli_refuses_bad_input_with_exit_2(tmp_path, capsys):
+    (tmp_path / "log.csv").write_text(LOG + "u5,a,13,1\n")
+    with pytest.raises(SystemExit) as exit:
+        data_cli.main(["convert", str(tmp_path / "log.csv"), "--out", str(tmp_path / "out"), *FLAGS])
+    assert exit.value.code == 2
+    assert "line 14: wrong number of fields: 4 fields, the header has 6" in capsys.readouterr().err
+    data_cli.main(["convert", str(tmp_path / "log.csv"), "--out", str(tmp_path / "out"), *FLAGS, "--on-bad-row", "skip", "--quiet"])
+    assert "skipped 1 row(s) of" in capsys.readouterr().out
