@@ -41,6 +41,7 @@ def _feature_module(feature: CategoricalFeature, dim: int, rngs: nnx.Rngs, dtype
 
 def _pool(feature: CategoricalFeature, module: EmbeddingTable | nnx.Linear, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """int32 `[B, max_values]` ids -> `[B, d]` in `dtype`, as `feature.pooling` says (`gem_jax.batch.Pooling`)."""
+    ids = jnp.asarray(ids)
     if feature.pooling is Pooling.MULTI_HOT:
         b = ids.shape[0]
         hot = jnp.zeros((b, feature.vocab_size), jnp.float32).at[jnp.arange(b)[:, None], ids].set(1.0, mode="drop")[:, 1:]
