@@ -4,13 +4,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
+
+
+class _ConfigFields(argparse.Action):
+    """`--help-config`: prints every config field with its type and default, then exits (imports the config schema)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from gem_jax.train import config_tree
+        from gem_jax.train.config import TrainConfig
+
+        print("config fields for --set (path: type = default of the schema; a config file sets its own):")
+        print("\n".join(f"  {line}" for line in config_tree.override_help(TrainConfig)))
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
-    from gem_jax.train import config_tree
-    from gem_jax.train.config import TrainConfig
-
-    fields = "\n".join(f"  {line}" for line in config_tree.override_help(TrainConfig))
+    # Nothing here imports jax or the train stack: `gem-train --help` answers at once.
     return argparse.ArgumentParser(
         prog="gem-train",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -20,29 +35,39 @@ def _parser() -> argparse.ArgumentParser:
             "GEM_COORDINATOR_ADDRESS / GEM_NUM_PROCESSES / GEM_PROCESS_ID (scripts/launch_slurm.sh)."
         ),
         epilog=(
-            "config fields for --set (path: type = default of the schema; a config file sets its own):\n"
-            f"{fields}\n\n"
+            "gem-train --help-config lists every config field --set takes, with its type and default.\n\n"
             "example: gem-train --config configs/movielens.py --workdir runs/lr --set optim.learning_rate=3e-3 loop.num_steps=800\n\n"
+            "outputs in WORKDIR: metrics.jsonl (train, eval and summary records; the summary splits the wall time from "
+            "process start into start-up, train steps, data waits, eval, checkpoints, restore and compiles, and gives "
+            "goodput = train-step time / wall time), tensorboard/, checkpoints/, run.json.\n\n"
             "SIGTERM, SIGINT and SIGUSR1 stop after the current step with a checkpoint (a second signal aborts).\n"
-            "exit status: 0 done; 2 refused (bad arguments or config, workdir in use or holding another run, "
-            "corrupt checkpoint with --no-fallback, processes holding different data sets); 3 the loss diverged (NaN/Inf); 75 stopped by a signal, "
+            "exit status: 0 the run is finished (or --dry-run); 2 refused (bad arguments or config, workdir in use or holding another run, "
+            "corrupt checkpoint with --no-fallback, processes holding different data sets, checkpoints that cannot fit on their "
+            "disk); 3 the loss diverged (NaN/Inf); 4 a checkpoint could not be written (e.g. the disk filled up: the last "
+            "good checkpoint stays intact, the summary says what was saved; free space and run the same command again); "
+            "75 stopped before loop.num_steps, by a signal or by --stop-after-steps, with a checkpoint: "
             "run the same command again to resume"
         ),
     )
 
 
 def train_main(argv: list[str] | None = None) -> None:
-    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N] [--compile-cache DIR|off] [--no-fallback]`."""
+    """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N] [--compile-cache DIR|off] [--no-fallback] [--dry-run]`."""
     parser = _parser()
+    parser.add_argument("--help-config", action=_ConfigFields, help="list the config fields --set takes, with types and defaults, and exit")
     parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard logs and run.json")
     parser.add_argument(
         "--set", nargs="+", default=[], metavar="PATH=VALUE", dest="overrides",
-        help="override config fields, e.g. --set loop.num_steps=3 model.embed_dim=128 (see the list below)",
+        help="override config fields, e.g. --set loop.num_steps=3 model.embed_dim=128 (see --help-config)",
     )
     parser.add_argument("--force-new", action="store_true", help="start a new run even if the workdir holds another (it is moved to previous_runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the default when stdout is not a terminal)")
-    parser.add_argument("--stop-after-steps", type=int, default=None, help="stop (with a checkpoint) after N steps of this run")
+    parser.add_argument(
+        "--stop-after-steps", type=int, default=None, metavar="N",
+        help="stop after N steps of this start with a checkpoint, as a preemption does: exit status 75 while the run "
+        "is not finished (run the command again to go on), 0 once it is",
+    )
     parser.add_argument(
         "--compile-cache", default=None, metavar="DIR|off",
         help="jax's persistent compilation cache (default: $GEM_COMPILE_CACHE_DIR, else WORKDIR/jax_cache; 'off': none)",
@@ -50,6 +75,11 @@ def train_main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-fallback", action="store_true",
         help="refuse to start when the newest checkpoint is corrupt (default: move it aside, resume from the newest intact one)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="print the resolved config, the data set, the token capacities the run compiles and the checkpoint size, "
+        "then exit without compiling or training",
     )
     args = parser.parse_args(argv)
 
@@ -59,17 +89,22 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.model.config import describe_attention
     from gem_jax.parallel import distributed
     from gem_jax.parallel.distributed import ProcessMismatchError
-    from gem_jax.train import compile_cache, config_tree
+    from gem_jax.train import compile_cache, config_tree, goodput
     from gem_jax.train.config import load_config
+    from gem_jax.train.checkpoint import CheckpointWriteError
+    from gem_jax.train.disk_space import CheckpointSpaceError
     from gem_jax.train.divergence import NonFiniteLossError
     from gem_jax.train.integrity import CorruptCheckpointError
-    from gem_jax.train.loop import train_and_evaluate
+    from gem_jax.train.loop import dry_run, train_and_evaluate
     from gem_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
     from gem_jax.train.remat_plan import RematBudgetError
     from gem_jax.train.run_record import RunMismatchError
     from gem_jax.train.workdir_lock import WorkdirLockedError
     from pallas_kernels import ImplementationUnavailableError
 
+    # The run's clock starts with the process (`goodput.process_start_time`): the imports above count.
+    chrono = goodput.Chrono(goodput.process_start_time())
+    setup_began = time.perf_counter()
     try:
         config = config_tree.apply_overrides(load_config(args.config), args.overrides)
     except (FileNotFoundError, TypeError, ValueError) as error:  # ConfigError and ConfigFileError are ValueErrors
@@ -89,21 +124,26 @@ def train_main(argv: list[str] | None = None) -> None:
     except (ImplementationUnavailableError, ValueError) as error:  # e.g. "pallas" asked for on a machine without a Hopper GPU
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    chrono.add(goodput.SETUP, time.perf_counter() - setup_began)  # config, compile cache, devices
     try:
-        train_and_evaluate(
+        if args.dry_run:
+            dry_run(config, args.workdir)
+            return
+        summary = train_and_evaluate(
             config,
             args.workdir,
             stop_after_steps=args.stop_after_steps,
             force_new=args.force_new,
             progress=False if args.no_progress else None,
             fallback=not args.no_fallback,
+            chrono=chrono,
         )
     except Preempted as error:
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
     except (
         RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError,
-        ProcessMismatchError, RematBudgetError,
+        ProcessMismatchError, RematBudgetError, CheckpointSpaceError,
     ) as error:
         # refused: the run, the workdir, the data set or the memory budget is not usable as given,
         # or the processes hold different data (the message says why)
@@ -112,7 +152,12 @@ def train_main(argv: list[str] | None = None) -> None:
     except NonFiniteLossError as error:
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(3)
-
+    except CheckpointWriteError as error:  # the summary of what was saved is printed; restart once the disk has room
+        print(f"gem-train: {error}", file=sys.stderr, flush=True)
+        sys.exit(CHECKPOINT_WRITE_EXIT_CODE)
+    if not summary["finished"]:  # --stop-after-steps: stopped like a preemption, the run goes on when started again
+        print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); run the same command again to resume", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 if __name__ == "__main__":
     train_main()

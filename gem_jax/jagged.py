@@ -231,8 +231,8 @@ class TokenBuckets:
     def fine_capacities(self, batch_size: int) -> tuple[int, ...]:
         """The fine part of `capacities(batch_size)`: those that hold the batches within `sigmas` standard deviations.
 
-        A jitted step compiles once for each capacity its batches take, so this is about how many
-        compiles a run's steady state costs (the coarse capacities serve rare batches).
+        Each capacity a run's batches take is a program compiled before its first step, so this is
+        about how many programs a run's steady state costs (the coarse capacities serve rare batches).
 
         Raises:
           ValueError: `batch_size < 1`.

@@ -130,7 +130,7 @@ def check_gem_train(args, monkeypatch):
         assert done.value.code == 0
         return
     trained = []
-    monkeypatch.setattr(gem_jax.train.loop, "train_and_evaluate", lambda config, workdir, **_: trained.append((config, workdir)))
+    monkeypatch.setattr(gem_jax.train.loop, "train_and_evaluate", lambda config, workdir, **_: trained.append((config, workdir)) or {"finished": True})
     train_main(args[1:])
     (config, workdir), = trained
     assert workdir == args[args.index("--workdir") + 1]

@@ -290,12 +290,13 @@ class Dataset:
         local = LocalBatchBuilder(self.train_batch, self.train_lengths, self.batch_size, shard)
         return iter(self.train_indices(seed, num_epochs).map(local).to_iter_dataset(self._read_options()))
 
-    def _eval_indices(self) -> grain.MapDataset:
+    def eval_indices(self) -> grain.MapDataset:
+        """grain `MapDataset` of the example indices (int64 `[<= B]`) of each eval batch, in `eval_batches()`'s order."""
         return ShuffledBatchIndices(self.info.num_eval_examples, self.batch_size, None, 1)
 
     def eval_batches(self) -> Iterator[Batch]:
         """Every eval example exactly once, in a fixed order; the last batch padded."""
-        return iter(self._eval_indices().map(self.eval_batch).to_iter_dataset(self._read_options()))
+        return iter(self.eval_indices().map(self.eval_batch).to_iter_dataset(self._read_options()))
 
     def local_eval_batches(self, shard: BatchShard) -> Iterator[LocalBatch]:
         """This process's parts of `eval_batches()`: `num_eval_batches` `LocalBatch`es on every process.
@@ -304,7 +305,7 @@ class Dataset:
           ValueError: `shard.num_chunks` does not divide B.
         """
         local = LocalBatchBuilder(self.eval_batch, self.eval_lengths, self.batch_size, shard)
-        return iter(self._eval_indices().map(local).to_iter_dataset(self._read_options()))
+        return iter(self.eval_indices().map(local).to_iter_dataset(self._read_options()))
 
     def item_mean_label(self, task: int = 0) -> np.ndarray:
         """float32 `[num_items]`: the item-popularity baseline score of each candidate item for task column `task`."""
@@ -403,7 +404,7 @@ def describe_capacities(buckets: TokenBuckets, per_device: int) -> str:
     rows = f"{len(fine)} token capacities of {fine[0]:,} to {fine[-1]:,} rows" if len(fine) > 1 else f"1 token capacity of {fine[0]:,} rows"
     return (
         f"{rows} per device hold a batch within {buckets.sigmas:g} standard deviations of its expected "
-        f"{per_device * buckets.mean_length:,.0f} rows; the train step compiles once for each capacity a batch takes "
+        f"{per_device * buckets.mean_length:,.0f} rows; the train and eval steps are compiled for each capacity the run's batches take "
         f"(DataConfig.capacity_step={buckets.step:g}: a larger step compiles fewer shapes and leaves more slack)"
     )
 

@@ -184,3 +184,21 @@ def wait_for_processes(name: str) -> None:
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices(name)
+
+
+def wait_at_barrier(name: str, timeout_s: float = 3600.0) -> None:
+    """Returns once every process of the run has called it with `name`; at once in a single process.
+
+    A barrier of jax's coordination service, not a device collective: a process may arrive
+    up to `timeout_s` after another (gloo, the CPU collectives, gives up after 30 s), e.g.
+    after compiling its programs for longer. jax has no public call for it (jax 0.11:
+    `jax._src.distributed.global_state.client`).
+
+    Raises:
+      RuntimeError (from jax's coordination service): some process did not arrive in time.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed
+
+    jax_distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))

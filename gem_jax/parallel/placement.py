@@ -127,6 +127,19 @@ class BatchPlacement:
         sharding = self.sharding
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, (self.num_shards,) + x.shape[1:]), stacked)
 
+    def abstract(self, batch: Batch, capacity: int) -> Batch:
+        """The stacked `Batch` that `put` gives for a batch shaped like `batch`, at token capacity `capacity`,
+        as `jax.ShapeDtypeStruct`s with `sharding`: history values `[D, capacity, F]`, the rest as `put`'s.
+
+        For compiling a step ahead of time (`jax.jit(...).lower(...)`) for each capacity.
+        `batch` is a whole global host batch (numpy leaves); only its shapes and dtypes count.
+        """
+        stacked = stack_batch(batch, self.num_shards, self.buckets)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self.sharding), stacked)
+        values = abstract.history.values
+        values = jax.ShapeDtypeStruct((values.shape[0], capacity, *values.shape[2:]), values.dtype, sharding=values.sharding)
+        return dataclasses.replace(abstract, history=abstract.history.replace_values(values))
+
     def put(self, batch: Batch) -> Batch:
         """Host `Batch` (the whole global batch, on every process) -> stacked `Batch` of global `jax.Array`s.
 
@@ -137,7 +150,7 @@ class BatchPlacement:
         chunks = np.asarray(self.shard.chunks)
         return self._assemble(jax.tree.map(lambda x: x[chunks], stacked))
 
-    def put_local(self, local: LocalBatch) -> Batch:
+    def put_local(self, local: LocalBatch, capacity: int | None = None) -> Batch:
         """This process's part of a global batch -> stacked `Batch` of global `jax.Array`s on the mesh.
 
         Every process passes its own part of the same global batch: history values
@@ -145,6 +158,10 @@ class BatchPlacement:
         capacity holding the fullest chunk of the global batch, from `local.lengths`),
         offsets `[D, B/D + 1]`, per-example arrays `[D, B/D, ...]`; device d holds
         chunk d. With a whole shard the result equals `put(local.batch)`.
+
+        `capacity` (one of the buckets' capacities, at least the fullest chunk's rows)
+        places the batch at that `T_local` instead: every eval batch at one shape, so
+        the eval step is one program.
 
         Raises:
           ValueError: `local.shard` is not this process's shard, or its batch
@@ -154,7 +171,12 @@ class BatchPlacement:
         if local.shard != self.shard:
             raise ValueError(f"a local batch of chunks {local.shard} was given to the process holding chunks {self.shard}")
         rows = local.chunk_rows()
-        stacked = stack_batch(local.batch, len(self.shard.chunks), self.buckets, fullest_rows=int(rows.max()))
+        fullest = int(rows.max())
+        if capacity is not None:
+            if capacity < fullest or capacity not in self.buckets.capacities(local.global_batch_size // self.num_shards):
+                raise ValueError(f"token capacity {capacity} is not a capacity of these buckets holding the fullest chunk's {fullest} rows")
+            fullest = capacity
+        stacked = stack_batch(local.batch, len(self.shard.chunks), self.buckets, fullest_rows=fullest)
         built = np.asarray(stacked.history.offsets)[:, -1]
         if not np.array_equal(built, rows[list(self.shard.chunks)]):
             raise ValueError(

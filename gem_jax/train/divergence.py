@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -37,11 +38,14 @@ class FiniteTracker:
     """Accumulates on the device whether every step so far had a finite loss and gradient norm."""
 
     def __init__(self):
-        self._all_finite = jnp.array(True)
-        self._first_bad = jnp.array(-1, jnp.int32)
+        self._all_finite = self._first_bad = None
 
     def update(self, step: int, metrics: dict) -> None:
         """Folds in step `step` (1-based) from the train step's `loss` and `grad_norm` metrics."""
+        if self._all_finite is None:  # placed like the metrics, so that `_fold` compiles once, at the first step
+            sharding = metrics["loss"].sharding
+            self._all_finite = jax.device_put(np.array(True), sharding)
+            self._first_bad = jax.device_put(np.array(-1, np.int32), sharding)
         self._all_finite, self._first_bad = _fold(self._all_finite, self._first_bad, metrics["loss"], metrics["grad_norm"], jnp.int32(step))
 
     def check(self, last_good: str) -> None:
@@ -53,7 +57,7 @@ class FiniteTracker:
         Raises:
           NonFiniteLossError: naming the first non-finite step and `last_good`.
         """
-        if bool(self._all_finite):
+        if self._all_finite is None or bool(self._all_finite):
             return
         step = int(self._first_bad)
         raise NonFiniteLossError(

@@ -115,6 +115,23 @@ class ExecutableCache:
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
+    def path(self, name: str, abstract_args: tuple, job: Any) -> Path | None:
+        """Where program `name` over `abstract_args` of `job` is kept (`program_key`); None without a directory."""
+        return None if self.directory is None else self.directory / f"{program_key(name, job, abstract_args)}.bin"
+
+    @staticmethod
+    def load(path: Path | None) -> jax.stages.Compiled | None:
+        """The program kept at `path`, or None when there is none; an unreadable entry is reported and removed."""
+        if path is None or not path.exists():
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as error:  # a truncated or foreign file: recompile and replace it
+            print(f"gem-train: cached program {path} is unreadable ({type(error).__name__}: {error}); compiling it again", file=sys.stderr, flush=True)
+            path.unlink(missing_ok=True)
+            return None
+
     def compile(self, name: str, jitted: Callable, abstract_args: tuple, job: Any) -> tuple[jax.stages.Compiled, CompileReport]:
         """The compiled `jitted(*abstract_args)`: loaded when cached, else lowered, compiled and stored.
 
@@ -127,27 +144,24 @@ class ExecutableCache:
         Returns:
           `(compiled, report)`.
         """
-        path = None if self.directory is None else self.directory / f"{program_key(name, job, abstract_args)}.bin"
-        if path is not None and path.exists():
-            start = time.perf_counter()
-            try:
-                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-                compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-                return compiled, CompileReport(name, "loaded", compile_s=time.perf_counter() - start)
-            except Exception as error:  # a truncated or foreign file: recompile and replace it
-                print(f"gem-train: cached program {path} is unreadable ({type(error).__name__}: {error}); compiling it again", file=sys.stderr, flush=True)
-                path.unlink(missing_ok=True)
+        path = self.path(name, abstract_args, job)
+        start = time.perf_counter()
+        compiled = self.load(path)
+        if compiled is not None:
+            return compiled, CompileReport(name, "loaded", compile_s=time.perf_counter() - start)
         start = time.perf_counter()
         lowered = jitted.lower(*abstract_args)
         lowered_at = time.perf_counter()
         compiled = lowered.compile()
         report = CompileReport(name, "compiled", lower_s=lowered_at - start, compile_s=time.perf_counter() - lowered_at)
-        if path is not None:
-            report.note = self._store(path, compiled)
+        report.note = self.store(path, compiled)
         return compiled, report
 
     @staticmethod
-    def _store(path: Path, compiled: jax.stages.Compiled) -> str:
+    def store(path: Path | None, compiled: jax.stages.Compiled) -> str:
+        """Keeps `compiled` at `path` (atomically); returns why it was not stored, else ""."""
+        if path is None:
+            return ""
         try:
             payload = pickle.dumps(serialize_executable.serialize(compiled))
         except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as error:

@@ -1,33 +1,38 @@
-"""The training loop: sharded state, jitted steps, eval, checkpoints, metrics, MFU."""
+"""The training loop: each step reads as data, step, log, checkpoint, eval; time goes to `gem_jax.train.goodput`.
+
+Before the first step every train and eval program the run takes is compiled
+(`gem_jax.train.programs`); a `Chrono` owns the run's time, a `TrainWindow` the
+metrics between two train records (`gem_jax.train.window`).
+"""
 
 from __future__ import annotations
 
-import math
+import json
 import sys
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
 from gem_jax.batch import validate_ids
-from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
 from gem_jax.data.pipeline import describe_capacities, load_dataset
 from gem_jax.model import flops as flops_lib
-from gem_jax.nn.embeddings import check_lookup_stats
-from gem_jax.parallel.distributed import check_processes_agree, wait_for_processes
-from gem_jax.train import run_record
-from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.parallel.distributed import check_processes_agree, wait_at_barrier, wait_for_processes
+from gem_jax.train import config_tree, disk_space, goodput, run_record
+from gem_jax.train.checkpoint import Checkpointer, CheckpointWriteError
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.divergence import FiniteTracker
+from gem_jax.train.executable_cache import ExecutableCache
 from gem_jax.train.metric_log import MetricLogger, train_line
 from gem_jax.train.optimizer import learning_rate_schedule
 from gem_jax.train.preemption import Preempted, StopSignals
+from gem_jax.train.programs import Programs, compile_programs, planned_capacities
 from gem_jax.train.setup import setup_training
+from gem_jax.train.window import TrainWindow
 from gem_jax.train.workdir_lock import WorkdirLock
+from gem_jax.units import format_bytes
 
 
 def train_and_evaluate(
@@ -38,6 +43,7 @@ def train_and_evaluate(
     force_new: bool = False,
     progress: bool | None = None,
     fallback: bool = True,
+    chrono: goodput.Chrono | None = None,
 ) -> dict:
     """Trains `config` in `workdir`, resuming from its latest intact checkpoint if any.
 
@@ -57,9 +63,14 @@ def train_and_evaluate(
       fallback: when the newest checkpoint is corrupt, move it to
         `workdir/corrupt_checkpoints/` and resume from the newest intact one
         (False: refuse).
+      chrono: the run's clock (default: one started now; `gem-train` passes one started
+        at the process's start, so that the imports count).
 
     Returns:
-      The final summary record (eval metrics, baseline AUC, throughput).
+      The final summary record (eval metrics, baseline AUC, throughput, and where the
+      wall time went: `time_<bucket>_s`, `wall_s`, `goodput`, `compiles_after_start`;
+      `gem_jax.train.goodput`). A run stopped by `stop_after_steps` before
+      `loop.num_steps` returns it with `finished` False.
 
     In a multi-process run every process calls it with the same arguments; each
     builds only its devices' part of every batch (`gem_jax.data.shard`), and process
@@ -79,18 +90,23 @@ def train_and_evaluate(
       Preempted: a stop signal arrived; the checkpoint of the last finished step is saved.
     """
     workdir = Path(workdir)
-    with WorkdirLock(workdir, jax.process_index()), StopSignals() as signals:
-        return _train(config, workdir, signals, stop_after_steps, force_new, progress, fallback)
+    chrono = goodput.Chrono() if chrono is None else chrono
+    try:
+        with WorkdirLock(workdir, jax.process_index()), StopSignals() as signals:
+            return _train(config, workdir, signals, chrono, stop_after_steps, force_new, progress, fallback)
+    finally:
+        chrono.close()
 
 
-def _train(config, workdir, signals, stop_after_steps, force_new, progress, fallback) -> dict:
+def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progress, fallback) -> dict:
     if force_new:
         # The workdir is shared: process 0 moves the earlier run, the others wait until it has.
         moved = run_record.start_new_run(workdir) if jax.process_index() == 0 else None
         wait_for_processes("gem-train --force-new")
         if moved:
             print(f"gem-train: the earlier run in {workdir} was moved to {moved}")
-    dataset = load_dataset(config.data)
+    with chrono.measure(goodput.DATA):
+        dataset = load_dataset(config.data)
     print(dataset.info.summary(), flush=True)
     identity = dataset.info.identity()
     # Before any step: processes with different data would build different global batches or run
@@ -101,20 +117,18 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
     primary = jax.process_index() == 0  # writes the run record and the metrics of the shared workdir
     run_record.check_run(workdir, run_record.make_record(config, identity, dataset.spec), has_checkpoints=has_checkpoints, write=primary)
     checkpointer = Checkpointer(checkpoint_dir, config.checkpoint)
-    logger, progress_bar = None, None
+    logger, progress_bar, write_error = None, None, None
     try:
         run_record.check_num_steps(config.loop.num_steps, checkpointer.latest_step(), checkpoint_dir)
-        training, state = setup_training(config, dataset=dataset)
-        if training.remat_plan is not None:
-            print(f"gem-train: rematerialization plan\n{training.remat_plan.table()}", flush=True)
-        dataset, setup, workload, sharding = training.dataset, training.state, training.workload, training.placement
-        for line in training.describe_exchanges():
+        with chrono.measure(goodput.INIT):  # a resumed run restores its state instead of initialising it
+            training, state = setup_training(config, dataset=dataset, init_state=checkpointer.latest_step() is None)
+        _describe(training)
+        for line in checkpointer.preflight(training.state.abstract):  # refuses a run whose checkpoints cannot fit
             print(f"gem-train: {line}", flush=True)
-        spec = dataset.spec
-        num_shards = training.mesh.devices.size
-        print(f"gem-train: {describe_capacities(dataset.token_buckets, training.per_device_batch)}", flush=True)
-        train_iter = dataset.local_train_iterator(sharding.shard)
-        restored = checkpointer.restore_latest(setup.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
+        dataset = training.dataset
+        train_iter = dataset.local_train_iterator(training.placement.shard)
+        with chrono.measure(goodput.RESTORE):
+            restored = checkpointer.restore_latest(training.state.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
         start = 0
         if restored:
             start, state = restored
@@ -123,134 +137,216 @@ def _train(config, workdir, signals, stop_after_steps, force_new, progress, fall
             else:
                 print(f"gem-train: resuming from step {start} ({checkpointer.step_path(start)})", flush=True)
 
-        peak = flops_lib.peak_flops()
-        train_step = training.train_step
+        num_steps = config.loop.num_steps
+        last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
+        trains = start < last_step  # False for a finished run started again: it only re-reports
         learning_rate = learning_rate_schedule(config.optim)
-        finite = FiniteTracker()
+        programs = _compile_programs(training, range(start, last_step), last_step, chrono, learning_rate)
 
         def last_good() -> str:
             step = checkpointer.latest_step()
             return f"step {step} ({checkpointer.step_path(step)})" if step is not None else "none (no checkpoint was written)"
 
-        num_steps = config.loop.num_steps
-        last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
-        trains = start < last_step  # False for a finished run started again: it only re-reports
+        peak = flops_lib.peak_flops()
+        finite = FiniteTracker()
+        window = TrainWindow(training.workload, training.mesh.devices.size, dataset.task_names, training.state.plan.tables, peak)
         logger = MetricLogger(workdir, resume_step=start, write=primary) if trains else None
-        window_metrics, window_flops, window_examples, window_imbalance, window_slack = [], 0.0, 0, [], []
-        window_start, train_seconds, train_flops, train_examples = time.perf_counter(), 0.0, 0.0, 0
         record: dict = {}
+        steady = {"seconds": 0.0, "flops": 0.0, "examples": 0}  # every log window after the run's first
+        window_start, window_time = chrono.snapshot(), chrono.wall()
         progress_bar = tqdm(total=num_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not (sys.stdout.isatty() if progress is None else progress))
         done, stopped = start, False
-        for step in range(start, last_step):
-            if signals.stop_requested():
-                stopped = True
-                break
-            local = next(train_iter)  # this process's part of the global batch
-            validate_ids(local.batch, spec, where=f"train batch {step}")
-            real, all_lengths = local.real, local.lengths  # of the global batch
-            lengths = all_lengths[real]
-            window_flops += workload.total(lengths)
-            window_examples += local.num_real
-            # Balance across the devices' contiguous chunks; slack: 1 - real rows / placed rows (D x T_local).
-            window_imbalance.append(load_imbalance(shard_loads(workload(all_lengths) * real, num_shards)))
-            placed = sharding.put_local(local)
-            window_slack.append(padding_waste(lengths, math.prod(placed.history.values.shape[:-1])))
-            state, step_metrics = train_step(state, placed)
-            window_metrics.append(step_metrics)
-            done = step + 1
-            finite.update(done, step_metrics)
-            if done % config.loop.log_every == 0 or done == last_step:
-                finite.check(last_good())
-                fetched = jax.device_get(window_metrics)
-                elapsed = time.perf_counter() - window_start
-                record = _train_record(fetched, dataset.task_names, elapsed, window_flops, window_examples, peak)
-                record.update(
-                    learning_rate=float(learning_rate(done - 1)),
-                    load_imbalance_mean=float(np.mean(window_imbalance)),
-                    load_imbalance_max=float(np.max(window_imbalance)),
-                    slack_fraction=float(np.mean(window_slack)),
-                )
-                for offset, step_metrics in enumerate(fetched):
-                    check_lookup_stats(step_metrics, setup.plan.tables, where=f"train step {done - len(fetched) + offset + 1}")
-                record.update(_lookup_counters(fetched))
-                logger.log(done, "train", record)
-                progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
-                tqdm.write(train_line(done, record, dataset.task_names))
-                if done - len(fetched) > start:  # the run's first window holds the compile: not steady state
-                    train_seconds += elapsed
-                    train_flops += window_flops
-                    train_examples += window_examples
-                window_metrics, window_flops, window_examples, window_imbalance, window_slack = [], 0.0, 0, [], []
-                window_start = time.perf_counter()
-            if checkpointer.should_save(done):
-                finite.check(last_good())
-                checkpointer.save(done, state, train_iter)
-            if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
-                eval_record = training.evaluate(state.params)
-                logger.log(done, "eval", eval_record)
-                tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
-                window_start = time.perf_counter()
-            progress_bar.update(1)
+        try:
+            for step in range(start, last_step):
+                if signals.stop_requested():
+                    stopped = True
+                    break
+                with chrono.measure(goodput.DATA_WAIT):
+                    local = next(train_iter)  # this process's part of the global batch
+                with chrono.measure(goodput.TRAIN_STEP):
+                    validate_ids(local.batch, dataset.spec, where=f"train batch {step}")
+                    placed = training.placement.put_local(local)
+                    state, step_metrics = programs.train_step(state, placed)
+                    window.add(local, placed, step_metrics)
+                    done = step + 1
+                    finite.update(done, step_metrics)
+                if done % config.loop.log_every == 0 or done == last_step:
+                    with chrono.measure(goodput.TRAIN_STEP):  # the window's steps finish here: asynchronous dispatch
+                        finite.check(last_good())
+                        fetched, window_flops, window_examples = window.fetch(), window.flops, window.examples
+                    seconds = {k: v - window_start[k] for k, v in chrono.snapshot().items()}
+                    step_seconds = seconds[goodput.TRAIN_STEP] + seconds[goodput.DATA_WAIT]
+                    with chrono.measure(goodput.LOGGING):
+                        record = window.record(fetched, done, step_seconds, float(learning_rate(done - 1)))
+                        wall = chrono.wall()
+                        record.update(
+                            time_steps_s=step_seconds,
+                            data_wait_s=seconds[goodput.DATA_WAIT],
+                            window_goodput=seconds[goodput.TRAIN_STEP] / (wall - window_time),
+                            goodput=chrono.seconds()[goodput.TRAIN_STEP] / wall,
+                        )
+                        logger.log(done, "train", record)
+                        progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
+                        tqdm.write(train_line(done, record, dataset.task_names))
+                    if done - len(fetched) > start:  # the run's first window holds the first steps' start-up: not steady state
+                        steady["seconds"] += step_seconds
+                        steady["flops"] += window_flops
+                        steady["examples"] += window_examples
+                    window_start, window_time = chrono.snapshot(), chrono.wall()
+                if checkpointer.should_save(done):
+                    with chrono.measure(goodput.CHECKPOINT):
+                        finite.check(last_good())
+                        checkpointer.save(done, state, train_iter)
+                if config.loop.eval_every and done % config.loop.eval_every == 0 and done != num_steps:
+                    with chrono.measure(goodput.EVAL):
+                        eval_record = training.evaluate(state.params, eval_step=programs.eval_step, capacity=programs.eval_capacity)
+                    logger.log(done, "eval", eval_record)
+                    tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
+                progress_bar.update(1)
+                if step == start:
+                    chrono.watch_compiles()  # from here on every compile is one the run should not need
 
+            with chrono.measure(goodput.CHECKPOINT):
+                if done and checkpointer.latest_step() != done:
+                    finite.check(last_good())
+                    checkpointer.save(done, state, train_iter, force=True)
+                checkpointer.wait()
+        except CheckpointWriteError as error:  # e.g. the disk filled up: end with a summary of what was saved
+            write_error = error
         final_step = done
-        if final_step and checkpointer.latest_step() != final_step:
-            finite.check(last_good())
-            checkpointer.save(final_step, state, train_iter, force=True)
-        checkpointer.wait()
-        if stopped or signals.stop_requested():
+
+        if write_error is None and (stopped or signals.stop_requested()):
             raise Preempted(final_step, signals.signal_name, last_good())
 
-        summary = {"step": final_step, "finished": final_step == num_steps}
+        summary = {"step": final_step, "finished": final_step == num_steps and write_error is None}
+        if write_error is not None:
+            summary.update(checkpoint_error=str(write_error), last_good_step=write_error.last_good_step)
         eval_keys: set[str] = set()
-        if final_step == num_steps:
-            eval_record = training.evaluate(state.params, baseline=True)
+        if final_step == num_steps and write_error is None:
+            with chrono.measure(goodput.EVAL):
+                eval_record = training.evaluate(state.params, baseline=True, eval_step=programs.eval_step, capacity=programs.eval_capacity)
             eval_keys = set(eval_record)
             summary.update(eval_record)
             if trains:
                 logger.log(final_step, "eval", eval_record)
-        if train_seconds:  # steady state: every log window after the first
-            summary["train_examples_per_s"] = train_examples / train_seconds
-            summary["train_tflops_per_s"] = train_flops / train_seconds / 1e12
+        if steady["seconds"]:
+            summary["train_examples_per_s"] = steady["examples"] / steady["seconds"]
+            summary["train_tflops_per_s"] = steady["flops"] / steady["seconds"] / 1e12
             if peak:
-                summary["mfu"] = train_flops / train_seconds / peak
+                summary["mfu"] = steady["flops"] / steady["seconds"] / peak
         summary.update({k: v for k, v in record.items() if k in ("loss",)})
+        summary.update(checkpointer.report())
+        summary.update(chrono.record())
         if trains:
             logger.log(final_step, "summary", summary, not_in_tensorboard=eval_keys)
     finally:
         if progress_bar is not None:
             progress_bar.close()
-        checkpointer.close()
+        try:
+            checkpointer.close()
+        except CheckpointWriteError:
+            if write_error is None:  # a failure the loop has not reported yet
+                raise
         if logger is not None:
             logger.close()
-    print_summary(summary)
+    print_summary(summary, chrono, outputs(workdir) if trains else {})
+    if "checkpoint_final_write_s" in summary:
+        print(f"gem-train: the final checkpoint took {summary['checkpoint_final_write_s']:.1f} s to write", flush=True)
+    if write_error is not None:
+        raise write_error
     return summary
 
 
-def _lookup_counters(window: list[dict]) -> dict[str, int | float]:
-    """The embedding lookups' `<table>/overflow` and `<table>/out_of_range` counts, summed over the window,
-    and their exchanges' `<table>/sent_rows` and `<table>/sent_bytes`, per step (the window's mean)."""
-    counts = {k: int(sum(int(m[k]) for m in window)) for k in window[0] if k.endswith(("/overflow", "/out_of_range"))}
-    return counts | {k: float(np.mean([m[k] for m in window])) for k in window[0] if k.endswith(("/sent_rows", "/sent_bytes"))}
+def _describe(training) -> None:
+    """The start-up lines about the job: the remat plan, the embedding exchanges, the token capacities."""
+    if training.remat_plan is not None:
+        print(f"gem-train: rematerialization plan\n{training.remat_plan.table()}", flush=True)
+    for line in training.describe_exchanges():
+        print(f"gem-train: {line}", flush=True)
+    print(f"gem-train: {describe_capacities(training.dataset.token_buckets, training.per_device_batch)}", flush=True)
 
 
-def _train_record(window: list[dict], task_names, elapsed: float, flops: float, examples: int, peak: float | None) -> dict:
-    mean = {k: np.mean([np.asarray(m[k]) for m in window], axis=0) for k in ("loss", "grad_norm", "bce", "ne")}
-    record = {"loss": float(mean["loss"]), "grad_norm": float(mean["grad_norm"])}
-    for k, name in enumerate(task_names):
-        record[f"bce_{name}"] = float(mean["bce"][k])
-        record[f"ne_{name}"] = float(mean["ne"][k])
-    record["examples_per_s"] = examples / elapsed
-    record["tflops_per_s"] = flops / elapsed / 1e12
-    if peak:
-        record["mfu"] = flops / elapsed / peak
-    return record
+def _compile_programs(training, train_steps: range, last_step: int, chrono, learning_rate) -> Programs:
+    """Every train and eval program the steps `train_steps` and their evals run, compiled now (`gem_jax.train.programs`)."""
+    loop = training.config.loop
+    periodic = loop.eval_every and any(step % loop.eval_every == 0 and step != loop.num_steps for step in range(train_steps.start + 1, last_step + 1))
+    with chrono.measure(goodput.DATA):
+        train, evals = planned_capacities(training, train_steps, evaluates=bool(periodic) or last_step == loop.num_steps)
+    # Compiled programs beside jax's cache (off with it). Not on the CPU: an XLA:CPU executable loaded in
+    # another process can fail to run ("Function wrapped_broadcast not found", jax 0.11.2).
+    cache = jax.config.jax_compilation_cache_dir if jax.default_backend() != "cpu" else None
+    programs = compile_programs(training, train, evals, chrono=chrono, cache=ExecutableCache(cache) if cache else None)
+    with chrono.measure(goodput.COMPILE):
+        float(learning_rate(max(train_steps.start, 0)))  # the schedule's host-side ops compile on first use
+        wait_at_barrier("gem-train: programs compiled")  # processes finish compiling at different times
+    print(f"gem-train: {programs.describe()}", flush=True)
+    return programs
 
 
-def print_summary(summary: dict) -> None:
-    """Prints the summary record as a two-column table."""
+def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
+    """What `train_and_evaluate(config, workdir)` would run, printed, without compiling, training or writing.
+
+    Prints the resolved config, the data set's summary, the start-up lines about the job
+    (remat plan, exchanges, token capacities), the token capacities of the train programs
+    for the run's steps and of the eval programs, the size of a checkpoint and the disk
+    preflight (`gem_jax.train.disk_space`: whether the kept copies fit).
+
+    Returns:
+      `{"train_capacities", "eval_capacities", "checkpoint_bytes"}` (the last: bytes of the
+      `params` and `opt_state` arrays and of one written `copy`, `gem_jax.train.disk_space`).
+    """
+    print("gem-train: resolved config\n" + json.dumps(config_tree.to_tree(config), indent=2), flush=True)
+    dataset = load_dataset(config.data)
+    print(dataset.info.summary(), flush=True)
+    training, _ = setup_training(config, dataset=dataset, init_state=False)
+    _describe(training)
+    train, evals = planned_capacities(training, range(config.loop.num_steps), evaluates=True)
+    abstract = training.state.abstract
+    sizes = {"params": disk_space.array_bytes(abstract.params), "opt_state": disk_space.array_bytes(abstract.opt_state)}
+    checkpoint_dir = Path(workdir) / "checkpoints"
+    on_disk = sum(1 for p in checkpoint_dir.iterdir() if p.name.isdigit()) if checkpoint_dir.is_dir() else 0
+    plan = disk_space.plan_space(abstract, config.checkpoint.max_to_keep, on_disk, checkpoint_dir)
+    print(
+        f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {list(train)} "
+        f"(the batches of steps 1 to {config.loop.num_steps}), the eval step at {list(evals)}",
+        flush=True,
+    )
+    print(
+        f"gem-train: a checkpoint holds parameters {format_bytes(sizes['params'])}, optimizer state "
+        f"{format_bytes(sizes['opt_state'])} and the data iterator's position; {config.checkpoint.max_to_keep} kept in {checkpoint_dir}",
+        flush=True,
+    )
+    for line in plan.lines():
+        print(f"gem-train: {line}", flush=True)
+    try:
+        plan.check()
+    except disk_space.CheckpointSpaceError as error:
+        print(f"gem-train: the run would be refused: {error}", flush=True)
+    return {"train_capacities": train, "eval_capacities": evals, "checkpoint_bytes": sizes | {"copy": plan.copy_bytes}}
+
+
+def outputs(workdir: Path) -> dict[str, Path]:
+    """Where a run in `workdir` writes: metrics, TensorBoard logs, checkpoints, the run record."""
+    return {
+        "metrics": workdir / "metrics.jsonl",
+        "tensorboard": workdir / "tensorboard",
+        "checkpoints": workdir / "checkpoints",
+        "run record": workdir / run_record.RUN_FILE,
+    }
+
+
+def print_summary(summary: dict, chrono: goodput.Chrono | None = None, written: dict[str, Path] | None = None) -> None:
+    """Prints the summary record as a two-column table (the time split apart, from `chrono`), then where the outputs went."""
     table = Table(title="gem-jax run summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    timing = set(chrono.record()) if chrono is not None else set()
     for key, value in summary.items():
-        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
-    Console().print(table)
+        if key not in timing:
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console = Console()
+    console.print(table)
+    if chrono is not None:
+        print("where the wall time went (from process start):\n  " + "\n  ".join(chrono.table()), flush=True)
+    for name, path in (written or {}).items():
+        print(f"gem-train: {name}: {path}", flush=True)

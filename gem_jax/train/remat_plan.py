@@ -48,7 +48,7 @@ from gem_jax.model.flops import attention_flops
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.remat import RematConfig, RematPolicy
 from gem_jax.nn.layers import EMBEDDING_PARAM
-from gem_jax.parallel.placement import BatchPlacement, stack_batch
+from gem_jax.parallel.placement import BatchPlacement
 from gem_jax.parallel.spmd import ShardedModel
 from gem_jax.pytree import path_keys
 from gem_jax.train.residuals import dot_flops, residual_bytes
@@ -383,17 +383,12 @@ def planning_batch(dataset: Dataset, placement: BatchPlacement) -> tuple[Batch, 
     train batch (int `[B]`), for the attention FLOPs.
     """
     host = dataset.train_batch(range(min(dataset.batch_size, dataset.info.num_train_examples)))
-    num_shards = placement.num_shards
-    per = dataset.batch_size // num_shards
+    per = dataset.batch_size // placement.num_shards
     buckets = dataset.token_buckets
     expected = per * buckets.mean_length + buckets.sigmas * math.sqrt(per) * buckets.std_length
     capacities = buckets.capacities(per)
     capacity = pick_capacity(min(math.ceil(expected), capacities[-1]), capacities)  # never past B/D x max_seq_len
-    stacked = stack_batch(host, num_shards, buckets)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=placement.sharding), stacked)
-    values = abstract.history.values
-    values = jax.ShapeDtypeStruct((values.shape[0], capacity, *values.shape[2:]), values.dtype, sharding=values.sharding)
-    batch = dataclasses.replace(abstract, history=abstract.history.replace_values(values))
+    batch = placement.abstract(host, capacity)
     weights = np.asarray(host.weights) > 0
     return batch, np.diff(np.asarray(host.history.offsets))[weights]
 

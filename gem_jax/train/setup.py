@@ -89,7 +89,7 @@ class Training:
             if placement.generation is not Generation.REPLICATED
         ]
 
-    def evaluate(self, params, *, baseline: bool = False) -> dict[str, float]:
+    def evaluate(self, params, *, baseline: bool = False, eval_step: Callable | None = None, capacity: int | None = None) -> dict[str, float]:
         """Per-task AUC, NE and BCE of `params` over every eval example once.
 
         Each process builds its part of each eval batch (`Dataset.local_eval_batches`);
@@ -100,9 +100,14 @@ class Training:
           params: the sharded parameters.
           baseline: also report the item-mean-label baseline's AUC
             (`baseline_auc_<task>`, `gem_jax.train.baseline`).
+          eval_step: the step to run (default `self.eval_step`; the trainer passes its
+            ahead-of-time compiled `gem_jax.train.programs.Programs.eval_step`).
+          capacity: place every eval batch at this token capacity (`BatchPlacement.put_local`;
+            default: each at the smallest that holds it).
         """
+        eval_step = self.eval_step if eval_step is None else eval_step
         outs = [
-            jax.device_get(self.eval_step(params, self.placement.put_local(local)))
+            jax.device_get(eval_step(params, self.placement.put_local(local, capacity)))
             for local in self.dataset.local_eval_batches(self.placement.shard)
         ]
         out = {key: np.concatenate([o[key] for o in outs]) for key in outs[0]}

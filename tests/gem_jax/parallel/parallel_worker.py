@@ -407,13 +407,15 @@ def process(out: Path, workdir: Path) -> None:
 
 
 class Recorder:
-    """Wraps a batch builder and records the example indices of every call."""
+    """Wraps a batch builder and records the example indices of every call that builds a step's batch
+    (not the shape template of the ahead-of-time compile, `gem_jax.train.programs`, which leaves `batch_size` at B)."""
 
     def __init__(self, build):
         self.build, self.calls = build, []
 
     def __call__(self, indices, batch_size=None):
-        self.calls.append(np.asarray(indices, np.int64).tolist())
+        if batch_size is not None:
+            self.calls.append(np.asarray(indices, np.int64).tolist())
         return self.build(indices, batch_size=batch_size)
 
 
@@ -424,22 +426,6 @@ LOOP_OVERRIDES = [  # 4 devices in 1 or 2 processes; 70 = 32 + 32 + 6 train exam
     "data.bbs.minibatch_size=8",
     "loop.num_steps=3",
 ]
-
-
-class CompiledThenBarrier:
-    """A jitted step compiled ahead of each new input shape, after which every process meets at a barrier
-    (`barrier`: gloo fails a collective that one process reaches 30 s after another)."""
-
-    def __init__(self, step, name: str):
-        self.step, self.name, self.compiled = step, name, {}
-
-    def __call__(self, *args):
-        key = str(jax.tree.map(lambda x: (x.shape, x.dtype), args))
-        if key not in self.compiled:
-            self.compiled[key] = self.step.lower(*args).compile()
-            if jax.process_count() > 1:
-                barrier(f"{self.name}-{len(self.compiled)}")
-        return self.compiled[key](*args)
 
 
 def loop(out: Path, workdir: Path) -> None:
@@ -460,13 +446,7 @@ def loop(out: Path, workdir: Path) -> None:
         recorders.update(train=Recorder(dataset.train_batch), eval=Recorder(dataset.eval_batch))
         return dataclasses.replace(dataset, train_batch=recorders["train"], eval_batch=recorders["eval"])
 
-    def synchronized_setup(*args, **kwargs):
-        training, state = setup_training(*args, **kwargs)
-        steps = {"train_step": CompiledThenBarrier(training.train_step, "train"), "eval_step": CompiledThenBarrier(training.eval_step, "eval")}
-        return dataclasses.replace(training, **steps), state
-
-    setup_training = loop_lib.setup_training
-    loop_lib.load_dataset, loop_lib.setup_training = recording_load, synchronized_setup
+    loop_lib.load_dataset = recording_load
     summary = loop_lib.train_and_evaluate(config, workdir, progress=False)
     out.write_text(
         json.dumps(

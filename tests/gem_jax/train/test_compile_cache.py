@@ -1,5 +1,6 @@
 """The persistent compilation cache of gem-train: where it goes, and that a second process hits it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -47,3 +48,31 @@ def test_second_process_loads_the_executable_from_the_cache(repo_root, tmp_path)
     assert run().stdout.split()[-1] == "0"  # cold: compiled and stored
     assert any(Path(tmp_path / "cache").iterdir())
     assert int(run().stdout.split()[-1]) >= 1  # warm: loaded
+
+
+# gem-train in a fresh process, counting the persistent cache's hits and misses and the programs compiled.
+JOB = """
+import collections, json, sys
+import jax
+from gem_jax.cli import train_main
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda event, **kw: events.update([event.rsplit("/", 1)[-1]]) if "compilation_cache/cache_" in event else None)
+train_main(sys.argv[1:])
+print("COUNTS " + json.dumps(events))
+"""
+
+
+def test_a_second_start_of_the_same_run_compiles_nothing(repo_root, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "JAX_PLATFORMS": "cpu"}
+    args = ["--config", str(repo_root / "configs" / "gem_h200_tiny.py"), "--workdir", str(tmp_path / "run"), "--compile-cache", str(tmp_path / "cache"), "--no-progress"]
+
+    def start(*extra):
+        out = subprocess.run([sys.executable, "-c", JOB, *args, *extra], env=env, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.rsplit("COUNTS ", 1)[1]), out
+
+    cold, cold_out = start()
+    warm, warm_out = start("--force-new")  # the same run from its start: every program again
+    assert cold.get("cache_misses", 0) >= 2  # at least the train and eval steps were compiled and stored
+    assert "compiled 2 programs before the first step" in cold_out and "compiled 2 programs before the first step" in warm_out
+    assert warm.get("cache_misses", 0) == 0, warm  # every program's key is the same in a new process
+    assert warm.get("cache_hits", 0) >= cold["cache_misses"]

@@ -86,7 +86,12 @@ def test_cli_help_lists_the_fields_and_rejects_bad_overrides(repo_root, capsys):
         train_main(["--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "--set" in out and "model.embed_dim: int = 64" in out and "loop.num_steps" in out
+    assert "--set" in out and "--help-config" in out and "--dry-run" in out
+    with pytest.raises(SystemExit) as done:
+        train_main(["--help-config"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "model.embed_dim: int = 64" in out and "loop.num_steps" in out
     with pytest.raises(SystemExit) as done:
         train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", "/nonexistent", "--set", "model.embed_dim=x"])
     assert done.value.code == 2

@@ -1,13 +1,16 @@
 """The trainer under divergence, corrupt checkpoints, a held workdir, a lowered num_steps; the logs of a resumed run."""
 
+import errno
 import json
 
 import jax
 import numpy as np
 import pytest
+from orbax.checkpoint._src.serialization import serialization
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from gem_jax.train import config_tree, integrity, load_params
+from gem_jax.train.checkpoint import Checkpointer, CheckpointWriteError
 from gem_jax.train.config import load_config
 from gem_jax.train.divergence import NonFiniteLossError
 from gem_jax.train.loop import train_and_evaluate
@@ -37,10 +40,13 @@ def test_divergence_names_the_step_and_no_later_checkpoint_is_written(tiny_confi
         train_and_evaluate(config, tmp_path)
     bad = error.value.step
     assert 1 < bad <= 6
+    # The newest saved step survives rotation; nothing after it is saved. Saves due while the previous
+    # one still writes are deferred, so it need not be step bad - 1.
     steps = _steps(tmp_path)
-    assert steps == [bad - 1]  # the newest finite step survives rotation; nothing after it is saved
-    assert f"Last good checkpoint: step {bad - 1} ({tmp_path.absolute() / 'checkpoints' / str(bad - 1)})" in str(error.value)
-    assert integrity.verify(tmp_path / "checkpoints" / str(bad - 1)) == []  # closed cleanly: its manifest is written
+    assert len(steps) == 1 and steps[0] < bad
+    good = steps[0]
+    assert f"Last good checkpoint: step {good} ({tmp_path.absolute() / 'checkpoints' / str(good)})" in str(error.value)
+    assert integrity.verify(tmp_path / "checkpoints" / str(good)) == []  # closed cleanly: its manifest is written
     params = load_params(tmp_path).params
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(params))
     assert not (tmp_path / ".lock.0").exists()
@@ -93,3 +99,40 @@ def test_held_workdir_and_lowered_num_steps_are_refused(tiny_config, tmp_path):
     with pytest.raises(RunMismatchError, match="loop.num_steps=3 is below the newest checkpoint, step 4"):
         train_and_evaluate(lowered, tmp_path)
     assert _steps(tmp_path) == [3, 4]
+
+
+def test_a_full_disk_ends_the_run_with_its_summary_and_a_restart_resumes(tiny_config, tmp_path, monkeypatch, capsys):
+    """A save whose background write hits ENOSPC ends the run (CheckpointWriteError) with a summary of what was
+    saved; the last good step stays intact, and the same command with space again resumes from it and finishes.
+    (`test_checkpoint_saves.py` checks the restored arrays bit for bit.)"""
+    config = config_tree.apply_overrides(tiny_config, ["checkpoint.every_steps=2", "checkpoint.max_to_keep=2", "loop.log_every=2"])
+    estimate, full = serialization.estimate_write_memory_footprint, []
+    save = Checkpointer.save
+
+    def counted_save(self, step, *args, **kwargs):
+        if step > 2 and not full:  # step 2 is written whole; the disk fills up after it
+            self.wait()
+            full.append(step)
+        return save(self, step, *args, **kwargs)
+
+    def fills_up(value):
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return estimate(value)
+
+    monkeypatch.setattr(Checkpointer, "save", counted_save)
+    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", fills_up)
+    with pytest.raises(CheckpointWriteError, match="could not be written: the disk is full") as failed:
+        train_and_evaluate(config, tmp_path)
+    assert failed.value.last_good_step == 2 and _steps(tmp_path) == [2]
+    summary = _records(tmp_path)[-1]
+    assert summary["kind"] == "summary" and not summary["finished"] and summary["last_good_step"] == 2
+    assert "the disk is full" in summary["checkpoint_error"] and summary["checkpoint_saves"] >= 1
+    assert integrity.verify(tmp_path / "checkpoints" / "2") == []
+    assert not (tmp_path / ".lock.0").exists()
+
+    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", estimate)  # space again
+    capsys.readouterr()
+    again = train_and_evaluate(config, tmp_path)
+    assert "resuming from step 2" in capsys.readouterr().out
+    assert again["finished"] and again["step"] == config.loop.num_steps and _steps(tmp_path)[-1] == config.loop.num_steps

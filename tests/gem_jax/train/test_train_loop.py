@@ -8,6 +8,7 @@ import pytest
 from gem_jax.cli import train_main
 from gem_jax.train.config import load_config
 from gem_jax.train.loop import train_and_evaluate
+from gem_jax.train.preemption import PREEMPTED_EXIT_CODE
 
 
 def read_records(workdir, kind):
@@ -28,13 +29,20 @@ def uninterrupted(tiny_config, tmp_path_factory):
 
 
 def test_cli_trains_evaluates_and_checkpoints(repo_root, tmp_path, capsys):
-    train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--stop-after-steps", "2"])
+    with pytest.raises(SystemExit) as exit_info:  # stopped before loop.num_steps: the preemption status, resume by running again
+        train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--stop-after-steps", "2"])
+    assert exit_info.value.code == PREEMPTED_EXIT_CODE
     train = read_records(tmp_path, "train")
     assert [r["step"] for r in train] == [1, 2]
     assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in train)
     assert (tmp_path / "checkpoints" / "2").is_dir()
     assert any((tmp_path / "tensorboard").iterdir())
-    assert "run summary" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "run summary" in out and "goodput (train_step / wall)" in out
+    assert f"metrics: {tmp_path / 'metrics.jsonl'}" in out
+    summary = read_records(tmp_path, "summary")[-1]
+    assert summary["time_startup_imports_s"] > 0  # the clock starts with the process
+    assert summary["compiles_after_start"] == 0
 
 
 def test_finished_run_reports_eval_and_baseline(uninterrupted):

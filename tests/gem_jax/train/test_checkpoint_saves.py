@@ -1,0 +1,268 @@
+"""Checkpoint sizing, the disk preflight, non-blocking (deferred) saves, a disk that fills up, host memory of saves."""
+
+import errno
+import subprocess
+import threading
+import time
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from orbax.checkpoint._src.serialization import serialization
+
+from gem_jax.train import disk_space
+from gem_jax.train.checkpoint import CheckpointConfig, Checkpointer, CheckpointWriteError, TMP_SUFFIX
+from gem_jax.train.disk_space import CheckpointSpaceError, SpacePlan
+from gem_jax.train.optimizer import OptimConfig, make_optimizer
+from gem_jax.train.state import TrainState
+
+
+def _state(rows=256, cols=128, moments_dtype="float32", seed=0):
+    """A small train state with random (incompressible) values: dense AdamW and one embedding table (Adagrad)."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    params = {
+        "dense": {"kernel": jax.random.normal(keys[0], (rows, cols))},
+        "embed": {"item": {"embedding": jax.random.normal(keys[1], (rows, cols))}},
+    }
+    opt = make_optimizer(OptimConfig(moments_dtype=moments_dtype, warmup_steps=0))
+    opt_state = opt.init(params)
+    grads = jax.tree.map(lambda p: jax.random.normal(keys[2], p.shape), params)
+    _, opt_state = opt.update(grads, opt_state, params)  # non-zero moments
+    return TrainState(step=jnp.ones((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def _data(position=0):
+    it = iter(grain.MapDataset.range(1000).to_iter_dataset())
+    for _ in range(position):
+        next(it)
+    return it
+
+
+def _equal(a, b):
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def _du(path) -> int:
+    return int(subprocess.run(["du", "-s", "--block-size=1", str(path)], capture_output=True, text=True, check=True).stdout.split()[0])
+
+
+@pytest.fixture
+def slow_writes(monkeypatch):
+    """Each array write of a save sleeps `delay[0]` seconds in Orbax's background thread (after the blocking copy)."""
+    delay = [0.0]
+    estimate = serialization.estimate_write_memory_footprint
+
+    def slow(value):
+        time.sleep(delay[0])
+        return estimate(value)
+
+    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", slow)
+    return delay
+
+
+# ---------------------------------------------------------------- sizing and preflight
+
+
+def test_checkpoint_bytes_bounds_a_saved_copy_and_bf16_moments_halve_them(tmp_path):
+    state = _state()
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=1))
+    checkpointer.save(1, state, _data(), force=True)
+    checkpointer.close()
+    estimate, data = disk_space.checkpoint_bytes(state), sum(x.nbytes for x in jax.tree.leaves(state))
+    used = _du(tmp_path / "1")
+    assert used <= estimate, (data, used, estimate)
+    assert used > 0.85 * data  # random values: zstd takes little away
+    n = 256 * 128  # dense parameters: two moments, 2 bytes less each
+    assert disk_space.checkpoint_bytes(_state()) - disk_space.checkpoint_bytes(_state(moments_dtype="bfloat16")) == 2 * 2 * n
+
+
+def test_space_plan_counts_the_copy_being_written_and_the_steps_on_disk():
+    plan = SpacePlan(copy_bytes=10, max_to_keep=3, on_disk=0, free=100, path=None)
+    assert (plan.peak_copies, plan.needed, plan.headroom) == (4, 40, 2.5)
+    assert SpacePlan(10, 3, 2, 100, None).needed == 20  # two copies exist: two more at the peak
+    assert SpacePlan(10, 3, 5, 100, None).needed == 10  # more than kept (max_to_keep lowered): deleted after the next save
+
+
+def test_preflight_refuses_warns_or_passes_by_free_space(tmp_path, monkeypatch):
+    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(max_to_keep=2))
+    state = _state()
+    copy = disk_space.checkpoint_bytes(state)
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 3 * copy - 1)
+    with pytest.raises(CheckpointSpaceError) as refused:
+        checkpointer.preflight(state)
+    message = str(refused.value)
+    for fragment in ("3 copies", "free on the filesystem of", str(tmp_path), "checkpoint.max_to_keep=1", "optim.moments_dtype=bfloat16", "--workdir"):
+        assert fragment in message, (fragment, message)
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 4 * copy)
+    lines = checkpointer.preflight(state)
+    assert "headroom 1.33x" in lines[1] and "warning: less than 2x headroom" in lines[2]
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 7 * copy)
+    lines = checkpointer.preflight(state)
+    assert len(lines) == 2 and "3 copies" in lines[0] and "headroom 2.33x" in lines[1]
+    checkpointer.close()
+
+
+def test_free_space_is_measured_at_the_nearest_existing_parent(tmp_path):
+    assert disk_space.nearest_existing(tmp_path / "a" / "b") == tmp_path
+    assert disk_space.free_bytes(tmp_path / "a" / "b") > 0
+
+
+@pytest.mark.parametrize(
+    "error,full",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), True),
+        (ValueError("RESOURCE_EXHAUSTED: Error writing local file \"/x/d/abc\": No space left on device [OS error: ...]"), True),
+        (ValueError("NOT_FOUND: no such key"), False),
+    ],
+)
+def test_a_full_disk_is_recognised_in_the_exception_chain(error, full):
+    try:
+        try:
+            raise error
+        except Exception as inner:
+            raise RuntimeError("Failed to run 1 Handler Commit operations") from inner
+    except RuntimeError as outer:
+        assert disk_space.is_disk_full(outer) is full
+
+
+# ---------------------------------------------------------------- non-blocking saves
+
+
+def test_a_save_due_while_the_previous_one_writes_is_deferred_not_blocked(tmp_path, slow_writes, capsys):
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=2, max_to_keep=5))
+    state = _state()
+    slow_writes[0] = 0.5
+    assert checkpointer.should_save(2) and checkpointer.save(2, state, _data(2))
+    assert not checkpointer.should_save(3)
+    assert not checkpointer.should_save(4) and not checkpointer.save(4, state, _data(4))  # still writing: deferred
+    first = checkpointer.saves[0]
+    assert first.blocking_s < 0.5 and first.write_s is None
+    while checkpointer.manager.is_saving_in_progress():
+        time.sleep(0.05)
+    slow_writes[0] = 0.0
+    assert checkpointer.should_save(5) and checkpointer.save(5, state, _data(5))  # the deferred save, at the next step
+    assert not checkpointer.should_save(6) or checkpointer.save(6, state, _data(6))
+    checkpointer.wait()
+    out = capsys.readouterr().out
+    assert out.count("deferred") == 1 and "step 4's save was deferred to step 5" in out
+    assert first.write_s > 0.5 and first.write_s > first.blocking_s
+    assert checkpointer.deferred[0] == (4, 5) and checkpointer.all_steps()[:2] == [2, 5]
+    report = checkpointer.report()
+    assert report["checkpoint_deferred"] == 1 and report["checkpoint_saves"] == len(checkpointer.saves)
+    assert report["checkpoint_blocking_s_max"] < 0.5 and report["checkpoint_write_gb_per_s"] > 0
+    assert report["checkpoint_final_write_s"] == checkpointer.saves[-1].write_s
+    for step in checkpointer.all_steps():  # a manifest for every finished step
+        assert (tmp_path / str(step) / "checksums.json").is_file()
+    checkpointer.close()
+
+
+def test_a_forced_save_waits_for_the_write_in_flight(tmp_path, slow_writes):
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=2))
+    slow_writes[0] = 0.3
+    checkpointer.save(2, _state(), _data(2))
+    assert checkpointer.save(3, _state(seed=1), _data(3), force=True)  # the final save is never deferred
+    slow_writes[0] = 0.0
+    checkpointer.close()
+    assert checkpointer.all_steps() == [2, 3] and checkpointer.saves[1].blocking_s > 0.2
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+def _check_failed_save(tmp_path, checkpointer, failure, good_state, good_step):
+    assert failure.step == good_step + 1 and failure.last_good_step == good_step and failure.disk_full
+    assert f"checkpoint step {good_step + 1} could not be written: the disk is full" in str(failure)
+    assert f"the last good checkpoint is step {good_step}" in str(failure)
+    assert not list(tmp_path.glob(f"*{TMP_SUFFIX}*")), "the half-written step was not removed"
+    checkpointer.close()  # nothing more to raise
+    restarted = Checkpointer(tmp_path, CheckpointConfig(every_steps=1))
+    data = _data()
+    step, restored = restarted.restore_latest(jax.eval_shape(lambda: good_state), data, quarantine_dir=tmp_path.parent / "q")
+    assert step == good_step and _equal(restored, good_state) and next(data) == good_step
+    return restarted
+
+
+def test_disk_full_in_the_background_write_keeps_the_last_good_step(tmp_path, monkeypatch):
+    good = _state()
+    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1))
+    checkpointer.save(1, good, _data(1))
+    checkpointer.wait()
+    estimate = serialization.estimate_write_memory_footprint
+
+    def full(value):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", full)
+    checkpointer.save(2, _state(seed=1), _data(2))  # the copy succeeds; the write fails in the background
+    with pytest.raises(CheckpointWriteError) as failed:
+        checkpointer.wait()
+    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", estimate)
+    restarted = _check_failed_save(tmp_path / "ckpt", checkpointer, failed.value, good, 1)
+    assert restarted.save(2, _state(seed=1), _data(2))  # with space again, saving resumes
+    restarted.close()
+    assert restarted.all_steps() == [1, 2]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MB tmpfs at tmp_path/mnt (needs mount privileges: skipped without)."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs privileges this machine does not grant")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_real_full_disk_ends_the_save_with_one_message(small_tmpfs):
+    good = _state()  # ~0.8 MB a copy: three fit, the fourth does not
+    checkpointer = Checkpointer(small_tmpfs, CheckpointConfig(every_steps=1, max_to_keep=5))
+    failure = None
+    for step in range(1, 8):
+        try:
+            checkpointer.save(step, good, _data(step))
+            checkpointer.wait()
+        except CheckpointWriteError as error:
+            failure = error
+            break
+    assert failure is not None and failure.step >= 2, "the tmpfs never filled up"
+    assert failure.free_bytes < disk_space.checkpoint_bytes(good)
+    _check_failed_save(small_tmpfs, checkpointer, failure, good, failure.step - 1).close()
+
+
+# ---------------------------------------------------------------- host memory
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_host_memory_does_not_grow_from_save_to_save(tmp_path):
+    state = _state(rows=2048, cols=512)  # ~21 MB a copy: a staged copy kept per save would show
+    copy = sum(x.nbytes for x in jax.tree.leaves(state))
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, max_to_keep=1))
+    rss = []
+    for step in range(1, 9):
+        checkpointer.save(step, state, _data(step))
+        checkpointer.wait()
+        rss.append(_rss())
+    checkpointer.close()
+    # A staged copy kept per save would add 6 copies; allocator noise stays far below one.
+    assert rss[-1] - rss[2] < copy, [r / 1e6 for r in rss]
+    assert checkpointer.write_buffer_gb >= 1
+
+
+def test_manifests_are_written_off_the_calling_thread(tmp_path, monkeypatch):
+    from gem_jax.train import integrity
+
+    threads = []
+    write = integrity.write_manifest
+    monkeypatch.setattr(integrity, "write_manifest", lambda path: (threads.append(threading.current_thread()), write(path)))
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=1))
+    checkpointer.save(1, _state(), _data(1))
+    checkpointer.close()
+    assert threads and all(t is not threading.main_thread() for t in threads)
+    assert integrity.verify(tmp_path / "1") == [] and (tmp_path / "1" / integrity.MANIFEST).is_file()

@@ -1,0 +1,99 @@
+"""Ahead-of-time programs: the replayed capacities are the placement's, and a run compiles nothing after step 1."""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import monitoring
+
+from gem_jax.cli import train_main
+from gem_jax.data.pipeline import load_dataset
+from gem_jax.jagged import TokenBuckets
+from gem_jax.parallel.placement import stack_batch
+from gem_jax.train import goodput, programs
+from gem_jax.train.config import load_config
+from gem_jax.train.config_tree import apply_overrides
+from gem_jax.train.loop import train_and_evaluate
+from gem_jax.train import disk_space
+from gem_jax.train.state import TrainState
+
+# ml-latest-small, 16 examples of up to 64 events: its first 6 train batches take 3 token capacities.
+SEVERAL_CAPACITIES = ["data.capacity_step=1.05", "data.max_seq_len=64", "data.batch_size=16", "loop.num_steps=50", "loop.log_every=2"]
+
+
+@pytest.fixture(scope="module")
+def config(repo_root):
+    return apply_overrides(load_config(repo_root / "configs" / "movielens_tiny.py"), SEVERAL_CAPACITIES)
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_replayed_capacities_are_those_the_placement_takes(config, num_shards):
+    dataset = load_dataset(config.data)
+    buckets = dataset.token_buckets
+    train = dataset.train_iterator()
+    placed = {stack_batch(next(train), num_shards, buckets).history.values.shape[1] for _ in range(12)}
+    assert programs.run_capacities(dataset.train_indices(), dataset.train_lengths, range(12), 16, num_shards, buckets) == tuple(sorted(placed))
+    assert len(placed) >= (3 if num_shards == 1 else 1)
+    evals = {stack_batch(b, num_shards, buckets).history.values.shape[1] for b in dataset.eval_batches()}
+    got = programs.run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), 16, num_shards, buckets)
+    assert got == tuple(sorted(evals))
+
+
+def test_batch_capacity_is_the_fullest_device_rounded_up():
+    buckets = TokenBuckets(mean_length=10.0, std_length=2.0, max_seq_len=64, step=1.25)
+    lengths = np.array([10, 10, 30, 2])  # devices: 20 and 32 rows
+    assert programs.batch_capacity(lengths, 2, buckets) == min(c for c in buckets.capacities(2) if c >= 32)
+
+
+def test_a_run_over_three_capacities_compiles_nothing_after_step_1(config, tmp_path, capsys):
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == goodput.BACKEND_COMPILE_EVENT:
+            compiles.append((time.perf_counter(), kwargs.get("fun_name")))
+
+    monitoring.register_event_duration_secs_listener(listen)
+    began = time.time()
+    try:
+        summary = train_and_evaluate(config, tmp_path, stop_after_steps=6, progress=False)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    elapsed = time.time() - began
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert summary["compiles_after_start"] == 0
+    # the step programs were compiled (or loaded from the suite's executable cache) ahead of time, one per capacity
+    assert "compiled 3 programs before the first step" in capsys.readouterr().out
+    assert len([name for _, name in compiles if "train_step" in (name or "")]) <= 3, compiles
+    buckets = {k: v for k, v in summary.items() if k.startswith("time_")}
+    assert sum(buckets.values()) == pytest.approx(summary["wall_s"], rel=1e-9)
+    assert summary["wall_s"] == pytest.approx(elapsed, rel=0.02)
+    assert 0 < summary["goodput"] == pytest.approx(summary["time_train_step_s"] / summary["wall_s"])
+    assert summary["time_startup_compile_s"] > 0 and summary["time_startup_lowering_s"] > 0
+    summary_record = records[-1]
+    assert summary_record["kind"] == "summary" and summary_record["goodput"] == summary["goodput"]
+    assert all("goodput" in r and "data_wait_s" in r for r in train)
+
+
+def test_array_bytes_counts_params_and_optimizer_state_from_shapes():
+    abstract = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params={"w": jax.ShapeDtypeStruct((3, 4), jnp.float32)},
+        opt_state=(jax.ShapeDtypeStruct((3, 4), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32)),
+    )
+    sizes = [disk_space.array_bytes(tree) for tree in (abstract.params, abstract.opt_state, abstract)]
+    assert sizes == [48, 28, 80]
+
+
+def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(repo_root, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(workdir), "--dry-run", "--set", *SEVERAL_CAPACITIES])
+    out = capsys.readouterr().out
+    assert '"capacity_step": 1.05' in out  # the resolved config
+    assert "would compile" in out and "train steps at token capacities [" in out
+    assert "a checkpoint holds" in out
+    assert not workdir.exists()
