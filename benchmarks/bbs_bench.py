@@ -49,7 +49,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from gem_jax.batch import FeatureSpec  # noqa: E402
+from gem_jax.batch import CategoricalFeature, FeatureSpec, Pooling  # noqa: E402
 from gem_jax.data.bbs import balance_shards, base_batch_shuffle  # noqa: E402
 from gem_jax.model.flops import Workload
 from gem_jax.data.balance import load_imbalance  # noqa: E402
@@ -89,7 +89,7 @@ def ml_small_history_lengths(directory: Path) -> np.ndarray:
 
 
 def ml_small_feature_spec(directory: Path) -> FeatureSpec:
-    """Vocabulary sizes of ml-latest-small (the FLOP count reads num_genres only)."""
+    """The schema of ml-latest-small as far as the FLOP count reads it (feature tokens, the genre projection, tasks)."""
     ratings = np.loadtxt(directory / "ratings.csv", delimiter=",", skiprows=1)
     genres = set()
     with open(directory / "movies.csv", encoding="utf-8") as f:
@@ -98,10 +98,12 @@ def ml_small_feature_spec(directory: Path) -> FeatureSpec:
             genres.update(line.rstrip("\n").rsplit(",", 1)[1].split("|"))
     return FeatureSpec(
         num_items=len(np.unique(ratings[:, 1])) + 1,
-        num_users=len(np.unique(ratings[:, 0])) + 1,
         num_actions=11,  # ten half-star ratings + PAD
         num_time_buckets=1,  # does not enter the FLOP count
-        num_genres=len(genres),
+        tasks=("like", "love"),
+        user_features=(CategoricalFeature("user", len(np.unique(ratings[:, 0])) + 1),)
+        + tuple(CategoricalFeature(name, 1) for name in ("age", "gender", "occupation")),
+        item_features=(CategoricalFeature("genres", len(genres) + 1, len(genres), Pooling.MULTI_HOT),),
     )
 
 

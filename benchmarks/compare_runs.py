@@ -8,7 +8,10 @@ and a figure of the NE curves. A run without a final eval (an eval record at its
 step; killed while checkpointing, say) is still compared on train loss and train NE; the summary
 names it under `runs_without_eval` and leaves it out of the eval comparisons, which need the
 reference run's final eval. A record that lacks a metric the reference logs is refused, naming
-the run, the step and the file.
+the run, the step and the file. Tasks are compared by position: task k of a run (its
+`run.json`'s `spec.tasks`) against task k of the reference, under the reference's name; runs
+logged before tasks were named by their data set log "primary" and "secondary", their first two
+tasks.
 
     gem-train --config configs/movielens.py --workdir runs/f32
     gem-train --config configs/movielens_fp8.py --workdir runs/fp8
@@ -33,9 +36,24 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+LEGACY_TASKS = ("primary", "secondary")  # the metric keys of runs before named tasks: their first two tasks
+
+
 def read_run(workdir: Path) -> dict[str, list[dict]]:
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return {kind: [r for r in records if r["kind"] == kind] for kind in ("train", "eval")}
+
+
+def run_tasks(workdir: Path, train: list[dict]) -> list[str]:
+    """A run's task names in label order: its run.json's `spec.tasks`; without them ("primary",
+    "secondary") when its last train record logs only those, else the names it logs, sorted."""
+    record = workdir / "run.json"
+    if record.exists():
+        tasks = json.loads(record.read_text()).get("spec", {}).get("tasks")
+        if tasks:
+            return list(tasks)
+    logged = sorted(k[len("ne_"):] for k in (train or [{}])[-1] if k.startswith("ne_"))
+    return list(LEGACY_TASKS) if set(logged) <= set(LEGACY_TASKS) else logged
 
 
 def main() -> None:
@@ -51,20 +69,28 @@ def main() -> None:
     paths = {name: Path(path) for name, path in (r.split("=", 1) for r in args.run)}
     runs = {name: read_run(path) for name, path in paths.items()}
     reference = next(iter(runs))
-    tasks = sorted(k[len("ne_"):] for k in (runs[reference]["train"] or [{}])[-1] if k.startswith("ne_"))
+    ref_tasks = run_tasks(paths[reference], runs[reference]["train"])
+    logged = (runs[reference]["train"] or [{}])[-1]
+    positions = [k for k, task in enumerate(ref_tasks) if f"ne_{task}" in logged]
+    tasks = [ref_tasks[k] for k in positions]  # the summary's names: the reference's
+    names = {}  # per run: reference task name -> the run's own name for that position
     for name, run in runs.items():
         where = paths[name] / "metrics.jsonl"
         if not run["train"]:
             raise SystemExit(f"compare_runs: run {name!r} logged no train step ({where})")
+        own = run_tasks(paths[name], run["train"])
+        if positions and len(own) <= positions[-1]:
+            raise SystemExit(f"compare_runs: run {name!r} has tasks {own}, fewer than the reference's {ref_tasks} ({where})")
+        names[name] = {ref_tasks[k]: own[k] for k in positions}
         for record in run["train"] + run["eval"]:
-            missing = [key for task in tasks for key in (f"ne_{task}", f"bce_{task}") if key not in record]
+            missing = [key for task in tasks for key in (f"ne_{names[name][task]}", f"bce_{names[name][task]}") if key not in record]
             if missing or (record["kind"] == "train" and "loss" not in record):
                 raise SystemExit(f"compare_runs: run {name!r}, {record['kind']} record of step {record['step']} lacks {missing or ['loss']} ({where})")
     if not tasks:
         raise SystemExit(f"compare_runs: the reference run {reference!r} logs no NE (no ne_<task> key in {paths[reference] / 'metrics.jsonl'})")
     window = {name: run["train"][-args.loss_window:] for name, run in runs.items()}
     loss = {name: float(np.mean([r["loss"] for r in records])) for name, records in window.items()}
-    train_ne = {name: {task: float(np.mean([r[f"ne_{task}"] for r in records])) for task in tasks} for name, records in window.items()}
+    train_ne = {name: {task: float(np.mean([r[f"ne_{names[name][task]}"] for r in records])) for task in tasks} for name, records in window.items()}
     # A final eval is the eval of the run's last train step; an earlier one is not compared.
     final = {name: run["eval"][-1] for name, run in runs.items() if run["eval"] and run["eval"][-1]["step"] == run["train"][-1]["step"]}
     without_eval = [name for name in runs if name not in final]
@@ -75,7 +101,10 @@ def main() -> None:
     compared = final if reference in final else {}
 
     def eval_change(metric: str) -> dict:
-        return {name: {task: record[f"{metric}_{task}"] / compared[reference][f"{metric}_{task}"] - 1 for task in tasks} for name, record in compared.items()}
+        return {
+            name: {task: record[f"{metric}_{names[name][task]}"] / compared[reference][f"{metric}_{task}"] - 1 for task in tasks}
+            for name, record in compared.items()
+        }
 
     summary = {
         "date": datetime.date.today().isoformat(),
@@ -98,8 +127,9 @@ def main() -> None:
     args.out.write_text(json.dumps(summary, indent=1))
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, run in runs.items():
-        line = ax.plot([r["step"] for r in run["train"]], [r[f"ne_{tasks[0]}"] for r in run["train"]], label=f"{name} train NE")[0]
-        ax.plot([r["step"] for r in run["eval"]], [r[f"ne_{tasks[0]}"] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
+        key = f"ne_{names[name][tasks[0]]}"
+        line = ax.plot([r["step"] for r in run["train"]], [r[key] for r in run["train"]], label=f"{name} train NE")[0]
+        ax.plot([r["step"] for r in run["eval"]], [r[key] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
     ax.set_xlabel("step")
     ax.set_ylabel(f"NE, {tasks[0]} task")
     ax.set_title(args.title)

@@ -35,7 +35,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField
+from gem_jax.batch import Batch, CategoricalFeature, FeatureSpec, HistoryField, Pooling
 from gem_jax.jagged import Jagged
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.gem import GEMModel
@@ -46,17 +46,25 @@ from gem_jax.train.config import load_config
 
 def abstract_inputs(model: ModelConfig, tokens: int, batch: int, max_seq_len: int):
     """`(graphdef, abstract params, abstract batch)`: shapes only; vocabularies are small (tables do not scale with T)."""
-    spec = FeatureSpec(num_items=1000, num_users=100, num_actions=11, num_time_buckets=8, num_genres=8, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=max_seq_len)
+    spec = FeatureSpec(
+        num_items=1000,
+        num_actions=11,
+        num_time_buckets=8,
+        tasks=("click", "convert"),
+        user_features=tuple(CategoricalFeature(name, size) for name, size in (("user", 100), ("age", 4), ("gender", 3), ("occupation", 6))),
+        item_features=(CategoricalFeature("genres", 9, 8, Pooling.MULTI_HOT),),
+        max_seq_len=max_seq_len,
+    )
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(nnx.eval_shape(lambda: GEMModel(spec, model, rngs=nnx.Rngs(0))))
     s = jax.ShapeDtypeStruct
     history = Jagged(values=s((tokens, len(HistoryField)), jnp.int32), offsets=s((batch + 1,), jnp.int32), max_seq_len=max_seq_len)
     data = Batch(
         history=history,
-        user=s((batch, len(UserField)), jnp.int32),
+        user={f.name: s((batch, f.max_values), jnp.int32) for f in spec.user_features},
         candidate_item=s((batch,), jnp.int32),
-        candidate_genres=s((batch, spec.num_genres), jnp.float32),
-        labels=s((batch, len(Task)), jnp.float32),
+        candidate_features={f.name: s((batch, f.max_values), jnp.int32) for f in spec.item_features},
+        labels=s((batch, spec.num_tasks), jnp.float32),
         weights=s((batch,), jnp.float32),
     )
     return graphdef, params, data

@@ -21,13 +21,13 @@ from gem_jax.train.checkpoint import CheckpointConfig
 from gem_jax.train.optimizer import OptimConfig
 
 EXCHANGE_CAPACITY = 1.25  # bounded exchange buffers; None would size them for the worst case (every id to one owner)
-SMALL_TABLES = ("embed/action", "embed/time_bucket", "embed/user/1", "embed/user/2", "embed/user/3")
+SMALL_TABLES = ("embed/action", "embed/time_bucket", "embed/user/age", "embed/user/gender", "embed/user/occupation")
 
 RULES = ShardingRules(
     logical=HSDP_RULES.logical,
     tables=(
         ("embed/item", TableSharding(Generation.NODE_SPLIT, capacity_factor=EXCHANGE_CAPACITY)),
-        ("embed/user/0", TableSharding(Generation.GROUP, OutOfRange.HASH, capacity_factor=EXCHANGE_CAPACITY)),
+        ("embed/user/user", TableSharding(Generation.GROUP, OutOfRange.HASH, capacity_factor=EXCHANGE_CAPACITY)),
     )
     + tuple((name, TableSharding(Generation.REPLICATED)) for name in SMALL_TABLES),
     default_table=TableSharding(Generation.GROUP),

@@ -19,7 +19,8 @@ _EXPORTS = {
     "Jagged": "gem_jax.jagged",
     "Batch": "gem_jax.batch",
     "FeatureSpec": "gem_jax.batch",
-    "Task": "gem_jax.batch",
+    "CategoricalFeature": "gem_jax.batch",
+    "Pooling": "gem_jax.batch",
     # model
     "GEMModel": "gem_jax.model",
     "ModelConfig": "gem_jax.model",

@@ -1,16 +1,19 @@
 """The batch structure every data source produces and the model consumes.
 
-A `Batch` holds B examples with static shapes: the jagged behaviour histories
-(packed into a bucketed token capacity), the user and candidate features, two
-binary labels and a per-example weight (0 for the padding examples that fill the
-last batch of an epoch to the static B, so nothing is dropped and nothing is
-counted twice).
+A `FeatureSpec` is a data set's schema: its vocabularies, the user features and the
+candidate item's side features (`CategoricalFeature`, any number of each), the names
+of its binary tasks and the history bound. A `Batch` holds B examples in that layout,
+with static shapes: the jagged behaviour histories (packed into a bucketed token
+capacity), one id array per feature, one label per task and a per-example weight (0
+for the padding examples that fill the last batch of an epoch to the static B, so
+nothing is dropped and nothing is counted twice).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ import numpy as np
 from gem_jax.jagged import Jagged, from_lengths
 
 PAD_ID = 0  # reserved id in every vocabulary: padding / unknown
+_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 class HistoryField(enum.IntEnum):
@@ -29,61 +33,135 @@ class HistoryField(enum.IntEnum):
     TIME_BUCKET = 2  # log-scaled age of the event relative to the target, 1..num_time_buckets-1
 
 
-class UserField(enum.IntEnum):
-    """Columns of `Batch.user` (int32 `[B, 4]`); PAD_ID where a data set lacks the feature."""
+class Pooling(enum.Enum):
+    """How the model turns a feature's ids `[B, max_values]` into one token `[B, d]`.
 
-    USER = 0
-    AGE = 1
-    GENDER = 2
-    OCCUPATION = 3
+    MEAN: the mean of the embedding-table rows of the non-pad ids (a repeated id counts
+      once per value); a row of PAD ids only gets PAD's own (learned) row. With
+      `max_values` 1 this is the id's row. The table is an embedding table (sparse
+      optimizer, shardable), so any vocabulary size fits.
+    MULTI_HOT: the ids as a set, a multi-hot vector over the vocabulary without PAD
+      divided by its count, through a dense layer with bias (dense optimizer). The
+      layer and the multi-hot are `vocabulary x d` and `B x vocabulary`: for small
+      vocabularies (genres, categories).
+    """
+
+    MEAN = "mean"
+    MULTI_HOT = "multi_hot"
 
 
-class Task(enum.IntEnum):
-    """Columns of `Batch.labels` (float32 `[B, 2]`); the meaning is per data set (see README)."""
+@dataclasses.dataclass(frozen=True)
+class CategoricalFeature:
+    """A categorical feature of the user or of the candidate item.
 
-    PRIMARY = 0
-    SECONDARY = 1
+    Attributes:
+      name: letters, digits and `_`; it names the feature's table (`embed/user/<name>`,
+        `embed/item_features/<name>`) and its batch entry.
+      vocab_size: ids `[0, vocab_size)`, PAD_ID = 0 included (>= 1; 1: PAD only).
+      max_values: ids per example (>= 1): a multi-valued feature (> 1) pads each row with
+        PAD_ID up to `max_values`.
+      pooling: how the model pools the ids (`Pooling`); MULTI_HOT needs vocab_size >= 2.
+
+    Raises:
+      ValueError: a field outside the ranges above (feature named).
+    """
+
+    name: str
+    vocab_size: int
+    max_values: int = 1
+    pooling: Pooling = Pooling.MEAN
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(f"feature name {self.name!r} must be letters, digits and '_'")
+        for field, minimum in (("vocab_size", 2 if self.pooling is Pooling.MULTI_HOT else 1), ("max_values", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+                raise ValueError(f"feature {self.name!r}: {field} must be an int >= {minimum}, got {value!r}")
+        if not isinstance(self.pooling, Pooling):
+            raise ValueError(f"feature {self.name!r}: pooling must be a Pooling, got {self.pooling!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class FeatureSpec:
-    """Vocabulary sizes (each includes PAD_ID = 0) and the history bound of a data set."""
+    """A data set's schema: vocabulary sizes (each includes PAD_ID = 0), features, tasks, history bound.
+
+    Attributes:
+      num_items, num_actions, num_time_buckets: vocabularies of the history columns
+        (`HistoryField`); the item vocabulary is also the candidate's.
+      tasks: names of the binary tasks, in `Batch.labels` column order (letters,
+        digits, `_`; they name the metrics: `auc_<task>`, `ne_<task>`).
+      user_features: one token each; the user id itself is a feature (named "user" by
+        the built-in sources).
+      item_features: the candidate item's side features, one token each.
+      max_seq_len: the longest history.
+
+    Raises:
+      ValueError: no task, a repeated or malformed task name, a feature name repeated
+        on one side, or a vocabulary below 1 (history) / 2 (items).
+    """
 
     num_items: int
-    num_users: int
     num_actions: int
     num_time_buckets: int
-    num_genres: int  # width of the multi-hot candidate side features (>= 1)
-    num_ages: int = 1
-    num_genders: int = 1
-    num_occupations: int = 1
+    tasks: tuple[str, ...]
+    user_features: tuple[CategoricalFeature, ...] = ()
+    item_features: tuple[CategoricalFeature, ...] = ()
     max_seq_len: int = 200
 
-    def user_vocab_sizes(self) -> tuple[int, int, int, int]:
-        """Vocabulary size of each `UserField` column, in order."""
-        return (self.num_users, self.num_ages, self.num_genders, self.num_occupations)
+    def __post_init__(self):
+        for field in ("tasks", "user_features", "item_features"):
+            object.__setattr__(self, field, tuple(getattr(self, field)))
+        if not self.tasks:
+            raise ValueError("FeatureSpec.tasks is empty: a data set has at least one task")
+        for task in self.tasks:
+            if not isinstance(task, str) or not _NAME.fullmatch(task):
+                raise ValueError(f"task name {task!r} must be letters, digits and '_'")
+        for field, names in (
+            ("tasks", self.tasks),
+            ("user_features", [f.name for f in self.user_features]),
+            ("item_features", [f.name for f in self.item_features]),
+        ):
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                raise ValueError(f"FeatureSpec.{field} repeats {repeated}")
+        for field in ("num_items", "num_actions", "num_time_buckets", "max_seq_len"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"FeatureSpec.{field} must be an int >= 1, got {value!r}")
+
+    @property
+    def num_tasks(self) -> int:
+        """K, the labels per example."""
+        return len(self.tasks)
+
+    @property
+    def num_feature_tokens(self) -> int:
+        """Feature tokens of an example: one per user feature, the candidate item, one per item feature."""
+        return len(self.user_features) + 1 + len(self.item_features)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One static-shape batch of B examples.
+    """One static-shape batch of B examples in the layout of a `FeatureSpec`.
 
     Attributes:
       history: `Jagged` with int32 values `[T_cap, 3]` (`HistoryField` columns) and
         offsets `[B+1]`: each example's events before its target, oldest first,
         at most `max_seq_len` (the most recent kept).
-      user: int32 `[B, 4]` (`UserField` columns).
+      user: int32 `[B, max_values]` per user feature, by name (`spec.user_features`).
       candidate_item: int32 `[B]` the item whose outcome is predicted.
-      candidate_genres: float32 `[B, num_genres]` multi-hot side features.
-      labels: float32 `[B, 2]` in {0, 1} (`Task` columns).
+      candidate_features: int32 `[B, max_values]` per item feature of the candidate,
+        by name (`spec.item_features`).
+      labels: float32 `[B, K]` in {0, 1}, one column per task (`spec.tasks` order).
       weights: float32 `[B]`: 1 for real examples, 0 for padding examples.
     """
 
     history: Jagged
-    user: jax.Array
+    user: dict[str, jax.Array]
     candidate_item: jax.Array
-    candidate_genres: jax.Array
+    candidate_features: dict[str, jax.Array]
     labels: jax.Array
     weights: jax.Array
 
@@ -92,17 +170,60 @@ class Batch:
         return self.candidate_item.shape[0]
 
 
+def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> None:
+    """Checks every field's shape (and the feature names) against `spec`; works on traced arrays.
+
+    Raises:
+      ValueError: a missing or unknown feature, or a field of the wrong shape (field and
+        both shapes named).
+    """
+    b = batch.batch_size
+    for field, features in (("user", spec.user_features), ("candidate_features", spec.item_features)):
+        given, wanted = set(getattr(batch, field)), {f.name for f in features}
+        if given != wanted:
+            raise ValueError(
+                f"{where}: Batch.{field} holds features {sorted(given)}, the spec {sorted(wanted)} "
+                f"(missing {sorted(wanted - given)}, unknown {sorted(given - wanted)})"
+            )
+    expected = {
+        "history.values": ((None, len(HistoryField)), batch.history.values.shape),
+        "candidate_item": ((b,), batch.candidate_item.shape),
+        **{f"user[{f.name!r}]": ((b, f.max_values), batch.user[f.name].shape) for f in spec.user_features},
+        **{f"candidate_features[{f.name!r}]": ((b, f.max_values), batch.candidate_features[f.name].shape) for f in spec.item_features},
+        "labels": ((b, spec.num_tasks), batch.labels.shape),
+        "weights": ((b,), batch.weights.shape),
+    }
+    for name, (want, got) in expected.items():
+        if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
+            shown = tuple("T" if w is None else w for w in want)
+            raise ValueError(
+                f"{where}: Batch.{name} has shape {tuple(got)}, expected {shown} "
+                "(history values are (item, action, time bucket) id columns, features [B, max_values], "
+                "labels [B, tasks]; see gem_jax.Batch)"
+            )
+
+
+def _random_ids(rng: np.random.Generator, feature: CategoricalFeature, b: int) -> np.ndarray:
+    """int32 `[b, max_values]`: uniform non-pad ids (PAD where the vocabulary is PAD only); a
+    multi-valued row keeps each value with probability 0.4, the rest PAD."""
+    shape = (b, feature.max_values)
+    ids = rng.integers(1, feature.vocab_size, shape) if feature.vocab_size > 1 else np.full(shape, PAD_ID)
+    if feature.max_values > 1:
+        ids = np.where(rng.random(shape) < 0.4, ids, PAD_ID)
+    return ids.astype(np.int32)
+
+
 def random_batch(spec: FeatureSpec, rng: np.random.Generator, lengths, capacity: int, *, slack_value: int = 0) -> Batch:
     """A `Batch` of random in-vocabulary ids and labels, for trying a model (and for tests).
 
-    Ids are uniform over each vocabulary without the padding id 0 (a vocabulary of the padding
-    id alone, such as `FeatureSpec`'s default `num_ages=1`, gives `PAD_ID` everywhere), genres
-    multi-hot with probability 0.4, labels fair coins, every weight 1.
+    Ids are uniform over each vocabulary without the padding id 0 (all PAD for a
+    vocabulary of PAD alone); a multi-valued feature keeps each of its `max_values`
+    values with probability 0.4. Labels are fair coins, every weight 1.
 
     Args:
-      spec: the vocabularies.
-      rng: numpy generator (its draws, in order: history items, actions, time buckets, user
-        fields, candidate items, genres, labels; none for a padding-only vocabulary).
+      spec: the schema.
+      rng: numpy generator (its draws, in order: history items, actions, time buckets,
+        user features, candidate items, item features, labels).
       lengths: int `[B]` history length of each example (each <= `spec.max_seq_len`).
       capacity: token rows `T_cap` of the history (>= sum(lengths)).
       slack_value: id written into every column of the slack rows past the last history.
@@ -111,40 +232,35 @@ def random_batch(spec: FeatureSpec, rng: np.random.Generator, lengths, capacity:
       A `Batch` of B examples (jax arrays).
 
     Raises:
-      ValueError: a vocabulary size below 1 (it must hold the padding id), or from
-        `gem_jax.jagged.from_lengths` (lengths over capacity or max_seq_len).
+      ValueError: from `gem_jax.jagged.from_lengths` (lengths over capacity or max_seq_len).
     """
     lengths = np.asarray(lengths)
     b, t = len(lengths), int(lengths.sum())
-
-    def ids(name: str, vocab: int, size: int) -> np.ndarray:
-        if vocab < 1:
-            raise ValueError(f"random_batch: the {name} vocabulary has size {vocab}; it holds at least the padding id {PAD_ID}")
-        return rng.integers(PAD_ID + 1, vocab, size) if vocab > 1 else np.full(size, PAD_ID)
-
-    history_vocabs = {"item": spec.num_items, "action": spec.num_actions, "time bucket": spec.num_time_buckets}
-    values = np.stack([ids(name, vocab, t) for name, vocab in history_vocabs.items()], 1)
+    values = np.stack([rng.integers(1, n, t) if n > 1 else np.zeros(t, np.int64) for n in (spec.num_items, spec.num_actions, spec.num_time_buckets)], 1)
     history = from_lengths(values, lengths, max_seq_len=spec.max_seq_len, capacity=capacity)
     history = history.replace_values(history.values.at[t:].set(slack_value))
-    user = [ids(f"user {field.name.lower()}", vocab, b) for field, vocab in zip(UserField, spec.user_vocab_sizes())]
+    user = {f.name: jnp.asarray(_random_ids(rng, f, b)) for f in spec.user_features}
+    candidate = rng.integers(1, spec.num_items, b) if spec.num_items > 1 else np.zeros(b, np.int64)
     return Batch(
         history=history,
-        user=jnp.asarray(np.stack(user, 1), jnp.int32),
-        candidate_item=jnp.asarray(ids("item", spec.num_items, b), jnp.int32),
-        candidate_genres=jnp.asarray(rng.random((b, spec.num_genres)) < 0.4, jnp.float32),
-        labels=jnp.asarray(rng.random((b, 2)) < 0.5, jnp.float32),
+        user=user,
+        candidate_item=jnp.asarray(candidate, jnp.int32),
+        candidate_features={f.name: jnp.asarray(_random_ids(rng, f, b)) for f in spec.item_features},
+        labels=jnp.asarray(rng.random((b, spec.num_tasks)) < 0.5, jnp.float32),
         weights=jnp.ones((b,), jnp.float32),
     )
 
 
 def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> None:
-    """Checks on the host that every id is inside its vocabulary.
+    """Checks on the host that the layout fits `spec` and every id is inside its vocabulary.
 
     Out-of-range ids would otherwise be clamped or read as NaN by the gather.
 
     Raises:
-      ValueError: naming the feature, the example (or history row) and the id.
+      ValueError: a layout `check_layout` refuses, or an id outside its vocabulary
+        (the feature, the example or history row, and the id named).
     """
+    check_layout(batch, spec, where=where)
     hist = np.asarray(batch.history.values)[: int(np.asarray(batch.history.offsets)[-1])]
     checks = [
         ("history item", hist[:, HistoryField.ITEM], spec.num_items),
@@ -152,14 +268,14 @@ def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
         ("history time bucket", hist[:, HistoryField.TIME_BUCKET], spec.num_time_buckets),
         ("candidate item", np.asarray(batch.candidate_item), spec.num_items),
     ]
-    user = np.asarray(batch.user)
-    for field, size in zip(UserField, spec.user_vocab_sizes()):
-        checks.append((f"user {field.name.lower()}", user[:, field], size))
+    checks += [(f"user feature {f.name!r}", np.asarray(batch.user[f.name]), f.vocab_size) for f in spec.user_features]
+    checks += [(f"candidate feature {f.name!r}", np.asarray(batch.candidate_features[f.name]), f.vocab_size) for f in spec.item_features]
     for name, ids, size in checks:
-        bad = np.flatnonzero((ids < 0) | (ids >= size))
+        bad = np.argwhere((ids < 0) | (ids >= size))
         if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"{where}: {name} id {int(ids[i])} at index {i} is outside the vocabulary [0, {size})")
+            at = tuple(int(i) for i in bad[0])
+            place = f"index {at[0]}" if len(at) == 1 else f"example {at[0]}, value {at[1]}"
+            raise ValueError(f"{where}: {name} id {int(ids[at])} at {place} is outside the vocabulary [0, {size})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gem_jax.batch import PAD_ID, Batch, FeatureSpec, HistoryField, UserField, validate_ids
+from gem_jax.batch import PAD_ID, Batch, CategoricalFeature, FeatureSpec, HistoryField, validate_ids
 from gem_jax.data.events import EventLog
 from gem_jax.data.examples import Examples
 from gem_jax.data.features import time_bucket
@@ -43,6 +43,27 @@ def padded_offsets(lengths: np.ndarray, batch_size: int) -> np.ndarray:
     offsets[n + 1 :] = offsets[n]
     return offsets
 
+
+def feature_ids(feature: CategoricalFeature, batch_size: int, ids: np.ndarray) -> np.ndarray:
+    """int32 `[batch_size, max_values]`: `ids` `[n, max_values]` of the real examples, then PAD rows."""
+    out = np.full((batch_size, feature.max_values), PAD_ID, np.int32)
+    out[: ids.shape[0]] = ids
+    return out
+
+
+def log_spec(log: EventLog, tasks: tuple[str, ...], *, num_time_buckets: int, max_seq_len: int) -> FeatureSpec:
+    """The `FeatureSpec` of batches built from `log`: the user id (feature "user") and the log's side features."""
+    return FeatureSpec(
+        num_items=log.num_items,
+        num_actions=log.num_actions,
+        num_time_buckets=num_time_buckets,
+        tasks=tasks,
+        user_features=(CategoricalFeature("user", log.num_users),) + tuple(t.feature for t in log.user_features),
+        item_features=tuple(t.feature for t in log.item_features),
+        max_seq_len=max_seq_len,
+    )
+
+
 class BatchBuilder:
     """Builds a `Batch` from a list of example indices (grain's `batch_fn`).
 
@@ -54,7 +75,7 @@ class BatchBuilder:
     Args:
       log: the sorted `EventLog`.
       examples: the examples indexed by the calls.
-      spec: vocabulary sizes and `max_seq_len` (ids are validated against it).
+      spec: `log_spec(log, ...)`: the layout (ids are validated against it).
       batch_size: static B.
     """
 
@@ -98,14 +119,12 @@ class BatchBuilder:
         values[:total, HistoryField.TIME_BUCKET] = time_bucket(age, self.spec.num_time_buckets)
 
         user_id = log.user[target]
-        user = np.full((b, len(UserField)), PAD_ID, np.int32)
-        user[:n, UserField.USER] = user_id
-        user[:n, UserField.AGE :] = log.user_features[user_id]
+        user = {"user": feature_ids(self.spec.user_features[0], b, user_id[:, None])}
+        user |= {t.feature.name: feature_ids(t.feature, b, t.ids[user_id]) for t in log.user_features}
         candidate = np.full(b, PAD_ID, np.int32)
         candidate[:n] = ex.candidate[idx]
-        genres = np.zeros((b, self.spec.num_genres), np.float32)
-        genres[:n] = log.item_genres[candidate[:n]]
-        labels = np.zeros((b, 2), np.float32)
+        features = {t.feature.name: feature_ids(t.feature, b, t.ids[candidate[:n]]) for t in log.item_features}
+        labels = np.zeros((b, self.spec.num_tasks), np.float32)
         labels[:n] = ex.labels[idx]
         weights = np.zeros(b, np.float32)
         weights[:n] = 1.0
@@ -113,7 +132,7 @@ class BatchBuilder:
             history=Jagged(values, offsets, self.spec.max_seq_len),
             user=user,
             candidate_item=candidate,
-            candidate_genres=genres,
+            candidate_features=features,
             labels=labels,
             weights=weights,
         )

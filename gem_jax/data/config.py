@@ -29,7 +29,7 @@ class SyntheticConfig:
 
     Attributes:
       num_items, num_users: vocabulary sizes including PAD_ID.
-      num_genres: multi-hot width.
+      num_genres: genres (item feature "genres": ids 1..num_genres, MULTI_HOT).
       num_train_examples, num_eval_examples: size of the (virtual) splits.
       median_length_fraction: median history length as a fraction of max_seq_len.
       length_sigma: sigma of the lognormal length distribution (the tail).

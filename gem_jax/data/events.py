@@ -13,10 +13,62 @@ import dataclasses
 
 import numpy as np
 
-from gem_jax.batch import PAD_ID
+from gem_jax.batch import PAD_ID, CategoricalFeature, Pooling
+from gem_jax.data.features import multi_hot_ids
 from gem_jax.data.rows import SkippedRows
 
-NUM_USER_FEATURES = 3  # age, gender, occupation ids (UserField.AGE..OCCUPATION)
+# MovieLens 100K's user features; the other built-in sources declare them PAD only
+# (`absent_features`), so every built-in source has the same model layout.
+DEMOGRAPHICS = ("age", "gender", "occupation")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureTable:
+    """One side feature of every user (or item): int32 ids `[rows, max_values]`, PAD_ID-padded.
+
+    Attributes:
+      feature: name, vocabulary size, values per row, pooling.
+      ids: row r holds the ids of user (item) r; rows are aligned with the publisher's
+        sorted vocabulary in `build_event_log`'s input and with the dense ids (row
+        PAD_ID all PAD) in an `EventLog`.
+      names: the source's value of each id 1..vocab_size-1, where known (else empty).
+
+    Raises:
+      ValueError: `ids` not `[rows, feature.max_values]`, an id outside the vocabulary,
+        or `names` of another length than the vocabulary without PAD.
+    """
+
+    feature: CategoricalFeature
+    ids: np.ndarray
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        ids = np.asarray(self.ids, dtype=np.int32)
+        object.__setattr__(self, "ids", ids)
+        if ids.ndim != 2 or ids.shape[1] != self.feature.max_values:
+            raise ValueError(f"feature {self.feature.name!r}: ids have shape {ids.shape}, expected [rows, {self.feature.max_values}]")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.feature.vocab_size):
+            raise ValueError(f"feature {self.feature.name!r}: ids outside [0, {self.feature.vocab_size})")
+        if self.names and len(self.names) != self.feature.vocab_size - 1:
+            raise ValueError(f"feature {self.feature.name!r}: {len(self.names)} names for {self.feature.vocab_size - 1} ids")
+
+    @classmethod
+    def from_multi_hot(cls, name: str, hot: np.ndarray, names: tuple[str, ...] = (), pooling: Pooling = Pooling.MULTI_HOT) -> FeatureTable:
+        """A multi-valued feature from 0/1 rows `[rows, G]` (column names `names`): column j is
+        id j + 1, `max_values` is G (any row may set every column); each row's ids ascending,
+        then PAD."""
+        hot = np.asarray(hot) != 0
+        width = hot.shape[1]
+        return cls(CategoricalFeature(name, width + 1, width, pooling), multi_hot_ids(hot, width), tuple(names))
+
+    def with_pad_row(self) -> FeatureTable:
+        """This table with a row of PAD_ID in front (row r + 1 for publisher row r, as dense ids)."""
+        return FeatureTable(self.feature, np.concatenate([np.full((1, self.ids.shape[1]), PAD_ID, np.int32), self.ids]), self.names)
+
+
+def absent_features(names: tuple[str, ...], rows: int) -> tuple[FeatureTable, ...]:
+    """Features a source lacks, PAD only (vocabulary size 1) for each of `rows` users or items."""
+    return tuple(FeatureTable(CategoricalFeature(name, 1), np.zeros((rows, 1), np.int32)) for name in names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +87,10 @@ class EventLog:
       line: int64 `[N]` 1-based line of the event in its source file.
       user_offsets: int64 `[num_users + 1]`: user u's events are
         `[user_offsets[u], user_offsets[u + 1])`.
-      item_genres: uint8 `[num_items, num_genres]` multi-hot (row PAD_ID is 0).
-      user_features: int32 `[num_users, 3]` age, gender, occupation ids (PAD_ID
-        where unknown or absent from the source).
-      num_actions, num_ages, num_genders, num_occupations: vocabulary sizes,
-        each including PAD_ID.
-      genre_names: `num_genres` column names of `item_genres`.
+      user_features: side features of every user (ids `[num_users, max_values]`,
+        row PAD_ID all PAD; PAD_ID where unknown), without the user id itself.
+      item_features: side features of every item (`[num_items, max_values]`).
+      num_actions: action vocabulary size, PAD_ID included.
       raw_user_ids, raw_item_ids: int64 publisher ids of each dense id (-1 at PAD_ID).
       skipped: rows left out under `OnBadRow.SKIP`, per file and kind.
       notes: other facts a user should see (e.g. items without side features).
@@ -54,13 +104,9 @@ class EventLog:
     timestamp: np.ndarray
     line: np.ndarray
     user_offsets: np.ndarray
-    item_genres: np.ndarray
-    user_features: np.ndarray
+    user_features: tuple[FeatureTable, ...]
+    item_features: tuple[FeatureTable, ...]
     num_actions: int
-    num_ages: int
-    num_genders: int
-    num_occupations: int
-    genre_names: tuple[str, ...]
     raw_user_ids: np.ndarray
     raw_item_ids: np.ndarray
     skipped: tuple[SkippedRows, ...] = ()
@@ -79,10 +125,6 @@ class EventLog:
     def num_items(self) -> int:
         """Item vocabulary size, PAD_ID included."""
         return int(self.raw_item_ids.shape[0])
-
-    @property
-    def num_genres(self) -> int:
-        return int(self.item_genres.shape[1])
 
 
 def _remap(raw_vocab: np.ndarray, raw_ids: np.ndarray, what: str) -> np.ndarray:
@@ -106,13 +148,9 @@ def build_event_log(
     line: np.ndarray,
     user_vocab: np.ndarray,
     item_vocab: np.ndarray,
-    item_genres: np.ndarray,
-    user_features: np.ndarray | None,
+    user_features: tuple[FeatureTable, ...],
+    item_features: tuple[FeatureTable, ...],
     num_actions: int,
-    num_ages: int = 1,
-    num_genders: int = 1,
-    num_occupations: int = 1,
-    genre_names: tuple[str, ...],
     skipped: tuple[SkippedRows, ...] = (),
     notes: tuple[str, ...] = (),
 ) -> EventLog:
@@ -126,9 +164,8 @@ def build_event_log(
       line: int `[N]` source line of each event (the last tie-break).
       user_vocab, item_vocab: int `[U]`, `[I]` sorted unique publisher ids; dense
         id k+1 is `vocab[k]`. Every event's ids must be in them.
-      item_genres: `[I, G]` 0/1 rows aligned with `item_vocab`.
-      user_features: int `[U, 3]` rows aligned with `user_vocab`, or None (all PAD_ID).
-      genre_names: `G` names.
+      user_features: tables of `U` rows aligned with `user_vocab`.
+      item_features: tables of `I` rows aligned with `item_vocab`.
 
     Returns:
       The sorted `EventLog`; dense ids follow the publisher ids' order.
@@ -142,16 +179,10 @@ def build_event_log(
     for what, vocab in (("user", user_vocab), ("item", item_vocab)):
         if vocab.ndim != 1 or np.any(np.diff(vocab) <= 0):
             raise ValueError(f"{name}: the {what} vocabulary must be 1-D, sorted and without repeats")
-    item_genres = np.asarray(item_genres, dtype=np.uint8)
-    if item_genres.shape != (item_vocab.shape[0], len(genre_names)):
-        raise ValueError(
-            f"{name}: item_genres has shape {item_genres.shape}, expected {(item_vocab.shape[0], len(genre_names))}"
-        )
-    if user_features is None:
-        user_features = np.zeros((user_vocab.shape[0], NUM_USER_FEATURES), np.int32)
-    user_features = np.asarray(user_features, dtype=np.int32)
-    if user_features.shape != (user_vocab.shape[0], NUM_USER_FEATURES):
-        raise ValueError(f"{name}: user_features has shape {user_features.shape}, expected {(user_vocab.shape[0], 3)}")
+    for what, tables, vocab in (("user", user_features, user_vocab), ("item", item_features, item_vocab)):
+        for table in tables:
+            if table.ids.shape[0] != vocab.shape[0]:
+                raise ValueError(f"{name}: {what} feature {table.feature.name!r} has {table.ids.shape[0]} rows, the {what} vocabulary {vocab.shape[0]}")
 
     user = _remap(user_vocab, np.asarray(raw_user, dtype=np.int64), "user")
     item = _remap(item_vocab, np.asarray(raw_item, dtype=np.int64), "item")
@@ -160,7 +191,6 @@ def build_event_log(
     order = np.lexsort((line, item, timestamp, user))
     user = user[order]
     num_users = user_vocab.shape[0] + 1
-    pad_row = lambda table: np.concatenate([np.full((1,) + table.shape[1:], PAD_ID, table.dtype), table])
     return EventLog(
         name=name,
         user=user,
@@ -170,13 +200,9 @@ def build_event_log(
         timestamp=timestamp[order],
         line=line[order],
         user_offsets=np.searchsorted(user, np.arange(num_users + 1)).astype(np.int64),
-        item_genres=pad_row(item_genres),
-        user_features=pad_row(user_features),
+        user_features=tuple(t.with_pad_row() for t in user_features),
+        item_features=tuple(t.with_pad_row() for t in item_features),
         num_actions=num_actions,
-        num_ages=num_ages,
-        num_genders=num_genders,
-        num_occupations=num_occupations,
-        genre_names=tuple(genre_names),
         raw_user_ids=np.concatenate([[-1], user_vocab]),
         raw_item_ids=np.concatenate([[-1], item_vocab]),
         skipped=tuple(skipped),

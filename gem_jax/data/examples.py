@@ -10,12 +10,12 @@ its history, with age 0. Nothing is copied per example: a
 batch gathers its rows from the log (`gem_jax.data.collate`).
 
 Two ways to define candidates and labels:
-- `rating_examples` (MovieLens): the candidate is the rated item; the labels
-  are rating thresholds (ml-latest-small: >= 4 and >= 4.5; 100K: >= 4 and >= 5).
+- `rating_examples` (MovieLens): the candidate is the rated item; one label per
+  rating threshold (ml-latest-small: >= 4 and >= 4.5; 100K: >= 4 and >= 5).
 - `next_item_examples` (implicit data such as Amazon Beauty): the candidate is
   the true next item half of the time and a seeded sampled item otherwise;
-  PRIMARY = "the candidate is the next item", SECONDARY = "the candidate is
-  among the user's next `window` items".
+  two labels: "the candidate is the next item", "the candidate is among the
+  user's next `window` items".
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import dataclasses
 
 import numpy as np
 
-from gem_jax.batch import Task
 from gem_jax.data.events import EventLog
 from gem_jax.data.split import Split
 
@@ -37,7 +36,7 @@ class Examples:
       target_event: int64 `[E]` log index of each example's target event.
       history_length: int32 `[E]` events of history, rows `[target - h, target)`.
       candidate: int32 `[E]` candidate item id.
-      labels: float32 `[E, 2]` in {0, 1} (`Task` columns).
+      labels: float32 `[E, K]` in {0, 1}, one column per task.
     """
 
     target_event: np.ndarray
@@ -57,14 +56,14 @@ def history_lengths(log: EventLog, targets: np.ndarray, max_seq_len: int) -> np.
     return np.minimum(before, max_seq_len).astype(np.int32)
 
 
-def rating_examples(log: EventLog, targets: np.ndarray, *, max_seq_len: int, thresholds: tuple[float, float]) -> Examples:
+def rating_examples(log: EventLog, targets: np.ndarray, *, max_seq_len: int, thresholds: tuple[float, ...]) -> Examples:
     """Examples whose candidate is the target's item and whose labels threshold its rating.
 
     Args:
       log: a sorted `EventLog` with ratings.
       targets: int64 `[E]` target event indices.
       max_seq_len: history bound.
-      thresholds: (PRIMARY, SECONDARY): label k is `rating >= thresholds[k]`.
+      thresholds: label k is `rating >= thresholds[k]`.
 
     Raises:
       ValueError: a target without a rating (NaN).
@@ -73,7 +72,7 @@ def rating_examples(log: EventLog, targets: np.ndarray, *, max_seq_len: int, thr
     rating = log.rating[targets]
     if np.isnan(rating).any():
         raise ValueError(f"{log.name}: rating examples need ratings; event {int(targets[np.isnan(rating)][0])} has none")
-    labels = np.stack([rating >= thresholds[Task.PRIMARY], rating >= thresholds[Task.SECONDARY]], axis=1)
+    labels = np.stack([rating >= threshold for threshold in thresholds], axis=1)
     return Examples(
         target_event=targets,
         history_length=history_lengths(log, targets, max_seq_len),
@@ -99,13 +98,13 @@ def next_item_examples(
     `positive_fraction`; otherwise, with probability `near_future_fraction`, an
     item drawn uniformly from the user's events (t, t + window) (when there are
     any), else an item drawn uniformly from the whole catalogue. Labels come
-    from the items actually at those positions:
-    PRIMARY = candidate == item[t]; SECONDARY = candidate in item[t : t + window].
-    Near-future negatives make SECONDARY differ from PRIMARY (about a quarter of
-    the train examples are SECONDARY-only positives). The future window of a
+    from the items actually at those positions: label 0 = candidate == item[t];
+    label 1 = candidate in item[t : t + window]. Near-future negatives make label 1
+    differ from label 0 (about a quarter of the train examples are positives of
+    label 1 alone). The future window of a
     train target stops at the user's first eval event (`Split.horizon`), so
     held-out events never shape a training label. A user's last events have no
-    near future, so their SECONDARY mostly equals PRIMARY. This follows the
+    near future, so their label 1 mostly equals label 0. This follows the
     sampled-negative protocol of implicit-feedback recommenders (Rendle et al.,
     BPR 2009; SASRec 2018), made deterministic by `seed`.
 
@@ -115,7 +114,7 @@ def next_item_examples(
       targets: int64 `[E]` target event indices.
       max_seq_len: history bound.
       seed: seed (or seed tuple) of the candidate sampling (same seed, same examples).
-      window: length of the SECONDARY window, >= 1.
+      window: length of label 1's window, >= 1.
       positive_fraction, near_future_fraction: sampling probabilities in [0, 1].
 
     Raises:

@@ -7,6 +7,20 @@ import numpy as np
 NUM_HALF_STAR_ACTIONS = 11  # PAD_ID plus half-star ratings 0.5..5.0 -> 1..10
 
 
+def multi_hot_ids(hot: np.ndarray, width: int) -> np.ndarray:
+    """0/1 rows `[n, G]` -> int32 ids `[n, width]`: column j as id j + 1, each row's ids ascending, then PAD_ID (0).
+
+    Raises:
+      ValueError: a row sets more than `width` columns.
+    """
+    hot = np.asarray(hot) != 0
+    most = int(hot.sum(axis=1).max(initial=0))
+    if most > width:
+        raise ValueError(f"a row sets {most} columns, more than the {width} values it may hold")
+    order = np.argsort(~hot, axis=1, kind="stable")[:, :width]  # set columns first, in column order
+    return np.where(np.take_along_axis(hot, order, axis=1), order + 1, 0).astype(np.int32)
+
+
 def half_star_action(rating: np.ndarray) -> np.ndarray:
     """Star ratings (0.5..5 in steps of 0.5) -> action ids 1..10 (int32, `rating * 2`).
 

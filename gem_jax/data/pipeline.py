@@ -21,12 +21,12 @@ In a multi-process run each process iterates `local_train_iterator(shard)` and
 `local_eval_batches(shard)`: the same global batches, of which it builds only its
 devices' chunks (`gem_jax.data.shard`).
 
-Labels per source (`Task.PRIMARY`, `Task.SECONDARY`):
-- ml-latest-small: rating >= 4, rating >= 4.5.
-- ml-100k: rating >= 4, rating == 5.
-- amazon-beauty: the candidate is the next item; the candidate is among the
-  next 5 items (sampled candidates, `next_item_examples`).
-- synthetic: see `gem_jax.data.sources.synthetic`.
+Tasks per source (`FeatureSpec.tasks`, the label columns in order):
+- ml-latest-small: like (rating >= 4), love (rating >= 4.5).
+- ml-100k: like (rating >= 4), love (rating == 5).
+- amazon-beauty: next_item (the candidate is the next item), in_next_5 (the
+  candidate is among the next 5 items; sampled candidates, `next_item_examples`).
+- synthetic: click, convert (see `gem_jax.data.sources.synthetic`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import grain
 import numpy as np
 
 from gem_jax.data.sources.amazon_beauty import read_amazon_beauty
-from gem_jax.batch import Batch, BatchShard, FeatureSpec, LocalBatch, Task
+from gem_jax.batch import Batch, BatchShard, FeatureSpec, LocalBatch
 from gem_jax.data.bbs import BalancedBatchOrder, check_shard_split
-from gem_jax.data.collate import BatchBuilder
+from gem_jax.data.collate import BatchBuilder, log_spec
 from gem_jax.jagged import TokenBuckets
 from gem_jax.data.config import BBSConfig, DataConfig, Source, SyntheticConfig
 from gem_jax.data.events import EventLog
@@ -61,6 +61,7 @@ from gem_jax.data.split import Split, split_by_time
 from gem_jax.data.sources.synthetic import (
     EVAL_STREAM,
     TRAIN_STREAM,
+    SYNTHETIC_TASKS,
     SyntheticBatchBuilder,
     synthetic_item_mean_labels,
     synthetic_lengths,
@@ -78,11 +79,12 @@ class DatasetInfo:
 
     Attributes:
       name: data set name.
-      label_names: meaning of the PRIMARY and SECONDARY labels.
+      task_names: the tasks, in label column order (`FeatureSpec.tasks`).
+      label_names: the meaning of each task's label.
       num_events, num_users, num_items: events and distinct users / items
         (without PAD_ID); 0 events for the synthetic source.
       num_train_examples, num_eval_examples: examples per split.
-      train_positive_rate, eval_positive_rate: mean label per task.
+      train_positive_rate, eval_positive_rate: mean label of each task.
       skipped: rows left out under `OnBadRow.SKIP`.
       notes: other facts from the reader.
       source: the `Source` it was read from, by name.
@@ -92,14 +94,15 @@ class DatasetInfo:
     """
 
     name: str
-    label_names: tuple[str, str]
+    task_names: tuple[str, ...]
+    label_names: tuple[str, ...]
     num_events: int
     num_users: int
     num_items: int
     num_train_examples: int
     num_eval_examples: int
-    train_positive_rate: tuple[float, float]
-    eval_positive_rate: tuple[float, float]
+    train_positive_rate: tuple[float, ...]
+    eval_positive_rate: tuple[float, ...]
     skipped: tuple[SkippedRows, ...] = ()
     notes: tuple[str, ...] = ()
     source: str = ""
@@ -124,10 +127,10 @@ class DatasetInfo:
             f"{self.name}: {self.num_events} events, {self.num_users} users, {self.num_items} items; "
             f"{self.num_train_examples} train / {self.num_eval_examples} eval examples",
         ]
-        for task, label in zip(Task, self.label_names):
+        for k, (task, label) in enumerate(zip(self.task_names, self.label_names)):
             lines.append(
-                f"  {task.name.lower()} label: {label} "
-                f"(positive rate train {self.train_positive_rate[task]:.3f}, eval {self.eval_positive_rate[task]:.3f})"
+                f"  {task} label: {label} "
+                f"(positive rate train {self.train_positive_rate[k]:.3f}, eval {self.eval_positive_rate[k]:.3f})"
             )
         lines += [f"  {s}" for s in self.skipped] + [f"  {n}" for n in self.notes]
         return "\n".join(lines)
@@ -138,7 +141,7 @@ class Dataset:
     """A split data set with batch iterators of static B (`token_buckets` gives the static token capacities).
 
     Attributes:
-      spec: vocabulary sizes and `max_seq_len` of every batch.
+      spec: the layout of every batch: vocabularies, features, tasks, `max_seq_len`.
       info: counts and label meanings.
       batch_size: static B.
       token_buckets: the token capacities a batch, or one device's part of
@@ -149,7 +152,7 @@ class Dataset:
       train_batch: `(indices, batch_size=None) -> Batch` of a list of train
         example indices, padded to `batch_size` examples (default B).
       eval_batch: the same for eval example indices.
-      item_mean_labels: float32 `[num_items, 2]`: mean train label of each
+      item_mean_labels: float32 `[num_items, K]`: mean train label of each
         candidate item (the train mean where an item is never a train
         candidate); the item-popularity baseline scores `[candidate_item]`.
       train_lengths: maps int64 train example indices `[n]` to their history
@@ -172,9 +175,9 @@ class Dataset:
     bbs: BBSConfig | None = None
 
     @property
-    def task_names(self) -> tuple[str, str]:
-        """Short names of the two tasks, in `Task` order ("primary", "secondary"); meanings in `info.label_names`."""
-        return tuple(task.name.lower() for task in Task)
+    def task_names(self) -> tuple[str, ...]:
+        """The tasks' names in label column order (`spec.tasks`); meanings in `info.label_names`."""
+        return self.spec.tasks
 
     @property
     def steps_per_epoch(self) -> int:
@@ -304,23 +307,24 @@ class Dataset:
         local = LocalBatchBuilder(self.eval_batch, self.eval_lengths, self.batch_size, shard)
         return iter(self.eval_indices().map(local).to_iter_dataset(self._read_options()))
 
-    def item_mean_label(self, task: Task = Task.PRIMARY) -> np.ndarray:
-        """float32 `[num_items]`: the item-popularity baseline score of each candidate item."""
+    def item_mean_label(self, task: int = 0) -> np.ndarray:
+        """float32 `[num_items]`: the item-popularity baseline score of each candidate item for task column `task`."""
         return self.item_mean_labels[:, task]
 
 
 def item_mean_labels(examples: Examples, num_items: int) -> np.ndarray:
-    """float32 `[num_items, 2]`: mean label per candidate item; the overall mean where unseen."""
+    """float32 `[num_items, K]`: mean label per candidate item; the overall mean where unseen."""
     counts = np.bincount(examples.candidate, minlength=num_items)
-    table = np.empty((num_items, 2), np.float32)
-    for task in Task:
-        sums = np.bincount(examples.candidate, weights=examples.labels[:, task], minlength=num_items)
-        overall = examples.labels[:, task].mean() if len(examples) else 0.0
-        table[:, task] = np.where(counts > 0, sums / np.maximum(counts, 1), overall)
+    num_tasks = examples.labels.shape[1]
+    table = np.empty((num_items, num_tasks), np.float32)
+    for k in range(num_tasks):
+        sums = np.bincount(examples.candidate, weights=examples.labels[:, k], minlength=num_items)
+        overall = examples.labels[:, k].mean() if len(examples) else 0.0
+        table[:, k] = np.where(counts > 0, sums / np.maximum(counts, 1), overall)
     return table
 
 
-def _rating_builder(thresholds: tuple[float, float]):
+def _rating_builder(thresholds: tuple[float, ...]):
     def build(log: EventLog, split: Split, targets: np.ndarray, config: DataConfig) -> Examples:
         return rating_examples(log, targets, max_seq_len=config.max_seq_len, thresholds=thresholds)
 
@@ -336,28 +340,36 @@ class _FileSource:
     reader: Callable[[str | os.PathLike, OnBadRow], EventLog]
     build_train: Callable[[EventLog, Split, np.ndarray, DataConfig], Examples]
     build_eval: Callable[[EventLog, Split, np.ndarray, DataConfig], Examples]
-    label_names: tuple[str, str]
+    tasks: tuple[tuple[str, str], ...]  # (name, meaning) of each label column the builders make
 
 
 _ML_SMALL_LABELS = _rating_builder((4.0, 4.5))
 _ML_100K_LABELS = _rating_builder((4.0, 5.0))
 _FILE_SOURCES = {
-    Source.ML_LATEST_SMALL: _FileSource(read_ml_latest_small, _ML_SMALL_LABELS, _ML_SMALL_LABELS, ("rating >= 4", "rating >= 4.5")),
-    Source.ML_100K: _FileSource(read_ml_100k, _ML_100K_LABELS, _ML_100K_LABELS, ("rating >= 4", "rating == 5")),
+    Source.ML_LATEST_SMALL: _FileSource(
+        read_ml_latest_small, _ML_SMALL_LABELS, _ML_SMALL_LABELS, (("like", "rating >= 4"), ("love", "rating >= 4.5"))
+    ),
+    Source.ML_100K: _FileSource(read_ml_100k, _ML_100K_LABELS, _ML_100K_LABELS, (("like", "rating >= 4"), ("love", "rating == 5"))),
     Source.AMAZON_BEAUTY: _FileSource(
         read_amazon_beauty,
         functools.partial(_next_item_builder, stream=0),
         functools.partial(_next_item_builder, stream=1),
-        ("candidate is the next item", "candidate is among the next 5 items"),
+        (("next_item", "candidate is the next item"), ("in_next_5", "candidate is among the next 5 items")),
     ),
 }
 
 
-def _mean_rate(examples: Examples) -> tuple[float, float]:
+def source_tasks(source: Source) -> tuple[str, ...]:
+    """The task names of a built-in source, in label column order."""
+    if source is Source.SYNTHETIC:
+        return tuple(name for name, _ in SYNTHETIC_TASKS)
+    return tuple(name for name, _ in _FILE_SOURCES[source].tasks)
+
+
+def _mean_rate(examples: Examples) -> tuple[float, ...]:
     if not len(examples):
-        return (0.0, 0.0)
-    rate = examples.labels.mean(axis=0)
-    return (float(rate[Task.PRIMARY]), float(rate[Task.SECONDARY]))
+        return (0.0,) * examples.labels.shape[1]
+    return tuple(float(rate) for rate in examples.labels.mean(axis=0))
 
 
 LENGTH_SAMPLE = 1 << 17  # train examples whose lengths set the token buckets
@@ -408,20 +420,11 @@ def _load_file_source(config: DataConfig) -> Dataset:
     evals = source.build_eval(log, split, split.eval_targets, config)
     if not len(train) or not len(evals):
         raise ValueError(f"{log.name}: the split left {len(train)} train and {len(evals)} eval examples; both must be > 0")
-    spec = FeatureSpec(
-        num_items=log.num_items,
-        num_users=log.num_users,
-        num_actions=log.num_actions,
-        num_time_buckets=config.num_time_buckets,
-        num_genres=log.num_genres,
-        num_ages=log.num_ages,
-        num_genders=log.num_genders,
-        num_occupations=log.num_occupations,
-        max_seq_len=config.max_seq_len,
-    )
+    spec = log_spec(log, tuple(name for name, _ in source.tasks), num_time_buckets=config.num_time_buckets, max_seq_len=config.max_seq_len)
     info = DatasetInfo(
         name=log.name,
-        label_names=source.label_names,
+        task_names=spec.tasks,
+        label_names=tuple(meaning for _, meaning in source.tasks),
         num_events=log.num_events,
         num_users=int(np.count_nonzero(np.diff(log.user_offsets))),
         num_items=int(np.unique(log.item).shape[0]),
@@ -457,10 +460,11 @@ def _load_synthetic(config: DataConfig) -> Dataset:
     syn = config.synthetic
     spec = synthetic_spec(syn, config.max_seq_len, config.num_time_buckets)
     table = synthetic_item_mean_labels(config.seed, syn.num_items)
-    expected = (float(table[1:, 0].mean()), float(table[1:, 1].mean()))
+    expected = tuple(float(rate) for rate in table[1:].mean(axis=0))
     info = DatasetInfo(
         name="synthetic",
-        label_names=("Bernoulli(sigmoid(item logit))", "primary and a fair coin"),
+        task_names=spec.tasks,
+        label_names=tuple(meaning for _, meaning in SYNTHETIC_TASKS),
         num_events=0,
         num_users=syn.num_users - 1,
         num_items=syn.num_items - 1,

@@ -14,10 +14,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from gem_jax.batch import FeatureSpec, Task
+from gem_jax.batch import FeatureSpec, Pooling
 from gem_jax.model import remat
 from gem_jax.model.config import ModelConfig, SequenceAttention
-from gem_jax.model.gem import NUM_BASE_TOKENS
 
 TRAIN_FLOPS_PER_FORWARD = 3.0
 
@@ -122,7 +121,7 @@ class Workload:
         return Workload(self.per_token * factor, self.per_token_pair * factor, self.per_example * factor, self.pairs)
 
 
-def attention_flops(config: ModelConfig) -> dict[str, Workload]:
+def attention_flops(config: ModelConfig, spec: FeatureSpec) -> dict[str, Workload]:
     """Forward FLOPs of each attention's QK^T and PV products, by rematerialization region.
 
     Keys are the `gem_jax.model.remat` region names that run an attention (the
@@ -132,7 +131,8 @@ def attention_flops(config: ModelConfig) -> dict[str, Workload]:
     when its policy recomputes the attention kernel.
     """
     h, hd, lq = config.num_heads, config.head_dim, config.num_pooled_queries
-    f0, f = NUM_BASE_TOKENS, NUM_BASE_TOKENS + lq
+    f0 = spec.num_feature_tokens
+    f = f0 + lq
     attn = 4 * h * hd  # QK^T and PV per (query, key) pair
     # Self-attention: the causal full forms have L (L + 1) / 2 (query, key) pairs: L**2 / 2 of
     # them in the per-pair term, the L / 2 of the diagonal's half in the per-token term; window
@@ -158,7 +158,8 @@ def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
     """The per-example / per-token / per-token-pair forward FLOPs of `GEMModel`."""
     d = config.embed_dim
     m, lq = config.mlp_ratio * d, config.num_pooled_queries
-    f0, f = NUM_BASE_TOKENS, NUM_BASE_TOKENS + lq
+    f0 = spec.num_feature_tokens
+    f = f0 + lq
     width = f * d
 
     per_token = 0.0
@@ -169,16 +170,17 @@ def flop_model(config: ModelConfig, spec: FeatureSpec) -> Workload:
 
     per_example = 0.0
     per_example += f0 * 2 * d * 2 * d  # history_context k/v of feature tokens
-    per_example += 2 * spec.num_genres * d  # genre projection
+    multi_hot = [f for f in spec.user_features + spec.item_features if f.pooling is Pooling.MULTI_HOT]
+    per_example += sum(2 * (f.vocab_size - 1) * d for f in multi_hot)  # multi-hot feature projections
     per_example += lq * 2 * d * d  # pooled output projection
     per_example += f * 2 * d * d * 2  # feature_to_history q and out
     per_example += f * 2 * d * 3 * d + f * 2 * d * d  # token attention: qkv and out
     pairs = f * (f - 1) // 2
     dhen = 2 * (width * m + m * width) + 2 * 2 * width * width + 2 * f * f * d + 2 * pairs * width + 2 * 3 * width * width
     per_example += config.num_dhen_layers * dhen
-    per_example += len(Task) * 2 * (width * config.head_hidden + config.head_hidden)
+    per_example += spec.num_tasks * 2 * (width * config.head_hidden + config.head_hidden)
 
-    attention = list(attention_flops(config).values())
+    attention = list(attention_flops(config, spec).values())
     seq_pairs = next((a.pairs for a in attention if a.pairs is not None), None)
     return Workload(
         per_token=per_token + sum(a.per_token for a in attention),

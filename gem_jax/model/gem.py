@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField, validate_ids
+from gem_jax.batch import PAD_ID, Batch, CategoricalFeature, FeatureSpec, HistoryField, Pooling, check_layout, validate_ids
 from gem_jax.model import remat
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.cross_tower import CrossFeatureTower, uniform_offsets
@@ -19,24 +19,60 @@ from gem_jax.model.interaction import CrossAttention
 from gem_jax.nn.layers import MLP, EmbeddingTable, dense, rms_norm
 from gem_jax.model.sequence_tower import SequenceTower
 
-NUM_BASE_TOKENS = len(UserField) + 2  # user fields, candidate item, candidate genres
-USER_TABLES = "embed/user/"  # path prefix of the user-field tables (`GEMModel.embed.user`): one id per example
+USER_TABLES = "embed/user/"  # path prefix of the user features' modules (`GEMModel.embed.user[name]`)
+ITEM_FEATURE_TABLES = "embed/item_features/"  # path prefix of the candidate's side features' modules
+
+
+def example_tables(spec: FeatureSpec) -> dict[str, int]:
+    """The embedding tables looked up once per example, by path, with the ids each example sends.
+
+    Every MEAN-pooled user or item feature: `max_values` ids per example (the history's
+    tables look up one id per history row instead; MULTI_HOT features have no table).
+    """
+    sides = ((USER_TABLES, spec.user_features), (ITEM_FEATURE_TABLES, spec.item_features))
+    return {prefix + f.name: f.max_values for prefix, features in sides for f in features if f.pooling is Pooling.MEAN}
+
+
+def _feature_module(feature: CategoricalFeature, dim: int, rngs: nnx.Rngs, dtype: jnp.dtype) -> EmbeddingTable | nnx.Linear:
+    if feature.pooling is Pooling.MULTI_HOT:
+        return dense(feature.vocab_size - 1, dim, (None, "embed"), rngs=rngs, dtype=dtype)
+    return EmbeddingTable(feature.vocab_size, dim, rngs=rngs)
+
+
+def _pool(feature: CategoricalFeature, module: EmbeddingTable | nnx.Linear, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """int32 `[B, max_values]` ids -> `[B, d]` in `dtype`, as `feature.pooling` says (`gem_jax.batch.Pooling`)."""
+    ids = jnp.asarray(ids)
+    if feature.pooling is Pooling.MULTI_HOT:
+        b = ids.shape[0]
+        hot = jnp.zeros((b, feature.vocab_size), jnp.float32).at[jnp.arange(b)[:, None], ids].set(1.0, mode="drop")[:, 1:]
+        return module(hot / jnp.maximum(hot.sum(-1, keepdims=True), 1.0))
+    if feature.max_values == 1:
+        return module(ids[:, 0]).astype(dtype)
+    real = ids != PAD_ID
+    count = real.sum(-1)
+    looked_up = real.at[:, 0].set(real[:, 0] | (count == 0))  # a row of PAD only takes PAD's row
+    rows = module(ids, looked_up)  # [B, max_values, d] float32, zeros where not looked up
+    return (rows.sum(1) / jnp.maximum(count, 1)[:, None].astype(rows.dtype)).astype(dtype)
 
 
 class FeatureEmbeddings(nnx.Module):
-    """Embedding tables for history events, user fields and the candidate.
+    """Embedding tables for history events, the candidate item, and the user's and candidate's features.
 
-    Tables are float32 parameters; rows are summed in float32 and the
-    tokens returned in `dtype`, the model's compute dtype.
+    Tables are float32 parameters; rows are summed in float32 and the tokens returned in
+    `dtype`, the model's compute dtype. Each feature has its own module, named by the
+    feature: `user[name]` (`embed/user/<name>`) and `item_features[name]`
+    (`embed/item_features/<name>`), an `EmbeddingTable` (MEAN pooling) or a dense layer
+    (MULTI_HOT).
     """
 
     def __init__(self, spec: FeatureSpec, dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype):
         self.dtype = dtype
+        self.spec = spec
         self.item = EmbeddingTable(spec.num_items, dim, rngs=rngs)  # shared by history and candidate
         self.action = EmbeddingTable(spec.num_actions, dim, rngs=rngs)
         self.time_bucket = EmbeddingTable(spec.num_time_buckets, dim, rngs=rngs)
-        self.user = nnx.List([EmbeddingTable(size, dim, rngs=rngs) for size in spec.user_vocab_sizes()])
-        self.genres = dense(spec.num_genres, dim, (None, "embed"), rngs=rngs, dtype=dtype)
+        self.user = nnx.Dict({f.name: _feature_module(f, dim, rngs, dtype) for f in spec.user_features})
+        self.item_features = nnx.Dict({f.name: _feature_module(f, dim, rngs, dtype) for f in spec.item_features})
 
     def history(self, values: jax.Array, real: jax.Array) -> jax.Array:
         """int32 `[T_cap, 3]` -> `[T_cap, d]` in `dtype`: sum of item, action and time-bucket embeddings.
@@ -51,10 +87,12 @@ class FeatureEmbeddings(nnx.Module):
         ).astype(self.dtype)
 
     def feature_tokens(self, batch: Batch) -> jax.Array:
-        """`[B, NUM_BASE_TOKENS, d]` in `dtype`: one token per user field, the candidate item, its genres."""
-        lookups = [table(batch.user[:, field]) for field, table in zip(UserField, self.user)] + [self.item(batch.candidate_item)]
-        genres = batch.candidate_genres / jnp.maximum(batch.candidate_genres.sum(-1, keepdims=True), 1.0)
-        return jnp.stack([row.astype(self.dtype) for row in lookups] + [self.genres(genres)], axis=1)
+        """`[B, spec.num_feature_tokens, d]` in `dtype`: one token per user feature, the candidate item, one per item feature."""
+        spec, dtype = self.spec, self.dtype
+        tokens = [_pool(f, self.user[f.name], batch.user[f.name], dtype) for f in spec.user_features]
+        tokens.append(self.item(batch.candidate_item).astype(dtype))
+        tokens += [_pool(f, self.item_features[f.name], batch.candidate_features[f.name], dtype) for f in spec.item_features]
+        return jnp.stack(tokens, axis=1)
 
 
 class GEMModel(nnx.Module):
@@ -77,7 +115,7 @@ class GEMModel(nnx.Module):
         d = config.embed_dim
         self.config = config
         self.spec = spec
-        self.num_tokens = NUM_BASE_TOKENS + config.num_pooled_queries
+        self.num_tokens = spec.num_feature_tokens + config.num_pooled_queries
         self.embed = FeatureEmbeddings(spec, d, rngs=rngs, dtype=config.dtype)
         # A learned embedding per feature-token slot: tells the tokens apart, and keeps a token
         # whose features are empty (no genres, an empty history's pooled output) away from the
@@ -91,21 +129,23 @@ class GEMModel(nnx.Module):
         self.cross_tower = CrossFeatureTower(self.num_tokens, config, rngs=rngs)
         self.head_norm = rms_norm(self.num_tokens * d, rngs=rngs, dtype=config.dtype)
         self.heads = nnx.List(
-            [MLP(self.num_tokens * d, config.head_hidden, 1, rngs=rngs, dtype=config.dtype, float32_output=True) for _ in Task]
+            [MLP(self.num_tokens * d, config.head_hidden, 1, rngs=rngs, dtype=config.dtype, float32_output=True) for _ in spec.tasks]
         )
 
     def __call__(self, batch: Batch) -> jax.Array:
-        """Returns float32 logits `[B, len(Task)]`.
+        """Returns float32 logits `[B, K]`, one column per task (`spec.tasks`).
 
         Raises:
           ValueError: a batch field of the wrong shape (`Batch` documents the layout), or,
             for a concrete batch (called outside `jit`), an id outside its vocabulary
             (field and position named; inside the trainer the loop checks ids on the host).
         """
-        self._check_layout(batch)
+        check_layout(batch, self.spec, where="GEMModel input")
+        if not isinstance(batch.history.values, jax.core.Tracer):
+            validate_ids(batch, self.spec, where="GEMModel input")
         dtype = self.config.dtype
         history = batch.history
-        b, base = batch.batch_size, NUM_BASE_TOKENS
+        b, base = batch.batch_size, self.spec.num_feature_tokens
         token_type = self.token_type[...].astype(dtype)
         tokens = self.embed.feature_tokens(batch) + token_type[:base]
         x = self.embed.history(history.values, history.valid_mask())
@@ -126,28 +166,9 @@ class GEMModel(nnx.Module):
         tokens = self.cross_tower(tokens)
         return remat.region(remat.HEADS, regions, (self.head_norm, self.heads), _heads, tokens.reshape(b, -1))
 
-    def _check_layout(self, batch: Batch) -> None:
-        b = batch.batch_size
-        expected = {
-            "history.values": ((None, len(HistoryField)), batch.history.values.shape),
-            "user": ((b, len(UserField)), batch.user.shape),
-            "candidate_genres": ((b, self.spec.num_genres), batch.candidate_genres.shape),
-            "labels": ((b, len(Task)), batch.labels.shape),
-            "weights": ((b,), batch.weights.shape),
-        }
-        for name, (want, got) in expected.items():
-            if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
-                shown = tuple("T" if w is None else w for w in want)
-                raise ValueError(
-                    f"Batch.{name} has shape {tuple(got)}, expected {shown} "
-                    "(history values are (item, action, time bucket) id columns; see gem_jax.Batch)"
-                )
-        if not isinstance(batch.history.values, jax.core.Tracer):
-            validate_ids(batch, self.spec, where="GEMModel input")
-
 
 def _heads(modules: tuple[nnx.Module, nnx.List], flat: jax.Array) -> jax.Array:
-    """(head norm, task heads), `[B, F * d]` tokens -> float32 logits `[B, len(Task)]`."""
+    """(head norm, task heads), `[B, F * d]` tokens -> float32 logits `[B, K]`."""
     norm, heads = modules
     flat = norm(flat)
     return jnp.concatenate([head(flat) for head in heads], axis=-1)

@@ -472,7 +472,7 @@ def lookup(
 
 def bind_tables(model: nnx.Module, placements: dict[str, TablePlacement]) -> None:
     """Sets `placement` on the embedding tables of `model` named by `placements` (module
-    paths such as "embed/item", "embed/user/0"), so that their lookups run sharded."""
+    paths such as "embed/item", "embed/user/user"), so that their lookups run sharded."""
     for path, module in nnx.iter_modules(model):
         key = path_str(path)
         if key in placements:

@@ -84,9 +84,9 @@ def stack_batch(batch: Batch, num_shards: int, buckets: TokenBuckets, *, fullest
 
     return Batch(
         history=Jagged(local_values, local_offsets, history.max_seq_len),
-        user=split(batch.user),
+        user=jax.tree.map(split, batch.user),
         candidate_item=split(batch.candidate_item),
-        candidate_genres=split(batch.candidate_genres),
+        candidate_features=jax.tree.map(split, batch.candidate_features),
         labels=split(batch.labels),
         weights=split(batch.weights),
     )

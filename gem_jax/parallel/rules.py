@@ -45,7 +45,7 @@ class ShardingRules:
     Attributes:
       logical: `(logical axis name, mesh axes)` pairs; names without a pair stay
         replicated.
-      tables: `(table path, TableSharding)` per table ("embed/item", "embed/user/0").
+      tables: `(table path, TableSharding)` per table ("embed/item", "embed/user/user").
       default_table: the sharding of tables not in `tables`.
     """
 
@@ -210,6 +210,9 @@ def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules:
       abstract_model: the model, abstract (no arrays needed).
       axis_sizes: mesh axis sizes (`Mesh.shape` or `Topology.axis_sizes`).
       rules: the config's rules.
+
+    Raises:
+      ValueError: `rules.tables` names a table the model does not have (the model's tables listed).
     """
     _, abstract_params = nnx.split(abstract_model)
     placements: dict[str, TablePlacement] = {}
@@ -218,6 +221,12 @@ def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules:
             name = path_str(path)
             padded = getattr(module, EMBEDDING_PARAM).shape[0]
             placements[name] = place_table(name, module.num_rows, padded, rules.table(name), axis_sizes)
+    unknown = [name for name, _ in rules.tables if name not in placements]
+    if unknown:
+        raise ValueError(
+            f"ShardingRules.tables names {unknown}, not embedding tables of this model; its tables are {sorted(placements)} "
+            "(features' tables are embed/user/<name> and embed/item_features/<name>)"
+        )
     logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     shapes = nnx.to_pure_dict(abstract_params)
 

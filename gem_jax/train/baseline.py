@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from gem_jax.batch import Task
 from gem_jax.data.pipeline import Dataset
 from gem_jax.train.metrics import auc
 
@@ -19,9 +18,9 @@ def item_mean_label_auc(dataset: Dataset, candidate_item: np.ndarray, labels: np
     Args:
       dataset: gives each item's mean train label (`Dataset.item_mean_label`).
       candidate_item: int `[N]`, the eval examples' candidate items.
-      labels: float32 `[N, K]`.
+      labels: float32 `[N, K]`, K = `len(dataset.task_names)`.
       weights: float32 `[N]`; weight-0 (padding) examples are left out.
     """
     items = np.asarray(candidate_item)
-    scores = np.stack([dataset.item_mean_label(task)[items] for task in Task], axis=1)
+    scores = np.stack([dataset.item_mean_label(k)[items] for k in range(len(dataset.task_names))], axis=1)
     return {f"baseline_auc_{name}": auc(scores[:, k], labels[:, k], weights) for k, name in enumerate(dataset.task_names)}

@@ -258,7 +258,7 @@ class StepCosts:
                  row_wise_tables: bool, cost_model: CostModel):
         self.config, self._spec, self._setup, self._batch = config, spec, setup, batch
         num_shards = setup.mesh.devices.size
-        attention = {name: w.total(np.asarray(lengths)) / num_shards for name, w in attention_flops(config).items()}
+        attention = {name: w.total(np.asarray(lengths)) / num_shards for name, w in attention_flops(config, spec).items()}
         costs = {}
 
         def observe(name, fn, params, args):

@@ -2,7 +2,9 @@
 
 `load_params(workdir)` needs nothing but the workdir: the run's config and feature spec
 come from its `run.json` (`gem_jax.train.run_record`), the parameters from its newest
-(or a chosen) Orbax checkpoint, restored onto the devices of this process.
+(or a chosen) Orbax checkpoint, restored onto the devices of this process. A run
+written before the feature schema is read with its tables renamed
+(`gem_jax.train.legacy_runs`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import jax
 from flax import nnx
 
 from gem_jax.batch import FeatureSpec
+from gem_jax.data.pipeline import source_tasks
 from gem_jax.mesh import Topology, make_mesh
 from gem_jax.model.gem import GEMModel
-from gem_jax.train import config_tree, run_record
+from gem_jax.train import config_tree, legacy_runs, run_record
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.optimizer import make_optimizer
@@ -32,7 +35,7 @@ class RestoredRun:
     Attributes:
       config: the run's config, with `topology` set to one node of the restore
         devices (pass it to `setup_training(config, init_state=False)` to evaluate).
-      spec: the run's feature spec (vocabulary sizes, `max_seq_len`).
+      spec: the run's feature spec (vocabularies, features, tasks, `max_seq_len`).
       step: the checkpoint's step.
       params: the model's parameters, a nested dict of arrays (`nnx.to_pure_dict`
         layout), placed as `setup_training(config)` places them.
@@ -76,7 +79,11 @@ def load_params(workdir: str | Path, step: int | None = None, *, devices: Sequen
     devices = list(devices) if devices is not None else jax.devices()[:1]
     config = config_tree.from_tree(TrainConfig, record["config"])
     config = dataclasses.replace(config, topology=Topology(gpus_per_node=len(devices)))
-    spec = config_tree.from_tree(FeatureSpec, record["spec"])
+    legacy = legacy_runs.is_legacy_spec(record["spec"])
+    if legacy:
+        spec = legacy_runs.spec_from_legacy(record["spec"], source_tasks(config.data.source))
+    else:
+        spec = config_tree.from_tree(FeatureSpec, record["spec"])
     mesh = make_mesh(config.topology, devices)
     setup = state_setup(model_factory(spec, config), make_optimizer(config.optim), mesh, config.rules, compute_dtype=config.model.compute_dtype)
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint, read_only=True)
@@ -87,7 +94,10 @@ def load_params(workdir: str | Path, step: int | None = None, *, devices: Sequen
         step = max(steps) if step is None else step
         if step not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {workdir / 'checkpoints'}; steps: {sorted(steps)}")
-        state = checkpointer.restore_state(step, setup.abstract)
+        if legacy:
+            state = legacy_runs.schema_names(checkpointer.restore_state(step, legacy_runs.legacy_names(setup.abstract)))
+        else:
+            state = checkpointer.restore_state(step, setup.abstract)
     finally:
         checkpointer.close()
     return RestoredRun(config=config, spec=spec, step=step, params=state.params, record=record)

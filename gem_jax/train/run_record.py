@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from gem_jax.train import compile_cache, config_tree
+from gem_jax.train import compile_cache, config_tree, legacy_runs
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.workdir_lock import LOCK_PREFIX
 
@@ -101,13 +101,15 @@ def read_record(workdir: str | Path) -> dict[str, Any] | None:
 
 
 def mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """`(field, recorded, now)` for each config leaf or data-identity entry that differs."""
+    """`(field, recorded, now)` for each config leaf, data-identity entry or feature-spec field that differs."""
     rows = [
         (f"config.{path}", a, b)
         for path, a, b in config_tree.diff(old["config"], new["config"])
         if not any(path == m or path.startswith(m + ".") for m in MAY_CHANGE)
     ]
     rows += [(f"data.{path}", a, b) for path, a, b in config_tree.diff(old.get("data", {}), new["data"]) if path != "path"]
+    if new.get("spec") is not None:
+        rows += [(f"spec.{path}", a, b) for path, a, b in config_tree.diff(old.get("spec") or {}, new["spec"])]
     return rows
 
 
@@ -136,6 +138,14 @@ def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: b
         if write:
             write_record(workdir, record)
         return record
+    if legacy_runs.is_legacy_spec(old.get("spec")):
+        raise RunMismatchError(
+            f"{workdir} holds a run of a gem-jax before the feature schema ({workdir / RUN_FILE} records the fixed "
+            f"MovieLens layout: spec fields {sorted(old['spec'])}, tasks 'primary' and 'secondary'): its checkpoints "
+            "name the user tables embed/user/0..3 and the genre layer embed/genres, so this version cannot resume it. "
+            "Use a new workdir, or --force-new to start a new run here "
+            f"(the old run is moved to {workdir / ARCHIVE_DIR}); gem_jax.load_params still reads its parameters."
+        )
     rows = mismatches(old, record)
     if rows:
         lines = "\n".join(f"  {field}: recorded {a!r}, now {b!r}" for field, a, b in rows)

@@ -20,7 +20,7 @@ from gem_jax.data.pipeline import Dataset, load_dataset
 from gem_jax.jagged import pick_capacity
 from gem_jax.mesh import make_mesh
 from gem_jax.model.flops import Workload, train_workload
-from gem_jax.model.gem import USER_TABLES, GEMModel
+from gem_jax.model.gem import GEMModel, example_tables
 from gem_jax.nn.embeddings import Generation, describe_exchange
 from gem_jax.parallel.placement import BatchPlacement
 from gem_jax.train.baseline import item_mean_label_auc
@@ -73,16 +73,18 @@ class Training:
 
         The rows are `B/D` times the data set's mean history length, in the token
         capacity a batch of that many rows gets (`gem_jax.nn.embeddings.describe_exchange`);
-        the history's tables are described for that many ids, the user tables
-        (`embed/user/*`) for `B/D` (the item table's candidate lookup, `B/D` ids more, is a
-        lookup of its own).
+        the history's tables are described for that many ids, the tables of the user's and
+        the candidate's features for `B/D` times their values per example
+        (`gem_jax.model.gem.example_tables`; the item table's candidate lookup, `B/D` ids
+        more, is a lookup of its own).
         """
         per_device = self.per_device_batch
+        per_example = example_tables(self.dataset.spec)
         buckets = self.dataset.token_buckets
         rows = pick_capacity(math.ceil(per_device * buckets.mean_length), buckets.capacities(per_device))
         model = self.config.model
         return [
-            describe_exchange(placement, per_device if placement.name.startswith(USER_TABLES) else rows, model.embed_dim, model.compute_dtype)
+            describe_exchange(placement, per_device * per_example.get(placement.name, 0) or rows, model.embed_dim, model.compute_dtype)
             for placement in self.state.plan.tables.values()
             if placement.generation is not Generation.REPLICATED
         ]

@@ -81,3 +81,22 @@ def test_bad_inputs_are_refused_with_the_run_and_step_named(compare_main, monkey
     (other / "metrics.jsonl").write_text(json.dumps({"step": 10, "kind": "train", "loss": 1.0, "ne_secondary": 0.9}) + "\n")
     with pytest.raises(SystemExit, match=r"run 'other', train record of step 10 lacks \['ne_primary', 'bce_primary'\] \(.*other/metrics.jsonl\)"):
         _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("other", other)])
+
+
+def test_tasks_are_compared_by_position_across_task_names(compare_main, monkeypatch, tmp_path):
+    """A run logged before named tasks ("primary", "secondary") against one whose run.json names them."""
+    reference = _write_run(tmp_path / "ref", [2.0, 1.0], [0.9, 0.8], eval_ne=0.8)
+    named = tmp_path / "named"
+    named.mkdir()
+    records = [
+        {"step": 10, "kind": "train", "loss": 2.0, "ne_like": 0.9, "bce_like": 1.0, "ne_love": 0.7, "bce_love": 0.5},
+        {"step": 20, "kind": "train", "loss": 1.0, "ne_like": 0.6, "bce_like": 0.5, "ne_love": 0.7, "bce_love": 0.5},
+        {"step": 20, "kind": "eval", "ne_like": 0.88, "bce_like": 0.44, "ne_love": 0.7, "bce_love": 0.5},
+    ]
+    (named / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (named / "run.json").write_text(json.dumps({"config": {}, "spec": {"tasks": ["like", "love"]}}))
+    summary = _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("named", named)])
+    assert summary["ne_relative_change_vs_reference"]["named"] == {"primary": pytest.approx(0.1)}
+    assert summary["final_train_ne"]["named"] == {"primary": pytest.approx(0.75)}
+    with pytest.raises(SystemExit, match=r"run 'ref', train record of step 10 lacks \['ne_secondary', 'bce_secondary'\]"):
+        _compare(compare_main, monkeypatch, tmp_path, [("named", named), ("ref", reference)])  # the reference's second task, "love"

@@ -27,8 +27,19 @@ def test_import_gem_jax_does_not_load_grain_or_orbax(repo_root):
     assert out.strip() == "[]"
 
 
+SPEC = gem_jax.FeatureSpec(
+    num_items=50,
+    num_actions=11,
+    num_time_buckets=8,
+    tasks=("click", "buy"),
+    user_features=(gem_jax.CategoricalFeature("user", 10), gem_jax.CategoricalFeature("country", 5)),
+    item_features=(gem_jax.CategoricalFeature("tags", 20, max_values=3),),
+    max_seq_len=4,
+)
+
+
 def test_a_model_builds_and_runs_outside_the_trainer():
-    spec = gem_jax.FeatureSpec(num_items=50, num_users=10, num_actions=11, num_time_buckets=8, num_genres=5, max_seq_len=4)
+    spec = SPEC
     model = gem_jax.GEMModel(spec, gem_jax.ModelConfig(embed_dim=16, num_pooled_queries=2), rngs=nnx.Rngs(0))
     lengths = np.array([0, 3, 4])
     rng = np.random.default_rng()
@@ -36,9 +47,9 @@ def test_a_model_builds_and_runs_outside_the_trainer():
     history = gem_jax.Jagged.from_lengths(values, lengths, max_seq_len=4, capacity=8)
     batch = gem_jax.Batch(
         history=history,
-        user=np.stack([rng.integers(1, 10, 3), np.zeros(3), np.zeros(3), np.zeros(3)], axis=1).astype(np.int32),
+        user={"user": rng.integers(1, 10, (3, 1)).astype(np.int32), "country": np.array([[4], [0], [1]], np.int32)},
         candidate_item=rng.integers(1, 50, 3).astype(np.int32),
-        candidate_genres=rng.integers(0, 2, (3, 5)).astype(np.float32),
+        candidate_features={"tags": np.array([[3, 7, 0], [0, 0, 0], [19, 0, 0]], np.int32)},
         labels=np.zeros((3, 2), np.float32),
         weights=np.ones(3, np.float32),
     )
@@ -47,15 +58,15 @@ def test_a_model_builds_and_runs_outside_the_trainer():
 
 
 def test_a_malformed_batch_is_refused_with_the_field_named():
-    spec = gem_jax.FeatureSpec(num_items=50, num_users=10, num_actions=11, num_time_buckets=8, num_genres=5, max_seq_len=4)
+    spec = SPEC
     model = gem_jax.GEMModel(spec, gem_jax.ModelConfig(embed_dim=16, num_pooled_queries=2), rngs=nnx.Rngs(0))
 
     def batch(values):
         return gem_jax.Batch(
             history=gem_jax.Jagged.from_lengths(values, [2, 1], max_seq_len=4),
-            user=np.array([[1, 0, 0, 0], [2, 0, 0, 0]], np.int32),
+            user={"user": np.array([[1], [2]], np.int32), "country": np.zeros((2, 1), np.int32)},
             candidate_item=np.array([3, 4], np.int32),
-            candidate_genres=np.zeros((2, 5), np.float32),
+            candidate_features={"tags": np.zeros((2, 3), np.int32)},
             labels=np.zeros((2, 2), np.float32),
             weights=np.ones(2, np.float32),
         )

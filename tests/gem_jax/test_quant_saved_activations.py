@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
-from gem_jax.batch import FeatureSpec, random_batch
+from gem_jax.batch import CategoricalFeature, FeatureSpec, Pooling, random_batch
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.loss import weighted_bce
 from gem_jax.nn.layers import MLP
@@ -176,7 +176,15 @@ def test_rejects_inputs_without_a_row_axis():
 # --- the tiny GEM model (configs/gem_h200_tiny.py) ---------------------------------------------
 
 TOKENS, BATCH = 37, 5  # 37 history rows: a size no other dimension of the tiny model has
-SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8, num_genres=4, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=16)
+SPEC = FeatureSpec(
+    num_items=40,
+    num_actions=11,
+    num_time_buckets=8,
+    tasks=("like", "love"),
+    user_features=tuple(CategoricalFeature(name, size) for name, size in (("user", 9), ("age", 4), ("gender", 3), ("occupation", 6))),
+    item_features=(CategoricalFeature("genres", 5, 4, Pooling.MULTI_HOT),),
+    max_seq_len=16,
+)
 
 
 def _tiny(fp8_saved: bool, dtype: str = "float32"):

@@ -10,10 +10,13 @@ Choices:
 - An event's timestamp is its 0-based position in its user's line, so time
   buckets measure age in events.
 - Every event has action 1 (a review; no rating). Ratings are NaN.
-- With the attribute file, the genre columns are the distinct attribute ids in
-  sorted order; items without attributes get an all-zero row (counted in
-  `EventLog.notes`). Without it (or without any attribute of a listed item),
-  one all-zero column stands in (the batch structure needs `num_genres >= 1`).
+- Item feature "attributes" (multi-valued, `Pooling.MULTI_HOT`): with the
+  attribute file, attribute id j + 1 is the j-th distinct attribute id in sorted
+  order; items without attributes get a row of PAD only (counted in
+  `EventLog.notes`). Without it (or without any attribute of a listed item), the
+  vocabulary is PAD and one unused id, every row PAD.
+- No user features beyond the user id: "age", "gender", "occupation" are PAD only
+  (vocabulary size 1), the layout of the MovieLens sources.
 - The labels of the examples are defined by sampled candidates
   (`gem_jax.data.examples.next_item_examples`), not here.
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gem_jax.data.events import EventLog, build_event_log
+from gem_jax.data.events import DEMOGRAPHICS, EventLog, FeatureTable, absent_features, build_event_log
 from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker, int64_field, text_lines
 
 SEQUENCES_FILE = "Beauty.txt"
@@ -138,6 +141,7 @@ def read_amazon_beauty(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRow.
         genres, genre_names = np.zeros((item_vocab.shape[0], 1), np.uint8), ("(no attributes)",)
         notes, skipped = (), check.skipped()
     user = np.array(user, dtype=np.int64)
+    user_vocab = np.unique(user)
     return build_event_log(
         name="amazon-beauty",
         raw_user=user,
@@ -146,12 +150,11 @@ def read_amazon_beauty(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRow.
         rating=np.full(item.shape[0], np.nan, np.float32),
         timestamp=np.array(position, dtype=np.int64),
         line=np.array(line, dtype=np.int64),
-        user_vocab=np.unique(user),
+        user_vocab=user_vocab,
         item_vocab=item_vocab,
-        item_genres=genres,
-        user_features=None,
+        user_features=absent_features(DEMOGRAPHICS, user_vocab.shape[0]),
+        item_features=(FeatureTable.from_multi_hot("attributes", genres, genre_names),),
         num_actions=NUM_IMPLICIT_ACTIONS,
-        genre_names=genre_names,
         skipped=skipped,
         notes=notes,
     )

@@ -7,10 +7,11 @@ Format (the publisher's README): `u.data` is tab-separated
 `user|age|gender|occupation|zip`; `u.occupation` lists the occupation names.
 
 Features:
-- Genres: the 19 flags of u.item (the first, "unknown", included as a column).
-- Age: the seven MovieLens-1M buckets, ids 1..7: under 18, 18-24, 25-34,
-  35-44, 45-49, 50-55, 56 and over.
-- Gender: M -> 1, F -> 2. Occupation: 1..21 in u.occupation order. Zip codes
+- Item feature "genres" (multi-valued, `Pooling.MULTI_HOT`): the 19 flags of
+  u.item as ids 1..19 (the first, "unknown", included).
+- User features "age", "gender", "occupation". Age: the seven MovieLens-1M
+  buckets, ids 1..7: under 18, 18-24, 25-34, 35-44, 45-49, 50-55, 56 and over.
+  Gender: M -> 1, F -> 2. Occupation: 1..21 in u.occupation order. Zip codes
   are not used.
 - Actions are half-star ids `rating * 2` (2, 4, .., 10), on the same scale as
   ml-latest-small.
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gem_jax.data.events import EventLog, build_event_log
+from gem_jax.batch import CategoricalFeature
+from gem_jax.data.events import DEMOGRAPHICS, EventLog, FeatureTable, build_event_log
 from gem_jax.data.features import NUM_HALF_STAR_ACTIONS
 from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker, int64_field
 
@@ -174,6 +176,7 @@ def read_ml_100k(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRow.RAISE)
     user_vocab = np.array(sorted(users), dtype=np.int64)
     item_vocab = np.array(sorted(items), dtype=np.int64)
     rating = np.array(columns[2], dtype=np.float32)
+    demographics = np.array([users[int(u)] for u in user_vocab], dtype=np.int32).reshape(-1, len(DEMOGRAPHICS))
     return build_event_log(
         name="ml-100k",
         raw_user=np.array(columns[0], dtype=np.int64),
@@ -184,12 +187,11 @@ def read_ml_100k(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRow.RAISE)
         line=np.array(columns[4], dtype=np.int64),
         user_vocab=user_vocab,
         item_vocab=item_vocab,
-        item_genres=np.array([items[int(i)] for i in item_vocab], dtype=np.uint8),
-        user_features=np.array([users[int(u)] for u in user_vocab], dtype=np.int32),
+        user_features=tuple(
+            FeatureTable(CategoricalFeature(name, size), ids[:, None])
+            for name, size, ids in zip(DEMOGRAPHICS, (NUM_AGES, len(GENDERS) + 1, len(occupations) + 1), demographics.T)
+        ),
+        item_features=(FeatureTable.from_multi_hot("genres", np.array([items[int(i)] for i in item_vocab]), tuple(genre_names)),),
         num_actions=NUM_HALF_STAR_ACTIONS,
-        num_ages=NUM_AGES,
-        num_genders=len(GENDERS) + 1,
-        num_occupations=len(occupations) + 1,
-        genre_names=tuple(genre_names),
         skipped=item_check.skipped() + user_check.skipped() + check.skipped(),
     )

@@ -8,9 +8,12 @@ half-star steps and Unix-second timestamps; `movies.csv` is
 Choices:
 - The item vocabulary is every movie of movies.csv (dense ids by movieId
   order), rated or not; users are those with at least one rating.
-- Genre columns are the distinct genre names of movies.csv in sorted order;
-  "(no genres listed)" gives an all-zero genre row (no column of its own).
-- No user demographics: the user feature columns are PAD_ID.
+- Item feature "genres" (multi-valued, `Pooling.MULTI_HOT`): genre id j + 1 is the
+  j-th distinct genre name of movies.csv in sorted order; "(no genres listed)"
+  gives a row of PAD only (no id of its own).
+- No user demographics: the user features "age", "gender", "occupation" of
+  MovieLens 100K are PAD only (vocabulary size 1), so both MovieLens sets share one
+  model layout.
 - Actions are half-star ratings, `rating * 2` in 1..10.
 """
 
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gem_jax.data.events import EventLog, build_event_log
+from gem_jax.data.events import DEMOGRAPHICS, EventLog, FeatureTable, absent_features, build_event_log
 from gem_jax.data.features import NUM_HALF_STAR_ACTIONS
 from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow, RowChecker, csv_fields, int64_field, text_lines
 
@@ -135,6 +138,7 @@ def read_ml_latest_small(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRo
     for row, movie in enumerate(item_vocab):
         item_genres[row, [column[g] for g in movies[int(movie)]]] = 1
     stars = np.array(stars, dtype=np.float32)
+    user_vocab = np.unique(np.array(users, dtype=np.int64))
     return build_event_log(
         name="ml-latest-small",
         raw_user=np.array(users, dtype=np.int64),
@@ -143,11 +147,10 @@ def read_ml_latest_small(path: str | os.PathLike, on_bad_row: OnBadRow = OnBadRo
         rating=stars,
         timestamp=np.array(times, dtype=np.int64),
         line=np.array(lines, dtype=np.int64),
-        user_vocab=np.unique(np.array(users, dtype=np.int64)),
+        user_vocab=user_vocab,
         item_vocab=item_vocab,
-        item_genres=item_genres,
-        user_features=None,
+        user_features=absent_features(DEMOGRAPHICS, user_vocab.shape[0]),
+        item_features=(FeatureTable.from_multi_hot("genres", item_genres, genre_names),),
         num_actions=NUM_HALF_STAR_ACTIONS,
-        genre_names=genre_names,
         skipped=movie_check.skipped() + check.skipped(),
     )

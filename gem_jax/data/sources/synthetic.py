@@ -9,11 +9,13 @@ pipeline over example indices works as it does for real data.
 - History lengths are lognormal, `floor(median * exp(sigma * z))` clipped to
   [0, max_seq_len]: a long tail like real behaviour logs (ml-latest-small's
   longest history is 38x its median). Some histories are empty.
-- History items, actions, users and user features are uniform over their
-  vocabularies; time buckets grow with the distance from the end of the
-  history (older events, larger buckets), as in real data.
-- Each item has a fixed logit `1.5 * N(0, 1)` and 15% of the genres;
-  PRIMARY ~ Bernoulli(sigmoid(logit of the candidate)), SECONDARY = PRIMARY
+- History items, actions, users and the user features "age", "gender" and
+  "occupation" are uniform over their vocabularies; time buckets grow with the
+  distance from the end of the history (older events, larger buckets), as in
+  real data.
+- Each item has a fixed logit `1.5 * N(0, 1)` and 15% of the genres (item
+  feature "genres", `Pooling.MULTI_HOT`, up to `num_genres` values);
+  task "click" ~ Bernoulli(sigmoid(logit of the candidate)), "convert" = click
   and a fair coin. Labels depend on the candidate only: a source for speed
   measurements, not a learning task.
 """
@@ -24,15 +26,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gem_jax.batch import Batch, FeatureSpec, HistoryField, Task, UserField, validate_ids
-from gem_jax.data.collate import batch_indices, padded_offsets
+from gem_jax.batch import Batch, CategoricalFeature, FeatureSpec, HistoryField, Pooling, validate_ids
+from gem_jax.data.collate import batch_indices, feature_ids, padded_offsets
 from gem_jax.data.config import SyntheticConfig
-from gem_jax.data.features import NUM_HALF_STAR_ACTIONS, time_bucket
+from gem_jax.data.features import NUM_HALF_STAR_ACTIONS, multi_hot_ids, time_bucket
 from gem_jax.jagged import Jagged
 
-SYNTHETIC_NUM_AGES = 8
-SYNTHETIC_NUM_GENDERS = 3
-SYNTHETIC_NUM_OCCUPATIONS = 22
+SYNTHETIC_USER_FEATURES = (("age", 8), ("gender", 3), ("occupation", 22))  # (name, vocabulary size) besides the user id
+SYNTHETIC_TASKS = (("click", "Bernoulli(sigmoid(item logit))"), ("convert", "click and a fair coin"))
 ITEM_LOGIT_SCALE = 1.5
 GENRE_PROBABILITY = 0.15
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -80,13 +81,12 @@ def synthetic_spec(config: SyntheticConfig, max_seq_len: int, num_time_buckets: 
     """The `FeatureSpec` of synthetic batches."""
     return FeatureSpec(
         num_items=config.num_items,
-        num_users=config.num_users,
         num_actions=NUM_HALF_STAR_ACTIONS,
         num_time_buckets=num_time_buckets,
-        num_genres=config.num_genres,
-        num_ages=SYNTHETIC_NUM_AGES,
-        num_genders=SYNTHETIC_NUM_GENDERS,
-        num_occupations=SYNTHETIC_NUM_OCCUPATIONS,
+        tasks=tuple(name for name, _ in SYNTHETIC_TASKS),
+        user_features=(CategoricalFeature("user", config.num_users),)
+        + tuple(CategoricalFeature(name, size) for name, size in SYNTHETIC_USER_FEATURES),
+        item_features=(CategoricalFeature("genres", config.num_genres + 1, config.num_genres, Pooling.MULTI_HOT),),
         max_seq_len=max_seq_len,
     )
 
@@ -148,28 +148,35 @@ class SyntheticBatchBuilder:
         values[:total, HistoryField.ACTION] = _ids(spec.num_actions, s, t, example, position, 2)
         values[:total, HistoryField.TIME_BUCKET] = time_bucket(np.repeat(lengths, lengths) - 1 - position, spec.num_time_buckets)
 
-        user = np.zeros((b, len(UserField)), np.int32)
-        user_id = _ids(spec.num_users, s, t, idx, 3)
-        user[:n, UserField.USER] = user_id
-        for field, size in zip(list(UserField)[1:], spec.user_vocab_sizes()[1:]):
-            user[:n, field] = _ids(size, s, 4, user_id, int(field))
+        user_feature, *side = spec.user_features
+        user_id = _ids(user_feature.vocab_size, s, t, idx, 3)
+        user = {user_feature.name: feature_ids(user_feature, b, user_id[:, None])}
+        for field, feature in enumerate(side, start=1):  # hash key 1, 2, 3: one stream per feature
+            user[feature.name] = feature_ids(feature, b, _ids(feature.vocab_size, s, 4, user_id, field)[:, None])
         candidate = np.zeros(b, np.int32)
         candidate[:n] = _ids(spec.num_items, s, t, idx, 5)
-        genres = np.zeros((b, spec.num_genres), np.float32)
-        genres[:n] = _uniform(s, 6, candidate[:n, None], np.arange(spec.num_genres)[None, :]) < GENRE_PROBABILITY
-        primary = _uniform(s, t, idx, 7) < 1.0 / (1.0 + np.exp(-item_logits(s, candidate[:n])))
-        labels = np.zeros((b, 2), np.float32)
-        labels[:n, Task.PRIMARY] = primary
-        labels[:n, Task.SECONDARY] = primary & (_uniform(s, t, idx, 8) < 0.5)
+        genres = spec.item_features[0]
+        hot = _uniform(s, 6, candidate[:n, None], np.arange(genres.max_values)[None, :]) < GENRE_PROBABILITY
+        click = _uniform(s, t, idx, 7) < 1.0 / (1.0 + np.exp(-item_logits(s, candidate[:n])))
+        labels = np.zeros((b, spec.num_tasks), np.float32)
+        labels[:n, 0] = click
+        labels[:n, 1] = click & (_uniform(s, t, idx, 8) < 0.5)
         weights = np.zeros(b, np.float32)
         weights[:n] = 1.0
-        batch = Batch(Jagged(values, offsets, spec.max_seq_len), user, candidate, genres, labels, weights)
+        batch = Batch(
+            history=Jagged(values, offsets, spec.max_seq_len),
+            user=user,
+            candidate_item=candidate,
+            candidate_features={genres.name: feature_ids(genres, b, multi_hot_ids(hot, genres.max_values))},
+            labels=labels,
+            weights=weights,
+        )
         validate_ids(batch, spec)
         return batch
 
 
 def synthetic_item_mean_labels(seed: int, num_items: int) -> np.ndarray:
-    """float32 `[num_items, 2]`: the expected label of each candidate item (row PAD_ID: 0)."""
+    """float32 `[num_items, 2]`: the expected label of each task for each candidate item (row PAD_ID: 0)."""
     p = 1.0 / (1.0 + np.exp(-item_logits(seed, np.arange(num_items))))
     table = np.stack([p, 0.5 * p], axis=1).astype(np.float32)
     table[0] = 0.0

@@ -29,7 +29,7 @@ def example_rows(batch):
     items = np.add.reduceat(np.r_[np.asarray(batch.history.values)[: offsets[-1], 0], 0], offsets[:-1])
     items = np.where(np.diff(offsets) > 0, items, 0)  # reduceat returns the next value for an empty range
     rows = np.column_stack(
-        [batch.user[:, 0], batch.candidate_item, batch.labels.astype(np.int64), np.diff(offsets), items]
+        [batch.user["user"][:, 0], batch.candidate_item, batch.labels.astype(np.int64), np.diff(offsets), items]
     )[real].astype(np.int64)
     return rows[np.lexsort(rows.T[::-1])]
 

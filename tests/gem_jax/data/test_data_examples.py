@@ -1,12 +1,14 @@
 """Tests of the per-user time split, the example index arrays, features and batch building."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from gem_jax.batch import PAD_ID, FeatureSpec, HistoryField, Task, UserField, validate_ids
-from gem_jax.data.collate import BatchBuilder
+from gem_jax.batch import PAD_ID, CategoricalFeature, HistoryField, validate_ids
+from gem_jax.data.collate import BatchBuilder, log_spec
 from gem_jax.jagged import pick_capacity
-from gem_jax.data.events import build_event_log
+from gem_jax.data.events import DEMOGRAPHICS, FeatureTable, build_event_log
 from gem_jax.data.examples import Examples, next_item_examples, rating_examples
 from gem_jax.data.features import half_star_action, time_bucket
 from gem_jax.data.sources.movielens_small import read_ml_latest_small
@@ -28,7 +30,10 @@ def random_log(rng, num_users=30, num_items=50, max_events=40, implicit=False):
     timestamp = rng.integers(0, 10_000, size=n) // 100 * 100  # many ties
     item_vocab = np.arange(num_items) * 2 + 100
     genres = (rng.random((num_items, 4)) < 0.3).astype(np.uint8)
-    user_features = np.stack([rng.integers(1, 8, num_users), rng.integers(1, 3, num_users), rng.integers(1, 22, num_users)], 1)
+    user_features = tuple(
+        FeatureTable(CategoricalFeature(name, size), rng.integers(1, size, (num_users, 1)))
+        for name, size in zip(DEMOGRAPHICS, (8, 3, 22))
+    )
     return build_event_log(
         name="random",
         raw_user=raw_user,
@@ -39,31 +44,28 @@ def random_log(rng, num_users=30, num_items=50, max_events=40, implicit=False):
         line=rng.permutation(n) + 2,
         user_vocab=np.arange(num_users) * 3 + 7,
         item_vocab=item_vocab,
-        item_genres=genres,
         user_features=user_features,
+        item_features=(FeatureTable.from_multi_hot("genres", genres, ("a", "b", "c", "d")),),
         num_actions=2 if implicit else 11,
-        num_ages=8,
-        num_genders=3,
-        num_occupations=22,
-        genre_names=("a", "b", "c", "d"),
     )
 
 
 def spec_of(log, max_seq_len, num_time_buckets=16):
-    return FeatureSpec(
-        num_items=log.num_items,
-        num_users=log.num_users,
-        num_actions=log.num_actions,
-        num_time_buckets=num_time_buckets,
-        num_genres=log.num_genres,
-        num_ages=log.num_ages,
-        num_genders=log.num_genders,
-        num_occupations=log.num_occupations,
-        max_seq_len=max_seq_len,
-    )
+    return log_spec(log, ("like", "love"), num_time_buckets=num_time_buckets, max_seq_len=max_seq_len)
 
 
 # ---------------------------------------------------------------- features
+
+
+def test_feature_tables_from_multi_hot_rows():
+    table = FeatureTable.from_multi_hot("genres", np.array([[0, 1, 1], [0, 0, 0], [1, 1, 1]]), ("a", "b", "c"))
+    assert (table.feature.vocab_size, table.feature.max_values) == (4, 3)
+    np.testing.assert_array_equal(table.ids, [[2, 3, 0], [0, 0, 0], [1, 2, 3]])
+    np.testing.assert_array_equal(table.with_pad_row().ids[0], [0, 0, 0])
+    with pytest.raises(ValueError, match=r"feature 'genres': ids outside \[0, 4\)"):
+        FeatureTable(table.feature, np.array([[4, 0, 0]]))
+    with pytest.raises(ValueError, match=r"feature 'genres': ids have shape \(1, 2\), expected \[rows, 3\]"):
+        FeatureTable(table.feature, np.array([[1, 0]]))
 
 
 def test_time_bucket_values():
@@ -170,8 +172,8 @@ def test_next_item_examples_labels_follow_definition():
         horizon = split.horizon(log.user[targets], targets)
         for k, t in enumerate(targets):
             window = log.item[t : min(t + 5, horizon[k])]
-            assert ex.labels[k, Task.PRIMARY] == float(ex.candidate[k] == log.item[t])
-            assert ex.labels[k, Task.SECONDARY] == float(ex.candidate[k] in window)
+            assert ex.labels[k, 0] == float(ex.candidate[k] == log.item[t])
+            assert ex.labels[k, 1] == float(ex.candidate[k] in window)
         # No training label is defined by a held-out event: the train window stops at eval_start.
         if targets is split.train_targets:
             assert np.all(horizon <= split.eval_start[log.user[targets]])
@@ -199,7 +201,7 @@ def _reference_example(log, ex, k, num_time_buckets):
     age = log.timestamp[t] - log.timestamp[rows]
     hist = np.stack([log.item[rows], log.action[rows], time_bucket(age, num_time_buckets)], axis=1)
     u = log.user[t]
-    return hist, [u, *log.user_features[u]]
+    return hist, {"user": [u], **{t.feature.name: t.ids[u] for t in log.user_features}}
 
 
 @pytest.mark.parametrize("batch_size,max_len,n", [(8, 5, 8), (16, 12, 11), (4, 40, 1), (4, 6, 0)])
@@ -221,27 +223,29 @@ def test_batch_builder_matches_reference(batch_size, max_len, n, per_call):
     total = int(ex.history_length[idx].sum())
     assert values.shape == (total, 3) and values.dtype == np.int32  # the real rows, no slack
     assert offsets.shape == (batch_size + 1,) and offsets.dtype == np.int32
-    assert batch.user.shape == (batch_size, 4) and batch.candidate_genres.shape == (batch_size, 4)
+    assert {k: v.shape for k, v in batch.user.items()} == {name: (batch_size, 1) for name in ("user", *DEMOGRAPHICS)}
+    assert batch.candidate_features["genres"].shape == (batch_size, 4)
     assert batch.labels.shape == (batch_size, 2) and batch.weights.dtype == np.float32
     validate_jagged(batch.history)
     validate_ids(batch, spec)
     for slot, k in enumerate(idx):
         hist, user = _reference_example(log, ex, k, spec.num_time_buckets)
         np.testing.assert_array_equal(values[offsets[slot] : offsets[slot + 1]], hist)
-        np.testing.assert_array_equal(batch.user[slot], user)
+        for name, ids in user.items():
+            np.testing.assert_array_equal(batch.user[name][slot], ids)
         assert batch.candidate_item[slot] == ex.candidate[k]
-        np.testing.assert_array_equal(batch.candidate_genres[slot], log.item_genres[ex.candidate[k]])
+        np.testing.assert_array_equal(batch.candidate_features["genres"][slot], log.item_features[0].ids[ex.candidate[k]])
         np.testing.assert_array_equal(batch.labels[slot], ex.labels[k])
     # Padding examples: weight 0, empty history, PAD_ID features, zero labels.
     np.testing.assert_array_equal(batch.weights, [1.0] * n + [0.0] * (batch_size - n))
     assert np.all(offsets[n:] == total)
-    assert np.all(batch.user[n:] == PAD_ID) and np.all(batch.candidate_item[n:] == PAD_ID)
-    assert np.all(batch.labels[n:] == 0) and np.all(batch.candidate_genres[n:] == 0)
+    assert all(np.all(ids[n:] == PAD_ID) for ids in batch.user.values()) and np.all(batch.candidate_item[n:] == PAD_ID)
+    assert np.all(batch.labels[n:] == 0) and np.all(batch.candidate_features["genres"][n:] == PAD_ID)
     # Time buckets never grow toward the target inside one history.
     for slot in range(n):
         tb = values[offsets[slot] : offsets[slot + 1], HistoryField.TIME_BUCKET]
         assert np.all(np.diff(tb) <= 0)
-    assert np.all(batch.user[:n, UserField.USER] >= 1)
+    assert np.all(batch.user["user"][:n] >= 1)
 
 
 def test_batch_builder_rejects_bad_calls():
@@ -263,8 +267,7 @@ def test_batch_ids_are_validated():
     rng = np.random.default_rng()
     log = random_log(rng)
     ex = rating_examples(log, np.arange(log.num_events), max_seq_len=4, thresholds=(4.0, 4.5))
-    small = spec_of(log, 4)
-    small = FeatureSpec(**{**small.__dict__, "num_items": 2})
+    small = dataclasses.replace(spec_of(log, 4), num_items=2)
     bad = Examples(ex.target_event, ex.history_length, np.full(len(ex), 1, np.int32), ex.labels)
     with pytest.raises(ValueError, match="history item id .* outside the vocabulary"):
         BatchBuilder(log, bad, small, 4)(np.flatnonzero(ex.history_length > 0)[:4])

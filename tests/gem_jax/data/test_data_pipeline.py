@@ -7,7 +7,7 @@ import chex
 import numpy as np
 import pytest
 
-from gem_jax.batch import Task, validate_ids
+from gem_jax.batch import Pooling, validate_ids
 from gem_jax.data.paths import SHARED_DATA_ENV, SOURCE_FOLDERS, default_path, shared_data_dir
 from gem_jax.data.pipeline import DataConfig, OnBadRow, Source, SyntheticConfig, load_dataset
 from gem_jax.data.sampling import ShuffledBatchIndices
@@ -23,10 +23,13 @@ def test_ml_small_dataset_summary(ml_small):
     info, spec = ml_small.info, ml_small.spec
     assert (info.num_events, info.num_users, info.num_items) == (100836, 610, 9724)
     assert info.num_train_examples + info.num_eval_examples == 100836
-    assert (spec.num_items, spec.num_users, spec.num_actions, spec.num_genres, spec.max_seq_len) == (9743, 611, 11, 19, 200)
-    assert ml_small.task_names == ("primary", "secondary")
+    assert (spec.num_items, spec.num_actions, spec.max_seq_len) == (9743, 11, 200)
+    assert [(f.name, f.vocab_size, f.max_values) for f in spec.user_features] == [("user", 611, 1), ("age", 1, 1), ("gender", 1, 1), ("occupation", 1, 1)]
+    assert [(f.name, f.vocab_size, f.max_values, f.pooling) for f in spec.item_features] == [("genres", 20, 19, Pooling.MULTI_HOT)]
+    assert ml_small.task_names == spec.tasks == info.task_names == ("like", "love")
     assert info.label_names == ("rating >= 4", "rating >= 4.5")
-    assert 0.45 < info.train_positive_rate[Task.PRIMARY] < 0.5 and 0.2 < info.train_positive_rate[Task.SECONDARY] < 0.23
+    assert 0.45 < info.train_positive_rate[0] < 0.5 and 0.2 < info.train_positive_rate[1] < 0.23
+    assert "like label: rating >= 4 (positive rate train 0.4" in info.summary()
     buckets = ml_small.token_buckets  # every train example's length
     lengths = ml_small.train_batch.examples.history_length
     assert buckets.mean_length == pytest.approx(lengths.mean()) and buckets.std_length == pytest.approx(lengths.std())
@@ -123,7 +126,7 @@ def test_empty_histories_reach_the_batch(ml_small):
 
 def test_item_mean_label_is_the_train_mean_per_item(ml_small):
     ex = ml_small.train_batch.examples
-    for task in Task:
+    for task in range(len(ml_small.task_names)):
         table = ml_small.item_mean_label(task)
         assert table.shape == (ml_small.spec.num_items,) and table.dtype == np.float32
         for item in np.random.default_rng().choice(np.unique(ex.candidate), size=20, replace=False):
@@ -156,16 +159,19 @@ def test_other_sources_build_valid_batches(source):
     ds = load_dataset(DataConfig(source=source, batch_size=64, max_seq_len=50))
     batch = next(ds.train_iterator())
     validate_ids(batch, ds.spec)
-    assert batch.candidate_genres.shape == (64, ds.spec.num_genres)
+    (feature,) = ds.spec.item_features
+    assert batch.candidate_features[feature.name].shape == (64, feature.max_values)
     assert batch.history.capacity == batch.history.offsets[-1]
     eval_batch = next(ds.eval_batches())
     assert eval_batch.weights.sum() == 64
     if source is Source.ML_100K:
-        assert (ds.spec.num_ages, ds.spec.num_genders, ds.spec.num_occupations) == (8, 3, 22)
-        assert np.all(batch.user[:, 1:] > 0)
+        assert [(f.name, f.vocab_size) for f in ds.spec.user_features[1:]] == [("age", 8), ("gender", 3), ("occupation", 22)]
+        assert all(np.all(batch.user[name] > 0) for name in ("age", "gender", "occupation"))
+        assert ds.task_names == ("like", "love")
     else:
         rates = ds.info.train_positive_rate
-        assert 0.45 < rates[Task.PRIMARY] < 0.55 and rates[Task.SECONDARY] > rates[Task.PRIMARY] + 0.1
+        assert ds.task_names == ("next_item", "in_next_5")
+        assert 0.45 < rates[0] < 0.55 and rates[1] > rates[0] + 0.1
 
 
 def test_synthetic_dataset_resume_across_epochs():

@@ -37,6 +37,19 @@ def _check_sorted(log):
 # ---------------------------------------------------------------- real files
 
 
+
+def multi_hot(log):
+    """The log's item feature (genres, attributes) as 0/1 rows `[num_items, vocab - 1]`."""
+    table = log.item_features[0]
+    hot = np.zeros((table.ids.shape[0], table.feature.vocab_size), np.uint8)
+    np.put_along_axis(hot, table.ids, 1, axis=1)
+    return hot[:, 1:]
+
+
+def demographics(log):
+    """The log's user features (age, gender, occupation) as columns `[num_users, 3]`."""
+    return np.concatenate([t.ids for t in log.user_features], axis=1)
+
 @pytest.mark.parametrize("where", ["shipped", "shared"])
 def test_ml_latest_small_counts(where):
     folder = default_path(Source.ML_LATEST_SMALL) if where == "shipped" else _shared(Source.ML_LATEST_SMALL)
@@ -45,7 +58,7 @@ def test_ml_latest_small_counts(where):
     assert log.num_users - 1 == 610
     assert log.num_items - 1 == 9742
     assert np.unique(log.item).shape[0] == 9724  # movies with a rating
-    assert log.num_genres == 19 and "(no genres listed)" not in log.genre_names
+    assert (log.item_features[0].feature.vocab_size - 1) == 19 and "(no genres listed)" not in log.item_features[0].names
     assert log.skipped == ()
     _check_sorted(log)
     np.testing.assert_array_equal(np.bincount(log.action, minlength=11)[1:], [1370, 2811, 1791, 7551, 5550, 20047, 13136, 26818, 8551, 13211])
@@ -53,26 +66,26 @@ def test_ml_latest_small_counts(where):
     movie = int(np.flatnonzero(log.raw_item_ids == 1)[0])
     event = np.flatnonzero((log.raw_user_ids[log.user] == 1) & (log.item == movie))
     assert event.size == 1 and log.rating[event[0]] == 4.0 and log.timestamp[event[0]] == 964982703
-    names = [n for n, flag in zip(log.genre_names, log.item_genres[movie]) if flag]
+    names = [n for n, flag in zip(log.item_features[0].names, multi_hot(log)[movie]) if flag]
     assert names == ["Adventure", "Animation", "Children", "Comedy", "Fantasy"]
-    assert log.item_genres[0].sum() == 0 and (log.user_features == 0).all()
+    assert multi_hot(log)[0].sum() == 0 and (demographics(log) == 0).all()
     no_genre = int(np.flatnonzero(log.raw_item_ids == 114335)[0])  # "La cravate (1957)": (no genres listed)
-    assert log.item_genres[no_genre].sum() == 0
+    assert multi_hot(log)[no_genre].sum() == 0
 
 
 def test_ml_100k_counts_and_user_features():
     log = read_ml_100k(_shared(Source.ML_100K))
     assert log.num_events == 100000
     assert log.num_users - 1 == 943 and log.num_items - 1 == 1682
-    assert log.num_genres == 19 and log.genre_names[0] == "unknown"
-    assert (log.num_ages, log.num_genders, log.num_occupations) == (8, 3, 22)
+    assert (log.item_features[0].feature.vocab_size - 1) == 19 and log.item_features[0].names[0] == "unknown"
+    assert tuple(t.feature.vocab_size for t in log.user_features) == (8, 3, 22)
     _check_sorted(log)
     np.testing.assert_array_equal(np.bincount(log.action, minlength=11)[2::2], [6110, 11370, 27145, 34174, 21201])
     # u.user line 1: "1|24|M|technician|85711"; technician is the 20th of u.occupation.
-    assert log.raw_user_ids[1] == 1 and tuple(log.user_features[1]) == (age_bucket(24), 1, 20)
-    assert tuple(log.user_features[2]) == (age_bucket(53), 2, 14)  # "2|53|F|other|94043"
-    np.testing.assert_array_equal(np.bincount(log.user_features[1:, 1]), [0, 670, 273])
-    toy_story = [n for n, flag in zip(log.genre_names, log.item_genres[1]) if flag]
+    assert log.raw_user_ids[1] == 1 and tuple(demographics(log)[1]) == (age_bucket(24), 1, 20)
+    assert tuple(demographics(log)[2]) == (age_bucket(53), 2, 14)  # "2|53|F|other|94043"
+    np.testing.assert_array_equal(np.bincount(demographics(log)[1:, 1]), [0, 670, 273])
+    toy_story = [n for n, flag in zip(log.item_features[0].names, multi_hot(log)[1]) if flag]
     assert toy_story == ["Animation", "Children's", "Comedy"]
 
 
@@ -80,7 +93,7 @@ def test_amazon_beauty_counts():
     log = read_amazon_beauty(_shared(Source.AMAZON_BEAUTY))
     assert log.num_events == 198502
     assert log.num_users - 1 == 22363 and log.num_items - 1 == 12101
-    assert log.num_genres == 637
+    assert (log.item_features[0].feature.vocab_size - 1) == 637
     assert np.isnan(log.rating).all() and (log.action == 1).all()
     _check_sorted(log)
     # Line 1: "1 1 2 3 4 5"; positions are the timestamps.
@@ -88,12 +101,12 @@ def test_amazon_beauty_counts():
     np.testing.assert_array_equal(log.timestamp[:5], np.arange(5))
     lengths = np.diff(log.user_offsets)[1:]
     assert lengths.min() == 5 and lengths.max() == 204
-    assert 1 <= log.item_genres[1:].sum(axis=1).min() and log.item_genres[1:].sum(axis=1).max() <= 6
+    assert 1 <= multi_hot(log)[1:].sum(axis=1).min() and multi_hot(log)[1:].sum(axis=1).max() <= 6
 
 
 def test_amazon_beauty_without_attributes():
     log = read_amazon_beauty(_shared(Source.AMAZON_BEAUTY), attributes=False)
-    assert log.num_genres == 1 and log.item_genres.sum() == 0
+    assert (log.item_features[0].feature.vocab_size - 1) == 1 and multi_hot(log).sum() == 0
 
 
 # ---------------------------------------------------------------- malformed input
@@ -113,14 +126,14 @@ GOOD_RATINGS = ["1,1,4.0,100", "1,2,3.5,90", "2,3,5.0,50", "1,3,0.5,90"]
 def test_ml_small_tiny_file_parsed_and_sorted(tmp_path):
     log = read_ml_latest_small(_ml_small(tmp_path, GOOD_RATINGS))
     assert log.num_events == 4 and log.num_users == 3 and log.num_items == 4
-    assert log.genre_names == ("Action", "Adventure", "Comedy")
+    assert log.item_features[0].names == ("Action", "Adventure", "Comedy")
     # user 1: (90, movie 2), (90, movie 3) tie broken by item id, then (100, movie 1).
     np.testing.assert_array_equal(log.raw_item_ids[log.item], [2, 3, 1, 3])
     np.testing.assert_array_equal(log.rating, [3.5, 0.5, 4.0, 5.0])
     np.testing.assert_array_equal(log.action, [7, 1, 8, 10])
     np.testing.assert_array_equal(log.line, [3, 5, 2, 4])
-    np.testing.assert_array_equal(log.item_genres[3], [0, 0, 0])  # "(no genres listed)"
-    np.testing.assert_array_equal(log.item_genres[2], [1, 0, 0])  # quoted title with a comma
+    np.testing.assert_array_equal(multi_hot(log)[3], [0, 0, 0])  # "(no genres listed)"
+    np.testing.assert_array_equal(multi_hot(log)[2], [1, 0, 0])  # quoted title with a comma
 
 
 @pytest.mark.parametrize(
@@ -245,10 +258,10 @@ GOOD_100K = ["1\t1\t5\t10", "2\t2\t3\t20", "1\t2\t4\t10"]
 def test_ml_100k_tiny_file_features(tmp_path):
     log = read_ml_100k(_ml_100k(tmp_path, GOOD_100K))
     assert log.num_events == 3
-    np.testing.assert_array_equal(log.user_features[1:], [[1, 1, 2], [7, 2, 1]])
+    np.testing.assert_array_equal(demographics(log)[1:], [[1, 1, 2], [7, 2, 1]])
     np.testing.assert_array_equal(log.raw_item_ids[log.item], [1, 2, 2])
     np.testing.assert_array_equal(log.action, [10, 8, 6])
-    assert log.item_genres[1].tolist() == [0] * 8 + [1] + [0] * 10
+    assert multi_hot(log)[1].tolist() == [0] * 8 + [1] + [0] * 10
 
 
 @pytest.mark.parametrize(
@@ -287,8 +300,8 @@ def test_beauty_tiny_file(tmp_path):
     np.testing.assert_array_equal(log.raw_user_ids[log.user], [1, 1, 2, 2, 2])
     np.testing.assert_array_equal(log.raw_item_ids[log.item], [4, 2, 3, 1, 3])
     np.testing.assert_array_equal(log.timestamp, [0, 1, 0, 1, 2])
-    assert log.genre_names == ("5", "7", "9")
-    np.testing.assert_array_equal(log.item_genres[1:], [[1, 0, 1], [0, 0, 1], [0, 1, 0], [1, 0, 0]])
+    assert log.item_features[0].names == ("5", "7", "9")
+    np.testing.assert_array_equal(multi_hot(log)[1:], [[1, 0, 1], [0, 0, 1], [0, 1, 0], [1, 0, 0]])
     assert "0 item(s)" in log.notes[0]
 
 

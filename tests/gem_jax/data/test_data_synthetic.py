@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from gem_jax.batch import HistoryField, Task, validate_ids
+from gem_jax.batch import PAD_ID, HistoryField, validate_ids
 from gem_jax.data.config import SyntheticConfig
 from gem_jax.data.sources.synthetic import (
     EVAL_STREAM,
@@ -31,11 +31,15 @@ def test_shapes_and_validity(batch_size, max_seq_len, n):
     offsets = np.asarray(batch.history.offsets)
     assert offsets.shape == (batch_size + 1,) and batch.history.values.shape[1] == 3
     assert batch.history.capacity == offsets[-1], "no slack rows: capacities are chosen when the batch is placed"
-    assert batch.user.shape == (batch_size, 4) and batch.candidate_genres.shape == (batch_size, spec.num_genres)
+    assert {k: v.shape for k, v in batch.user.items()} == {k: (batch_size, 1) for k in ("user", "age", "gender", "occupation")}
+    assert batch.candidate_features["genres"].shape == (batch_size, spec.item_features[0].max_values)
+    assert spec.tasks == ("click", "convert")
     assert batch.labels.shape == (batch_size, 2)
     np.testing.assert_array_equal(batch.weights, [1.0] * n + [0.0] * (batch_size - n))
     validate_jagged(batch.history)
     validate_ids(batch, spec)
+    genres = batch.candidate_features["genres"]
+    assert np.all(genres[n:] == PAD_ID) and np.all(np.diff(np.where(genres == PAD_ID, 1 << 20, genres), axis=1) >= 0)  # ids, then PAD
     values = np.asarray(batch.history.values)
     for b in range(n):
         tb = values[offsets[b] : offsets[b + 1], HistoryField.TIME_BUCKET]
@@ -52,7 +56,7 @@ def test_examples_are_pure_functions_of_their_index():
     np.testing.assert_array_equal(
         a.history.values[a.history.offsets[0] : a.history.offsets[1]], b.history.values[b.history.offsets[1] : b.history.offsets[2]]
     )
-    assert a.candidate_item[0] == b.candidate_item[1] and np.array_equal(a.user[0], b.user[1])
+    assert a.candidate_item[0] == b.candidate_item[1] and all(np.array_equal(a.user[k][0], b.user[k][1]) for k in a.user)
     np.testing.assert_array_equal(build([5, 6, 7]).history.values, a.history.values)
     other_stream, _ = make_builder(8, 64, seed=11, stream=EVAL_STREAM)
     other_seed, _ = make_builder(8, 64, seed=12)
@@ -80,12 +84,12 @@ def test_labels_follow_the_item_table():
     build, spec = make_builder(512, 8, seed=3, num_items=20, median_length_fraction=0.5)
     table = synthetic_item_mean_labels(3, spec.num_items)
     assert table.shape == (20, 2) and np.all(table[0] == 0)
-    np.testing.assert_allclose(table[1:, Task.SECONDARY], 0.5 * table[1:, Task.PRIMARY])
+    np.testing.assert_allclose(table[1:, 1], 0.5 * table[1:, 0])
     batches = [build(np.arange(k * 512, (k + 1) * 512)) for k in range(40)]
     cand = np.concatenate([b.candidate_item for b in batches])
     labels = np.concatenate([b.labels for b in batches])
-    assert np.all(labels[:, Task.SECONDARY] <= labels[:, Task.PRIMARY])
+    assert np.all(labels[:, 1] <= labels[:, 0])
     for item in range(1, 20):
         mask = cand == item
         assert mask.sum() > 500
-        np.testing.assert_allclose(labels[mask, Task.PRIMARY].mean(), table[item, Task.PRIMARY], atol=0.06)
+        np.testing.assert_allclose(labels[mask, 0].mean(), table[item, 0], atol=0.06)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gem_jax.batch import FeatureSpec
+from gem_jax.batch import CategoricalFeature, FeatureSpec, Pooling
 from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.flops import Workload, flop_model, train_workload
@@ -11,7 +11,10 @@ from gem_jax.model.flops import Workload, flop_model, train_workload
 
 def test_train_workload_is_three_times_the_forward_count():
     model_config = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=8)
-    spec = FeatureSpec(num_items=50, num_users=10, num_actions=11, num_time_buckets=8, num_genres=5)
+    spec = FeatureSpec(
+        num_items=50, num_actions=11, num_time_buckets=8, tasks=("like", "love"),
+        user_features=(CategoricalFeature("user", 10),), item_features=(CategoricalFeature("genres", 6, 5, Pooling.MULTI_HOT),),
+    )
     fm = flop_model(model_config, spec)
     workload = train_workload(model_config, spec)
     lengths = np.random.default_rng().integers(0, 300, size=17)
@@ -79,7 +82,10 @@ def test_attention_pairs_count_window_and_block_pairs_exactly():
 def test_flop_model_counts_each_sequence_attention_kind():
     from gem_jax.model.config import SequenceAttention
 
-    spec = FeatureSpec(num_items=50, num_users=10, num_actions=11, num_time_buckets=8, num_genres=5)
+    spec = FeatureSpec(
+        num_items=50, num_actions=11, num_time_buckets=8, tasks=("like", "love"),
+        user_features=(CategoricalFeature("user", 10),), item_features=(CategoricalFeature("genres", 6, 5, Pooling.MULTI_HOT),),
+    )
     base = dict(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=8)
     full = flop_model(ModelConfig(**base), spec)
     window = flop_model(ModelConfig(**base, sequence_attention=SequenceAttention.SLIDING_WINDOW, attention_window=10), spec)

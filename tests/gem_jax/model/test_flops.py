@@ -14,19 +14,29 @@ cost analysis is checked to be that count plus a small elementwise share.
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.extend.mlir import ir
 
-from gem_jax.batch import Batch, FeatureSpec
+import dataclasses
+
+from gem_jax.batch import Batch, CategoricalFeature, FeatureSpec, Pooling, random_batch
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.flops import flop_model
 from gem_jax.model.gem import GEMModel
 
-SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8, num_genres=5, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=16)
+# Besides MovieLens's layout (four user features, MULTI_HOT genres), a multi-valued MEAN feature and a third task.
+SPEC = FeatureSpec(
+    num_items=40,
+    num_actions=11,
+    num_time_buckets=8,
+    tasks=("like", "love", "share"),
+    user_features=tuple(CategoricalFeature(name, size) for name, size in (("user", 9), ("age", 4), ("gender", 3), ("occupation", 6))),
+    item_features=(CategoricalFeature("genres", 6, 5, Pooling.MULTI_HOT), CategoricalFeature("tags", 7, 3)),
+    max_seq_len=16,
+)
 TINY = ModelConfig(embed_dim=8, num_heads=2, num_seq_layers=1, num_pooled_queries=1, head_hidden=8, attention_implementation="xla")
 WIDE = ModelConfig(
     embed_dim=128, num_heads=4, num_seq_layers=3, mlp_ratio=4, num_pooled_queries=3, num_dhen_layers=2, head_hidden=64, attention_implementation="xla"
@@ -38,14 +48,8 @@ def uniform_batch(batch_size: int, length: int) -> Batch:
     t = batch_size * length
     values = np.stack([rng.integers(1, SPEC.num_items, t), rng.integers(1, SPEC.num_actions, t), rng.integers(1, SPEC.num_time_buckets, t)], 1)
     history = from_lengths(values, np.full(batch_size, length), max_seq_len=length, capacity=t)
-    return Batch(
-        history=history,
-        user=jnp.asarray(np.stack([rng.integers(1, n, batch_size) for n in SPEC.user_vocab_sizes()], 1), jnp.int32),
-        candidate_item=jnp.asarray(rng.integers(1, SPEC.num_items, batch_size), jnp.int32),
-        candidate_genres=jnp.asarray(rng.random((batch_size, SPEC.num_genres)) < 0.4, jnp.float32),
-        labels=jnp.zeros((batch_size, 2), jnp.float32),
-        weights=jnp.ones((batch_size,), jnp.float32),
-    )
+    features = random_batch(SPEC, rng, np.zeros(batch_size, np.int64), capacity=0)
+    return dataclasses.replace(features, history=history)
 
 
 def _walk(operation):

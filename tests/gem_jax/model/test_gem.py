@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.batch import Batch, FeatureSpec, HistoryField, random_batch
+from gem_jax.batch import Batch, CategoricalFeature, FeatureSpec, HistoryField, Pooling, random_batch
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import Fp8Region, ModelConfig, describe_attention
 from gem_jax.model.gem import GEMModel
@@ -19,7 +19,15 @@ from gem_jax.train.config_tree import ConfigError, apply_overrides
 from pallas_kernels.mxfp8 import Fp8Recipe
 from tolerances import DRAW, E4M3, check, product_rms
 
-SPEC = FeatureSpec(num_items=40, num_users=9, num_actions=11, num_time_buckets=8, num_genres=5, num_ages=4, num_genders=3, num_occupations=6, max_seq_len=12)
+SPEC = FeatureSpec(
+    num_items=40,
+    num_actions=11,
+    num_time_buckets=8,
+    tasks=("like", "love"),
+    user_features=tuple(CategoricalFeature(name, size) for name, size in (("user", 9), ("age", 4), ("gender", 3), ("occupation", 6))),
+    item_features=(CategoricalFeature("genres", 6, 5, Pooling.MULTI_HOT),),
+    max_seq_len=12,
+)
 CONFIG = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=16)
 
 
@@ -69,8 +77,8 @@ def test_examples_are_independent(model):
     batch = make_batch(rng, [5, 3, 8], capacity=24)
     alone = Batch(
         history=from_lengths(np.asarray(batch.history.values)[5:8], [3], max_seq_len=SPEC.max_seq_len, capacity=8),
-        user=batch.user[1:2], candidate_item=batch.candidate_item[1:2], candidate_genres=batch.candidate_genres[1:2],
-        labels=batch.labels[1:2], weights=batch.weights[1:2],
+        user={k: v[1:2] for k, v in batch.user.items()}, candidate_item=batch.candidate_item[1:2],
+        candidate_features={k: v[1:2] for k, v in batch.candidate_features.items()}, labels=batch.labels[1:2], weights=batch.weights[1:2],
     )
     np.testing.assert_allclose(np.asarray(model(batch))[1], np.asarray(model(alone))[0], rtol=1e-5, atol=1e-6)  # as above
 
@@ -172,7 +180,7 @@ def test_gradient_norms_bounded_at_init_with_empty_features(split_model):
     batch = make_batch(np.random.default_rng(), [0, 0, 7], capacity=16)
     batch = Batch(
         history=batch.history, user=batch.user, candidate_item=batch.candidate_item,
-        candidate_genres=jnp.zeros_like(batch.candidate_genres), labels=batch.labels, weights=batch.weights,
+        candidate_features={"genres": jnp.zeros_like(batch.candidate_features["genres"])}, labels=batch.labels, weights=batch.weights,
     )
     grads = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(batch).sum()))(params)
     norms = {jax.tree_util.keystr(path): float(jnp.linalg.norm(g)) for path, g in jax.tree_util.tree_leaves_with_path(grads)}
@@ -234,7 +242,7 @@ LAYERS = {
     Fp8Region.CROSS: {"cross_tower/token_attention/qkv", "cross_tower/token_attention/out", "cross_tower/dhen/0/mix"},
 }
 ALWAYS_FULL_PRECISION = {
-    "embed/genres", "sequence_tower/pool/out", "cross_tower/dhen/0/dot_expert/proj",
+    "embed/item_features/genres", "sequence_tower/pool/out", "cross_tower/dhen/0/dot_expert/proj",
     *(f"cross_tower/dhen/0/cross_expert/layers/{i}" for i in (0, 1)), *(f"heads/{i}/{n}" for i in (0, 1) for n in ("up", "down")),
 }  # fmt: skip
 

@@ -16,6 +16,7 @@ Writes a JSON report to OUT.json; the pytest files assert on it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -198,7 +199,7 @@ def with_empty_and_poisoned(batch, spec):
     values = np.concatenate([values[:lo], values[hi:], np.zeros((hi - lo + 8,) + values.shape[1:], values.dtype)])
     offsets[6:] -= hi - lo
     values[offsets[-1] :] = 7
-    return batch.__class__(Jagged(values, offsets, batch.history.max_seq_len), *[getattr(batch, f) for f in ("user", "candidate_item", "candidate_genres", "labels", "weights")])
+    return dataclasses.replace(batch, history=Jagged(values, offsets, batch.history.max_seq_len))
 
 
 def host_params(config, spec):
@@ -255,7 +256,7 @@ def equivalence(out: Path) -> None:
     overflowing = ShardingRules(
         HSDP_RULES.logical,
         # capacity factor 0.05: 1-2 ids per owner per round, so the item lookups run several rounds
-        tables=(("embed/item", TableSharding(Generation.GLOBAL, capacity_factor=0.05)), ("embed/user/0", TableSharding(Generation.GLOBAL))),
+        tables=(("embed/item", TableSharding(Generation.GLOBAL, capacity_factor=0.05)), ("embed/user/user", TableSharding(Generation.GLOBAL))),
         default_table=TableSharding(Generation.REPLICATED),
     )
     plans = {"2x2x2": config.rules, "1x2x4": overflowing}
@@ -273,14 +274,12 @@ def equivalence(out: Path) -> None:
 
 
 def sparse(out: Path) -> None:
-    """2 train steps on mesh 2x2x2 with row-wise and with dense table updates (user/0 replicated, the others sharded)."""
-    import dataclasses
-
+    """2 train steps on mesh 2x2x2 with row-wise and with dense table updates (the user table replicated, the others sharded)."""
     from gem_jax.train import sparse_tables
     from gem_jax.train.setup import setup_training
 
     config, _ = tiny_setup()
-    rules = dataclasses.replace(config.rules, tables=config.rules.tables + (("embed/user/0", TableSharding(Generation.REPLICATED, OutOfRange.HASH)),))
+    rules = dataclasses.replace(config.rules, tables=config.rules.tables + (("embed/user/user", TableSharding(Generation.REPLICATED, OutOfRange.HASH)),))
     report = {}
     for mode in (True, False):
         optim = dataclasses.replace(config.optim, sparse_embedding_updates=mode)

@@ -106,7 +106,7 @@ def test_two_processes_run_an_uneven_epoch_like_one_process(start_worker, run_wo
     assert two_train[0] == one_train[0]  # the same global batch and parameters: the same loss, bit for bit
     # Later steps: gradient sums in another order (float32, a few u per parameter) move the loss by ~1e-7 per step.
     np.testing.assert_allclose(two_train, one_train, rtol=1e-5, atol=0)
-    for key in ("eval_examples", "auc_primary", "ne_primary", "baseline_auc_primary"):
+    for key in ("eval_examples", "auc_click", "ne_click", "baseline_auc_click"):
         assert reports[0]["summary"][key] == reports[1]["summary"][key]
         np.testing.assert_allclose(reports[0]["summary"][key], one["summary"][key], rtol=1e-6)  # float64 metric sums
     assert reports[0]["summary"]["eval_examples"] == 52

@@ -123,3 +123,10 @@ def test_the_fp8_model_plans_every_sharded_fp8_kernel(gem_sharded):
     assert plan.fp8["sequence_tower/blocks/0/mlp/down"] == Fp8Gather(0, (NODE, EXPERT, GPU))  # 1024 over 16: 64 rows
     assert len(plan.fp8) == sum(1 for _, m in nnx.iter_modules(model) if type(m).__name__ == "Fp8Linear")
     assert plan_sharding(plain, config.topology.axis_sizes, config.rules).fp8 == {}  # no FP8 layers
+
+
+def test_rules_naming_a_table_the_model_lacks_are_refused(gem_sharded):
+    _, model = gem_sharded
+    rules = ShardingRules(tables=(("embed/user/0", TableSharding(Generation.REPLICATED)),))
+    with pytest.raises(ValueError, match=r"ShardingRules.tables names \['embed/user/0'\], not embedding tables of this model; its tables are \[.*'embed/user/user'"):
+        plan_sharding(model, SIZES, rules)

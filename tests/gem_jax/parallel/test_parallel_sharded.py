@@ -58,6 +58,6 @@ def test_model_forward_loss_and_gradients_match_one_device(report, mesh):
 
 def test_the_two_meshes_cover_every_generation_and_an_overflow(report):
     tables = report["2x2x2"]["model"]["tables"]
-    assert tables["embed/item"] == "NODE_SPLIT" and tables["embed/user/0"] == "GROUP" and tables["embed/action"] == "REPLICATED"
+    assert tables["embed/item"] == "NODE_SPLIT" and tables["embed/user/user"] == "GROUP" and tables["embed/action"] == "REPLICATED"
     assert report["1x2x4"]["model"]["tables"]["embed/item"] == "GLOBAL"
     assert report["1x2x4"]["model"]["overflow"]["embed/item/overflow"] > 0

@@ -16,9 +16,9 @@ def report(run_worker, tmp_path_factory):
 
 
 def test_only_the_replicated_table_with_few_ids_is_row_wise(report):
-    assert report["tables"]["embed/user/0"] == "REPLICATED"
+    assert report["tables"]["embed/user/user"] == "REPLICATED"
     assert report["tables"]["embed/item"] == "NODE_SPLIT"
-    assert report["row_wise"] == ["embed/user/0"]
+    assert report["row_wise"] == ["embed/user/user"]
 
 
 def test_row_wise_training_matches_the_dense_path(report):

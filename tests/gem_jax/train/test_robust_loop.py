@@ -86,7 +86,7 @@ def test_resumed_run_logs_each_step_once_and_eval_once_in_tensorboard(tiny_confi
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = events.Tags()["scalars"]
-    assert "eval/auc_primary" in tags and "summary/auc_primary" not in tags and "summary/train_examples_per_s" in tags
+    assert "eval/auc_like" in tags and "summary/auc_like" not in tags and "summary/train_examples_per_s" in tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 

@@ -154,12 +154,12 @@ def test_num_steps_below_the_newest_checkpoint_is_refused(tmp_path):
 
 def test_train_line_is_short_and_shows_only_nonzero_counters():
     record = {
-        "loss": 1.6441, "grad_norm": 3.433, "bce_primary": 0.96, "ne_primary": 1.436, "bce_secondary": 0.68,
-        "ne_secondary": 1.416, "examples_per_s": 2.355, "tflops_per_s": 6.056e-07, "learning_rate": 0.005,
+        "loss": 1.6441, "grad_norm": 3.433, "bce_like": 0.96, "ne_like": 1.436, "bce_love": 0.68,
+        "ne_love": 1.416, "examples_per_s": 2.355, "tflops_per_s": 6.056e-07, "learning_rate": 0.005,
         "load_imbalance_mean": 0.0, "load_imbalance_max": 0.0, "slack_fraction": 0.07422,
-        "embed/item/out_of_range": 0, "embed/item/overflow": 3, "embed/user/0/out_of_range": 0,
+        "embed/item/out_of_range": 0, "embed/item/overflow": 3, "embed/user/user/out_of_range": 0,
     }
-    line = train_line(12, record, ["primary", "secondary"])
+    line = train_line(12, record, ["like", "love"])
     assert line == (
         "step 12: loss=1.6441 gnorm=3.43 lr=0.005 ne=1.436/1.416 ex/s=2.355 TFLOP/s=6.06e-07 "
         "imbalance=0.000/0.000 slack=7.4% embed/item/overflow=3"

@@ -3,12 +3,14 @@
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
 import gem_jax
 from gem_jax.model.remat import RematConfig, RematPolicy
-from gem_jax.train import run_record
+from gem_jax.train import legacy_runs, run_record
+from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.config import load_config
 from gem_jax.train.loop import train_and_evaluate
 from gem_jax.train.restore import load_params
@@ -32,7 +34,7 @@ def test_the_workdir_records_config_data_and_code(finished_run, tiny_config):
     assert record["config"]["model"]["embed_dim"] == tiny_config.model.embed_dim
     assert record["config"]["data"]["source"] == "ML_LATEST_SMALL"
     assert record["data"]["num_train_examples"] > 0 and len(record["data"]["fingerprint"]) == 64
-    assert record["spec"]["num_items"] > 0
+    assert record["spec"]["num_items"] > 0 and record["spec"]["tasks"] == ["like", "love"]
     assert set(record["version"]) == {"gem_jax", "commit", "jax"}
 
 
@@ -62,7 +64,7 @@ def test_observation_settings_may_change(finished_run, tiny_config):
         model=dataclasses.replace(tiny_config.model, remat=RematConfig(policies=(("seq*", RematPolicy.SAVE_NOTHING),))),
     )
     again = train_and_evaluate(relaxed, workdir)  # finished: re-reports the same run
-    assert again["auc_primary"] == first["auc_primary"]
+    assert again["auc_like"] == first["auc_like"]
 
 
 def test_another_data_set_refuses(tiny_config, tmp_path, repo_root):
@@ -95,7 +97,7 @@ def test_load_params_reproduces_the_runs_eval(finished_run):
     assert run.step == summary["step"]
     training, _ = setup_training(run.config, init_state=False)
     metrics = training.evaluate(run.params)
-    for key in ("auc_primary", "auc_secondary", "ne_primary"):
+    for key in ("auc_like", "auc_love", "ne_like"):
         np.testing.assert_allclose(metrics[key], summary[key], rtol=1e-6, err_msg=key)  # the same eval, recomputed: float32 u
     model = run.model()  # a plain module with the restored parameters
     assert isinstance(model, gem_jax.GEMModel)
@@ -106,3 +108,46 @@ def test_load_params_names_what_is_missing(tmp_path, finished_run):
         load_params(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 999 .*steps: \["):
         load_params(finished_run[0], step=999)
+
+
+@pytest.fixture(scope="module")
+def legacy_run(finished_run, tiny_config, tmp_path_factory):
+    """The finished run as the fixed MovieLens layout wrote runs: its spec in run.json, user tables
+    `embed/user/0..3` and the genre layer `embed/genres` in its checkpoint."""
+    workdir, summary = finished_run
+    legacy = tmp_path_factory.mktemp("legacy")
+    record = json.loads((workdir / "run.json").read_text())
+    spec = record["spec"]
+    sizes = {f["name"]: f["vocab_size"] for f in spec["user_features"]}
+    record["spec"] = {
+        "num_items": spec["num_items"], "num_users": sizes["user"], "num_actions": spec["num_actions"],
+        "num_time_buckets": spec["num_time_buckets"], "num_genres": spec["item_features"][0]["vocab_size"] - 1,
+        "num_ages": sizes["age"], "num_genders": sizes["gender"], "num_occupations": sizes["occupation"], "max_seq_len": spec["max_seq_len"],
+    }  # fmt: skip
+    run_record.write_record(legacy, record)
+    training, _ = setup_training(tiny_config, init_state=False)
+    old = Checkpointer(workdir / "checkpoints", tiny_config.checkpoint, read_only=True)
+    state = old.restore_state(summary["step"], training.state.abstract)
+    old.close()
+    saver = Checkpointer(legacy / "checkpoints", tiny_config.checkpoint)
+    saver.save(summary["step"], legacy_runs.legacy_names(state), training.dataset.train_iterator(), force=True)
+    saver.close()
+    return legacy
+
+
+def test_load_params_reads_a_run_written_before_the_feature_schema(legacy_run, finished_run):
+    run, legacy = load_params(finished_run[0]), load_params(legacy_run)
+    assert legacy.spec == run.spec
+    np.testing.assert_equal(jax.tree.map(np.asarray, legacy.params), jax.tree.map(np.asarray, run.params))
+
+
+def test_resuming_a_run_written_before_the_feature_schema_is_refused(legacy_run, finished_run):
+    record = json.loads((finished_run[0] / "run.json").read_text())
+    with pytest.raises(run_record.RunMismatchError, match=r"a run of a gem-jax before the feature schema .*embed/user/0..3 .*--force-new"):
+        run_record.check_run(legacy_run, record, has_checkpoints=True, write=False)
+
+
+def test_a_differing_feature_spec_is_a_mismatch():
+    old = {"config": {"seed": 0}, "data": {"source": "X"}, "spec": {"tasks": ["like", "love"], "num_items": 5}}
+    new = {"config": {"seed": 0}, "data": {"source": "X"}, "spec": {"tasks": ["like"], "num_items": 5}}
+    assert run_record.mismatches(old, new) == [("spec.tasks", ["like", "love"], ["like"])]

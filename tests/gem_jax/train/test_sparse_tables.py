@@ -65,8 +65,8 @@ def runs():
 
 
 def test_the_large_unsharded_tables_are_row_wise(runs):
-    # item (10240 rows) and user/0 (1024 rows) see ~1.1k and 64 ids per step; the others have fewer rows than ids.
-    assert runs[True]["tables"] == [ITEM, "embed/user/0"]
+    # item (10240 rows) and user (1024 rows) see ~1.1k and 64 ids per step; the others have fewer rows than ids.
+    assert runs[True]["tables"] == [ITEM, "embed/user/user"]
 
 
 def test_sparse_steps_match_dense_steps(runs):
@@ -172,7 +172,7 @@ def test_table_rows_record_ids_and_refuse_mismatched_deltas():
 
     delta = jnp.zeros((3, 4))
     rows = context.TableRows(deltas={"embed/item": [delta]})
-    assert rows.take("embed/user/0", jnp.arange(2)) is None  # a table without deltas: ids recorded only
+    assert rows.take("embed/user/user", jnp.arange(2)) is None  # a table without deltas: ids recorded only
     assert rows.take("embed/item", jnp.arange(3)) is delta
     with pytest.raises(ValueError, match=r"'embed/item': lookup 2 has no row delta \(only 1 were traced\)"):
         rows.take("embed/item", jnp.arange(3))

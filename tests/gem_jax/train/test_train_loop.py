@@ -49,7 +49,7 @@ def test_finished_run_reports_eval_and_baseline(uninterrupted):
     workdir, summary = uninterrupted
     assert summary["finished"] and summary["step"] == 6
     assert summary["eval_examples"] == 9818  # every eval example of ml-latest-small, once
-    for key in ("auc_primary", "auc_secondary", "baseline_auc_primary", "ne_primary"):
+    for key in ("auc_like", "auc_love", "baseline_auc_like", "ne_like"):
         assert 0.0 < summary[key] < 2.0, key
 
 
@@ -60,7 +60,7 @@ def test_stop_and_restart_reproduces_the_loss_sequence(tiny_config, uninterrupte
     expected = [(r["step"], r["loss"]) for r in read_records(workdir, "train")]
     got = [(r["step"], r["loss"]) for r in read_records(tmp_path, "train")]
     assert got == expected  # bit-exact: same parameters, optimizer state and batches
-    assert resumed["auc_primary"] == read_records(workdir, "summary")[-1]["auc_primary"]
+    assert resumed["auc_like"] == read_records(workdir, "summary")[-1]["auc_like"]
 
 
 def test_finished_run_started_again_only_reports(tiny_config, uninterrupted):
@@ -68,7 +68,7 @@ def test_finished_run_started_again_only_reports(tiny_config, uninterrupted):
     before = (workdir / "metrics.jsonl").read_text()
     events = sorted((workdir / "tensorboard").iterdir())
     again = train_and_evaluate(tiny_config, workdir)
-    assert again["auc_primary"] == summary["auc_primary"]
+    assert again["auc_like"] == summary["auc_like"]
     assert (workdir / "metrics.jsonl").read_text() == before
     assert sorted((workdir / "tensorboard").iterdir()) == events
 

@@ -1,0 +1,136 @@
+"""A `FeatureSpec` of any user features, item features and tasks: pooling, layout checks, table names."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gem_jax.batch import PAD_ID, CategoricalFeature, FeatureSpec, Pooling, check_layout, random_batch, validate_ids
+from gem_jax.model.config import ModelConfig
+from gem_jax.model.gem import FeatureEmbeddings, GEMModel, example_tables
+from gem_jax.model.flops import flop_model
+
+TAGS = CategoricalFeature("tags", 7, 3)  # multi-valued, MEAN
+SPEC = FeatureSpec(
+    num_items=30,
+    num_actions=4,
+    num_time_buckets=5,
+    tasks=("click", "share", "buy"),
+    user_features=(CategoricalFeature("user", 9), CategoricalFeature("country", 1), CategoricalFeature("langs", 5, 2)),
+    item_features=(TAGS, CategoricalFeature("category", 4, 2, Pooling.MULTI_HOT)),
+    max_seq_len=6,
+)
+CONFIG = ModelConfig(embed_dim=8, num_heads=2, num_seq_layers=1, num_pooled_queries=1, head_hidden=8)
+
+
+def forward(model: GEMModel, batch) -> np.ndarray:
+    """The model's logits, jitted (an eager forward compiles every op on its own)."""
+    graphdef, params = nnx.split(model)
+    return np.asarray(jax.jit(lambda p, b: nnx.merge(graphdef, p)(b))(params, batch))
+
+
+def embeddings(seed: int) -> FeatureEmbeddings:
+    with nnx.use_eager_sharding(False):
+        return FeatureEmbeddings(SPEC, 8, rngs=nnx.Rngs(seed), dtype=jnp.float32)
+
+
+def test_mean_pooling_averages_the_non_pad_rows_and_an_empty_row_takes_pads_row():
+    embed = embeddings(0)
+    table = np.asarray(embed.item_features["tags"].embedding[...])
+    batch = random_batch(SPEC, np.random.default_rng(0), [1, 2, 0], capacity=4)
+    ids = np.array([[3, PAD_ID, 5], [PAD_ID, PAD_ID, PAD_ID], [6, 6, 1]], np.int32)
+    batch = dataclasses.replace(batch, candidate_features={**batch.candidate_features, "tags": jnp.asarray(ids)})
+    tokens = np.asarray(embed.feature_tokens(batch))
+    tags = tokens[:, len(SPEC.user_features) + 1]  # user features, candidate item, then tags
+    np.testing.assert_allclose(tags[0], (table[3] + table[5]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(tags[1], table[PAD_ID], rtol=1e-6)
+    np.testing.assert_allclose(tags[2], (2 * table[6] + table[1]) / 3, rtol=1e-6)  # a repeated id counts twice
+    user = np.asarray(embed.user["user"].embedding[...])
+    np.testing.assert_allclose(tokens[:, 0], user[np.asarray(batch.user["user"])[:, 0]], rtol=1e-6)
+
+
+def test_multi_hot_pooling_projects_the_normalized_set_of_ids():
+    embed = embeddings(1)
+    layer = embed.item_features["category"]
+    kernel, bias = np.asarray(layer.kernel[...]), np.asarray(layer.bias[...])
+    assert kernel.shape == (3, 8)  # ids 1..3, PAD has no column
+    batch = random_batch(SPEC, np.random.default_rng(0), [1, 0, 0], capacity=2)
+    ids = np.array([[2, 3], [PAD_ID, PAD_ID], [1, 1]], np.int32)
+    batch = dataclasses.replace(batch, candidate_features={**batch.candidate_features, "category": jnp.asarray(ids)})
+    category = np.asarray(embed.feature_tokens(batch))[:, -1]
+    np.testing.assert_allclose(category, [(kernel[1] + kernel[2]) / 2 + bias, bias, kernel[0] + bias], rtol=1e-6, atol=1e-7)
+
+
+def test_the_model_takes_any_schema_and_names_its_tables_by_feature():
+    with nnx.use_eager_sharding(False):
+        model = GEMModel(SPEC, CONFIG, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model))
+    assert set(params["embed"]["user"]) == {"user", "country", "langs"}
+    assert set(params["embed"]["item_features"]) == {"tags", "category"}
+    assert set(params["embed"]["item_features"]["category"]) == {"kernel", "bias"}
+    assert len(params["heads"]) == 3
+    assert model.token_type.shape == (SPEC.num_feature_tokens + CONFIG.num_pooled_queries, 8) and SPEC.num_feature_tokens == 6
+    logits = forward(model, random_batch(SPEC, np.random.default_rng(), [0, 6, 3], capacity=12))
+    assert logits.shape == (3, 3) and np.isfinite(logits).all()
+    assert example_tables(SPEC) == {"embed/user/user": 1, "embed/user/country": 1, "embed/user/langs": 2, "embed/item_features/tags": 3}
+    assert flop_model(CONFIG, SPEC).per_example > 0
+
+
+def test_a_schema_without_item_features_and_one_task():
+    spec = FeatureSpec(num_items=10, num_actions=2, num_time_buckets=3, tasks=("click",), user_features=(CategoricalFeature("user", 4),), max_seq_len=4)
+    with nnx.use_eager_sharding(False):
+        model = GEMModel(spec, CONFIG, rngs=nnx.Rngs(0))
+    batch = random_batch(spec, np.random.default_rng(), [2, 0], capacity=4)
+    assert batch.candidate_features == {} and batch.labels.shape == (2, 1)
+    assert forward(model, batch).shape == (2, 1)
+
+
+def test_random_batch_gives_pad_for_a_vocabulary_of_pad_only():
+    batch = random_batch(SPEC, np.random.default_rng(), [1, 1], capacity=2)
+    np.testing.assert_array_equal(batch.user["country"], [[PAD_ID], [PAD_ID]])
+    assert batch.user["langs"].shape == (2, 2) and batch.candidate_features["tags"].shape == (2, 3)
+    validate_ids(batch, SPEC)
+
+
+def test_layout_and_ids_are_checked_with_the_feature_named():
+    batch = random_batch(SPEC, np.random.default_rng(), [1, 1], capacity=2)
+    without = dataclasses.replace(batch, user={k: v for k, v in batch.user.items() if k != "langs"})
+    with pytest.raises(ValueError, match=r"Batch.user holds features \['country', 'user'\].*missing \['langs'\]"):
+        check_layout(without, SPEC)
+    narrow = dataclasses.replace(batch, candidate_features={**batch.candidate_features, "tags": batch.candidate_features["tags"][:, :2]})
+    with pytest.raises(ValueError, match=r"candidate_features\['tags'\] has shape \(2, 2\), expected \(2, 3\)"):
+        check_layout(narrow, SPEC)
+    labels = dataclasses.replace(batch, labels=batch.labels[:, :2])
+    with pytest.raises(ValueError, match=r"Batch.labels has shape \(2, 2\), expected \(2, 3\)"):
+        with nnx.use_eager_sharding(False):
+            GEMModel(SPEC, CONFIG, rngs=nnx.Rngs(0))(labels)
+    bad = dataclasses.replace(batch, user={**batch.user, "langs": jnp.array([[1, 0], [2, 5]], jnp.int32)})
+    with pytest.raises(ValueError, match=r"user feature 'langs' id 5 at example 1, value 1 is outside the vocabulary \[0, 5\)"):
+        validate_ids(bad, SPEC)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tasks": ()}, "tasks is empty"),
+        ({"tasks": ("a", "a")}, r"tasks repeats \['a'\]"),
+        ({"tasks": ("auc/x",)}, "task name 'auc/x'"),
+        ({"user_features": (CategoricalFeature("u", 3), CategoricalFeature("u", 4))}, r"user_features repeats \['u'\]"),
+    ],
+)
+def test_bad_specs_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FeatureSpec(**{"num_items": 5, "num_actions": 2, "num_time_buckets": 2, "tasks": ("t",), **kwargs})
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(("a b", 3), "feature name 'a b'"), (("x", 0), "'x': vocab_size must be an int >= 1"), (("x", 3, 0), "max_values must be an int >= 1"),
+     (("x", 1, 1, Pooling.MULTI_HOT), "vocab_size must be an int >= 2")],
+)
+def test_bad_features_are_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        CategoricalFeature(*args)
