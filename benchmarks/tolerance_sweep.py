@@ -1,5 +1,5 @@
 """Runs the low-precision comparison tests under XLA CPU settings that change float summation order,
-and tabulates each checked error against its bound (tests/tolerances.py `check`).
+and tabulates each checked error against its bound (tests/support/tolerances.py `check`).
 
     .venv/bin/python benchmarks/tolerance_sweep.py [--settings default,eigen1,...] [--logs DIR] [--out FILE] [TEST ...]
 

@@ -1,6 +1,6 @@
 """FP8 dense layer: forward and gradients against bf16/f32 references, nnx.Linear compatibility.
 
-Bounds from the formats (tests/tolerances.py; measured errors: benchmarks/tolerances.md): an FP8 GEMM
+Bounds from the formats (tests/support/tolerances.py; measured errors: benchmarks/tolerances.md): an FP8 GEMM
 against the bf16 layer is off by the E4M3 rounding of each FP8 operand and the bf16 rounding of the
 reference's; the "documented formula" checks redo the same quantized products in float32, so they
 differ only by summation order.

@@ -1,7 +1,7 @@
 """FP8 saved activations: exact forward, gradients at the dequantized input within E4M3's bound,
 non-finite blocks, empty inputs, and the tiny GEM model with `fp8_saved_activations`.
 
-Bounds from the formats (tests/tolerances.py); measured errors: benchmarks/tolerances.md."""
+Bounds from the formats (tests/support/tolerances.py); measured errors: benchmarks/tolerances.md."""
 
 import dataclasses
 from pathlib import Path
@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
-from gem_jax.batch import CategoricalFeature, FeatureSpec, Pooling, random_batch
+from gem_jax.batch import random_batch
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.loss import weighted_bce
 from gem_jax.nn.layers import MLP
@@ -22,9 +22,10 @@ from gem_jax.quant.saved_activations import BLOCK, dense_fp8_input, fp8_residual
 from gem_jax.train.config import load_config
 from pallas_kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from tolerances import DRAW, E4M3, check, check_within, dot_bound, product_rms, rel_err as _rel
+from specs import movielens_spec
 
 REPO = Path(__file__).resolve().parents[2]
-# One E4M3-rounded operand (tests/tolerances.py): rms relative error <= 2^-3/sqrt(12) = 3.6% per element
+# One E4M3-rounded operand (tests/support/tolerances.py): rms relative error <= 2^-3/sqrt(12) = 3.6% per element
 # (Gaussian data lands at ~2.7%, the binade mean), and so in relative Frobenius norm, and so does x~^T dy.
 E4M3_FROBENIUS = DRAW * E4M3.rms
 
@@ -176,15 +177,7 @@ def test_rejects_inputs_without_a_row_axis():
 # --- the tiny GEM model (configs/gem_h200_tiny.py) ---------------------------------------------
 
 TOKENS, BATCH = 37, 5  # 37 history rows: a size no other dimension of the tiny model has
-SPEC = FeatureSpec(
-    num_items=40,
-    num_actions=11,
-    num_time_buckets=8,
-    tasks=("like", "love"),
-    user_features=tuple(CategoricalFeature(name, size) for name, size in (("user", 9), ("age", 4), ("gender", 3), ("occupation", 6))),
-    item_features=(CategoricalFeature("genres", 5, 4, Pooling.MULTI_HOT),),
-    max_seq_len=16,
-)
+SPEC = movielens_spec(genres=5, max_genres=4, max_seq_len=16)
 
 
 def _tiny(fp8_saved: bool, dtype: str = "float32"):

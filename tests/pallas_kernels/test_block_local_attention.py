@@ -14,7 +14,7 @@ from tolerances import BFLOAT16, FLOAT32, attention_budget, check
 from pallas_kernels import block_local_attention
 from pallas_kernels.block_local_attention import reference, schedule
 
-# max |kernel - reference| / max |reference| by input dtype (tests/tolerances.py; measured: benchmarks/tolerances.md).
+# max |kernel - reference| / max |reference| by input dtype (tests/support/tolerances.py; measured: benchmarks/tolerances.md).
 BUDGET = {jnp.dtype(d): attention_budget(f) for d, f in ((jnp.bfloat16, BFLOAT16), (jnp.float32, FLOAT32))}
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 130, 200]  # 200: past several blocks, partial last block
 

@@ -17,7 +17,7 @@ from pallas_kernels import ImplementationUnavailableError
 from pallas_kernels.jagged_flash_attention import _mgpu, cudnn, ops, reference, schedule
 from pallas_kernels.jagged_flash_attention.config import TILE_ROWS
 
-# Budget on max |kernel - reference| / max |reference|, per tensor, by input dtype (tests/tolerances.py;
+# Budget on max |kernel - reference| / max |reference|, per tensor, by input dtype (tests/support/tolerances.py;
 # measured: benchmarks/tolerances.md).
 BUDGET = {jnp.dtype(d): attention_budget(f) for d, f in ((jnp.bfloat16, BFLOAT16), (jnp.float16, FLOAT16), (jnp.float32, FLOAT32))}
 

@@ -1,5 +1,5 @@
 """The one-pass 1x128 quantize kernel (Pallas interpreter on the CPU) against the jnp reference, bit for bit
-(codes one apart where the two compute a value in other float32 orders: bounded by tests/tolerances.py's
+(codes one apart where the two compute a value in other float32 orders: bounded by tests/support/tolerances.py's
 `flip_probability`; measured: benchmarks/tolerances.md)."""
 
 import jax

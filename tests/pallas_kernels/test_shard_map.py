@@ -61,7 +61,7 @@ def _assert_close(got, want, real_rows, name):
     """Real rows within the bf16 attention budget of the reference's scale (a NaN fails the comparison).
 
     bf16 kernels against the float32 reference on the same bf16 inputs: `attention_budget(BFLOAT16)` =
-    8 u = 3.1% of the largest entry (tests/tolerances.py; measured: benchmarks/tolerances.md).
+    8 u = 3.1% of the largest entry (tests/support/tolerances.py; measured: benchmarks/tolerances.md).
     """
     got, want = (np.asarray(x[:real_rows].astype(jnp.float32)) for x in (got, want))
     scale = max(1.0, float(np.abs(want).max(initial=0.0)))

@@ -1,5 +1,5 @@
 """The GEM model: slack and capacity invariance, independence of examples, gradients, RoPE, the FP8 switch
-(FP8 bounds from the formats, tests/tolerances.py; measured: benchmarks/tolerances.md), attention choices."""
+(FP8 bounds from the formats, tests/support/tolerances.py; measured: benchmarks/tolerances.md), attention choices."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.batch import Batch, CategoricalFeature, FeatureSpec, HistoryField, Pooling, random_batch
+from gem_jax.batch import Batch, HistoryField, random_batch
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import Fp8Region, ModelConfig, describe_attention
 from gem_jax.model.gem import GEMModel
@@ -18,16 +18,9 @@ from gem_jax.quant.dense import Fp8Linear
 from gem_jax.train.config_tree import ConfigError, apply_overrides
 from pallas_kernels.mxfp8 import Fp8Recipe
 from tolerances import DRAW, E4M3, check, product_rms
+from specs import movielens_spec
 
-SPEC = FeatureSpec(
-    num_items=40,
-    num_actions=11,
-    num_time_buckets=8,
-    tasks=("like", "love"),
-    user_features=tuple(CategoricalFeature(name, size) for name, size in (("user", 9), ("age", 4), ("gender", 3), ("occupation", 6))),
-    item_features=(CategoricalFeature("genres", 6, 5, Pooling.MULTI_HOT),),
-    max_seq_len=12,
-)
+SPEC = movielens_spec()
 CONFIG = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=2, num_pooled_queries=2, head_hidden=16)
 
 

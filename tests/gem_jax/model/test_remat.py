@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.batch import Batch, CategoricalFeature, FeatureSpec, Pooling, random_batch
+from gem_jax.batch import Batch, random_batch
 from gem_jax.model import remat
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.gem import GEMModel
@@ -16,16 +16,9 @@ from gem_jax.model.loss import weighted_bce
 from gem_jax.model.remat import RematConfig, RematPolicy
 from gem_jax.train import config_tree
 from gem_jax.train.config import load_config
+from specs import movielens_spec
 
-SPEC = FeatureSpec(
-    num_items=40,
-    num_actions=11,
-    num_time_buckets=8,
-    tasks=("like", "love"),
-    user_features=tuple(CategoricalFeature(name, size) for name, size in (("user", 9), ("age", 4), ("gender", 3), ("occupation", 6))),
-    item_features=(CategoricalFeature("genres", 6, 5, Pooling.MULTI_HOT),),
-    max_seq_len=12,
-)
+SPEC = movielens_spec()
 
 
 def tiny_model_config(repo_root, name: str = "gem_h200_tiny.py") -> ModelConfig:

@@ -2,7 +2,7 @@
 no padding ids), does not overflow at capacity factor 1 when the real ids fit, and its bounded rounds give the
 worst-case exchange's rows and gradients; the FP8 model's sharded step quantizes its kernels on the shard and
 all-gathers 8-bit data, and matches the unsharded FP8 step; both FP8 steps are within FP8's error of the float32 step.
-Bounds from the formats (tests/tolerances.py), measured errors: benchmarks/tolerances.md.
+Bounds from the formats (tests/support/tolerances.py), measured errors: benchmarks/tolerances.md.
 
 The checks run in subprocesses (`exchange_worker.py exchange` and `fp8`), since this test process already
 initialised jax with one device.
