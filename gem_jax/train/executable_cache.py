@@ -24,15 +24,12 @@ entry runs code from it: keep the cache in a directory only you write.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
 import os
 import pickle
 import sys
-import time
-from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -92,21 +89,6 @@ def program_key(name: str, job: Any, abstract_args: tuple) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
 
 
-@dataclasses.dataclass
-class CompileReport:
-    """How one program was obtained: `"loaded"` from the cache or `"compiled"`, with seconds per stage.
-
-    `lower_s` counts tracing and lowering (zero on a hit), `compile_s` the XLA compile or the load.
-    `note` says why a compiled program was not stored (e.g. not serializable), else "".
-    """
-
-    name: str
-    source: str
-    lower_s: float = 0.0
-    compile_s: float = 0.0
-    note: str = ""
-
-
 class ExecutableCache:
     """Compiled programs under `directory/executables/<key>.bin` (None: no cache, always compile)."""
 
@@ -131,31 +113,6 @@ class ExecutableCache:
             print(f"gem-train: cached program {path} is unreadable ({type(error).__name__}: {error}); compiling it again", file=sys.stderr, flush=True)
             path.unlink(missing_ok=True)
             return None
-
-    def compile(self, name: str, jitted: Callable, abstract_args: tuple, job: Any) -> tuple[jax.stages.Compiled, CompileReport]:
-        """The compiled `jitted(*abstract_args)`: loaded when cached, else lowered, compiled and stored.
-
-        Args:
-          name: the program's name (part of the key and of messages).
-          jitted: a `jax.jit`-wrapped function.
-          abstract_args: its positional arguments (`jax.ShapeDtypeStruct`s with shardings, or arrays).
-          job: what besides the arguments shapes the program (see `program_key`).
-
-        Returns:
-          `(compiled, report)`.
-        """
-        path = self.path(name, abstract_args, job)
-        start = time.perf_counter()
-        compiled = self.load(path)
-        if compiled is not None:
-            return compiled, CompileReport(name, "loaded", compile_s=time.perf_counter() - start)
-        start = time.perf_counter()
-        lowered = jitted.lower(*abstract_args)
-        lowered_at = time.perf_counter()
-        compiled = lowered.compile()
-        report = CompileReport(name, "compiled", lower_s=lowered_at - start, compile_s=time.perf_counter() - lowered_at)
-        report.note = self.store(path, compiled)
-        return compiled, report
 
     @staticmethod
     def store(path: Path | None, compiled: jax.stages.Compiled) -> str:

@@ -110,8 +110,7 @@ class Chrono:
 
         Raises ValueError for an unknown bucket or a nested measurement.
         """
-        if bucket not in self._seconds or bucket in (IMPORTS, COMPILE_AFTER_START):
-            raise ValueError(f"unknown time bucket {bucket!r}; measurable ones: {sorted(set(self._seconds) - {IMPORTS, COMPILE_AFTER_START})}")
+        self._check(bucket, excluded={IMPORTS, COMPILE_AFTER_START})
         if self._open is not None:
             raise ValueError(f"time bucket {bucket!r} opened inside {self._open!r}: measurements do not nest")
         self._open, self._taken = bucket, 0.0
@@ -141,9 +140,13 @@ class Chrono:
 
     def add(self, bucket: str, seconds: float) -> None:
         """Adds `seconds` measured elsewhere to `bucket` (for a phase that is not one block)."""
-        if bucket not in self._seconds or bucket == IMPORTS:
-            raise ValueError(f"unknown time bucket {bucket!r}; measurable ones: {sorted(set(self._seconds) - {IMPORTS})}")
+        self._check(bucket, excluded={IMPORTS})
         self._seconds[bucket] += seconds
+
+    def _check(self, bucket: str, excluded: set[str]) -> None:
+        """Raises ValueError unless `bucket` is one of `BUCKETS` (without `other`) outside `excluded`."""
+        if bucket not in self._seconds or bucket in excluded:
+            raise ValueError(f"unknown time bucket {bucket!r}; measurable ones: {sorted(set(self._seconds) - excluded)}")
 
     def watch_compiles(self) -> None:
         """From now on, a compile jax runs in this thread is counted in `compile_after_start`.

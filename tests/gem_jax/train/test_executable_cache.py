@@ -24,15 +24,25 @@ def _args(n=8):
     return (jax.ShapeDtypeStruct((n, 4), jnp.float32), jax.ShapeDtypeStruct((n, 4), jnp.float32))
 
 
-def test_a_second_cache_loads_what_the_first_compiled_and_computes_the_same(tmp_path):
+def _compile_and_store(cache, jitted, args, job):
+    """A miss as `gem_jax.train.programs.compile_programs` handles it: compile, then store."""
+    compiled = jitted.lower(*args).compile()
+    return compiled, cache.store(cache.path("step", args, job), compiled)
+
+
+def test_a_second_cache_loads_what_the_first_stored_and_computes_the_same(tmp_path):
     jitted = jax.jit(_step)
     x, y = np.arange(32, dtype=np.float32).reshape(8, 4), np.ones((8, 4), np.float32)
-    first, report = ExecutableCache(tmp_path).compile("step", jitted, _args(), {"width": 4})
-    assert (report.source, report.note) == ("compiled", "")
-    second, again = ExecutableCache(tmp_path).compile("step", jitted, _args(), {"width": 4})
-    assert again.source == "loaded" and again.lower_s == 0.0
+    first_cache = ExecutableCache(tmp_path)
+    assert first_cache.load(first_cache.path("step", _args(), {"width": 4})) is None  # empty: a miss
+    first, note = _compile_and_store(first_cache, jitted, _args(), {"width": 4})
+    assert note == ""
+    second_cache = ExecutableCache(tmp_path)
+    second = second_cache.load(second_cache.path("step", _args(), {"width": 4}))
+    assert second is not None
     np.testing.assert_array_equal(jax.device_get(second(x, y))["x"], x + 1.0)  # the identical program: exact
     assert float(second(x, y)["sum"]) == float(first(x, y)["sum"]) == float((x * 2.0 + y).sum())
+    assert second_cache.load(second_cache.path("step", _args(16), {"width": 4})) is None  # another shape: a miss
 
 
 def test_the_key_changes_with_shapes_job_and_source(monkeypatch):
@@ -49,20 +59,21 @@ def test_the_key_changes_with_shapes_job_and_source(monkeypatch):
     assert program_key("step", {"width": 4}, _args()) != base
 
 
-def test_an_unreadable_entry_is_named_removed_and_compiled_again(tmp_path, capsys):
-    jitted = jax.jit(_step)
-    ExecutableCache(tmp_path).compile("step", jitted, _args(), {})
+def test_an_unreadable_entry_is_named_removed_and_missed(tmp_path, capsys):
+    cache = ExecutableCache(tmp_path)
+    _compile_and_store(cache, jax.jit(_step), _args(), {})
     (entry,) = (tmp_path / executable_cache.SUBDIR).glob("*.bin")
+    assert entry == cache.path("step", _args(), {})
     entry.write_bytes(b"truncated")
-    _, report = ExecutableCache(tmp_path).compile("step", jitted, _args(), {})
-    assert report.source == "compiled"
+    assert cache.load(entry) is None
     assert f"cached program {entry} is unreadable" in capsys.readouterr().err
-    assert entry.read_bytes() != b"truncated"
+    assert not entry.exists()
 
 
-def test_no_directory_always_compiles(tmp_path):
-    _, report = ExecutableCache(None).compile("step", jax.jit(_step), _args(), {})
-    assert report.source == "compiled"
+def test_no_directory_keeps_nothing():
+    cache = ExecutableCache(None)
+    assert cache.path("step", _args(), {}) is None and cache.load(None) is None
+    assert cache.store(None, jax.jit(_step).lower(*_args()).compile()) == ""
 
 
 def test_another_process_loads_the_entry(tmp_path):
@@ -73,9 +84,14 @@ def test_another_process_loads_the_entry(tmp_path):
         def _step(x, y):
             return {{"sum": (x * 2.0 + y).sum(), "x": x + 1.0}}
         args = (jax.ShapeDtypeStruct((8, 4), jnp.float32), jax.ShapeDtypeStruct((8, 4), jnp.float32))
-        compiled, report = ExecutableCache({str(tmp_path)!r}).compile("step", jax.jit(_step), args, {{}})
+        cache = ExecutableCache({str(tmp_path)!r})
+        path = cache.path("step", args, {{}})
+        compiled, source = cache.load(path), "loaded"
+        if compiled is None:
+            compiled, source = jax.jit(_step).lower(*args).compile(), "compiled"
+            assert cache.store(path, compiled) == ""
         x = np.arange(32, dtype=np.float32).reshape(8, 4)
-        print(report.source, float(compiled(x, np.ones((8, 4), np.float32))["sum"]))
+        print(source, float(compiled(x, np.ones((8, 4), np.float32))["sum"]))
     """)
     run = lambda: subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True).stdout.split()
     assert run()[0] == "compiled"
