@@ -19,7 +19,7 @@ class TrainWindow:
     Args:
       workload: training FLOPs per example as a function of its history length.
       num_shards: D, the devices each batch is split over (for the load imbalance).
-      task_names: the two tasks, for the per-task keys.
+      task_names: the tasks' names (K of them), for the per-task keys.
       tables: the embedding tables' placements (`ShardingPlan.tables`), whose lookup
         counters are checked at every record.
       peak: the devices' peak FLOP/s (None: no MFU).

@@ -5,9 +5,12 @@
 tasks) on `configs/movielens_tiny.py`: the first three train batches of ml-latest-small,
 the logits of a fresh `GEMModel` (`nnx.Rngs(0)`, jitted) on the first, and the losses of three
 train steps from `setup_training`. The schema keeps every table's shape, the parameter
-init order and the pooling, so the same data set builds the same batches and the model
-computes bit-identical logits and losses (recorded on the CPU with jax 0.11.2 under
-the test suite's settings: `tests/conftest.py`).
+init order and the pooling, so the same data set builds the same batches (asserted bit for bit: integer ids and 0/1
+labels) and the model computes the same logits and losses. Those were recorded on one CPU
+(jax 0.11.2, the suite's settings: `tests/conftest.py`) and match it there bit for bit; on
+another CPU float32 sums may run in another order, so they are checked against a bound
+derived from float32 summation (`LAYOUT_BOUND`), far below what a wrong feature, table or
+pooling would change.
 """
 
 from pathlib import Path
@@ -20,6 +23,7 @@ from flax import nnx
 import gem_jax
 from gem_jax.batch import Pooling
 from gem_jax.model.gem import GEMModel
+from tolerances import check, rel_err, sum_worst
 
 GOLDEN = np.load(Path(__file__).parent / "golden" / "movielens_tiny_logits.npz")
 
@@ -56,16 +60,23 @@ def test_the_first_batch_holds_the_fixed_layouts_values(training):
     np.testing.assert_array_equal(batch.weights, GOLDEN["weights"])
 
 
-def test_logits_and_train_losses_are_bit_identical(training):
+# Two summation orders of a K-term float32 sum differ by at most gamma_K of the sum of magnitudes
+# (tolerances.sum_worst; K <= 1024 covers every contraction of the tiny model: d = 8, B = 64, 16
+# events), and the forward chains about 16 such reductions between normalisations: 16 gamma_1024
+# = 9.8e-4 relative. A wrong layout (a table, a feature or a pooling swapped) moves logits by O(1).
+LAYOUT_BOUND = 16 * sum_worst(1024)
+
+
+def test_logits_and_train_losses_match_the_fixed_layout(training):
     training, state = training
     it = training.dataset.train_iterator()
     batches = [next(it) for _ in range(3)]
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GEMModel(training.dataset.spec, training.config.model, rngs=nnx.Rngs(0)))
     logits = np.asarray(jax.jit(lambda p, batch: nnx.merge(graphdef, p)(batch))(params, batches[0]))
-    np.testing.assert_array_equal(logits, GOLDEN["logits"])
+    check("logits against the fixed layout's", rel_err(logits, GOLDEN["logits"]), LAYOUT_BOUND)
     losses = []
     for batch in batches:
         state, metrics = training.train_step(state, training.placement.put(batch))
         losses.append(float(metrics["loss"]))
-    np.testing.assert_array_equal(np.asarray(losses, np.float32), GOLDEN["train_losses"])
+    check("three train losses against the fixed layout's", rel_err(losses, GOLDEN["train_losses"]), LAYOUT_BOUND)
