@@ -63,6 +63,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def write_manifest(directory: Path, data: dict[str, Any]) -> None:
+    """Writes `directory/manifest.json`: `data` (JSON-serialisable) under this format's name and version."""
     (directory / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": VERSION, **data}, indent=1) + "\n")
 
 

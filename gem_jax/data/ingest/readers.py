@@ -48,6 +48,8 @@ _TRUE_FALSE = {"true": 1.0, "false": 0.0, "True": 1.0, "False": 0.0}
 
 
 class Format(enum.Enum):
+    """An input file's format, from its suffix or the `--format` option."""
+
     CSV = "csv"
     PARQUET = "parquet"
 

@@ -42,6 +42,8 @@ class RecordLayout:
 
     @property
     def event_dtype(self) -> np.dtype:
+        """One event of a record: item row int32, time int64 (the time column's integers, or Unix seconds for dates), action int32 when the
+        schema has one, labels float32 `[K]`, weight float32 when it has one, split flag uint8 (0 train, 1 eval)."""
         fields = [("item", "<i4"), ("time", "<i8")]
         fields += [("action", "<i4")] if self.has_action else []
         fields += [("labels", "<f4", (self.num_tasks,))]
@@ -50,6 +52,7 @@ class RecordLayout:
 
     @property
     def user_dtype(self) -> np.dtype:
+        """A record's user: user row int32 and each user feature's rows int32 `[max_values]` (0: padding)."""
         return np.dtype([("user", "<i4")] + [(f"user_feature/{name}", "<i4", (m,)) for name, m in self.user_features])
 
     def records(self, users: np.ndarray, events: np.ndarray, starts: np.ndarray):

@@ -26,6 +26,8 @@ _SELECT_IN_MEMORY = 1 << 22
 
 
 class SplitKind(enum.Enum):
+    """How events are split: at a quantile of all times, at a fixed time, or each user's last N events."""
+
     TIME_QUANTILE = "time_quantile"
     TIME_CUTOFF = "time_cutoff"
     LAST = "last"
