@@ -10,9 +10,8 @@ largest capacity an eval batch takes, so the eval step is one program (eval is f
 only: its extra slack costs less than lowering and compiling a program per capacity).
 `compile_programs` then lowers each
 program (`jax.jit(...).lower` on abstract arguments: Python tracing, which holds the
-GIL) one after the other and hands each to a pool of compile threads as soon as it is
-lowered (XLA compiles release the GIL), so compiles overlap the lowering of the next
-programs; jax's persistent cache (`gem_jax.train.compile_cache`) serves a warm start.
+GIL) one after the other and compiles them in parallel threads (XLA compiles release
+the GIL); jax's persistent cache (`gem_jax.train.compile_cache`) serves a warm start.
 
 A batch at a capacity that was not compiled (the replay and the placement disagree,
 which is a bug, or the train iterator was moved) is compiled when it comes, with its
@@ -95,8 +94,7 @@ class Programs:
       training: the job whose `train_step` / `eval_step` these are.
       train: capacity -> compiled train step.
       eval: capacity -> compiled eval step.
-      lowering_s, compile_s: wall seconds of the ahead-of-time lowering (compiles of the
-        programs already lowered run meanwhile) and of what is left of the compiles after it
+      lowering_s, compile_s: wall seconds of the ahead-of-time lowering and compiling
         (loading from the executable cache included).
       chrono: where late compiles are counted (None: not counted).
       loaded: how many of the programs came from the executable cache.
@@ -176,14 +174,14 @@ def compile_programs(
     cache: ExecutableCache | None = None,
 ) -> Programs:
     """The train and eval steps at the given capacities: loaded from `cache`, else lowered one after the
-    other, each compiled in one of `threads` threads as soon as it is lowered (and stored in `cache`).
+    other and compiled in `threads` parallel threads (and stored in `cache`).
 
     Args:
       training: the job (`setup_training`); its jitted steps are lowered on abstract
         arguments (`training.state.abstract`, `BatchPlacement.abstract`).
       train_capacities, eval_capacities: token capacities (rows per device).
-      chrono: lowering goes to its `startup/lowering` bucket (compiles run meanwhile), loading,
-        the rest of the compiles and storing to `startup/compile`.
+      chrono: lowering goes to its `startup/lowering` bucket, loading, compiling and storing
+        to `startup/compile`.
       threads: compile threads (default: `$GEM_COMPILE_THREADS`, else one per program,
         at most the CPU count). On a GPU, XLA autotunes while it compiles, on the device:
         fewer threads trade start-up time for undisturbed autotuning.
@@ -203,21 +201,20 @@ def compile_programs(
         compiled = [cache.load(path) for path in paths]
     missing = [i for i, c in enumerate(compiled) if c is None]
     loading_s = time.perf_counter() - began
-    workers = max(1, min(len(missing), threads or int(os.environ.get(THREADS_ENV_VAR, 0)) or os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        # Each program starts compiling as soon as it is lowered: the compiles (no GIL) run while
-        # the next programs lower (Python, the GIL).
-        began = time.perf_counter()
-        with measure(goodput.LOWERING):
-            pending = {i: pool.submit(jobs[i][2].lower(*jobs[i][3]).compile) for i in missing}
-        lowering_s = time.perf_counter() - began
-        began = time.perf_counter()
-        with measure(goodput.COMPILE):  # what is left of the compiles once every program is lowered
-            for i, future in pending.items():
-                compiled[i] = future.result()
-                note = cache.store(paths[i], compiled[i])
-                if note:
-                    print(f"gem-train: the {jobs[i][0]} step at token capacity {jobs[i][1]} was {note}", flush=True)
+    began = time.perf_counter()
+    with measure(goodput.LOWERING):
+        lowered = {i: jobs[i][2].lower(*jobs[i][3]) for i in missing}
+    lowering_s = time.perf_counter() - began
+    began = time.perf_counter()
+    with measure(goodput.COMPILE):
+        if missing:
+            workers = max(1, min(len(missing), threads or int(os.environ.get(THREADS_ENV_VAR, 0)) or os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                for i, program in zip(missing, pool.map(lambda i: lowered[i].compile(), missing)):
+                    compiled[i] = program
+                    note = cache.store(paths[i], program)
+                    if note:
+                        print(f"gem-train: the {jobs[i][0]} step at token capacity {jobs[i][1]} was {note}", flush=True)
     compile_s = loading_s + time.perf_counter() - began
     train = {capacity: c for (kind, capacity, _, _), c in zip(jobs, compiled) if kind == "train"}
     evals = {capacity: c for (kind, capacity, _, _), c in zip(jobs, compiled) if kind == "eval"}

@@ -42,9 +42,8 @@ class RecordLayout:
 
     @property
     def event_dtype(self) -> np.dtype:
-        """One event of a record: item row int32, time int64 (the time column's integers, or Unix seconds
-        for dates), action int32 when the schema has one, labels float32 `[K]`, weight float32 when it
-        has one, split flag uint8 (0 train, 1 eval)."""
+        """One event of a record: item row int32, time int64 (the time column's integers, or Unix seconds for dates), action int32 when the
+        schema has one, labels float32 `[K]`, weight float32 when it has one, split flag uint8 (0 train, 1 eval)."""
         fields = [("item", "<i4"), ("time", "<i8")]
         fields += [("action", "<i4")] if self.has_action else []
         fields += [("labels", "<f4", (self.num_tasks,))]
