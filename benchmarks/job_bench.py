@@ -93,7 +93,8 @@ def job_record(status: int, seconds: float, output: str, workdir: Path) -> dict:
     out["step"] = summary["step"]
     out["split"] = split_of(summary)
     out["after_summary_s"] = seconds - summary["wall_s"]  # logger close, summary print, interpreter exit
-    for key in ("train_examples_per_s", "train_tflops_per_s", "mfu", "loss", *(k for k in summary if k.startswith("auc_"))):  # auc_<task>
+    reported = (k for k in summary if k.startswith(("auc_", "ne_", "checkpoint_", "programs_")))  # per task, the saves, the programs
+    for key in ("train_examples_per_s", "train_tflops_per_s", "mfu", "loss", "steps_at_larger_capacity", *reported):
         if key in summary:
             out[key] = summary[key]
     return out

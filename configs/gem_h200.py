@@ -45,7 +45,7 @@ def get_config() -> TrainConfig:
         ),
         optim=OptimConfig(learning_rate=1e-3, warmup_steps=500, decay_steps=20_000),
         checkpoint=CheckpointConfig(every_steps=1000, max_to_keep=3),
-        loop=LoopConfig(num_steps=20_000, log_every=100, eval_every=5000),
+        loop=LoopConfig(num_steps=20_000, log_every=100, eval_every=5000, compile_in_background=True),
         topology=topology,
         rules=DATA_PARALLEL_RULES,
     )

@@ -145,6 +145,7 @@ class Checkpointer:
         self._pending: int | None = None  # the due step of a deferred save
         self._copy_bytes: int | None = None
         self._manifests = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
+        self._closed = False
         self._manifest_jobs: dict[int, concurrent.futures.Future] = {}
         self.write_buffer_gb = write_buffer_gb()
         self.manager = ocp.CheckpointManager(
@@ -364,14 +365,18 @@ class Checkpointer:
         return None
 
     def close(self) -> None:
-        """Waits for the save in flight and the manifests, then releases the manager (also when the wait raises).
+        """Waits for the save in flight and the manifests, then releases the manager (also when the wait
+        raises); a second call does nothing.
 
         Raises:
           CheckpointWriteError: as `wait`.
         """
+        if self._closed:
+            return
         try:
             self.wait()
         finally:
+            self._closed = True
             self._manifests.shutdown(wait=True)
             self.manager.close()
 

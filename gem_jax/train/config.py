@@ -27,12 +27,18 @@ class LoopConfig:
     log_every: steps between train-metric records (stdout, JSONL, TensorBoard).
     eval_every: steps between evaluations (0: only at the end).
     seed: parameter-init seed (the data order has its own seed in `DataConfig`).
+    compile_in_background: start training once the largest token capacity's train step is
+      compiled and build the other programs while it trains (`gem_jax.train.programs`):
+      start-up falls to one program's compile, but steps whose own capacity is still
+      building run at a larger one (more device time, losses not bit-identical to a run
+      with it off). Ignored in a multi-process run. False: every program before step 1.
     """
 
     num_steps: int = 1000
     log_every: int = 25
     eval_every: int = 0
     seed: int = 0
+    compile_in_background: bool = False
 
     def __post_init__(self):
         check_int(self, "num_steps", minimum=1)

@@ -117,7 +117,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
     primary = jax.process_index() == 0  # writes the run record and the metrics of the shared workdir
     run_record.check_run(workdir, run_record.make_record(config, identity, dataset.spec), has_checkpoints=has_checkpoints, write=primary)
     checkpointer = Checkpointer(checkpoint_dir, config.checkpoint)
-    logger, progress_bar, write_error = None, None, None
+    logger, progress_bar, write_error, programs = None, None, None, None
     try:
         run_record.check_num_steps(config.loop.num_steps, checkpointer.latest_step(), checkpoint_dir)
         with chrono.measure(goodput.INIT):  # a resumed run restores its state instead of initialising it
@@ -165,7 +165,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
                     local = next(train_iter)  # this process's part of the global batch
                 with chrono.measure(goodput.TRAIN_STEP):
                     validate_ids(local.batch, dataset.spec, where=f"train batch {step}")
-                    placed = training.placement.put_local(local)
+                    placed = training.placement.put_local(local, programs.train_capacity(local))
                     state, step_metrics = programs.train_step(state, placed)
                     window.add(local, placed, step_metrics)
                     done = step + 1
@@ -210,7 +210,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
                 if done and checkpointer.latest_step() != done:
                     finite.check(last_good())
                     checkpointer.save(done, state, train_iter, force=True)
-                checkpointer.wait()
+                checkpointer.close()
         except CheckpointWriteError as error:  # e.g. the disk filled up: end with a summary of what was saved
             write_error = error
         final_step = done
@@ -235,11 +235,15 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
             if peak:
                 summary["mfu"] = steady["flops"] / steady["seconds"] / peak
         summary.update({k: v for k, v in record.items() if k in ("loss",)})
+        programs.close()  # compiles still in flight end before the run's time is read
         summary.update(checkpointer.report())
+        summary.update(programs.report())
         summary.update(chrono.record())
         if trains:
             logger.log(final_step, "summary", summary, not_in_tensorboard=eval_keys)
     finally:
+        if programs is not None:
+            programs.close()
         if progress_bar is not None:
             progress_bar.close()
         try:
@@ -275,7 +279,11 @@ def _compile_programs(training, train_steps: range, last_step: int, chrono, lear
     # Compiled programs beside jax's cache (off with it). Not on the CPU: an XLA:CPU executable loaded in
     # another process can fail to run ("Function wrapped_broadcast not found", jax 0.11.2).
     cache = jax.config.jax_compilation_cache_dir if jax.default_backend() != "cpu" else None
-    programs = compile_programs(training, train, evals, chrono=chrono, cache=ExecutableCache(cache) if cache else None)
+    background = loop.compile_in_background
+    if background and jax.process_count() > 1:
+        print("gem-train: loop.compile_in_background is ignored in a multi-process run (every process must place a batch alike)", flush=True)
+        background = False
+    programs = compile_programs(training, train, evals, chrono=chrono, cache=ExecutableCache(cache) if cache else None, background=background)
     with chrono.measure(goodput.COMPILE):
         float(learning_rate(max(train_steps.start, 0)))  # the schedule's host-side ops compile on first use
         wait_at_barrier("gem-train: programs compiled")  # processes finish compiling at different times
@@ -306,8 +314,9 @@ def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
     checkpoint_dir = Path(workdir) / "checkpoints"
     on_disk = sum(1 for p in checkpoint_dir.iterdir() if p.name.isdigit()) if checkpoint_dir.is_dir() else 0
     plan = disk_space.plan_space(abstract, config.checkpoint.max_to_keep, on_disk, checkpoint_dir)
+    steps = ", ".join(f"{capacity} ({count} steps)" for capacity, count in train.items())
     print(
-        f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {list(train)} "
+        f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {steps} "
         f"(the batches of steps 1 to {config.loop.num_steps}), the eval step at {list(evals)}",
         flush=True,
     )
@@ -322,7 +331,7 @@ def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
         plan.check()
     except disk_space.CheckpointSpaceError as error:
         print(f"gem-train: the run would be refused: {error}", flush=True)
-    return {"train_capacities": train, "eval_capacities": evals, "checkpoint_bytes": sizes | {"copy": plan.copy_bytes}}
+    return {"train_capacities": tuple(train), "eval_capacities": evals, "checkpoint_bytes": sizes | {"copy": plan.copy_bytes}}
 
 
 def outputs(workdir: Path) -> dict[str, Path]:

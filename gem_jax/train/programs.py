@@ -1,4 +1,4 @@
-"""Every step program a run executes, compiled before its first step: a train step per token capacity, one eval step.
+"""Every step program a run executes, compiled before it is needed: a train step per token capacity, one eval step.
 
 A batch's history rows are packed into one of the data set's token capacities
 (`gem_jax.jagged.TokenBuckets`), and each capacity is its own program. Which ones a run
@@ -8,32 +8,46 @@ the placement's choice (`gem_jax.parallel.placement`) for every batch of the ste
 run and of the eval set, without building a batch. Every eval batch is placed at the
 largest capacity an eval batch takes, so the eval step is one program (eval is forward
 only: its extra slack costs less than lowering and compiling a program per capacity).
-`compile_programs` then lowers each
-program (`jax.jit(...).lower` on abstract arguments: Python tracing, which holds the
-GIL) one after the other and compiles them in parallel threads (XLA compiles release
-the GIL); jax's persistent cache (`gem_jax.train.compile_cache`) serves a warm start.
 
-A batch at a capacity that was not compiled (the replay and the placement disagree,
+`compile_programs` builds each program: loaded from an `ExecutableCache` (`gem-train`
+keeps it beside jax's persistent cache, on GPUs: a warm start skips lowering, which the
+persistent cache cannot skip), else lowered (`jax.jit(...).lower` on abstract arguments:
+Python tracing, which holds the GIL) one after the other and compiled in parallel
+threads (XLA compiles release the GIL).
+
+Two schedules:
+- ahead (the default): every program is built before the first step;
+- background (`LoopConfig.compile_in_background`): only the largest train capacity is
+  built before the first step, since every batch fits it; the rest are built in a
+  background thread while the run trains, the eval step and then the train capacities
+  in order of how many of the run's steps take them. Until a batch's own capacity is
+  ready it is placed at the smallest ready capacity above it (`Programs.train_capacity`):
+  the same examples and labels with more slack rows, so such steps cost more device
+  time and sum in another order (losses are not bit-identical to an ahead run's). An
+  eval reached before its program is ready waits for it (`compile_after_start`).
+  One process only: the processes of a multi-process run must place every batch alike.
+
+A batch at a capacity that was not planned (the replay and the placement disagree,
 which is a bug, or the train iterator was moved) is compiled when it comes, with its
 reason counted in the run's `compile_after_start` time (`gem_jax.train.goodput`),
-rather than stopping a long job for a shape. With an `ExecutableCache` (`gem-train` keeps
-it beside jax's persistent cache, on GPUs), a warm start loads each program and skips its
-lowering, which the persistent cache cannot skip.
+rather than stopping a long job for a shape.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
 
-from gem_jax.batch import Batch
+from gem_jax.batch import Batch, LocalBatch
 from gem_jax.jagged import TokenBuckets, pick_capacity
 from gem_jax.train import config_tree, goodput
 from gem_jax.train.executable_cache import ExecutableCache
@@ -59,8 +73,8 @@ def batch_capacity(lengths: np.ndarray, num_shards: int, buckets: TokenBuckets) 
 
 def run_capacities(
     indices, lengths: Callable[[np.ndarray], np.ndarray], batches: Iterable[int], batch_size: int, num_shards: int, buckets: TokenBuckets
-) -> tuple[int, ...]:
-    """The sorted token capacities the batches `batches` of `indices` take.
+) -> dict[int, int]:
+    """How many of the batches `batches` of `indices` take each token capacity.
 
     Args:
       indices: a grain `MapDataset` of each batch's example indices (int64 `[<= B]`,
@@ -70,54 +84,107 @@ def run_capacities(
       batch_size: B (a short batch is padded with examples of no rows).
       num_shards: D.
       buckets: the data set's token buckets.
+
+    Returns:
+      capacity -> number of batches, in increasing capacity.
     """
-    taken = set()
+    taken: collections.Counter[int] = collections.Counter()
     padded = np.zeros(batch_size, np.int64)
     for k in batches:
         idx = np.asarray(indices[k], np.int64)
         padded[:] = 0
         padded[: idx.shape[0]] = lengths(idx)
-        taken.add(batch_capacity(padded, num_shards, buckets))
-    return tuple(sorted(taken))
+        taken[batch_capacity(padded, num_shards, buckets)] += 1
+    return dict(sorted(taken.items()))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One program to build: `step` lowered on `args` (abstract), kept in the cache at `path`."""
+
+    kind: str  # "train" or "eval"
+    capacity: int
+    step: Callable
+    args: tuple
+    path: object
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} step at token capacity {self.capacity}"
+
+
 class Programs:
     """The compiled train and eval steps of a run, by token capacity.
 
     Call `train_step(state, batch)` and `eval_step(params, batch)` as the jitted steps of
     `Training`; each picks the executable of the batch's capacity (`batch.history.values`
-    `[D, T_local, F]`: `T_local`). A capacity without one is compiled then, in `chrono`'s
-    `compile_after_start` bucket with the reason named.
+    `[D, T_local, F]`: `T_local`). A capacity that was not planned is compiled then, in
+    `chrono`'s `compile_after_start` bucket with the reason named. With programs still
+    building in the background, place each train batch at `train_capacity(local)`.
 
     Attributes:
       training: the job whose `train_step` / `eval_step` these are.
-      train: capacity -> compiled train step.
-      eval: capacity -> compiled eval step.
-      lowering_s, compile_s: wall seconds of the ahead-of-time lowering and compiling
-        (loading from the executable cache included).
-      chrono: where late compiles are counted (None: not counted).
-      loaded: how many of the programs came from the executable cache.
+      train: capacity -> compiled train step (the ready ones).
+      eval: capacity -> compiled eval step (the ready ones).
+      eval_capacity: the token capacity every eval batch is placed at (None: no eval step).
+      lowering_s, compile_s: wall seconds of the lowering and compiling before the first
+        step (loading from the executable cache included).
+      loaded: how many programs came from the executable cache.
+      chrono: where late compiles and waits are counted (None: not counted).
     """
 
-    training: Training
-    train: dict[int, jax.stages.Compiled]
-    eval: dict[int, jax.stages.Compiled]
-    lowering_s: float = 0.0
-    compile_s: float = 0.0
-    chrono: goodput.Chrono | None = None
-    loaded: int = 0
+    def __init__(self, training: Training, eval_capacity: int | None, chrono: goodput.Chrono | None, cache: ExecutableCache):
+        self.training = training
+        self.train: dict[int, jax.stages.Compiled] = {}
+        self.eval: dict[int, jax.stages.Compiled] = {}
+        self.eval_capacity = eval_capacity
+        self.lowering_s = 0.0
+        self.compile_s = 0.0
+        self.loaded = 0
+        self.chrono = chrono
+        self._cache = cache
+        self._before_first_step = 0
+        self._background: list[_Job] = []
+        self._pending: dict[tuple[str, int], concurrent.futures.Future] = {}
+        self._failed: dict[str, str] = {}
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._background_began = 0.0
+        self._ready_after_s: float | None = None
+        self._ready_at_step: int | None = None
+        self._steps = 0
+        self._steps_padded = 0
+
+    # ------------------------------------------------------------------ the steps
+
+    def train_capacity(self, local: LocalBatch) -> int | None:
+        """The token capacity to place `local`'s global batch at (`BatchPlacement.put_local(capacity=...)`):
+        its own when that program is ready, else the smallest ready one above it; None (the
+        placement's own choice) when every planned program is ready."""
+        if not self._pending:
+            return None
+        buckets = self.training.dataset.token_buckets
+        per = local.global_batch_size // self.training.placement.num_shards
+        needed = pick_capacity(int(local.chunk_rows().max()), buckets.capacities(per))
+        if needed in self.train or ("train", needed) not in self._pending:
+            return needed
+        self._steps_padded += 1
+        return min(c for c in self.train if c > needed)
 
     def train_step(self, state, batch: Batch):
         """`(state, placed batch) -> (state, metrics)`, donating `state` (`gem_jax.train.step.make_train_step`)."""
         capacity = batch.history.values.shape[1]
         if capacity not in self.train:
             self.train[capacity] = self._late(f"train step, token capacity {capacity}", self.training.train_step, self.training.state.abstract, batch)
+        self._steps += 1
         return self.train[capacity](state, batch)
 
     def eval_step(self, params, batch: Batch) -> dict:
         """`(params, placed batch) -> dict` (`gem_jax.train.step.make_eval_step`)."""
         capacity = batch.history.values.shape[1]
+        if capacity not in self.eval:
+            self._await(("eval", capacity))
         if capacity not in self.eval:
             self.eval[capacity] = self._late(f"eval step, token capacity {capacity}", self.training.eval_step, self.training.state.abstract.params, batch)
         return self.eval[capacity](params, batch)
@@ -125,31 +192,158 @@ class Programs:
     def _late(self, reason: str, step, *args) -> jax.stages.Compiled:
         print(f"gem-train: compiling the {reason}: no batch of the planned steps took it", flush=True)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
-        with self.chrono.late_compile(reason) if self.chrono is not None else contextlib.nullcontext():
+        with self._late_compile(reason):
             return step.lower(*abstract).compile()
 
-    @property
-    def eval_capacity(self) -> int | None:
-        """The token capacity every eval batch is placed at (`Training.evaluate(capacity=...)`); None: no eval step."""
-        return max(self.eval) if self.eval else None
+    def _late_compile(self, reason: str):
+        return self.chrono.late_compile(reason) if self.chrono is not None else contextlib.nullcontext()
+
+    def _await(self, key: tuple[str, int]) -> None:
+        """Waits for a program still building in the background (counted as a late compile)."""
+        future = self._pending.get(key)
+        if future is None:
+            return
+        with self._late_compile(f"waiting for the background build of the {key[0]} step at token capacity {key[1]}"):
+            concurrent.futures.wait([future])
+
+    # ------------------------------------------------------------------ building
+
+    def _build(self, jobs: list[_Job], threads: int | None) -> None:
+        """Builds `jobs` now: loads what the cache holds, lowers the rest one after the other, compiles them in threads."""
+        began = time.perf_counter()
+        with self._measure(goodput.COMPILE):
+            compiled = [self._cache.load(job.path) for job in jobs]
+        missing = [i for i, program in enumerate(compiled) if program is None]
+        loading_s = time.perf_counter() - began
+        began = time.perf_counter()
+        with self._measure(goodput.LOWERING):
+            lowered = {i: jobs[i].step.lower(*jobs[i].args) for i in missing}
+        self.lowering_s += time.perf_counter() - began
+        began = time.perf_counter()
+        with self._measure(goodput.COMPILE):
+            if missing:
+                with concurrent.futures.ThreadPoolExecutor(_workers(len(missing), threads)) as pool:
+                    for i, program in zip(missing, pool.map(lambda i: lowered[i].compile(), missing)):
+                        compiled[i] = program
+                        self._store(jobs[i], program)
+        self.compile_s += loading_s + time.perf_counter() - began
+        self.loaded += len(jobs) - len(missing)
+        self._before_first_step += len(jobs)
+        for job, program in zip(jobs, compiled):
+            self._ready(job, program)
+
+    def _start_background(self, jobs: list[_Job], threads: int | None) -> None:
+        """Builds `jobs`, in order, in a background thread (lowering) and a compile pool."""
+        self._background = jobs
+        self._pending = {(job.kind, job.capacity): concurrent.futures.Future() for job in jobs}
+        self._pool = concurrent.futures.ThreadPoolExecutor(_workers(len(jobs), threads), thread_name_prefix="gem-compile")
+        self._background_began = time.perf_counter()
+        self._thread = threading.Thread(target=self._lower_in_background, name="gem-lower", daemon=True)
+        self._thread.start()
+
+    def _lower_in_background(self) -> None:
+        for job in self._background:
+            if self._cancel.is_set():
+                self._pending[(job.kind, job.capacity)].cancel()
+                continue
+            try:
+                program = self._cache.load(job.path)
+                if program is not None:
+                    self.loaded += 1
+                    self._finish(job, program)
+                else:
+                    lowered = job.step.lower(*job.args)
+                    self._pool.submit(self._compile_in_background, job, lowered)
+            except Exception as error:  # noqa: BLE001 - reported, and the run goes on without the program
+                self._fail(job, error)
+
+    def _compile_in_background(self, job: _Job, lowered) -> None:
+        try:
+            program = lowered.compile()
+            self._store(job, program)
+            self._finish(job, program)
+        except Exception as error:  # noqa: BLE001 - reported, and the run goes on without the program
+            self._fail(job, error)
+
+    def _finish(self, job: _Job, program) -> None:
+        self._ready(job, program)
+        self._pending.pop((job.kind, job.capacity)).set_result(None)
+        if not self._pending:
+            self._ready_after_s = time.perf_counter() - self._background_began
+            self._ready_at_step = self._steps
+            print(f"gem-train: all programs ready, {self._ready_after_s:.1f} s after the first step's (step {self._steps})", flush=True)
+
+    def _fail(self, job: _Job, error: Exception) -> None:
+        self._failed[job.name] = f"{type(error).__name__}: {error}"
+        print(f"gem-train: building the {job.name} in the background failed ({type(error).__name__}: {error}); its batches run at a larger capacity", flush=True)
+        self._pending.pop((job.kind, job.capacity)).set_result(None)
+
+    def _ready(self, job: _Job, program) -> None:
+        (self.train if job.kind == "train" else self.eval)[job.capacity] = program
+
+    def _store(self, job: _Job, program) -> None:
+        note = self._cache.store(job.path, program)
+        if note:
+            print(f"gem-train: the {job.name} was {note}", flush=True)
+
+    def _measure(self, bucket: str):
+        return self.chrono.measure(bucket) if self.chrono is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Stops building: programs not yet lowered are dropped, compiles in flight are waited for
+        (counted as a late compile); then the executable cache holds every finished program."""
+        if self._thread is None:
+            return
+        self._cancel.set()
+        with self._late_compile("background builds in flight at the end of the run") if self._pending else contextlib.nullcontext():
+            self._thread.join()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._thread = None
+
+    # ------------------------------------------------------------------ reporting
 
     def describe(self) -> str:
         """One line: how many programs, for which capacities, lowering and compile seconds."""
-        parts = [f"{len(self.train)} train step(s) (token capacities {sorted(self.train)})" if self.train else "no train step"]
-        parts.append(f"{len(self.eval)} eval step(s) (token capacities {sorted(self.eval)})" if self.eval else "no eval step")
-        return (
-            f"compiled {len(self.train) + len(self.eval)} programs before the first step ({self.loaded} loaded from the "
+        planned = sorted(set(self.train) | {c for kind, c in self._pending if kind == "train"})
+        parts = [f"train steps at token capacities {planned}" if planned else "no train step"]
+        parts.append(f"an eval step at {self.eval_capacity}" if self.eval_capacity is not None else "no eval step")
+        line = (
+            f"compiled {self._before_first_step} programs before the first step ({self.loaded} loaded from the "
             f"executable cache): {', '.join(parts)}; lowering {self.lowering_s:.1f} s, compile {self.compile_s:.1f} s"
         )
+        if self._pending:
+            line += (
+                f"; {len(self._pending)} more build in the background while the run trains "
+                "(until a batch's own capacity is ready it runs at the smallest ready one above it)"
+            )
+        return line
+
+    def report(self) -> dict[str, float | int]:
+        """The run's program measurements, for its summary: `programs_before_first_step`,
+        `programs_in_background`, `steps_at_larger_capacity` (placed above their own capacity
+        while it was building), and once all were ready `programs_ready_after_s` (seconds after
+        the background began) and `programs_ready_at_step`; `programs_failed` if any failed."""
+        out: dict[str, float | int] = {"programs_before_first_step": self._before_first_step, "programs_in_background": len(self._background)}
+        if self._background:
+            out["steps_at_larger_capacity"] = self._steps_padded
+            if self._ready_after_s is not None:
+                out.update(programs_ready_after_s=self._ready_after_s, programs_ready_at_step=self._ready_at_step)
+        if self._failed:
+            out["programs_failed"] = len(self._failed)
+        return out
 
 
-def planned_capacities(training: Training, train_steps: range, evaluates: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The token capacities of the train batches of `train_steps`, and, if `evaluates`, the eval step's:
-    the largest any eval batch takes (all of them are placed at it)."""
+def _workers(jobs: int, threads: int | None) -> int:
+    return max(1, min(jobs, threads or int(os.environ.get(THREADS_ENV_VAR, 0)) or os.cpu_count() or 1))
+
+
+def planned_capacities(training: Training, train_steps: range, evaluates: bool) -> tuple[dict[int, int], tuple[int, ...]]:
+    """How many train batches of `train_steps` take each token capacity (`run_capacities`), and,
+    if `evaluates`, the eval step's capacity: the largest any eval batch takes (all of them are placed at it)."""
     dataset, num_shards, buckets = training.dataset, training.placement.num_shards, training.dataset.token_buckets
     train = run_capacities(dataset.train_indices(), dataset.train_lengths, train_steps, dataset.batch_size, num_shards, buckets)
     evals = (
-        run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), dataset.batch_size, num_shards, buckets)[-1:]
+        tuple(run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), dataset.batch_size, num_shards, buckets))[-1:]
         if evaluates
         else ()
     )
@@ -166,12 +360,13 @@ def program_job(training: Training) -> dict:
 
 def compile_programs(
     training: Training,
-    train_capacities: Iterable[int],
+    train_capacities: dict[int, int] | Iterable[int],
     eval_capacities: Iterable[int],
     *,
     chrono: goodput.Chrono | None = None,
     threads: int | None = None,
     cache: ExecutableCache | None = None,
+    background: bool = False,
 ) -> Programs:
     """The train and eval steps at the given capacities: loaded from `cache`, else lowered one after the
     other and compiled in `threads` parallel threads (and stored in `cache`).
@@ -179,43 +374,39 @@ def compile_programs(
     Args:
       training: the job (`setup_training`); its jitted steps are lowered on abstract
         arguments (`training.state.abstract`, `BatchPlacement.abstract`).
-      train_capacities, eval_capacities: token capacities (rows per device).
-      chrono: lowering goes to its `startup/lowering` bucket, loading, compiling and storing
-        to `startup/compile`.
+      train_capacities: token capacities (rows per device) of the train steps, or capacity ->
+        how many steps take it (`planned_capacities`: the background builds the commonest first).
+      eval_capacities: token capacities of the eval step (at most one is used by `Training.evaluate`).
+      chrono: lowering before the first step goes to its `startup/lowering` bucket, loading,
+        compiling and storing to `startup/compile`.
       threads: compile threads (default: `$GEM_COMPILE_THREADS`, else one per program,
         at most the CPU count). On a GPU, XLA autotunes while it compiles, on the device:
         fewer threads trade start-up time for undisturbed autotuning.
       cache: compiled programs on disk under a key known before tracing
         (`gem_jax.train.executable_cache`); a hit skips lowering and compiling.
+      background: build only the largest train capacity now and the rest in the background
+        (the module docstring's background schedule; call `Programs.close()` at the end).
     """
+    counts = train_capacities if isinstance(train_capacities, dict) else dict.fromkeys(sorted(set(train_capacities)), 1)
+    evals = sorted(set(eval_capacities))
     dataset, placement = training.dataset, training.placement
     cache = ExecutableCache(None) if cache is None else cache
     template = dataset.train_batch(range(min(dataset.batch_size, dataset.info.num_train_examples)))
-    jobs = [("train", c, training.train_step, (training.state.abstract, placement.abstract(template, c))) for c in sorted(set(train_capacities))]
-    jobs += [("eval", c, training.eval_step, (training.state.abstract.params, placement.abstract(template, c))) for c in sorted(set(eval_capacities))]
-    measure = chrono.measure if chrono is not None else lambda bucket: contextlib.nullcontext()
     job = program_job(training)
-    began = time.perf_counter()
-    with measure(goodput.COMPILE):
-        paths = [cache.path(f"{kind}_step", args, job) for kind, _, _, args in jobs]
-        compiled = [cache.load(path) for path in paths]
-    missing = [i for i, c in enumerate(compiled) if c is None]
-    loading_s = time.perf_counter() - began
-    began = time.perf_counter()
-    with measure(goodput.LOWERING):
-        lowered = {i: jobs[i][2].lower(*jobs[i][3]) for i in missing}
-    lowering_s = time.perf_counter() - began
-    began = time.perf_counter()
-    with measure(goodput.COMPILE):
-        if missing:
-            workers = max(1, min(len(missing), threads or int(os.environ.get(THREADS_ENV_VAR, 0)) or os.cpu_count() or 1))
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                for i, program in zip(missing, pool.map(lambda i: lowered[i].compile(), missing)):
-                    compiled[i] = program
-                    note = cache.store(paths[i], program)
-                    if note:
-                        print(f"gem-train: the {jobs[i][0]} step at token capacity {jobs[i][1]} was {note}", flush=True)
-    compile_s = loading_s + time.perf_counter() - began
-    train = {capacity: c for (kind, capacity, _, _), c in zip(jobs, compiled) if kind == "train"}
-    evals = {capacity: c for (kind, capacity, _, _), c in zip(jobs, compiled) if kind == "eval"}
-    return Programs(training, train, evals, lowering_s, compile_s, chrono, loaded=len(jobs) - len(missing))
+
+    def make(kind: str, capacity: int) -> _Job:
+        step, state = (training.train_step, training.state.abstract) if kind == "train" else (training.eval_step, training.state.abstract.params)
+        args = (state, placement.abstract(template, capacity))
+        return _Job(kind, capacity, step, args, cache.path(f"{kind}_step", args, job))
+
+    programs = Programs(training, evals[-1] if evals else None, chrono, cache)
+    if background and counts:
+        largest = max(counts)
+        # the eval step first (its compile is the longest, and an eval waits for it), then the commonest capacities
+        rest = [make("eval", c) for c in evals] + [make("train", c) for c in sorted(counts, key=lambda c: -counts[c]) if c != largest]
+        programs._build([make("train", largest)], threads)
+        if rest:
+            programs._start_background(rest, threads)
+    else:
+        programs._build([make("train", c) for c in counts] + [make("eval", c) for c in evals], threads)
+    return programs

@@ -1,6 +1,9 @@
 """Ahead-of-time programs: the replayed capacities are the placement's, and a run compiles nothing after step 1."""
 
+import collections
+import concurrent.futures
 import json
+import re
 import time
 
 import jax
@@ -18,7 +21,9 @@ from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
 from gem_jax.train.loop import train_and_evaluate
 from gem_jax.train import disk_space
+from gem_jax.train.setup import setup_training
 from gem_jax.train.state import TrainState
+from tolerances import sum_worst
 
 # ml-latest-small, 16 examples of up to 64 events: its first 6 train batches take 3 token capacities.
 SEVERAL_CAPACITIES = ["data.capacity_step=1.05", "data.max_seq_len=64", "data.batch_size=16", "loop.num_steps=50", "loop.log_every=2"]
@@ -34,12 +39,13 @@ def test_replayed_capacities_are_those_the_placement_takes(config, num_shards):
     dataset = load_dataset(config.data)
     buckets = dataset.token_buckets
     train = dataset.train_iterator()
-    placed = {stack_batch(next(train), num_shards, buckets).history.values.shape[1] for _ in range(12)}
-    assert programs.run_capacities(dataset.train_indices(), dataset.train_lengths, range(12), 16, num_shards, buckets) == tuple(sorted(placed))
+    placed = collections.Counter(stack_batch(next(train), num_shards, buckets).history.values.shape[1] for _ in range(12))
+    replayed = programs.run_capacities(dataset.train_indices(), dataset.train_lengths, range(12), 16, num_shards, buckets)
+    assert replayed == dict(placed) and list(replayed) == sorted(placed)
     assert len(placed) >= (3 if num_shards == 1 else 1)
-    evals = {stack_batch(b, num_shards, buckets).history.values.shape[1] for b in dataset.eval_batches()}
+    evals = collections.Counter(stack_batch(b, num_shards, buckets).history.values.shape[1] for b in dataset.eval_batches())
     got = programs.run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), 16, num_shards, buckets)
-    assert got == tuple(sorted(evals))
+    assert got == dict(evals)
 
 
 def test_batch_capacity_is_the_fullest_device_rounded_up():
@@ -94,6 +100,46 @@ def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(r
     train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(workdir), "--dry-run", "--set", *SEVERAL_CAPACITIES])
     out = capsys.readouterr().out
     assert '"capacity_step": 1.05' in out  # the resolved config
-    assert "would compile" in out and "train steps at token capacities [" in out
+    assert re.search(r"would compile \d+ programs: train steps at token capacities \d+ \(\d+ steps\)", out)
     assert "a checkpoint holds" in out
     assert not workdir.exists()
+
+
+def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_learns_as_the_ahead_run(config, tmp_path, capsys):
+    ahead = train_and_evaluate(config, tmp_path / "ahead", stop_after_steps=6, progress=False)
+    capsys.readouterr()
+    background = apply_overrides(config, ["loop.compile_in_background=True"])
+    summary = train_and_evaluate(background, tmp_path / "background", stop_after_steps=6, progress=False)
+    out = capsys.readouterr().out
+    assert "compiled 1 programs before the first step" in out and "2 more build in the background" in out
+    assert summary["programs_before_first_step"] == 1 and summary["programs_in_background"] == 2
+    assert 0 <= summary["steps_at_larger_capacity"] <= 6
+    buckets = {k: v for k, v in summary.items() if k.startswith("time_")}
+    assert sum(buckets.values()) == pytest.approx(summary["wall_s"], rel=1e-9)
+
+    def losses(run):
+        return [r["loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+    # The same examples and labels, with more slack rows in the steps placed above their own capacity:
+    # only float32 summation order differs (attention sums over at most the largest capacity's keys).
+    bound = sum_worst(max(programs.planned_capacities(setup_training(config, init_state=False)[0], range(6), False)[0]))
+    np.testing.assert_allclose(losses("background"), losses("ahead"), rtol=bound)
+    assert summary["loss"] == pytest.approx(ahead["loss"], rel=bound)
+
+
+def test_a_batch_whose_program_is_building_is_placed_at_the_smallest_ready_capacity_above_it(config):
+    training, _ = setup_training(config, init_state=False)
+    buckets, num_shards = training.dataset.token_buckets, training.placement.num_shards
+    batches = training.dataset.local_train_iterator(training.placement.shard)
+    local = min((next(batches) for _ in range(12)), key=lambda b: programs.batch_capacity(np.asarray(b.lengths), num_shards, buckets))
+    needed = programs.batch_capacity(np.asarray(local.lengths), num_shards, buckets)
+    above = [c for c in buckets.capacities(local.global_batch_size // num_shards) if c > needed][:2]
+    assert len(above) == 2
+    built = programs.Programs(training, None, None, programs.ExecutableCache(None))
+    assert built.train_capacity(local) is None  # nothing building: the placement's own choice
+    built._pending = {("train", needed): concurrent.futures.Future(), ("train", above[0]): concurrent.futures.Future()}
+    built.train[above[1]] = object()
+    assert built.train_capacity(local) == above[1]  # its own and the next are building: the smallest ready above
+    built.train[needed] = object()
+    assert built.train_capacity(local) == needed
+    assert built.report()["programs_in_background"] == 0
