@@ -43,7 +43,7 @@ from gem_jax.data.collate import assemble_batch, batch_indices, check_history_le
 from gem_jax.data.examples import Examples
 from gem_jax.data.ingest.shards import ConvertedLog
 from gem_jax.data.ingest.split import EVAL, TRAIN
-from gem_jax.data.rows import BadRowKind, SkippedRows
+from gem_jax.data.rows import BadRowKind, DataFormatError, SkippedRows
 
 IMPLICIT_ACTION = 1  # the action of every event of a log without an action column (num_actions 2: PAD and it)
 
@@ -93,8 +93,9 @@ def read_converted(directory: str | os.PathLike) -> ConvertedEvents:
     """Reads every record of a converted directory into columns (`ConvertedLog.read_all`).
 
     Raises:
-      DataFormatError: not a finished conversion, a shard file missing, or a
-        record that does not match the manifest's layout.
+      DataFormatError: not a finished conversion, a shard file missing, a record
+        that does not match the manifest's layout, or shards holding other counts
+        of users or events than the manifest.
       FileNotFoundError: `directory` does not exist.
     """
     directory = Path(directory)
@@ -102,6 +103,12 @@ def read_converted(directory: str | os.PathLike) -> ConvertedEvents:
         raise FileNotFoundError(f"EVENTS data set not found: {directory} is not a folder; set DataConfig.path to the directory gem-data convert wrote")
     log = ConvertedLog(directory)  # process 0 of 1: every shard file (module docstring)
     users, events, starts = log.read_all()
+    counts = log.manifest["counts"]
+    if (len(users), events.shape[0]) != (counts["users"], counts["events"]):
+        raise DataFormatError(
+            f"{directory}: the shard files hold {len(users)} users and {events.shape[0]} events, the manifest "
+            f"{counts['users']} and {counts['events']}; the shards were changed after the conversion (convert again)"
+        )
     layout = log.layout
     return ConvertedEvents(
         directory=directory,

@@ -169,6 +169,13 @@ def test_bad_settings_and_directories_are_refused(converted, tmp_path):
     events = out.parent / "events"
     with pytest.raises(ValueError, match=r"left 120 train and 0 eval events; both must be > 0 \(convert again with another --split\)"):
         load_dataset(config(convert_event_log(events, tmp_path / "late", split="time:1000").out))
+    swapped = convert_event_log(events, tmp_path / "swapped", split=f"time:{QUANTILE}").out
+    write_event_log(tmp_path / "more", num_train=90, num_eval=40, seed=3)
+    donor = convert_event_log(tmp_path / "more", tmp_path / "donor", split=f"time:{QUANTILE}").out
+    shard = sorted((swapped / "shards").iterdir())[0]
+    shard.write_bytes((donor / "shards" / shard.name).read_bytes())  # a shard of another conversion
+    with pytest.raises(DataFormatError, match=r"the shard files hold \d+ users and \d+ events, the manifest \d+ and 120; the shards were changed"):
+        load_dataset(config(swapped))
     unnamed = dataclasses.replace(SCHEMA, labels=(LabelRule.parse("rating>=4"),))
     with pytest.raises(ValueError, match=r"names do not fit the model: task name 'rating>=4' must be letters"):
         load_dataset(config(convert_event_log(events, tmp_path / "unnamed", schema=unnamed).out))
