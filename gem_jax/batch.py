@@ -155,7 +155,9 @@ class Batch:
       candidate_features: int32 `[B, max_values]` per item feature of the candidate,
         by name (`spec.item_features`).
       labels: float32 `[B, K]` in {0, 1}, one column per task (`spec.tasks` order).
-      weights: float32 `[B]`: 1 for real examples, 0 for padding examples.
+      weights: float32 `[B]` >= 0: each example's weight in the loss, 1 for a real
+        example unless its data set weighs them (an event log's weight column,
+        `gem_jax.data.sources.converted`), 0 for padding examples.
     """
 
     history: Jagged

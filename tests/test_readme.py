@@ -12,7 +12,8 @@ of its program, cheaply and without leaving the test:
   pyproject.toml;
 - `.venv/bin/gem-train`: `--help` runs; otherwise gem-train runs with the block's arguments up to
   the point where it would train (arguments parsed, config file loaded, overrides applied,
-  attention paths chosen) and must then train the README's config in the README's workdir;
+  attention paths chosen) and must then train the README's config in the README's workdir; the
+  data set of an own event log (`Source.EVENTS`, converted by the block's `gem-data` commands) loads;
 - `.venv/bin/pytest`: pytest accepts the arguments (collecting one small file, not the suite).
 
 A program without a rule, or a block in another language (`text` is for what is not code),
@@ -34,6 +35,7 @@ import pytest
 import gem_jax.train.loop
 from gem_jax import data_cli
 from gem_jax.cli import train_main
+from gem_jax.data.pipeline import Source, load_dataset
 from gem_jax.train import config_tree
 from gem_jax.train.config import load_config
 
@@ -137,6 +139,8 @@ def check_gem_train(args, monkeypatch):
     after_set = args[args.index("--set") + 1 :] if "--set" in args else []
     overrides = list(itertools.takewhile(lambda word: not word.startswith("--"), after_set))
     assert config == config_tree.apply_overrides(load_config(args[args.index("--config") + 1]), overrides)
+    if config.data.source is Source.EVENTS:
+        load_dataset(config.data)
 
 
 def check_gem_data(args, monkeypatch):

@@ -23,15 +23,18 @@ from gem_jax.jagged import Jagged, JaggedError
 
 
 
-def batch_indices(indices: Sequence[int], batch_size: int) -> np.ndarray:
+def batch_indices(indices: Sequence[int], batch_size: int, num_examples: int | None = None) -> np.ndarray:
     """The example indices of a batch of `batch_size` examples as int64 `[n]`, n <= batch_size.
 
     Raises:
-      ValueError: more than `batch_size` indices.
+      ValueError: more than `batch_size` indices, or (with `num_examples`) an index
+        outside `[0, num_examples)`.
     """
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
     if idx.shape[0] > batch_size:
         raise ValueError(f"a batch takes at most {batch_size} examples, got {idx.shape[0]}")
+    if num_examples is not None and idx.size and (idx.min() < 0 or idx.max() >= num_examples):
+        raise ValueError(f"example index out of range [0, {num_examples}): {idx.min()}..{idx.max()}")
     return idx
 
 
@@ -49,6 +52,12 @@ def feature_ids(feature: CategoricalFeature, batch_size: int, ids: np.ndarray) -
     out = np.full((batch_size, feature.max_values), PAD_ID, np.int32)
     out[: ids.shape[0]] = ids
     return out
+
+
+def check_history_lengths(examples: Examples, spec: FeatureSpec) -> None:
+    """Raises `JaggedError` when an example's history is longer than `spec.max_seq_len`."""
+    if int(examples.history_length.max(initial=0)) > spec.max_seq_len:
+        raise JaggedError(f"an example history is longer than max_seq_len {spec.max_seq_len}")
 
 
 def log_spec(log: EventLog, tasks: tuple[str, ...], *, num_time_buckets: int, max_seq_len: int) -> FeatureSpec:
@@ -80,8 +89,7 @@ class BatchBuilder:
     """
 
     def __init__(self, log: EventLog, examples: Examples, spec: FeatureSpec, batch_size: int):
-        if int(examples.history_length.max(initial=0)) > spec.max_seq_len:
-            raise JaggedError(f"an example history is longer than max_seq_len {spec.max_seq_len}")
+        check_history_lengths(examples, spec)
         self.log = log
         self.examples = examples
         self.spec = spec
@@ -101,40 +109,89 @@ class BatchBuilder:
           ValueError: more than b indices, or an index out of range.
         """
         b = self.batch_size if batch_size is None else batch_size
-        idx = batch_indices(indices, b)
-        n = idx.shape[0]
-        if n and (idx.min() < 0 or idx.max() >= len(self.examples)):
-            raise ValueError(f"example index out of range [0, {len(self.examples)}): {idx.min()}..{idx.max()}")
+        idx = batch_indices(indices, b, len(self.examples))
         log, ex = self.log, self.examples
         target = ex.target_event[idx]
-        lengths = ex.history_length[idx].astype(np.int64)
-        offsets = padded_offsets(lengths, b)
-        total = int(offsets[n])
-
-        rows = np.repeat(target - lengths - offsets[:n], lengths) + np.arange(total)
-        values = np.zeros((total, len(HistoryField)), np.int32)
-        values[:total, HistoryField.ITEM] = log.item[rows]
-        values[:total, HistoryField.ACTION] = log.action[rows]
-        age = np.repeat(log.timestamp[target], lengths) - log.timestamp[rows]
-        values[:total, HistoryField.TIME_BUCKET] = time_bucket(age, self.spec.num_time_buckets)
-
         user_id = log.user[target]
-        user = {"user": feature_ids(self.spec.user_features[0], b, user_id[:, None])}
-        user |= {t.feature.name: feature_ids(t.feature, b, t.ids[user_id]) for t in log.user_features}
-        candidate = np.full(b, PAD_ID, np.int32)
-        candidate[:n] = ex.candidate[idx]
-        features = {t.feature.name: feature_ids(t.feature, b, t.ids[candidate[:n]]) for t in log.item_features}
-        labels = np.zeros((b, self.spec.num_tasks), np.float32)
-        labels[:n] = ex.labels[idx]
-        weights = np.zeros(b, np.float32)
-        weights[:n] = 1.0
-        batch = Batch(
-            history=Jagged(values, offsets, self.spec.max_seq_len),
-            user=user,
-            candidate_item=candidate,
-            candidate_features=features,
-            labels=labels,
-            weights=weights,
+        candidate = ex.candidate[idx]
+        return assemble_batch(
+            self.spec,
+            b,
+            item=log.item,
+            action=log.action,
+            timestamp=log.timestamp,
+            target=target,
+            lengths=ex.history_length[idx],
+            user={"user": user_id[:, None]} | {t.feature.name: t.ids[user_id] for t in log.user_features},
+            candidate=candidate,
+            candidate_features={t.feature.name: t.ids[candidate] for t in log.item_features},
+            labels=ex.labels[idx],
+            weights=np.ones(idx.shape[0], np.float32),
         )
-        validate_ids(batch, self.spec)
-        return batch
+
+
+def assemble_batch(
+    spec: FeatureSpec,
+    batch_size: int,
+    *,
+    item: np.ndarray,
+    action: np.ndarray,
+    timestamp: np.ndarray,
+    target: np.ndarray,
+    lengths: np.ndarray,
+    user: dict[str, np.ndarray],
+    candidate: np.ndarray,
+    candidate_features: dict[str, np.ndarray],
+    labels: np.ndarray,
+    weights: np.ndarray,
+) -> Batch:
+    """The validated `Batch` of n examples, then `batch_size - n` padding examples.
+
+    Example i's history is the events `[target[i] - lengths[i], target[i])` of the
+    event columns, oldest first, each with its time bucket relative to the target;
+    the history values are `[sum(lengths), F]`: the real rows, no slack.
+
+    Args:
+      spec: the layout (ids are validated against it).
+      batch_size: b >= n.
+      item, action: int32 `[N]` event columns; timestamp: int64 `[N]`, non-decreasing
+        within each history and up to its target.
+      target: int64 `[n]` event index of each example's target.
+      lengths: int `[n]` history length of each example (<= target, within its user).
+      user: int32 `[n, max_values]` per user feature of `spec`, by name.
+      candidate: int32 `[n]` candidate items.
+      candidate_features: int32 `[n, max_values]` per item feature of `spec`, by name.
+      labels: float32 `[n, K]`.
+      weights: float32 `[n]` loss weights of the real examples (padding examples get 0).
+
+    Raises:
+      ValueError: an id outside its vocabulary, or a field of the wrong layout
+        (`gem_jax.batch.validate_ids`).
+    """
+    b, n = batch_size, target.shape[0]
+    lengths = np.asarray(lengths, np.int64)
+    offsets = padded_offsets(lengths, b)
+    total = int(offsets[n])
+    rows = np.repeat(target - lengths - offsets[:n], lengths) + np.arange(total)
+    values = np.zeros((total, len(HistoryField)), np.int32)
+    values[:, HistoryField.ITEM] = item[rows]
+    values[:, HistoryField.ACTION] = action[rows]
+    age = np.repeat(timestamp[target], lengths) - timestamp[rows]
+    values[:, HistoryField.TIME_BUCKET] = time_bucket(age, spec.num_time_buckets)
+
+    padded_candidate = np.full(b, PAD_ID, np.int32)
+    padded_candidate[:n] = candidate
+    padded_labels = np.zeros((b, spec.num_tasks), np.float32)
+    padded_labels[:n] = labels
+    padded_weights = np.zeros(b, np.float32)
+    padded_weights[:n] = weights
+    batch = Batch(
+        history=Jagged(values, offsets, spec.max_seq_len),
+        user={f.name: feature_ids(f, b, user[f.name]) for f in spec.user_features},
+        candidate_item=padded_candidate,
+        candidate_features={f.name: feature_ids(f, b, candidate_features[f.name]) for f in spec.item_features},
+        labels=padded_labels,
+        weights=padded_weights,
+    )
+    validate_ids(batch, spec)
+    return batch

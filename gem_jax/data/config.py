@@ -15,12 +15,17 @@ from gem_jax.jagged import check_bucket_settings
 
 
 class Source(enum.Enum):
-    """The data sets `load_dataset` knows."""
+    """The data sets `load_dataset` knows.
+
+    EVENTS is your own event log as `gem-data convert` wrote it: `DataConfig.path`
+    names the converted directory (`gem_jax.data.sources.converted`).
+    """
 
     ML_LATEST_SMALL = "ml_latest_small"
     ML_100K = "ml_100k"
     AMAZON_BEAUTY = "amazon_beauty"
     SYNTHETIC = "synthetic"
+    EVENTS = "events"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +101,17 @@ class DataConfig:
     Attributes:
       source: which data set.
       path: its folder; None for the default (`gem_jax.data.paths.default_path`).
+        `Source.EVENTS` has no default: the directory `gem-data convert --out` wrote.
       max_seq_len: history bound; longer histories keep the most recent events.
       eval_fraction: share of each user's latest events held out (`split_by_time`).
+        Not used by `Source.EVENTS` (its split was chosen at conversion and is in
+        the manifest) nor by `Source.SYNTHETIC`.
       batch_size: static B of every batch.
       seed: seeds the per-epoch shuffle (unless `train_iterator` gets its own)
         and, for sampled-candidate sources, the candidate sampling.
-      on_bad_row: RAISE on the first malformed row, or SKIP and count.
+      on_bad_row: RAISE on the first malformed row, or SKIP and count. Not used
+        by `Source.EVENTS` (`gem-data convert --on-bad-row` decided; the rows it
+        skipped are in the manifest and the data set summary).
       num_time_buckets: time-bucket vocabulary size including PAD_ID.
       capacity_step: ratio of consecutive token capacities near a batch's
         expected rows, in (1, 2]; it bounds the slack of a batch in that range

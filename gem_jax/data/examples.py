@@ -48,6 +48,18 @@ class Examples:
         return int(self.target_event.shape[0])
 
 
+def item_mean_labels(examples: Examples, num_items: int) -> np.ndarray:
+    """float32 `[num_items, K]`: mean label per candidate item; the overall mean where unseen."""
+    counts = np.bincount(examples.candidate, minlength=num_items)
+    num_tasks = examples.labels.shape[1]
+    table = np.empty((num_items, num_tasks), np.float32)
+    for k in range(num_tasks):
+        sums = np.bincount(examples.candidate, weights=examples.labels[:, k], minlength=num_items)
+        overall = examples.labels[:, k].mean() if len(examples) else 0.0
+        table[:, k] = np.where(counts > 0, sums / np.maximum(counts, 1), overall)
+    return table
+
+
 def history_lengths(log: EventLog, targets: np.ndarray, max_seq_len: int) -> np.ndarray:
     """int32 `[E]`: events of the target's user before it, capped at `max_seq_len`."""
     if max_seq_len < 1:

@@ -17,6 +17,10 @@ so the stream does not depend on the number of grain workers. The train iterator
 grain's `DatasetIterator`: its `get_state()` / `set_state()` restore the exact
 position, so a resumed run yields exactly the remaining batches.
 
+Your own event log (`Source.EVENTS`, a directory `gem-data convert` wrote) is
+read by `gem_jax.data.sources.converted`: every event is an example of its
+split, with the user's earlier events as history; the same `Dataset` follows.
+
 In a multi-process run each process iterates `local_train_iterator(shard)` and
 `local_eval_batches(shard)`: the same global batches, of which it builds only its
 devices' chunks (`gem_jax.data.shard`).
@@ -27,6 +31,7 @@ Tasks per source (`FeatureSpec.tasks`, the label columns in order):
 - amazon-beauty: next_item (the candidate is the next item), in_next_5 (the
   candidate is among the next 5 items; sampled candidates, `next_item_examples`).
 - synthetic: click, convert (see `gem_jax.data.sources.synthetic`).
+- events: the tasks of the conversion (`--label`), in its order.
 """
 
 from __future__ import annotations
@@ -50,8 +55,17 @@ from gem_jax.data.collate import BatchBuilder, log_spec
 from gem_jax.jagged import TokenBuckets
 from gem_jax.data.config import BBSConfig, DataConfig, Source, SyntheticConfig
 from gem_jax.data.events import EventLog
-from gem_jax.data.examples import Examples, next_item_examples, rating_examples
+from gem_jax.data.examples import Examples, item_mean_labels, next_item_examples, rating_examples
 from gem_jax.data.sources.movielens_100k import read_ml_100k
+from gem_jax.data.sources.converted import (
+    ConvertedBatchBuilder,
+    converted_examples,
+    converted_fingerprint,
+    converted_notes,
+    converted_skipped,
+    converted_spec,
+    read_converted,
+)
 from gem_jax.data.sources.movielens_small import read_ml_latest_small
 from gem_jax.data.paths import fingerprint, resolve_path
 from gem_jax.data.rows import OnBadRow, SkippedRows
@@ -312,18 +326,6 @@ class Dataset:
         return self.item_mean_labels[:, task]
 
 
-def item_mean_labels(examples: Examples, num_items: int) -> np.ndarray:
-    """float32 `[num_items, K]`: mean label per candidate item; the overall mean where unseen."""
-    counts = np.bincount(examples.candidate, minlength=num_items)
-    num_tasks = examples.labels.shape[1]
-    table = np.empty((num_items, num_tasks), np.float32)
-    for k in range(num_tasks):
-        sums = np.bincount(examples.candidate, weights=examples.labels[:, k], minlength=num_items)
-        overall = examples.labels[:, k].mean() if len(examples) else 0.0
-        table[:, k] = np.where(counts > 0, sums / np.maximum(counts, 1), overall)
-    return table
-
-
 def _rating_builder(thresholds: tuple[float, ...]):
     def build(log: EventLog, split: Split, targets: np.ndarray, config: DataConfig) -> Examples:
         return rating_examples(log, targets, max_seq_len=config.max_seq_len, thresholds=thresholds)
@@ -360,7 +362,13 @@ _FILE_SOURCES = {
 
 
 def source_tasks(source: Source) -> tuple[str, ...]:
-    """The task names of a built-in source, in label column order."""
+    """The task names of a built-in source, in label column order.
+
+    Raises:
+      ValueError: `Source.EVENTS`, whose tasks are its conversion's (`FeatureSpec.tasks`).
+    """
+    if source is Source.EVENTS:
+        raise ValueError("Source.EVENTS has no fixed tasks: they are those of its conversion (the data set's FeatureSpec.tasks)")
     if source is Source.SYNTHETIC:
         return tuple(name for name, _ in SYNTHETIC_TASKS)
     return tuple(name for name, _ in _FILE_SOURCES[source].tasks)
@@ -438,8 +446,60 @@ def _load_file_source(config: DataConfig) -> Dataset:
         path=str(path.resolve()),
         fingerprint=fingerprint(path),
     )
+    return _examples_dataset(config, spec, info, train, evals, BatchBuilder(log, train, spec, config.batch_size), BatchBuilder(log, evals, spec, config.batch_size))
+
+
+def _load_converted(config: DataConfig) -> Dataset:
+    if config.path is None:
+        raise ValueError(
+            "Source.EVENTS reads your own event log as gem-data convert wrote it: set DataConfig.path to that "
+            "directory (e.g. --set data.path=data/mylog)"
+        )
+    path = Path(config.path)
+    events = read_converted(path)
+    train, evals = converted_examples(events, config.max_seq_len)
+    spec = converted_spec(events, num_time_buckets=config.num_time_buckets, max_seq_len=config.max_seq_len)
+    manifest = events.manifest
+    info = DatasetInfo(
+        name=path.resolve().name,
+        task_names=spec.tasks,
+        label_names=tuple(task["rule"] for task in manifest["tasks"]),
+        num_events=events.num_events,
+        num_users=manifest["counts"]["users"],
+        num_items=manifest["counts"]["items"],
+        num_train_examples=len(train),
+        num_eval_examples=len(evals),
+        train_positive_rate=_mean_rate(train),
+        eval_positive_rate=_mean_rate(evals),
+        skipped=converted_skipped(manifest),
+        notes=converted_notes(events),
+        source=config.source.name,
+        path=str(path.resolve()),
+        fingerprint=converted_fingerprint(manifest),
+    )
+    train_weights = None if events.weight is None else events.weight[train.target_event]
+    return _examples_dataset(
+        config,
+        spec,
+        info,
+        train,
+        evals,
+        ConvertedBatchBuilder(events, train, spec, config.batch_size, train_weights),
+        ConvertedBatchBuilder(events, evals, spec, config.batch_size),
+    )
+
+
+def _examples_dataset(
+    config: DataConfig,
+    spec: FeatureSpec,
+    info: DatasetInfo,
+    train: Examples,
+    evals: Examples,
+    train_batch: Callable[..., Batch],
+    eval_batch: Callable[..., Batch],
+) -> Dataset:
+    """The `Dataset` of a source whose examples are index arrays (`Examples`) built by `train_batch` / `eval_batch`."""
     train_lengths = functools.partial(np.take, train.history_length)
-    eval_lengths = functools.partial(np.take, evals.history_length)
     return Dataset(
         spec=spec,
         info=info,
@@ -447,11 +507,11 @@ def _load_file_source(config: DataConfig) -> Dataset:
         token_buckets=token_buckets(config, train_lengths, len(train)),
         seed=config.seed,
         prefetch_batches=config.prefetch_batches,
-        train_batch=BatchBuilder(log, train, spec, config.batch_size),
-        eval_batch=BatchBuilder(log, evals, spec, config.batch_size),
-        item_mean_labels=item_mean_labels(train, log.num_items),
+        train_batch=train_batch,
+        eval_batch=eval_batch,
+        item_mean_labels=item_mean_labels(train, spec.num_items),
         train_lengths=train_lengths,
-        eval_lengths=eval_lengths,
+        eval_lengths=functools.partial(np.take, evals.history_length),
         bbs=config.bbs,
     )
 
@@ -506,10 +566,14 @@ def load_dataset(config: DataConfig) -> Dataset:
 
     Raises:
       BadRowError: a malformed row under `OnBadRow.RAISE` (file and line named).
-      DataFormatError: an unusable file.
+      DataFormatError: an unusable file, or for `Source.EVENTS` a directory that
+        is not a finished conversion.
       FileNotFoundError: a missing file or folder.
-      ValueError: a split without train or eval examples.
+      ValueError: a split without train or eval examples; `Source.EVENTS` without
+        `DataConfig.path`, or with names the model cannot take.
     """
     if config.source is Source.SYNTHETIC:
         return _load_synthetic(config)
+    if config.source is Source.EVENTS:
+        return _load_converted(config)
     return _load_file_source(config)

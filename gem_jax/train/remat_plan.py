@@ -382,15 +382,15 @@ def planning_batch(dataset: Dataset, placement: BatchPlacement) -> tuple[Batch, 
     coarse bucket) need more memory than planned. The lengths are those of the first
     train batch (int `[B]`), for the attention FLOPs.
     """
-    host = dataset.train_batch(range(min(dataset.batch_size, dataset.info.num_train_examples)))
+    num_real = min(dataset.batch_size, dataset.info.num_train_examples)
+    host = dataset.train_batch(range(num_real))
     per = dataset.batch_size // placement.num_shards
     buckets = dataset.token_buckets
     expected = per * buckets.mean_length + buckets.sigmas * math.sqrt(per) * buckets.std_length
     capacities = buckets.capacities(per)
     capacity = pick_capacity(min(math.ceil(expected), capacities[-1]), capacities)  # never past B/D x max_seq_len
     batch = placement.abstract(host, capacity)
-    weights = np.asarray(host.weights) > 0
-    return batch, np.diff(np.asarray(host.history.offsets))[weights]
+    return batch, np.diff(np.asarray(host.history.offsets))[:num_real]  # real examples first, then padding
 
 
 def plan_remat(costs: StepCosts, remat_config: RematConfig) -> RematPlan:

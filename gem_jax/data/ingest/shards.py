@@ -87,6 +87,31 @@ class ConvertedLog:
         for index in range(len(self)):
             yield self[index]
 
+    def read_all(self, block: int = 1 << 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every record of this process's share, in index order, as three arrays (`RecordLayout.decode_many`).
+
+        Records are read `block` at a time (grain reads each file's part in one call).
+
+        Returns:
+          `(users, events, starts)`: `layout.user_dtype` `[len]`; `layout.event_dtype`
+          `[n]`, record i's events at `starts[i]:starts[i + 1]`; int64 `[len + 1]`.
+
+        Raises:
+          DataFormatError: a record whose size does not match its header (the records
+            read named).
+        """
+        parts = []
+        for first in range(0, len(self), block):
+            keys = range(first, min(first + block, len(self)))
+            try:
+                parts.append(self.layout.decode_many(list(self.source.__getitems__(keys))))
+            except ValueError as error:
+                raise DataFormatError(f"{self.directory}: records {keys.start}..{keys.stop - 1} of this share: {error}") from None
+        users, events, counts = (np.concatenate(column) for column in zip(*(parts or [self.layout.decode_many([])])))
+        starts = np.zeros(len(self) + 1, np.int64)
+        np.cumsum(counts, out=starts[1:])
+        return users, events, starts
+
     def lengths(self) -> np.ndarray:
         """int32 `[len]`: the number of events of each of this process's records, in index order (no record read)."""
         with np.load(self.directory / self.manifest["lengths"]) as saved:

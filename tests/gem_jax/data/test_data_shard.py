@@ -1,5 +1,6 @@
 """Per-process input: each process's local batches are exactly its chunks of the global batches, and together
-the processes build every example once; the local batches place like the global ones."""
+the processes build every example once; the local batches place like the global ones. The synthetic source and
+a converted own event log (`Source.EVENTS`) of the same example counts."""
 
 import dataclasses
 
@@ -8,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from event_logs import convert_event_log, write_event_log
 from gem_jax.batch import BatchShard, LocalBatch
 from gem_jax.data.pipeline import BBSConfig, DataConfig, Source, SyntheticConfig, load_dataset
 from gem_jax.data.shard import LocalBatchBuilder
@@ -37,9 +39,17 @@ class Recorder:
         return self.build(indices, batch_size=batch_size)
 
 
-@pytest.fixture(scope="module")
-def dataset():
-    return load_dataset(CONFIG).resolve_bbs(num_shards=D, workload=lambda lengths: (1.0 + lengths) ** 2)
+@pytest.fixture(scope="module", params=["synthetic", "events"])
+def dataset(request, tmp_path_factory):
+    """The synthetic source, or an own event log of 70 train and 52 eval events converted into 3 shard files."""
+    config = CONFIG
+    if request.param == "events":
+        root = tmp_path_factory.mktemp("events")
+        write_event_log(root / "events", num_train=70, num_eval=52)
+        config = dataclasses.replace(CONFIG, source=Source.EVENTS, path=str(convert_event_log(root / "events", root / "converted").out))
+    dataset = load_dataset(config).resolve_bbs(num_shards=D, workload=lambda lengths: (1.0 + lengths) ** 2)
+    assert (dataset.info.num_train_examples, dataset.info.num_eval_examples) == (70, 52)
+    return dataset
 
 
 def recording(dataset):
@@ -50,7 +60,7 @@ def recording(dataset):
 def assert_local_is_global_chunks(local: LocalBatch, global_batch, buckets):
     """The local batch is the global batch's chunks `local.shard.chunks`, at the global batch's token capacity."""
     np.testing.assert_array_equal(local.lengths, np.diff(np.asarray(global_batch.history.offsets)))
-    assert local.num_real == int(global_batch.weights.sum())
+    assert local.num_real == int(np.count_nonzero(global_batch.weights))  # the log's weights are all > 0
     np.testing.assert_array_equal(local.real, np.asarray(global_batch.weights) > 0)
     whole = stack_batch(global_batch, D, buckets)
     part = stack_batch(local.batch, len(local.shard.chunks), buckets, fullest_rows=int(local.chunk_rows().max()))

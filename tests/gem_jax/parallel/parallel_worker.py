@@ -9,7 +9,9 @@ MODE:
   reshard      a checkpoint written on 8 devices restored onto 4.
   process      one of two `jax.distributed` processes (GEM_* env): train, save, restore.
   loop         `train_and_evaluate` of one uneven epoch and an uneven eval set, alone or as one
-               of two processes (GEM_* env), recording the examples this process built.
+               of two processes (GEM_* env), recording the examples this process built; of the
+               synthetic source, or of a converted event log (`Source.EVENTS`) given as the
+               argument after the workdir.
 
 Writes a JSON report to OUT.json; the pytest files assert on it.
 """
@@ -428,10 +430,12 @@ LOOP_OVERRIDES = [  # 4 devices in 1 or 2 processes; 70 = 32 + 32 + 6 train exam
 ]
 
 
-def loop(out: Path, workdir: Path) -> None:
-    """`train_and_evaluate` of the tiny sharded config for one epoch (its last batch uneven) and a final eval."""
+def loop(out: Path, workdir: Path, events: Path | None = None) -> None:
+    """`train_and_evaluate` of the tiny sharded config for one epoch (its last batch uneven) and a final eval,
+    on the synthetic source or (with `events`, 70 train and 52 eval events) on a converted event log."""
     import dataclasses
 
+    from gem_jax.data.events import DEMOGRAPHICS
     from gem_jax.parallel import distributed
     from gem_jax.train import loop as loop_lib
     from gem_jax.train.config_tree import apply_overrides
@@ -439,6 +443,10 @@ def loop(out: Path, workdir: Path) -> None:
     jax.config.update("jax_disable_most_optimizations", True)  # tiny shapes: compile time dominates
     distributed.initialize()
     config = apply_overrides(load_config(TINY), LOOP_OVERRIDES)
+    if events is not None:  # the log's user features are its own: no sharding rules for the synthetic demographics
+        config = apply_overrides(config, ["data.source=EVENTS", f"data.path={events}"])
+        tables = tuple((name, sharding) for name, sharding in config.rules.tables if name.removeprefix("embed/user/") not in DEMOGRAPHICS)
+        config = dataclasses.replace(config, rules=dataclasses.replace(config.rules, tables=tables))
     recorders = {}
 
     def recording_load(data_config):
@@ -472,6 +480,6 @@ if __name__ == "__main__":
     elif mode == "process":
         process(out, Path(sys.argv[3]))
     elif mode == "loop":
-        loop(out, Path(sys.argv[3]))
+        loop(out, Path(sys.argv[3]), *map(Path, sys.argv[4:5]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")

@@ -10,6 +10,8 @@ import socket
 import numpy as np
 import pytest
 
+from event_logs import convert_event_log, write_event_log
+
 pytestmark = pytest.mark.multidevice
 
 
@@ -79,18 +81,24 @@ def test_force_new_moves_the_earlier_run_once(start_cli, repo_root, tmp_path):
     assert "was moved to" in logs[0] and "was moved to" not in logs[1]
 
 
-def test_two_processes_run_an_uneven_epoch_like_one_process(start_worker, run_worker, tmp_path):
+@pytest.mark.parametrize("source", ["synthetic", "events"])
+def test_two_processes_run_an_uneven_epoch_like_one_process(start_worker, run_worker, tmp_path, source):
     """One epoch of 70 examples in global batches of 32 (the last batch's 6 real examples all on process 0's
     devices) and an eval set of 52 (the last batch 20): both processes finish every step and eval batch; each
     built a disjoint share of the examples, together all of them; the losses and eval metrics are those of one
-    process running the same global batches on 4 devices."""
+    process running the same global batches on 4 devices. The synthetic source, and an own event log of 70
+    train and 52 eval events converted into 3 shard files (each process reads all of them)."""
+    data = []
+    if source == "events":
+        write_event_log(tmp_path / "events", num_train=70, num_eval=52)
+        data = [convert_event_log(tmp_path / "events", tmp_path / "converted").out]
     outs = [tmp_path / f"loop{pid}.json" for pid in range(2)]
-    procs = [start_worker("loop", out, tmp_path / "two", devices=2, timeout=600, **env) for out, env in zip(outs, process_envs())]
+    procs = [start_worker("loop", out, tmp_path / "two", *data, devices=2, timeout=600, **env) for out, env in zip(outs, process_envs())]
     logs = [p.communicate(timeout=630)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
     reports = [json.loads(o.read_text()) for o in outs]
-    one = run_worker("loop", tmp_path, tmp_path / "one", devices=4, timeout=600)
+    one = run_worker("loop", tmp_path, tmp_path / "one", *data, devices=4, timeout=600)
 
     assert [r["process_index"] for r in reports] == [0, 1] and one["process_count"] == 1
     for kind, total, calls in (("train", 70, 3), ("eval", 52, 2)):

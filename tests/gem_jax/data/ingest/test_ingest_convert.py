@@ -214,3 +214,25 @@ def test_bucket_of_is_a_function_of_the_id():
     np.testing.assert_array_equal(bucket_of(ids.slice(1000, 10), 8), buckets[1000:1010])
     np.testing.assert_array_equal(bucket_of(pa.array(["user-7", "user-7"]), 8), [buckets[7]] * 2)
     assert np.bincount(buckets, minlength=8).min() > 400  # about 500 each
+
+
+def test_read_all_is_every_record_in_index_order(log, tmp_path):
+    """`ConvertedLog.read_all` of each process's share: the records `reader[i]` returns, as columns; a record
+    whose size does not match its header is refused."""
+    events, _ = log
+    convert([events], tmp_path / "out", SCHEMA, ConvertOptions(split=SplitRule.parse("last:1"), shards=3), log=lambda _: None)
+    for index in range(2):
+        reader = ConvertedLog(tmp_path / "out", index, 2)
+        users, columns, starts = reader.read_all(block=4)  # several blocks
+        assert len(users) == len(reader) and starts[-1] == columns.shape[0] == reader.lengths().sum()
+        for i, record in enumerate(reader):
+            for name in reader.layout.user_dtype.names:
+                np.testing.assert_array_equal(users[name][i], record[name])
+            for name in reader.layout.event_dtype.names:
+                np.testing.assert_array_equal(columns[name][starts[i] : starts[i + 1]], record[name])
+    layout = reader.layout
+    raw = reader.source[0]
+    with pytest.raises(ValueError, match="record 1 holds .* bytes, its header says"):
+        layout.decode_many([raw, raw[:-1]])
+    with pytest.raises(ValueError, match="record 0 holds 3 bytes, fewer than its"):
+        layout.decode_many([raw[:3]])
