@@ -187,24 +187,25 @@ def _categories(config: PlantedConfig, offsets: np.ndarray, planned: np.ndarray,
       int64 `[N]` categories and bool `[N]`: the RETURN draws that found a category.
     """
     near, far = config.long_window
-    recent = config.mid_window
+    window = config.mid_window
     lengths = np.diff(offsets)
     rows = np.argsort(-lengths, kind="stable")  # longest first: the users still active at position t are a prefix
     row_start, row_length = offsets[:-1][rows], lengths[rows]
     tries = _rng(config, _RETURNS).random((int(want_return.sum()), config.return_tries))
     try_row = np.cumsum(want_return) - 1
-    recent_count = np.zeros((config.num_users, config.num_categories), np.int16)
-    far_count = np.zeros((config.num_users, config.num_categories), np.int16)
+    counts = np.int16 if far <= np.iinfo(np.int16).max else np.int32
+    recent_count = np.zeros((config.num_users, config.num_categories), counts)
+    far_count = np.zeros((config.num_users, config.num_categories), counts)
     category = planned.copy()
     returned = np.zeros(planned.shape, bool)
-    for t in range(int(row_length[0]) if row_length.size else 0):
+    for t in range(int(row_length[0])):
         k = int(np.searchsorted(-row_length, -t, side="left"))  # rows longer than t
         starts, active = row_start[:k], np.arange(k)
         # Slide the windows to events [t - mid_window, t) and [t - far, t - near].
         if t >= 1:
             recent_count[active, category[starts + t - 1]] += 1
-        if t > recent:
-            recent_count[active, category[starts + t - recent - 1]] -= 1
+        if t > window:
+            recent_count[active, category[starts + t - window - 1]] -= 1
         if t >= near:
             far_count[active, category[starts + t - near]] += 1
         if t > far:
@@ -266,7 +267,7 @@ def generate(config: PlantedConfig) -> PlantedLog:
     """Draws the planted log of `config` (module docstring); deterministic in `config`.
 
     Time and memory grow with the events: about 2.5 s and 0.4 GB per million
-    events on one core (the `int16 [U, C]` window counts add `4 U C` bytes).
+    events on one core (the `int16 [U, C]` window counts add `4 U C` bytes; C = num_categories).
     """
     catalogue = _catalogue(config)
     lengths = _lengths(config)
