@@ -117,8 +117,8 @@ def _plant(args) -> None:
     from gem_jax.train.oracle import oracle_report
 
     rule = SplitRule.parse(args.split)
-    config = PRESETS[args.preset]
-    config = dataclasses.replace(small(config) if args.small else config, seed=args.seed, max_length=args.max_length or config.max_length)
+    config = small(PRESETS[args.preset]) if args.small else PRESETS[args.preset]
+    config = dataclasses.replace(config, seed=args.seed, max_length=config.max_length if args.max_length is None else args.max_length)
     started = time.perf_counter()
     log = generate(config)
     generated = time.perf_counter()
@@ -143,6 +143,8 @@ def _oracle(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """`gem-data {inspect,convert,plant,oracle} ...`; see `gem-data COMMAND --help`."""
+    from gem_jax.data.planted.config import PRESETS
+
     parser = argparse.ArgumentParser(prog="gem-data", description="Inspect and convert your own event log (CSV/TSV/Parquet) for gem-train; plant a log whose optimum is known.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 
     plant_parser = commands.add_parser("plant", help="write a synthetic event log with planted click signals and a known optimum (gem_jax.data.planted)")
     plant_parser.add_argument("--out", required=True, help="output directory (events, items, truth.parquet, planted.json, oracle.json)")
-    plant_parser.add_argument("--preset", choices=["long-range", "short-range"], default="long-range", help="long-range (default): recent, mid-range and long-range signals; short-range: no long-range signal")
+    plant_parser.add_argument("--preset", choices=list(PRESETS), default="long-range", help="long-range (default): recent, mid-range and long-range signals; short-range: no long-range signal")
     plant_parser.add_argument("--small", action="store_true", help="1/10 of the users, items and categories (about 180k events instead of 1.9M)")
     plant_parser.add_argument("--seed", type=int, default=0, help="seed of every draw (default 0)")
     plant_parser.add_argument("--max-length", type=int, help="longest history (default 1024; e.g. 4096 for a longer tail)")

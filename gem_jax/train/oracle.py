@@ -12,7 +12,7 @@ AUC and NE (`gem_jax.train.metrics`):
   probabilities enter the log loss clipped to [1e-7, 1 - 1e-7], as
   `metrics.binary_entropy` clips, so that an item whose train labels are all
   equal does not make the NE infinite;
-- no_history: the true logit with the history terms (`generate.HISTORY_TERMS`)
+- no_history: the true logit with the history terms (`generator.HISTORY_TERMS`)
   replaced by their means over all events (a constant: the ranking is that of
   user + item effects, and the probabilities stay about calibrated);
 - no_long_range: the same with the long-range term alone.
@@ -33,7 +33,7 @@ from gem_jax.data.examples import Examples
 from gem_jax.data.ingest.split import EVAL, SplitRule, eval_flags, resolve_cutoff
 from gem_jax.data.pipeline import item_mean_labels
 from gem_jax.data.planted.files import Truth
-from gem_jax.data.planted.generate import HISTORY_TERMS, LONG_RANGE_TERMS
+from gem_jax.data.planted.generator import HISTORY_TERMS, LONG_RANGE_TERMS
 from gem_jax.train.metrics import auc, bce_per_example, normalized_entropy
 
 _CLIP = 1e-7  # as metrics.binary_entropy

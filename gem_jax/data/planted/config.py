@@ -2,7 +2,7 @@
 
 The defaults are the long-range preset (`LONG_RANGE`); `SHORT_RANGE` plants no
 long-range signal; `small` shrinks either to a log that generates in well under
-a second (for tests). What each knob does is in `gem_jax.data.planted.generate`.
+a second (for tests). What each knob does is in `gem_jax.data.planted.generator`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from gem_jax.checks import check_float, check_int
 
 @dataclasses.dataclass(frozen=True)
 class PlantedConfig:
-    """What the planted generator draws (`gem_jax.data.planted.generate` says how).
+    """What the planted generator draws (`gem_jax.data.planted.generator` says how).
 
     Attributes:
       num_users, num_items, num_categories: how many of each; items are split

@@ -3,11 +3,11 @@
 `write_planted` writes into one directory::
 
     events.parquet | events.csv   user_id (string), item_id (string), ts (Unix seconds), click (0/1),
-                                  sorted by (ts, user_id)
+                                  sorted by time, then user
     items.parquet | items.csv     item_id, category (string): the item table
     truth.parquet                 per event, in the same order: user_id, item_id, ts, click, p, logit,
                                   draw (focus / return / explore) and the logit's terms
-                                  (<name>_term for name in generate.TERMS)
+                                  (<name>_term for name in generator.TERMS)
     planted.json                  the config, counts and file names
 
 (written as `DIR.partial`, moved into place when complete). Ids are `u<k>`,
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ import pyarrow.parquet as pq
 
 from gem_jax.data.ingest.readers import Format
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, Side
-from gem_jax.data.planted.generate import TERMS, Draw, PlantedLog
+from gem_jax.data.planted.generator import TERMS, Draw, PlantedLog
 from gem_jax.data.rows import DataFormatError
 
 INFO = "planted.json"
@@ -65,7 +66,7 @@ class Truth:
       time: int64 `[N]` Unix seconds, strictly increasing within a user.
       click: float32 `[N]` the labels, 0 or 1.
       logit: float64 `[N]` the true click logit.
-      terms: float64 `[N]` per name of `generate.TERMS`: the logit's terms.
+      terms: float64 `[N]` per name of `generator.TERMS`: the logit's terms.
     """
 
     user: np.ndarray
@@ -99,10 +100,9 @@ def event_schema(files: PlantedFiles) -> EventSchema:
 def convert_command(files: PlantedFiles, out: str, split: str) -> str:
     """The `gem-data convert` command line that converts the planted events into `out` (`event_schema`'s flags)."""
     schema = event_schema(files)
-    return (
-        f"gem-data convert {files.events} --out {out} --user {schema.user} --item {schema.item} --time {schema.time} "
-        f"--label {schema.labels[0].column} --item-table {schema.item_table} --item-feature {CATEGORY} --split {split}"
-    )
+    words = ["gem-data", "convert", str(files.events), "--out", out, "--user", schema.user, "--item", schema.item, "--time", schema.time]
+    words += ["--label", schema.labels[0].column, "--item-table", schema.item_table, "--item-feature", CATEGORY, "--split", split]
+    return shlex.join(words)
 
 
 def _write_table(table: pa.Table, path: Path, fmt: Format) -> None:

@@ -23,7 +23,7 @@ min_length, max_length)` events (lognormal: a long tail, clipped at
 `max_length`: 1024 by default; set 4096 for a longer variant). Its events
 are spread uniformly over `[start_time, start_time + time_span)`: sorted
 uniform draws, in whole seconds, made strictly increasing within the user
-(a tie moves the later event one second on), so a user's events have one
+(a tie moves the later event one second on, rarely past the end), so a user's events have one
 time order and a global time split (`time:Q`) holds out the last part of
 every user's history. A user's sequence is a series of interest phases: each
 event starts a new phase with probability `1 / phase_length` (the first
@@ -56,7 +56,8 @@ event's item is drawn in one of three ways (`Draw`):
   long = 1; other draws can have it by chance.
 
 All three are functions of the history's item ids (and the catalogue), which a
-sequence model sees; long needs events at least 256 back. The weighted terms
+sequence model sees; long needs events at least 256 back (a trainer sees all of
+its window with `max_seq_len >= long_window[1]`). The weighted terms
 are kept per event (`PlantedLog.terms`), so the oracle without a signal is its
 logit minus that term.
 """
