@@ -178,6 +178,14 @@ def test_csv_output_and_the_cli(tmp_path, capsys):
     assert "each user's last 5 event(s)" in capsys.readouterr().out
 
 
+def test_the_face_exports_resolve():
+    import gem_jax.data.planted as planted
+
+    for name in planted.__all__:
+        assert getattr(planted, name) is not None, name
+    assert callable(planted.generate) and planted.PRESETS["long-range"] == planted.LONG_RANGE
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="recent_window < mid_window < long_window"):
         PlantedConfig(mid_window=300)
