@@ -128,9 +128,9 @@ def oracle_report(truth: Truth, rule: SplitRule) -> OracleReport:
     def without(names: tuple[str, ...]) -> np.ndarray:
         return (logit - sum(truth.terms[name] - truth.terms[name].mean() for name in names))[is_eval]
 
-    mean = np.clip(item_mean[item], _CLIP, 1 - _CLIP)
+    baseline_p = np.clip(item_mean[item], _CLIP, 1 - _CLIP)
     oracle = _quality(logit[is_eval], labels)
-    baseline = _quality(np.log(mean) - np.log1p(-mean), labels)
+    baseline = _quality(np.log(baseline_p) - np.log1p(-baseline_p), labels)
     no_history = _quality(without(HISTORY_TERMS), labels)
     no_long = _quality(without(LONG_RANGE_TERMS), labels)
     return OracleReport(
