@@ -4,6 +4,8 @@
     gem-data convert events/ --out data/mylog --user user_id --item item_id --time ts \\
         --label click --label purchase --item-feature category --user-feature country --split time:0.9
     gem-data inspect data/mylog --batch-size 1024 --gpus 8
+    gem-data plant --out data/planted --preset long-range     # a log whose optimum is known
+    gem-data oracle data/planted --split time:0.9             # its oracle and baseline on a split
 
 Exit status: 0 done (or nothing to do); 2 refused (a malformed row, a missing or
 mistyped column, files that disagree, an output holding another conversion).
@@ -104,9 +106,46 @@ def _convert(args) -> None:
             print(f"  {what}: {count}")
 
 
+def _plant(args) -> None:
+    import dataclasses
+    import json
+    import time
+
+    from gem_jax.data.ingest.readers import Format
+    from gem_jax.data.ingest.split import SplitRule
+    from gem_jax.data.planted import PRESETS, convert_command, generate, read_truth, small, write_planted
+    from gem_jax.train.oracle import oracle_report
+
+    rule = SplitRule.parse(args.split)
+    config = small(PRESETS[args.preset]) if args.small else PRESETS[args.preset]
+    config = dataclasses.replace(config, seed=args.seed, max_length=config.max_length if args.max_length is None else args.max_length)
+    started = time.perf_counter()
+    log = generate(config)
+    generated = time.perf_counter()
+    files = write_planted(log, args.out, Format(args.format), overwrite=args.overwrite)
+    print(
+        f"{files.directory}: {log.num_events} events, {config.num_users} users, {config.num_items} items "
+        f"(generated in {generated - started:.1f} s, written in {time.perf_counter() - generated:.1f} s), positive rate {log.click.mean():.4f}"
+    )
+    report = oracle_report(read_truth(files.truth), rule)
+    (files.directory / "oracle.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    print(report.summary())
+    print(f"convert with:\n  {convert_command(files, f'{files.directory}-converted', args.split)}")
+
+
+def _oracle(args) -> None:
+    from gem_jax.data.ingest.split import SplitRule
+    from gem_jax.data.planted import TRUTH, read_truth
+    from gem_jax.train.oracle import oracle_report
+
+    print(oracle_report(read_truth(Path(args.directory) / TRUTH), SplitRule.parse(args.split)).summary())
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`gem-data {inspect,convert} ...`; see `gem-data COMMAND --help`."""
-    parser = argparse.ArgumentParser(prog="gem-data", description="Inspect and convert your own event log (CSV/TSV/Parquet) for gem-train.")
+    """`gem-data {inspect,convert,plant,oracle} ...`; see `gem-data COMMAND --help`."""
+    from gem_jax.data.planted.config import PRESETS
+
+    parser = argparse.ArgumentParser(prog="gem-data", description="Inspect and convert your own event log (CSV/TSV/Parquet) for gem-train; plant a log whose optimum is known.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect_parser = commands.add_parser("inspect", help="counts, label rates, sequence lengths, padding and GPU balance of a raw log or a converted directory")
@@ -130,9 +169,24 @@ def main(argv: list[str] | None = None) -> None:
     convert_parser.add_argument("--overwrite", action="store_true", help="convert again when OUT holds a conversion of other inputs or settings")
     convert_parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
+    plant_parser = commands.add_parser("plant", help="write a synthetic event log with planted click signals and a known optimum (gem_jax.data.planted)")
+    plant_parser.add_argument("--out", required=True, help="output directory (events, items, truth.parquet, planted.json, oracle.json)")
+    plant_parser.add_argument("--preset", choices=list(PRESETS), default="long-range", help="long-range (default): recent, mid-range and long-range signals; short-range: no long-range signal")
+    plant_parser.add_argument("--small", action="store_true", help="1/10 of the users, items and categories (about 180k events instead of 1.9M)")
+    plant_parser.add_argument("--seed", type=int, default=0, help="seed of every draw (default 0)")
+    plant_parser.add_argument("--max-length", type=int, help="longest history (default 1024; e.g. 4096 for a longer tail)")
+    plant_parser.add_argument("--format", choices=["parquet", "csv"], default="parquet", help="file format of the events and items (default parquet)")
+    plant_parser.add_argument("--split", default="time:0.9", help="the split the oracle is reported on, as gem-data convert --split (default time:0.9)")
+    plant_parser.add_argument("--overwrite", action="store_true", help="replace a planted log already in OUT")
+
+    oracle_parser = commands.add_parser("oracle", help="a planted log's oracle, item-mean baseline and history ablations (AUC, NE) on a split")
+    oracle_parser.add_argument("directory", help="a directory written by gem-data plant")
+    oracle_parser.add_argument("--split", default="time:0.9", help="as gem-data convert --split (default time:0.9)")
+
     args = parser.parse_args(argv)
+    run = {"inspect": _inspect, "convert": _convert, "plant": _plant, "oracle": _oracle}[args.command]
     try:
-        _inspect(args) if args.command == "inspect" else _convert(args)
+        run(args)
     except ValueError as error:  # BadRowError, DataFormatError, SchemaError, option values out of range
         print(f"gem-data {args.command}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

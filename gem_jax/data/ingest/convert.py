@@ -59,7 +59,7 @@ from gem_jax.data.ingest import manifest as manifest_lib
 from gem_jax.data.ingest.readers import BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, stream_columns
 from gem_jax.data.ingest.records import RecordLayout
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, Side, label_values
-from gem_jax.data.ingest.split import SplitKind, SplitRule, eval_flags, time_quantile
+from gem_jax.data.ingest.split import SplitRule, eval_flags, resolve_cutoff
 from gem_jax.data.ingest.stats import length_summary
 from gem_jax.data.ingest.vocab import FIRST_ID_ROW, CountAccumulator, Vocab
 from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow
@@ -416,11 +416,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     del counters
 
     # Split.
-    cutoff = None
-    if options.split.kind is SplitKind.TIME_QUANTILE:
-        cutoff = time_quantile(lambda: (buckets.read(b, ["time"])["time"].to_numpy() for b in range(num_buckets)), options.split.value, events, t_low, t_high)
-    elif options.split.kind is SplitKind.TIME_CUTOFF:
-        cutoff = int(options.split.value)
+    cutoff = resolve_cutoff(options.split, lambda: (buckets.read(b, ["time"])["time"].to_numpy() for b in range(num_buckets)), events, t_low, t_high)
 
     layout = RecordLayout(
         num_tasks=len(schema.labels),

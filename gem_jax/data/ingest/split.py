@@ -109,6 +109,16 @@ def time_quantile(times: Callable[[], Iterable[np.ndarray]], q: float, count: in
             return int(np.partition(values, rank)[rank])
 
 
+def resolve_cutoff(rule: SplitRule, times: Callable[[], Iterable[np.ndarray]], count: int, low: int, high: int) -> int | None:
+    """The cutoff time of a time split (`time_quantile` for `time:Q`, the given time for
+    `time:T`), or None for `last:N`; arguments as `time_quantile`'s."""
+    if rule.kind is SplitKind.TIME_QUANTILE:
+        return time_quantile(times, rule.value, count, low, high)
+    if rule.kind is SplitKind.TIME_CUTOFF:
+        return int(rule.value)
+    return None
+
+
 def eval_flags(rule: SplitRule, cutoff: int | None, starts: np.ndarray, times: np.ndarray) -> np.ndarray:
     """uint8 `[n]` split flags (`TRAIN` 0, `EVAL` 1) of events sorted by (user, time).
 
