@@ -46,6 +46,11 @@ MAY_CHANGE = (
     "model.remat",
 )
 
+# Config leaves added after runs were recorded whose default is not what those runs did:
+# a record without the leaf reads as the value the run used. Tables' Adagrad kept one
+# accumulator per element before `optim.embedding_accumulator` made "row" the default.
+RECORDED_BEFORE_FIELD = {"optim.embedding_accumulator": "element"}
+
 
 class RunMismatchError(ValueError):
     """A restart whose config or data set differs from the run recorded in its workdir."""
@@ -85,6 +90,9 @@ def make_record(config: TrainConfig, data_identity: dict[str, Any], spec: Any) -
 def read_record(workdir: str | Path) -> dict[str, Any] | None:
     """The workdir's run record, or None when it has none.
 
+    A config leaf of `RECORDED_BEFORE_FIELD` the record lacks (it was written before the
+    leaf existed) is filled in with the value that run used.
+
     Raises:
       RunMismatchError: `run.json` exists but is not a readable record (path named).
     """
@@ -97,6 +105,12 @@ def read_record(workdir: str | Path) -> dict[str, Any] | None:
         raise RunMismatchError(f"{path}: unreadable run record ({error}); move the workdir aside or use --force-new") from error
     if not isinstance(record, dict) or "config" not in record:
         raise RunMismatchError(f"{path}: not a gem-jax run record; move the workdir aside or use --force-new")
+    for dotted, value in RECORDED_BEFORE_FIELD.items():
+        *parents, name = dotted.split(".")
+        tree = record["config"]
+        for key in parents:
+            tree = tree.setdefault(key, {})
+        tree.setdefault(name, value)
     return record
 
 

@@ -12,12 +12,15 @@ looks up fewer ids than it has rows, the step here instead:
    `segment_sum`);
 3. runs the unchanged optax optimizer on a *row view* of the train state, in which
    each such table, its gradient and the state leaves that mirror it (the Adagrad
-   accumulator) are replaced by those rows, and scatters the new rows back.
+   accumulator: `[rows, d]` element-wise, `[rows]` row-wise) are replaced by those
+   rows, and scatters the new rows back.
 
-This equals the dense update exactly when the tables' optimizer is row-wise: element-
-wise in (gradient, state, parameter), with a zero gradient leaving parameter and
-state unchanged. Adagrad without weight decay (`optax.adagrad`, the tables' optimizer
-in `gem_jax.train.optimizer`) is; Adam is not (its moments decay on untouched rows).
+This equals the dense update exactly when the tables' optimizer is row-wise: each
+row's new parameter and state depend only on that row's gradient, state and
+parameter, and a zero gradient leaves both unchanged. Adagrad without weight decay
+is, with either accumulator of `gem_jax.train.optimizer` (`optax.adagrad`, one per
+element; `rowwise_adagrad`, one per row); Adam is not (its moments decay on untouched
+rows).
 The technique is TensorFlow's `SparseApplyAdagrad` over `IndexedSlices` gradients, and
 PyTorch's `nn.Embedding(sparse=True)` whose sparse gradients `torch.optim.Adagrad`
 applies to the touched rows only.
@@ -147,7 +150,8 @@ def apply_sparse_updates(optimizer: optax.GradientTransformation, grads: SparseG
     param_leaves, param_def = jax.tree.flatten(params)
     state_leaves, state_def = jax.tree.flatten(opt_state)
     index = {path_keys(path): i for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(params))}
-    # The rows of the row-wise table each leaf is (parameters) or mirrors (the Adagrad accumulator), or None.
+    # The rows of the row-wise table each leaf is (parameters) or mirrors (the Adagrad accumulator, per element or
+    # per row), or None.
     param_rows = [rows.get(i) for i in range(len(param_leaves))]
     state_rows = [None if keys is None else rows.get(index[keys]) for keys in mirrored_params(opt_state, params)]
 

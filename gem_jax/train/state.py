@@ -16,10 +16,10 @@ import numpy as np
 import optax
 from flax import nnx
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gem_jax.parallel import rules as rules_lib
-from gem_jax.pytree import mirrored_params, path_keys
+from gem_jax.pytree import mirrored_params, mirrors_rows, path_keys
 from gem_jax.parallel.spmd import ShardedModel
 
 
@@ -67,9 +67,23 @@ class StateSetup:
 def mirror_param_shardings(opt_state, params, param_shardings, default):
     """Shardings for an optimizer state: a leaf that mirrors a parameter
     (`gem_jax.pytree.mirrored_params`: Adam moments, Adagrad accumulators) takes that
-    parameter's sharding; every other leaf (step counts, masked placeholders) gets `default`."""
-    by_path = {path_keys(path): sharding for (path, _), sharding in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings))}
-    picked = [default if keys is None else by_path[keys] for keys in mirrored_params(opt_state, params)]
+    parameter's sharding, a leaf with one value per row of it (row-wise Adagrad
+    accumulators, `gem_jax.pytree.mirrors_rows`) the sharding of its rows (the
+    parameter's `PartitionSpec` without the last dimension: a row-sharded table's
+    accumulator is sharded alike); every other leaf (step counts, masked placeholders)
+    gets `default`."""
+    params_by_path = {path_keys(path): (leaf.shape, sharding) for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings))}
+
+    def pick(leaf, keys):
+        if keys is None:
+            return default
+        shape, sharding = params_by_path[keys]
+        if not mirrors_rows(shape, leaf.shape):
+            return sharding
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec[:-1]))
+
+    picked = [pick(leaf, keys) for leaf, keys in zip(jax.tree.leaves(opt_state), mirrored_params(opt_state, params))]
     return jax.tree.unflatten(jax.tree.structure(opt_state), picked)
 
 

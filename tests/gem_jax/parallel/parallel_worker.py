@@ -6,7 +6,8 @@ MODE:
   equivalence  sharded lookup (gen 1/2/3, with and without buffer overflow), the
                expert layer, and the whole model's forward, loss and gradients on
                meshes (2,2,2) and (1,2,4), against single-device references.
-  reshard      a checkpoint written on 8 devices restored onto 4.
+  reshard      a checkpoint written on 8 devices restored onto 4 (with the tables' row-wise
+               Adagrad accumulators' shardings on both).
   process      one of two `jax.distributed` processes (GEM_* env): train, save, restore.
   loop         `train_and_evaluate` of one uneven epoch and an uneven eval set, alone or as one
                of two processes (GEM_* env), recording the examples this process built; of the
@@ -46,6 +47,7 @@ from gem_jax.nn import shard_context as context  # noqa: E402
 from gem_jax.parallel.placement import BatchPlacement  # noqa: E402
 from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding, lookup, place_table  # noqa: E402
 from gem_jax.mesh import Topology, make_mesh  # noqa: E402
+from gem_jax.pytree import path_keys, path_str  # noqa: E402
 from gem_jax.parallel.rules import HSDP_RULES, ShardingRules, plan_sharding, spec_from_axes  # noqa: E402
 from gem_jax.parallel.spmd import gather_param, live_axes, param_roles  # noqa: E402
 from gem_jax.train import metrics  # noqa: E402
@@ -342,6 +344,7 @@ def reshard(out: Path, workdir: Path) -> None:
     out.write_text(
         json.dumps(
             {
+                "accumulators": {"8 devices": row_accumulators(state), "4 devices": row_accumulators(restored)},
                 "equal": all(jax.tree.leaves(same)),
                 "target_shardings": all(jax.tree.leaves(on_small)),
                 "restored_devices": sorted({d.id for d in item.sharding.device_set}),
@@ -350,6 +353,28 @@ def reshard(out: Path, workdir: Path) -> None:
             }
         )
     )
+
+
+def row_accumulators(state) -> dict:
+    """Per embedding table: its spec, its row-wise Adagrad accumulator's spec and shape, and whether
+    each device holds the accumulators of exactly the rows of its table shard."""
+    accumulators = state.opt_state.inner_states["embedding"].inner_state[0].sum_of_squares
+    report = {}
+    for path, acc in jax.tree_util.tree_leaves_with_path(accumulators):
+        table = state.params
+        for key in path_keys(path):
+            table = table[key]
+        table_rows = table.sharding.addressable_devices_indices_map(table.shape)
+        spec = tuple(table.sharding.spec) + (None,) * (table.ndim - len(table.sharding.spec))
+        report[path_str(path)] = {
+            "table_spec": str(table.sharding.spec),
+            "table_row_spec": str(jax.sharding.PartitionSpec(*spec[:-1])),
+            "spec": str(acc.sharding.spec),
+            "shape": [list(acc.shape), list(table.shape)],
+            "dtype": str(acc.dtype),
+            "rows_follow_table": all(s.index[0] == table_rows[s.device][0] for s in acc.addressable_shards),
+        }
+    return report
 
 
 def barrier(name: str) -> None:

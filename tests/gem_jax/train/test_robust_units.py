@@ -131,7 +131,9 @@ def test_override_with_a_bad_value_names_the_field():
 # ---------------------------------------------------------------- run identity
 
 
-@pytest.mark.parametrize("override", ["data.batch_size=32", "data.seed=1", "model.embed_dim=16", "optim.moments_dtype=bfloat16"])
+@pytest.mark.parametrize(
+    "override", ["data.batch_size=32", "data.seed=1", "model.embed_dim=16", "optim.moments_dtype=bfloat16", "optim.embedding_accumulator=element"]
+)
 def test_result_changing_fields_are_refused_on_restart(tmp_path, override):
     config = TrainConfig(data=DataConfig())
     run_record.check_run(tmp_path, run_record.make_record(config, {}, None), has_checkpoints=False)

@@ -1,8 +1,8 @@
 """Row-wise updates of unsharded tables (`gem_jax.train.sparse_tables`) equal the dense Adagrad path.
 
-End to end on the tiny MovieLens model (3 steps, sparse vs dense: parameters, optimizer
-state, grad_norm; untouched rows bit-identical; no table-shaped gradient in the step),
-and piece by piece: the lookup's row deltas under every `OutOfRange` policy, the
+End to end on the tiny MovieLens model with either Adagrad accumulator, per row and per
+element (3 steps, sparse vs dense: parameters, optimizer state, grad_norm; untouched rows
+and their accumulators bit-identical; no table-shaped gradient in the step), and piece by piece: the lookup's row deltas under every `OutOfRange` policy, the
 unique-id sums, and one optimizer step on a toy tree with duplicates, id 0 and
 rejected ids.
 """
@@ -41,13 +41,19 @@ def _table_shaped(jaxpr, shape, counts):
     return counts
 
 
-@pytest.fixture(scope="module")
-def runs():
+def _item_accumulator(state):
+    """The item table's Adagrad accumulator: `[rows]` (per row) or `[rows, d]` (per element)."""
+    return state.opt_state.inner_states["embedding"].inner_state[0].sum_of_squares["embed"]["item"]["embedding"]
+
+
+@pytest.fixture(scope="module", params=["row", "element"])
+def runs(request):
     """Per mode (sparse, dense): initial and final state, grad norms, the step's table-shaped ops, the row-wise tables."""
     config = load_config("configs/movielens_tiny.py")
     out = {}
     for sparse in (True, False):
-        training, state = setup_training(dataclasses.replace(config, optim=dataclasses.replace(config.optim, sparse_embedding_updates=sparse)))
+        optim = dataclasses.replace(config.optim, sparse_embedding_updates=sparse, embedding_accumulator=request.param)
+        training, state = setup_training(dataclasses.replace(config, optim=optim))
         iterator = training.dataset.train_iterator()
         batches = [training.placement.put(next(iterator)) for _ in range(STEPS)]
         model = training.state.sharded_model()
@@ -61,6 +67,7 @@ def runs():
             state, metrics = training.train_step(state, batch)
             norms.append(float(metrics["grad_norm"]))
         out[sparse] = {"initial": initial, "final": jax.device_get(state), "norms": norms, "ops": ops, "tables": sorted(tables.values())}
+    out["accumulator"] = request.param
     return out
 
 
@@ -78,23 +85,25 @@ def test_sparse_steps_match_dense_steps(runs):
 
 
 def test_untouched_rows_stay_bit_identical(runs):
-    start = runs[True]["initial"]
-    acc0 = start.opt_state.inner_states["embedding"].inner_state[0].sum_of_squares["embed"]["item"]["embedding"]
-    dense_acc = runs[False]["final"].opt_state.inner_states["embedding"].inner_state[0].sum_of_squares["embed"]["item"]["embedding"]
-    untouched = np.all(dense_acc == acc0, axis=1)  # zero gradient in every step
+    start, dense = runs[True]["initial"], runs[False]["final"]
+    acc0, table0 = _item_accumulator(start), start.params["embed"]["item"]["embedding"]
+    # Rows the dense path left as they were: zero gradient in every step. (A row's accumulator alone
+    # does not tell: 0.1 plus a mean square below 0.1 * 2^-24 rounds back to 0.1.)
+    same_acc = (_item_accumulator(dense) == acc0).reshape(acc0.shape[0], -1).all(axis=1)
+    untouched = same_acc & np.all(dense.params["embed"]["item"]["embedding"] == table0, axis=1)
     assert 0 < untouched.sum() < untouched.size - 100
     final = runs[True]["final"]
-    acc = final.opt_state.inner_states["embedding"].inner_state[0].sum_of_squares["embed"]["item"]["embedding"]
-    table, table0 = final.params["embed"]["item"]["embedding"], start.params["embed"]["item"]["embedding"]
+    acc, table = _item_accumulator(final), final.params["embed"]["item"]["embedding"]
     np.testing.assert_array_equal(table[untouched], table0[untouched])
     np.testing.assert_array_equal(acc[untouched], acc0[untouched])
+    np.testing.assert_array_equal(acc[untouched], np.float32(0.1))  # optax's initial accumulator value, never grown
     assert not np.array_equal(table[~untouched], table0[~untouched])
 
 
 def test_sparse_step_forms_no_table_shaped_gradient(runs):
-    # Only the scatters of the new rows into parameter and accumulator produce the item table's shape.
+    # Only the scatters of the new rows into the parameter and (per element) the accumulator produce the item table's shape.
     assert set(runs[True]["ops"]) <= {"scatter", "stop_gradient", "jit", "pjit"}, runs[True]["ops"]
-    assert runs[True]["ops"]["scatter"] == 2
+    assert runs[True]["ops"]["scatter"] == (1 if runs["accumulator"] == "row" else 2)
     assert runs[False]["ops"]["scatter-add"] >= 1  # the dense path's gradient, which the check would see
 
 
@@ -137,11 +146,12 @@ def test_unique_row_sums():
     np.testing.assert_array_equal(sums, want)
 
 
-def test_sparse_update_equals_the_dense_optimizer_step():
+@pytest.mark.parametrize("accumulator", ["row", "element"])
+def test_sparse_update_equals_the_dense_optimizer_step(accumulator):
     rng = np.random.default_rng(1)
     rows_, d = 32, 4
     params = {"embed": {"t": {"embedding": jnp.asarray(rng.normal(size=(rows_, d)), jnp.float32)}}, "w": jnp.ones((d,))}
-    optimizer = make_optimizer(OptimConfig())
+    optimizer = make_optimizer(OptimConfig(embedding_accumulator=accumulator))
     dense_params, sparse_params = params, params
     dense_state = sparse_state = optimizer.init(params)
     for step in range(STEPS):
@@ -158,6 +168,9 @@ def test_sparse_update_equals_the_dense_optimizer_step():
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)  # as above, then the same elementwise update
     untouched = slice(8, rows_)
     np.testing.assert_array_equal(sparse_params["embed"]["t"]["embedding"][untouched], params["embed"]["t"]["embedding"][untouched])
+    accumulator_leaf = sparse_state.inner_states["embedding"].inner_state[0].sum_of_squares["embed"]["t"]["embedding"]
+    assert accumulator_leaf.shape == ((rows_,) if accumulator == "row" else (rows_, d))
+    np.testing.assert_array_equal(accumulator_leaf[untouched], np.float32(0.1))
 
 
 def test_the_switch_is_a_bool():
