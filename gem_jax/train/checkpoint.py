@@ -4,14 +4,23 @@ One `orbax.checkpoint.CheckpointManager` (async, keep N) saves two items per ste
 sharded `TrainState` and the grain iterator state, so a restarted run continues with
 exactly the batches an uninterrupted run would have seen.
 
-Saves never wait for an earlier save's disk writes: `save` blocks only for the
-device-to-host copy of the state, and the files are written in the background. A save
-that falls due while the previous one is still writing is deferred to the first step
-at which that write has finished (`should_save`), and the run says so once, with the
-write's duration; a forced save (the final or a preemption save) is never deferred: it
-waits. So at most one copy of the state is staged in host memory, and TensorStore's
-in-flight write buffers are bounded by `WRITE_BUFFER_FRACTION` of host RAM (Orbax's
-`save_concurrent_gb`). `report()` gives each save's blocking and write seconds.
+Saves never wait for an earlier save's disk writes, and, where the device has the
+memory, not for the device-to-host copy either: `save` copies the state on the device
+(a jitted copy into new buffers with the same shardings, `snapshot.copy_program`) and hands the
+copy to Orbax from a background thread, which does the device-to-host copy, frees the
+device copy and leaves the file writes to Orbax's own thread; the next train step may
+donate the live state at once (CheckFreq's snapshot-then-persist; torchtitan's async
+checkpoint with staging). `CheckpointConfig.snapshot` decides it ("auto": when the
+state's bytes on each device fit in what the steps leave free, `snapshot.fits`).
+Otherwise `save` blocks for Orbax's device-to-host copy. A save that falls due while the
+previous one is still copying or writing is deferred to the first step at which it has
+finished (`should_save`), and the run says so once, with the write's duration; a forced
+save (the final or a preemption save) is never deferred: it waits, and it copies
+without a snapshot. So at most one copy of the state is staged (on the device or in
+host memory), and TensorStore's in-flight write buffers are bounded by
+`WRITE_BUFFER_FRACTION` of host RAM (Orbax's `save_concurrent_gb`). Every call of the
+Orbax manager holds one lock: the background thread and the loop's never use it at
+once. `report()` gives each save's blocking and write seconds.
 
 Every finished step gets a checksum manifest (`gem_jax.train.integrity`), written by a
 background thread once its files have committed (hashing a GEM-width step takes tens of
@@ -32,9 +41,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,8 +54,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from gem_jax.checks import check_int
-from gem_jax.train import disk_space, integrity
+from gem_jax.checks import check_bool, check_int
+from gem_jax.train import disk_space, integrity, snapshot
 from gem_jax.train.state import TrainState
 from gem_jax.units import format_bytes
 
@@ -53,6 +64,7 @@ from gem_jax.units import format_bytes
 # state (one at a time: saves are deferred, never overlapped) comes on top.
 WRITE_BUFFER_FRACTION = 0.125
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+SWITCHES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +76,45 @@ class CheckpointConfig:
     max_to_keep: checkpoints kept on disk (older ones deleted); the disk must hold one
       more while a save is written.
     async_save: write in a background thread while training continues.
+    snapshot: "auto", "on" or "off": copy the state on the device and save the copy from
+      a background thread, so that `save` blocks for milliseconds (needs the state's
+      bytes once more on each device while its device-to-host copy runs). "auto": on
+      when they fit in the memory the steps leave free (`snapshot.fits`; off where the
+      device reports no memory statistics, as the CPU). Needs `async_save`.
+    pinned_host: "auto", "on" or "off": Orbax copies the state to page-locked host
+      memory (faster device-to-host copies; the pinned pool, a copy of the state, stays
+      allocated). "auto": Orbax's default, on for GPUs.
+    compression: zstd-compress the written chunks (Orbax's default). Uncompressed
+      copies are larger (the size `disk_space.checkpoint_bytes` bounds) but need no
+      compression on the host's cores when written nor decompression when restored.
+    data_file_bytes: target size of each OCDBT data file of a step in bytes (Orbax's
+      default 2 GiB; 0: no limit). Smaller files are written and checksummed by more
+      threads at once.
+    restore_concurrent_gb: at most this many GB (10^9 bytes) read at once by a
+      restore (Orbax's `restore_concurrent_gb`, default 96).
     """
 
     every_steps: int = 200
     max_to_keep: int = 3
     async_save: bool = True
+    snapshot: str = "auto"
+    pinned_host: str = "auto"
+    compression: bool = True
+    data_file_bytes: int = 2**31
+    restore_concurrent_gb: int = 96
 
     def __post_init__(self):
         check_int(self, "every_steps", minimum=1)
         check_int(self, "max_to_keep", minimum=1)
-        if not isinstance(self.async_save, bool):
-            raise TypeError(f"CheckpointConfig.async_save must be a bool, got {self.async_save!r}")
+        check_bool(self, "async_save")
+        check_bool(self, "compression")
+        check_int(self, "data_file_bytes", minimum=0)
+        check_int(self, "restore_concurrent_gb", minimum=1)
+        for name in ("snapshot", "pinned_host"):
+            if getattr(self, name) not in SWITCHES:
+                raise ValueError(f"CheckpointConfig.{name} must be one of {', '.join(SWITCHES)}, got {getattr(self, name)!r}")
+        if self.snapshot == "on" and not self.async_save:
+            raise ValueError("CheckpointConfig.snapshot='on' needs async_save=True (a synchronous save has nothing to overlap)")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -108,16 +148,19 @@ class SaveRecord:
     Attributes:
       step: the saved step.
       bytes: what one copy writes (`disk_space.checkpoint_bytes`; the files' sizes once committed).
-      blocking_s: seconds inside `save` (the device-to-host copy; for a forced save
-        also the wait for the previous write).
+      blocking_s: seconds inside `save` (a snapshot save: dispatching the device copy;
+        otherwise the device-to-host copy; for a forced save also the wait for the
+        previous write).
       write_s: seconds from the call of `save` to the commit of its files (None while
         writing; for a commit seen only by polling, up to a step late).
+      snapshot: whether it saved an on-device snapshot from the background thread.
     """
 
     step: int
     bytes: int
     blocking_s: float
     write_s: float | None = None
+    snapshot: bool = False
     started: float = dataclasses.field(default=0.0, repr=False)
 
 
@@ -129,6 +172,19 @@ def host_memory_bytes() -> int:
 def write_buffer_gb() -> int:
     """TensorStore's in-flight write bound in whole GB (Orbax's unit, 10^9 bytes): `WRITE_BUFFER_FRACTION` of host RAM, at least 1."""
     return max(1, int(WRITE_BUFFER_FRACTION * host_memory_bytes() / 1e9))
+
+
+class _Position:
+    """A data iterator's position taken now, for a save written later: grain's checkpoint handler
+    writes `get_state()` of what it is given, and the live iterator moves on meanwhile."""
+
+    def __init__(self, iterator: grain.DatasetIterator):
+        state = iterator.get_state()
+        # The bytes grain's handler writes for a DatasetIterator (`json.dumps(state, indent=4)`); other iterators give bytes.
+        self._state = json.dumps(state, indent=4).encode() if isinstance(iterator, grain.DatasetIterator) else state
+
+    def get_state(self) -> bytes:
+        return self._state
 
 
 class Checkpointer:
@@ -147,6 +203,11 @@ class Checkpointer:
         self._manifests = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
         self._closed = False
         self._manifest_jobs: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.RLock()  # held by every call of `self.manager`, from either thread
+        self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-snapshot")
+        self._staging: concurrent.futures.Future | None = None  # the snapshot save being handed to Orbax
+        self._snapshot: bool | None = None  # whether saves snapshot, decided at the first one (`_snapshots`)
+        self._copy = None  # the compiled snapshot copy (`snapshot.copy_program`)
         self.write_buffer_gb = write_buffer_gb()
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -170,7 +231,13 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,
             ),
             item_handlers={
-                "state": ocp.StandardCheckpointHandler(save_concurrent_gb=self.write_buffer_gb),
+                # The format of Orbax's StandardCheckpointHandler (which wraps this one), with the write options exposed.
+                "state": ocp.PyTreeCheckpointHandler(
+                    save_concurrent_gb=self.write_buffer_gb,
+                    restore_concurrent_gb=config.restore_concurrent_gb,
+                    use_compression=config.compression,
+                    enable_pinned_host_transfer={"auto": None, "on": True, "off": False}[config.pinned_host],
+                ),
                 "data": grain.checkpoint.CheckpointHandler(),
             },
         )
@@ -182,7 +249,8 @@ class Checkpointer:
         (the kept ones and the one being written); finished steps already in the folder (a
         restart) count towards it (the rule: `disk_space.SpacePlan`). Below 2x headroom a
         warning line is added. Also checks that the largest array shard fits the in-flight
-        write bound (`write_buffer_gb`).
+        write bound (`write_buffer_gb`), and compiles the snapshot copy when saves may
+        snapshot (`CheckpointConfig.snapshot`), so that no compile follows the first step.
 
         Raises:
           CheckpointSpaceError: the peak does not fit in the free space (needed, free, the
@@ -198,6 +266,8 @@ class Checkpointer:
             )
         plan = disk_space.plan_space(abstract_state, self.config.max_to_keep, len(self.all_steps()), self.directory)
         plan.check()
+        if self._fits(abstract_state)[0]:  # compiled now: a compile after the first step would count as one the run should not need
+            self._copy = snapshot.copy_program(abstract_state)
         return plan.lines()
 
     def step_path(self, step: int) -> Path:
@@ -209,8 +279,9 @@ class Checkpointer:
 
         True on the interval (and at a preemption Orbax sees) and at the first step after a
         deferred save's predecessor has finished writing; False while a write is in flight,
-        which defers a save due now (noted for `report`). Also notes a write that has
-        finished (its seconds; its manifest is queued).
+        or while a snapshot is being handed to Orbax, which defers a save due now (noted
+        for `report`). Also notes a write that has finished (its seconds; its manifest is
+        queued). Never waits for the background thread.
 
         Raises:
           CheckpointWriteError: the save in flight failed.
@@ -218,7 +289,12 @@ class Checkpointer:
         if self.read_only:
             return False
         self._poll()
-        due = self.manager.should_save(step)
+        if self._staging is not None and not self._staging.done():
+            # The background thread holds the manager: its decision policy (`__init__`), evaluated without it.
+            due = step % self.config.every_steps == 0 or ocp.multihost.reached_preemption(step)
+        else:
+            with self._lock:
+                due = self.manager.should_save(step)
         if not (due or self._pending is not None):
             return False
         if self._still_writing():
@@ -228,21 +304,31 @@ class Checkpointer:
         return True
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        """The newest step saved or being saved (None: none); does not wait for a snapshot's hand-over to Orbax."""
+        if self._staging is not None and not self._staging.done():
+            return self._writing.step  # Orbax lists it once the background thread's save returns
+        with self._lock:
+            return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
         """The steps with a finished checkpoint, ascending."""
-        return sorted(self.manager.all_steps())
+        with self._lock:
+            return sorted(self.manager.all_steps())
 
     def restore_state(self, step: int, abstract_state: TrainState) -> TrainState:
         """Restores only the train state of `step` (not the data position), onto `abstract_state`'s shardings."""
-        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))).state
+        with self._lock:
+            return self.manager.restore(step, args=ocp.args.Composite(state=_restore_args(abstract_state))).state
 
     def save(self, step: int, state: TrainState, data_iterator: grain.DatasetIterator, *, force: bool = False) -> bool:
         """Starts a save when `should_save(step)` (or `force`); returns whether it did.
 
-        Blocks for the device-to-host copy only; the files are written in the background.
-        `force` (the final or a preemption save) first waits for the write in flight.
+        With snapshots (`CheckpointConfig.snapshot`, decided at the first save) it blocks
+        for dispatching the device copy only: the background thread hands the copy to
+        Orbax (device-to-host copy, then the files in Orbax's thread) and frees it.
+        Otherwise it blocks for Orbax's device-to-host copy; the files are written in the
+        background. `force` (the final or a preemption save) first waits for the save in
+        flight and copies without a snapshot.
 
         Raises:
           CheckpointWriteError: this save, or the one in flight, failed (the half-written
@@ -258,16 +344,16 @@ class Checkpointer:
         if self._pending is not None:
             self._announce_deferral(step)
         copy_bytes = self._copy_bytes or disk_space.checkpoint_bytes(state)
-        record = SaveRecord(step, copy_bytes, 0.0, started=start)
+        record = SaveRecord(step, copy_bytes, 0.0, started=start, snapshot=not force and self._snapshots(state))
         self._committed_at = None
-        try:
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator)),
-                force=True,  # due: on the interval, deferred or forced
-            )
-        except Exception as error:
-            raise self._write_failed(step, error) from error
+        if record.snapshot:
+            self._copy = self._copy or snapshot.copy_program(state)
+            self._staging = self._stager.submit(self._save_snapshot, step, self._copy(state), _Position(data_iterator))
+        else:
+            try:
+                self._save_now(step, state, data_iterator)
+            except Exception as error:
+                raise self._write_failed(step, error) from error
         record.blocking_s = time.perf_counter() - start
         self.saves.append(record)
         self._writing = record
@@ -281,14 +367,13 @@ class Checkpointer:
         Raises:
           FileNotFoundError: no checkpoint for `step`.
         """
-        if step not in self.manager.all_steps():
-            raise FileNotFoundError(f"no checkpoint for step {step} in {self.manager.directory}")
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(data_iterator)
-            ),
-        )
+        with self._lock:
+            if step not in self.manager.all_steps():
+                raise FileNotFoundError(f"no checkpoint for step {step} in {self.manager.directory}")
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(state=_restore_args(abstract_state), data=grain.checkpoint.CheckpointRestore(data_iterator)),
+            )
         return restored.state
 
     def wait(self) -> None:
@@ -306,12 +391,17 @@ class Checkpointer:
         """The run's checkpoint measurements, for its summary.
 
         Keys: `checkpoint_bytes` (one copy), `checkpoint_saves`, `checkpoint_deferred`
-        (saves started later than due), `checkpoint_blocking_s_mean` and `_max` (time in
-        `save`), `checkpoint_write_gb_per_s` (bytes over write seconds of the finished
-        saves), `checkpoint_final_write_s` (the last save's write on its own). Only the
-        keys with a measurement are present.
+        (saves started later than due), `checkpoint_snapshots` (saves from an on-device
+        snapshot), `checkpoint_blocking_s_mean` and `_max` (time in `save`),
+        `checkpoint_write_gb_per_s` (bytes over write seconds of the finished saves),
+        `checkpoint_final_write_s` (the last save's write on its own). Only the keys with
+        a measurement are present.
         """
-        report: dict[str, float | int] = {"checkpoint_saves": len(self.saves), "checkpoint_deferred": len(self.deferred)}
+        report: dict[str, float | int] = {
+            "checkpoint_saves": len(self.saves),
+            "checkpoint_deferred": len(self.deferred),
+            "checkpoint_snapshots": sum(s.snapshot for s in self.saves),
+        }
         if self._copy_bytes is not None or self.saves:
             report["checkpoint_bytes"] = self.saves[-1].bytes if self.saves else self._copy_bytes
         if self.saves:
@@ -365,8 +455,8 @@ class Checkpointer:
         return None
 
     def close(self) -> None:
-        """Waits for the save in flight and the manifests, then releases the manager (also when the wait
-        raises); a second call does nothing.
+        """Waits for the save in flight and the manifests, then releases the manager and the threads (also
+        when the wait raises); a second call does nothing.
 
         Raises:
           CheckpointWriteError: as `wait`.
@@ -377,8 +467,10 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._stager.shutdown(wait=True)
             self._manifests.shutdown(wait=True)
-            self.manager.close()
+            with self._lock:
+                self.manager.close()
 
     # ------------------------------------------------------------------ the write in flight
 
@@ -386,9 +478,56 @@ class Checkpointer:
         """Orbax's background thread, once the files of the save in flight are complete (process 0)."""
         self._committed_at = time.perf_counter()
 
+    def _save_now(self, step: int, state: TrainState, data_iterator) -> None:
+        """Orbax's save of `step` (blocks for its device-to-host copy; the files are written in its thread)."""
+        with self._lock:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=self.config.data_file_bytes),
+                    data=grain.checkpoint.CheckpointSave(data_iterator),
+                ),
+                force=True,  # due: on the interval, deferred or forced
+            )
+
+    def _save_snapshot(self, step: int, copy: TrainState, position: _Position) -> None:
+        """The background thread: Orbax's save of the snapshot `copy`, then its device buffers freed.
+        Orbax has copied every array to the host when `save` returns (without
+        `save_device_host_concurrent_gb` every array is a "prioritized" synchronous transfer)."""
+        try:
+            self._save_now(step, copy, position)
+        finally:
+            for leaf in jax.tree.leaves(copy):
+                leaf.delete()
+
+    def _snapshots(self, state: TrainState) -> bool:
+        """Whether non-forced saves snapshot the state on the device; decided at the first save, when the
+        steps' peak device memory is known (`snapshot.fits`), and said once when it does not fit."""
+        if self._snapshot is None:
+            fits, line = self._fits(state)
+            self._snapshot = bool(fits)
+            if fits is False and line and jax.process_index() == 0:
+                print(
+                    f"gem-train: checkpoints: {line}: saves block for the device-to-host copy instead (checkpoint.snapshot=on forces snapshots)",
+                    flush=True,
+                )
+        return self._snapshot
+
+    def _fits(self, tree) -> tuple[bool | None, str | None]:
+        """Whether saves may snapshot `tree` by the config, or by `snapshot.fits` for "auto"; with its line (None: the config decided)."""
+        if not self.config.async_save or self.config.snapshot == "off":
+            return False, None
+        if self.config.snapshot == "on":
+            return True, None
+        return snapshot.fits(tree)
+
     def _poll(self) -> None:
         """Finishes (records, queues the manifest of) a write that is done; no waiting, no collective."""
-        if self._writing is not None and not self.manager.is_saving_in_progress():
+        if self._writing is None or (self._staging is not None and not self._staging.done()):
+            return
+        with self._lock:
+            saving = self.manager.is_saving_in_progress()
+        if not saving:
             self._finish_write()
 
     def _still_writing(self) -> bool:
@@ -402,12 +541,16 @@ class Checkpointer:
         return writing
 
     def _finish_write(self) -> None:
-        """Waits for the save in flight, records its write time and queues its manifest."""
+        """Waits for the save in flight (its hand-over to Orbax, then its files), records its write time and queues its manifest."""
         record, self._writing = self._writing, None
+        staging, self._staging = self._staging, None
         if record is None:
             return
         try:
-            self.manager.wait_until_finished()
+            if staging is not None:
+                staging.result()
+            with self._lock:
+                self.manager.wait_until_finished()
         except Exception as error:
             raise self._write_failed(record.step, error) from error
         record.write_s = (self._committed_at or time.perf_counter()) - record.started
@@ -449,7 +592,8 @@ class Checkpointer:
         if not committed and jax.process_index() == 0:
             for partial in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
                 shutil.rmtree(partial, ignore_errors=True)
-        self.manager.reload()  # Orbax forgets rotated steps at save time; the disk still holds them
+        with self._lock:
+            self.manager.reload()  # Orbax forgets rotated steps at save time; the disk still holds them
         good = [s for s in self.all_steps() if s != step or committed]
         cause = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if str(error) else type(error).__name__
         return CheckpointWriteError(
@@ -466,8 +610,14 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"gem-quarantine-{step}")
-        self.manager.reload()
+        with self._lock:
+            self.manager.reload()
         return target
+
+
+def _restore_args(abstract_state: TrainState) -> ocp.args.PyTreeRestore:
+    """Orbax's restore of the state onto `abstract_state`'s shapes, dtypes and shardings."""
+    return ocp.args.PyTreeRestore(item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
 
 
 def _write_manifest(step_dir: Path) -> None:

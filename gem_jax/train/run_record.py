@@ -36,9 +36,7 @@ MAY_CHANGE = (
     "loop.num_steps",
     "loop.log_every",
     "loop.eval_every",
-    "checkpoint.every_steps",
-    "checkpoint.max_to_keep",
-    "checkpoint.async_save",
+    "checkpoint",  # cadence, copies kept and how a copy is written: never a trained value
     "data.prefetch_batches",
     "data.path",  # where the files are; their content is compared by fingerprint
     # What the backward recomputes instead of keeping: the same values (up to the rounding of

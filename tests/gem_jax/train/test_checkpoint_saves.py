@@ -266,3 +266,176 @@ def test_manifests_are_written_off_the_calling_thread(tmp_path, monkeypatch):
     checkpointer.close()
     assert threads and all(t is not threading.main_thread() for t in threads)
     assert integrity.verify(tmp_path / "1") == [] and (tmp_path / "1" / integrity.MANIFEST).is_file()
+
+
+# ---------------------------------------------------------------- on-device snapshots
+
+
+def test_a_snapshot_save_writes_what_the_blocking_save_writes(tmp_path):
+    """The same arrays bit for bit, dtypes, tree metadata and data position (OCDBT's data files have random names)."""
+    state, restored = _state(), {}
+    for mode in ("off", "on"):
+        checkpointer = Checkpointer(tmp_path / mode, CheckpointConfig(every_steps=2, snapshot=mode))
+        assert checkpointer.save(2, state, _data(7))
+        checkpointer.close()
+        assert [s.snapshot for s in checkpointer.saves] == [mode == "on"] and checkpointer.report()["checkpoint_snapshots"] == (mode == "on")
+        data = _data()
+        restored[mode] = Checkpointer(tmp_path / mode, CheckpointConfig()).restore(2, jax.eval_shape(lambda: state), data)
+        assert next(data) == 7
+    for blocking, snapshot, original in zip(*(jax.tree.leaves(t) for t in (restored["off"], restored["on"], state)), strict=True):
+        assert blocking.dtype == snapshot.dtype == original.dtype
+        assert np.asarray(blocking).tobytes() == np.asarray(snapshot).tobytes() == np.asarray(original).tobytes()
+    for name in ("data/process_0-of-1.json", "state/_METADATA"):
+        assert (tmp_path / "off" / "2" / name).read_bytes() == (tmp_path / "on" / "2" / name).read_bytes(), name
+
+
+def test_training_after_a_snapshot_save_continues_bit_for_bit(tmp_path, slow_writes):
+    """The next steps donate and overwrite the live state while the snapshot is still being copied and written."""
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1 if x.dtype != jnp.int32 else x + 1, s), donate_argnums=0)
+    expected = [_state()]
+    for _ in range(6):
+        expected.append(jax.tree.map(np.asarray, step(jax.tree.map(jnp.array, expected[-1]))))
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=2, max_to_keep=5, snapshot="on"))
+    slow_writes[0] = 0.2
+    state, data = _state(), _data()
+    for n in range(1, 7):
+        state = step(state)
+        next(data)
+        if checkpointer.save(n, state, data):
+            assert checkpointer.saves[-1].snapshot
+    slow_writes[0] = 0.0
+    assert checkpointer.save(6, state, data, force=True)  # the final save: no snapshot, it waits for step 2's write
+    checkpointer.wait()
+    assert [s.snapshot for s in checkpointer.saves] == [True, False] and checkpointer.deferred == [(4, 6)]
+    assert _equal(state, expected[6])
+    abstract = jax.eval_shape(lambda: state)
+    for saved in checkpointer.all_steps():
+        position = _data()
+        assert _equal(checkpointer.restore(saved, abstract, position), expected[saved]) and next(position) == saved
+    checkpointer.close()
+    assert checkpointer.all_steps() == [2, 6]
+
+
+def test_a_save_blocks_for_the_snapshot_not_for_the_hand_over(tmp_path, monkeypatch):
+    """While the background thread holds the manager (Orbax's save, here 0.5 s), the loop's calls do not wait for it;
+    the snapshot's device buffers are freed once Orbax has them."""
+    from gem_jax.train import snapshot
+
+    copies = []
+    program = snapshot.copy_program
+    monkeypatch.setattr(snapshot, "copy_program", lambda tree: (lambda p: lambda t: copies.append(p(t)) or copies[-1])(program(tree)))
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=2, snapshot="on"))
+    save = checkpointer.manager.save
+    entered = threading.Event()
+
+    def slow_save(*args, **kwargs):
+        entered.set()
+        time.sleep(0.5)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer.manager, "save", slow_save)
+    state = _state()
+    start = time.perf_counter()
+    assert checkpointer.save(2, state, _data(2))
+    assert entered.wait(5)
+    assert not checkpointer.should_save(3) and not checkpointer.should_save(4)  # in flight: step 4's save is deferred
+    assert checkpointer.latest_step() == 2  # the loop's "last good checkpoint", as Orbax lists a save in flight
+    assert time.perf_counter() - start < 0.4 and checkpointer.saves[0].blocking_s < 0.4
+    assert checkpointer._pending == 4
+    checkpointer.wait()
+    assert copies and all(leaf.is_deleted() for leaf in jax.tree.leaves(copies[0]))
+    assert checkpointer.should_save(5) and checkpointer.save(5, state, _data(5))  # the deferred save
+    checkpointer.close()
+    assert checkpointer.all_steps() == [2, 5] and checkpointer.deferred == [(4, 5)]
+
+
+def test_disk_full_in_a_snapshot_save_surfaces_as_before(tmp_path, monkeypatch):
+    good = _state()
+    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1, snapshot="on"))
+    checkpointer.save(1, good, _data(1))
+    checkpointer.wait()
+    estimate = serialization.estimate_write_memory_footprint
+
+    def full(value):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", full)
+    assert checkpointer.save(2, _state(seed=1), _data(2)) and checkpointer.saves[-1].snapshot
+    with pytest.raises(CheckpointWriteError) as failed:
+        while True:  # the next should_save raises it, once the background write has failed
+            checkpointer.should_save(3)
+            time.sleep(0.02)
+    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", estimate)
+    _check_failed_save(tmp_path / "ckpt", checkpointer, failed.value, good, 1).close()
+
+
+def test_a_failed_hand_over_to_orbax_surfaces_at_the_next_call(tmp_path, monkeypatch):
+    good = _state()
+    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1, snapshot="on"))
+    checkpointer.save(1, good, _data(1))
+    checkpointer.wait()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpointer.manager, "save", full)  # fails in the background thread, before any file
+    assert checkpointer.save(2, _state(seed=1), _data(2))
+    with pytest.raises(CheckpointWriteError) as failed:
+        checkpointer.wait()
+    _check_failed_save(tmp_path / "ckpt", checkpointer, failed.value, good, 1).close()
+
+
+@pytest.mark.parametrize("fits", [False, True])
+def test_auto_snapshots_when_the_copy_fits_in_device_memory_and_says_so_when_not(tmp_path, monkeypatch, capsys, fits):
+    from gem_jax.train import snapshot
+
+    line = "a device copy of the state needs 36 GB on cuda:0, 20 GB free at the steps' peak"
+    monkeypatch.setattr(snapshot, "fits", lambda tree: (fits, line))
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=1))
+    state = _state()
+    for step in (1, 2):
+        checkpointer.save(step, state, _data(step))
+        checkpointer.wait()
+    checkpointer.close()
+    assert [s.snapshot for s in checkpointer.saves] == [fits, fits]
+    out = capsys.readouterr().out
+    assert out.count(line) == (not fits)
+    if not fits:
+        assert "saves block for the device-to-host copy instead (checkpoint.snapshot=on forces snapshots)" in out
+
+
+def test_snapshot_fits_compares_each_device_s_share_with_its_free_memory(monkeypatch):
+    from gem_jax.train import snapshot
+
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    tree = {"w": jax.ShapeDtypeStruct((16 * len(devices), 32), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))}
+    assert snapshot.device_bytes(tree) == {d: 16 * 32 * 4 for d in devices}  # each device's rows only
+    assert snapshot.fits(tree)[0] is None  # the CPU reports no memory statistics
+    stats = {"bytes_limit": 10_000, "peak_bytes_in_use": 10_000 - 2048}
+    monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda self: stats)
+    assert snapshot.fits(tree) == (True, f"a device copy of the state needs 2.05 kB on {jax.devices()[0]}, 2.05 kB free at the steps' peak")
+    stats["peak_bytes_in_use"] += 1
+    assert snapshot.fits(tree)[0] is False
+
+
+def test_snapshot_config_is_checked():
+    with pytest.raises(ValueError, match="CheckpointConfig.snapshot must be one of auto, on, off, got 'yes'"):
+        CheckpointConfig(snapshot="yes")
+    with pytest.raises(ValueError, match="needs async_save=True"):
+        CheckpointConfig(snapshot="on", async_save=False)
+    with pytest.raises(TypeError):
+        CheckpointConfig(compression="no")
+
+
+def test_uncompressed_copies_are_larger_and_restore_under_either_setting(tmp_path):
+    state = {"w": jax.random.normal(jax.random.key(0), (256, 128)), "zeros": jnp.zeros((512, 128), jnp.bfloat16)}
+    for compression in (True, False):
+        checkpointer = Checkpointer(tmp_path / str(compression), CheckpointConfig(compression=compression))
+        checkpointer.save(1, state, _data(1), force=True)
+        checkpointer.close()
+    assert _du(tmp_path / "False" / "1") > _du(tmp_path / "True" / "1") + 100_000  # the zeros compress to nothing
+    for compression in (True, False):
+        data = _data()
+        reader = Checkpointer(tmp_path / str(compression), CheckpointConfig(compression=not compression), read_only=True)
+        assert _equal(reader.restore(1, jax.eval_shape(lambda: state), data), state) and next(data) == 1

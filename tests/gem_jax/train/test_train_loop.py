@@ -1,14 +1,18 @@
 """End-to-end: the CLI on ml-latest-small with a tiny config; exact resume after a stop."""
 
+import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from gem_jax.cli import train_main
+from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.config import load_config
 from gem_jax.train.loop import train_and_evaluate
 from gem_jax.train.preemption import PREEMPTED_EXIT_CODE
+from gem_jax.train.setup import setup_training
 
 
 def read_records(workdir, kind):
@@ -61,6 +65,25 @@ def test_stop_and_restart_reproduces_the_loss_sequence(tiny_config, uninterrupte
     got = [(r["step"], r["loss"]) for r in read_records(tmp_path, "train")]
     assert got == expected  # bit-exact: same parameters, optimizer state and batches
     assert resumed["auc_like"] == read_records(workdir, "summary")[-1]["auc_like"]
+
+
+def test_snapshot_saves_train_and_checkpoint_what_blocking_saves_do(tiny_config, uninterrupted, tmp_path):
+    """Saves from an on-device snapshot (the next steps donate the live state meanwhile): the same losses and the same
+    checkpoints bit for bit, and the snapshot's copy is compiled before the first step."""
+    workdir, _ = uninterrupted
+    config = dataclasses.replace(tiny_config, checkpoint=dataclasses.replace(tiny_config.checkpoint, snapshot="on"))
+    summary = train_and_evaluate(config, tmp_path)
+    # step 3 from a snapshot; step 6 too unless step 3 was still being written (then the final save blocks)
+    assert summary["checkpoint_snapshots"] >= 1 and summary["checkpoint_saves"] == 2 and summary["compiles_after_start"] == 0
+    assert [(r["step"], r["loss"]) for r in read_records(tmp_path, "train")] == [(r["step"], r["loss"]) for r in read_records(workdir, "train")]
+    training, _ = setup_training(tiny_config, init_state=False)
+    for step in (3, 6):
+        blocking, snapshot = (
+            Checkpointer(d / "checkpoints", tiny_config.checkpoint, read_only=True).restore_state(step, training.state.abstract)
+            for d in (workdir, tmp_path)
+        )
+        for a, b in zip(jax.tree.leaves(blocking), jax.tree.leaves(snapshot), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 def test_finished_run_started_again_only_reports(tiny_config, uninterrupted):
