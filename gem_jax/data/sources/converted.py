@@ -244,8 +244,10 @@ def converted_spec(index: ConvertedIndex, *, num_time_buckets: int, max_seq_len:
 def converted_fingerprint(manifest: dict) -> str:
     """sha256 of what a conversion's data depends on: its manifest (settings, counts, vocabularies, split,
     shards, lengths), each input's size and sha256, not where the inputs were nor when or how fast
-    they were converted. Two conversions with equal fingerprints hold the same records."""
-    kept = {key: value for key, value in manifest.items() if key not in ("inputs", "seconds")}
+    they were converted, nor the format version and the index files that version 2 added (derived from
+    the records: a run on a version-1 conversion resumes on the same inputs converted again). Two
+    conversions with equal fingerprints hold the same records."""
+    kept = {key: value for key, value in manifest.items() if key not in ("inputs", "seconds", "version", "train_events", "item_train_labels")}
     kept["inputs"] = [{"size": entry["size"], "sha256": entry["sha256"]} for entry in manifest["inputs"]]
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 

@@ -137,6 +137,8 @@ def test_the_fingerprint_is_the_data_not_the_place(converted, tmp_path):
     events = out.parent / "events"
     again = convert_event_log(events, tmp_path / "elsewhere", split=f"time:{QUANTILE}")
     assert converted_fingerprint(again.manifest) == converted_fingerprint(manifest)
+    version_1 = {key: value for key, value in manifest.items() if key not in ("train_events", "item_train_labels")} | {"version": 1}
+    assert converted_fingerprint(version_1) == converted_fingerprint(manifest)  # the index files are derived: same data
     changed = tmp_path / "changed"
     write_event_log(changed, num_train=80, num_eval=40, seed=1)
     other = convert_event_log(changed, tmp_path / "other", split=f"time:{QUANTILE}")
