@@ -34,8 +34,9 @@ synthetic source's history-length law, `gem_jax.data.sources.synthetic`), increa
 user, 100,000 items, an action and a click label; it is converted (`gem-data convert`, split
 time:0.9). Timed, after `--warmup` batches: `Dataset.train_iterator()` (one process, the
 config's prefetch thread: the `Batch`es the train loop takes), the same dataset through grain
-worker processes (`--workers`, `IterDataset.mp_prefetch`: per host), and a cProfile of
-`Dataset.train_batch` on the first batches (the top functions by cumulative time). Targets:
+worker processes (`--workers`, `IterDataset.mp_prefetch`: per host), a cProfile of
+`Dataset.train_batch` on the first batches (the top functions by cumulative time), and the
+builder's stages by timer (record read, decode, whole call; `_stages`). Targets:
 >= 16.5k examples/s per loader process (3x one H200's 5.5k at gem_h200), >= 30k per host.
 Writes benchmarks/results/loader_throughput_events_h200.json.
 
@@ -247,6 +248,38 @@ def _profile(dataset: Dataset, batches: int, top: int = 12) -> list[str]:
     return [line.rstrip() for line in lines[start : start + top + 1]]
 
 
+def _stages(dataset: Dataset, batches: int) -> list[dict]:
+    """Milliseconds per train batch of the EVENTS builder's stages, two passes over the same `batches`
+    batches (the first may read from disk, the second from the page cache): the record read
+    (`RecordReader.read`), their decoding (`RecordLayout.decode_many`), and the whole builder call
+    (read, decode, gather and validate). cProfile cannot see inside the builder's call (the frames of
+    the array_record reader's caller are lost), hence these timers."""
+    build = dataset.train_batch
+    index, indices = build.index, dataset.train_indices()
+    plan = [indices[i] for i in range(batches)]
+    records = [np.unique(np.searchsorted(index.starts, build.examples.target_event[batch], side="right") - 1) for batch in plan]
+    passes = []
+    for _ in range(2):
+        read = decode = whole = 0.0
+        for batch, keys in zip(plan, records):
+            t0 = time.perf_counter()
+            raws = index.reader.read(keys)
+            t1 = time.perf_counter()
+            index.layout.decode_many(raws)
+            t2 = time.perf_counter()
+            build(batch)
+            t3 = time.perf_counter()
+            read, decode, whole = read + t1 - t0, decode + t2 - t1, whole + t3 - t2
+        passes.append({
+            "read_ms": 1e3 * read / batches,
+            "decode_ms": 1e3 * decode / batches,
+            "train_batch_ms": 1e3 * whole / batches,
+            "records_per_batch": float(np.mean([len(keys) for keys in records])),
+            "bytes_per_batch": float(np.mean([sum(map(len, index.reader.read(keys))) for keys in records[:4]])),
+        })
+    return passes
+
+
 def measure_events(args) -> dict:
     """The `events_h200` case (module docstring)."""
     load_before = os.getloadavg()[0]
@@ -263,6 +296,7 @@ def measure_events(args) -> dict:
     workers = lambda: iter(dataset.train_dataset().to_iter_dataset().mp_prefetch(options))  # noqa: E731
     row[f"pipeline_{args.workers}_worker_processes"] = _timed(workers, args.warmup + args.workers, batches, _real)
     row["profile_train_batch"] = _profile(dataset, min(batches, 10))
+    row["stages_cold_then_warm"] = _stages(dataset, min(batches, 20))
     it = dataset.train_iterator()
     lengths = np.concatenate([np.diff(np.asarray(b.history.offsets))[np.asarray(b.weights) > 0] for b in (next(it) for _ in range(4))])
     manifest = json.loads((directory / "manifest.json").read_text())

@@ -9,6 +9,7 @@ multiple).
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -33,33 +34,46 @@ class RecordReader:
     and each `read` reads each file's records in one call of array_record's reader,
     single-threaded: no thread pool per call, which on a few busy cores costs more
     than the reads (grain's `ArrayRecordDataSource.__getitems__` starts one per call).
-    Picklable (the open files are not: a copy opens its own); thread-safe.
+    The records read last are kept, up to `cache_bytes` (least recently used dropped
+    first): a user's record serves every example of theirs, so on a log whose
+    records fit, each is read from its file once. Picklable (the open files and the
+    kept records are not: a copy opens its own); thread-safe.
 
     Args:
       files: the shard files.
       counts: records per file (int `[F]`), as the conversion's index gives them.
+      cache_bytes: the most record bytes kept (0: none).
+
+    Raises:
+      ValueError: not one count per file, or `cache_bytes < 0`.
     """
 
     OPTIONS = "readahead_buffer_size:0,max_parallelism:1"
+    CACHE_BYTES = 1 << 30
 
-    def __init__(self, files: Sequence[Path], counts: Sequence[int]):
+    def __init__(self, files: Sequence[Path], counts: Sequence[int], cache_bytes: int = CACHE_BYTES):
         if len(files) != len(counts):
             raise ValueError(f"RecordReader: {len(files)} files but {len(counts)} record counts")
+        if cache_bytes < 0:
+            raise ValueError(f"RecordReader: cache_bytes must be >= 0, got {cache_bytes}")
         self.files = tuple(Path(f) for f in files)
         self.first = np.zeros(len(files) + 1, np.int64)  # file f holds records first[f]:first[f + 1]
         np.cumsum(np.asarray(counts, np.int64), out=self.first[1:])
-        self._readers: dict[int, ArrayRecordReader] = {}
-        self._lock = threading.Lock()
+        self.cache_bytes = cache_bytes
+        self.__setstate__(self.__getstate__())
 
     def __len__(self) -> int:
         return int(self.first[-1])
 
     def __getstate__(self) -> dict:
-        return {"files": self.files, "first": self.first}
+        return {"files": self.files, "first": self.first, "cache_bytes": self.cache_bytes}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._readers, self._lock = {}, threading.Lock()
+        self._readers: dict[int, ArrayRecordReader] = {}
+        self._kept: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._kept_bytes = 0
+        self._lock = threading.Lock()
 
     def opened(self) -> tuple[Path, ...]:
         """The files opened so far, in file order."""
@@ -74,16 +88,30 @@ class RecordReader:
         records = np.asarray(records, np.int64)
         if records.size and (records.min() < 0 or records.max() >= len(self)):
             raise IndexError(f"record out of range [0, {len(self)}): {records.min()}..{records.max()}")
-        file_of = np.searchsorted(self.first, records, side="right") - 1
-        out: list[bytes] = [b""] * records.size
+        keys = records.tolist()
         with self._lock:
+            out = [self._kept.get(key) for key in keys]
+            for key in keys:
+                if key in self._kept:
+                    self._kept.move_to_end(key)
+            missing = np.array([k for k, raw in enumerate(out) if raw is None], np.int64)
+            file_of = np.searchsorted(self.first, records[missing], side="right") - 1
             for f in np.unique(file_of).tolist():
-                at = np.flatnonzero(file_of == f)
+                at = missing[file_of == f]
                 if f not in self._readers:
                     self._readers[f] = ArrayRecordReader(str(self.files[f]), self.OPTIONS)
                 for k, raw in zip(at.tolist(), self._readers[f].read((records[at] - self.first[f]).tolist())):
                     out[k] = raw
+                    self._keep(keys[k], raw)
         return out
+
+    def _keep(self, key: int, raw: bytes) -> None:
+        if len(raw) > self.cache_bytes or key in self._kept:
+            return
+        self._kept[key] = raw
+        self._kept_bytes += len(raw)
+        while self._kept_bytes > self.cache_bytes:
+            self._kept_bytes -= len(self._kept.popitem(last=False)[1])
 
 
 class ConvertedLog:

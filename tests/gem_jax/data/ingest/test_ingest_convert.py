@@ -177,6 +177,32 @@ def test_rerun_is_a_no_op_and_a_changed_input_is_refused(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
 
+def test_record_reader_reads_and_keeps_records(log, tmp_path):
+    """`RecordReader`: any records in any order, as `ConvertedLog` gives them; it opens only the files it reads,
+    and keeps the records read last within its byte budget (the least recently used dropped first)."""
+    events, _ = log
+    convert([events], tmp_path / "out", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.9"), shards=3), log=lambda _: None)
+    whole = ConvertedLog(tmp_path / "out")
+    raws = [whole.source[i] for i in range(len(whole))]
+    budget = sum(sorted(map(len, raws))[-3:])  # room for any 3 records, not for all
+    assert budget < sum(map(len, raws))
+    reader = ConvertedLog(tmp_path / "out").record_reader()
+    reader.cache_bytes = budget
+    assert len(reader) == len(whole) and reader.opened() == ()
+    first_file = np.arange(reader.first[1])
+    assert reader.read(first_file[::-1]) == [raws[i] for i in first_file[::-1]]
+    assert reader.opened() == (whole.files[0],)
+    order = np.random.default_rng(0).permutation(len(whole))
+    for _ in range(2):  # the second time partly from the kept records
+        assert reader.read(order) == [raws[i] for i in order]
+        assert 0 < reader._kept_bytes <= budget
+    for record in (order[0], order[-1]):
+        assert reader.read(np.array([record])) == [raws[record]] and list(reader._kept)[-1] == record  # the most recent
+    assert reader.read(np.zeros(0, np.int64)) == []
+    with pytest.raises(IndexError, match=r"record out of range \[0, \d+\)"):
+        reader.read(np.array([len(whole)]))
+
+
 def test_an_older_format_is_refused_and_converted_again(tmp_path):
     """A conversion of format version 1 (before the train-event index): reading it says to convert again;
     converting again with the same arguments replaces it."""
