@@ -252,8 +252,8 @@ def _stages(dataset: Dataset, batches: int) -> list[dict]:
     """Milliseconds per train batch of the EVENTS builder's stages, two passes over the same `batches`
     batches (the first may read from disk, the second from the page cache): the record read
     (`RecordReader.read`), their decoding (`RecordLayout.decode_many`), and the whole builder call
-    (read, decode, gather and validate). cProfile cannot see inside the builder's call (the frames of
-    the array_record reader's caller are lost), hence these timers."""
+    (read, decode, gather and validate). cProfile loses the builder's frames when it calls the
+    array_record reader (records not yet kept), hence these timers."""
     build = dataset.train_batch
     index, indices = build.index, dataset.train_indices()
     plan = [indices[i] for i in range(batches)]

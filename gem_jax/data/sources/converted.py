@@ -29,7 +29,8 @@ access, one record per chunk, a shard file opened on its first read), so a
 process of a multi-process run (`gem_jax.data.shard`) reads the records of its
 own devices' examples and nothing else. Held per process: the
 index, about 12 bytes per event (each example's target and history length),
-and the item tables.
+the item tables, and the records read last, up to `RecordReader.CACHE_BYTES`
+(1 GiB; a log whose records fit is read from its files once per process).
 """
 
 from __future__ import annotations
