@@ -54,9 +54,9 @@ def feature_ids(feature: CategoricalFeature, batch_size: int, ids: np.ndarray) -
     return out
 
 
-def check_history_lengths(examples: Examples, spec: FeatureSpec) -> None:
-    """Raises `JaggedError` when an example's history is longer than `spec.max_seq_len`."""
-    if int(examples.history_length.max(initial=0)) > spec.max_seq_len:
+def check_history_lengths(history_length: np.ndarray, spec: FeatureSpec) -> None:
+    """Raises `JaggedError` when an example's history (int `[E]` lengths) is longer than `spec.max_seq_len`."""
+    if int(history_length.max(initial=0)) > spec.max_seq_len:
         raise JaggedError(f"an example history is longer than max_seq_len {spec.max_seq_len}")
 
 
@@ -89,7 +89,7 @@ class BatchBuilder:
     """
 
     def __init__(self, log: EventLog, examples: Examples, spec: FeatureSpec, batch_size: int):
-        check_history_lengths(examples, spec)
+        check_history_lengths(examples.history_length, spec)
         self.log = log
         self.examples = examples
         self.spec = spec

@@ -19,7 +19,9 @@ position, so a resumed run yields exactly the remaining batches.
 
 Your own event log (`Source.EVENTS`, a directory `gem-data convert` wrote) is
 read by `gem_jax.data.sources.converted`: every event is an example of its
-split, with the user's earlier events as history; the same `Dataset` follows.
+split, with the user's earlier events as history; the examples and their
+lengths come from the conversion's index, and each batch reads only its
+examples' records; the same `Dataset` follows.
 
 In a multi-process run each process iterates `local_train_iterator(shard)` and
 `local_eval_batches(shard)`: the same global batches, of which it builds only its
@@ -57,6 +59,7 @@ from gem_jax.data.config import BBSConfig, DataConfig, Source, SyntheticConfig
 from gem_jax.data.events import EventLog
 from gem_jax.data.examples import Examples, item_mean_labels, next_item_examples, rating_examples
 from gem_jax.data.sources.movielens_100k import read_ml_100k
+from gem_jax.data.ingest.split import EVAL, TRAIN
 from gem_jax.data.sources.converted import (
     ConvertedBatchBuilder,
     converted_examples,
@@ -64,7 +67,7 @@ from gem_jax.data.sources.converted import (
     converted_notes,
     converted_skipped,
     converted_spec,
-    read_converted,
+    read_converted_index,
 )
 from gem_jax.data.sources.movielens_small import read_ml_latest_small
 from gem_jax.data.paths import fingerprint, resolve_path
@@ -446,7 +449,16 @@ def _load_file_source(config: DataConfig) -> Dataset:
         path=str(path.resolve()),
         fingerprint=fingerprint(path),
     )
-    return _examples_dataset(config, spec, info, train, evals, BatchBuilder(log, train, spec, config.batch_size), BatchBuilder(log, evals, spec, config.batch_size))
+    return _examples_dataset(
+        config,
+        spec,
+        info,
+        train.history_length,
+        evals.history_length,
+        item_mean_labels(train, spec.num_items),
+        BatchBuilder(log, train, spec, config.batch_size),
+        BatchBuilder(log, evals, spec, config.batch_size),
+    )
 
 
 def _load_converted(config: DataConfig) -> Dataset:
@@ -456,36 +468,36 @@ def _load_converted(config: DataConfig) -> Dataset:
             "directory (e.g. --set data.path=data/mylog)"
         )
     path = Path(config.path)
-    events = read_converted(path)
-    train, evals = converted_examples(events, config.max_seq_len)
-    spec = converted_spec(events, num_time_buckets=config.num_time_buckets, max_seq_len=config.max_seq_len)
-    manifest = events.manifest
+    index = read_converted_index(path)
+    train, evals = converted_examples(index, config.max_seq_len)
+    spec = converted_spec(index, num_time_buckets=config.num_time_buckets, max_seq_len=config.max_seq_len)
+    manifest = index.manifest
     info = DatasetInfo(
         name=path.resolve().name,
         task_names=spec.tasks,
         label_names=tuple(task["rule"] for task in manifest["tasks"]),
-        num_events=events.num_events,
+        num_events=index.num_events,
         num_users=manifest["counts"]["users"],
         num_items=manifest["counts"]["items"],
         num_train_examples=len(train),
         num_eval_examples=len(evals),
-        train_positive_rate=_mean_rate(train),
-        eval_positive_rate=_mean_rate(evals),
+        train_positive_rate=tuple(float(p) for p in index.item_train_positives.sum(axis=0) / len(train)),
+        eval_positive_rate=tuple(float(task["eval_positive_rate"]) for task in manifest["tasks"]),
         skipped=converted_skipped(manifest),
-        notes=converted_notes(events),
+        notes=converted_notes(manifest),
         source=config.source.name,
         path=str(path.resolve()),
         fingerprint=converted_fingerprint(manifest),
     )
-    train_weights = None if events.weight is None else events.weight[train.target_event]
     return _examples_dataset(
         config,
         spec,
         info,
-        train,
-        evals,
-        ConvertedBatchBuilder(events, train, spec, config.batch_size, train_weights),
-        ConvertedBatchBuilder(events, evals, spec, config.batch_size),
+        train.history_length,
+        evals.history_length,
+        index.item_mean_labels(),
+        ConvertedBatchBuilder(index, train, spec, config.batch_size, TRAIN),
+        ConvertedBatchBuilder(index, evals, spec, config.batch_size, EVAL),
     )
 
 
@@ -493,25 +505,31 @@ def _examples_dataset(
     config: DataConfig,
     spec: FeatureSpec,
     info: DatasetInfo,
-    train: Examples,
-    evals: Examples,
+    train_lengths: np.ndarray,
+    eval_lengths: np.ndarray,
+    item_means: np.ndarray,
     train_batch: Callable[..., Batch],
     eval_batch: Callable[..., Batch],
 ) -> Dataset:
-    """The `Dataset` of a source whose examples are index arrays (`Examples`) built by `train_batch` / `eval_batch`."""
-    train_lengths = functools.partial(np.take, train.history_length)
+    """The `Dataset` of a source whose examples are index arrays built by `train_batch` / `eval_batch`.
+
+    Args:
+      train_lengths, eval_lengths: int32 `[E]` history length of each example of the split.
+      item_means: float32 `[num_items, K]` the item-mean-label baseline (`Dataset.item_mean_labels`).
+    """
+    lengths = functools.partial(np.take, train_lengths)
     return Dataset(
         spec=spec,
         info=info,
         batch_size=config.batch_size,
-        token_buckets=token_buckets(config, train_lengths, len(train)),
+        token_buckets=token_buckets(config, lengths, len(train_lengths)),
         seed=config.seed,
         prefetch_batches=config.prefetch_batches,
         train_batch=train_batch,
         eval_batch=eval_batch,
-        item_mean_labels=item_mean_labels(train, spec.num_items),
-        train_lengths=train_lengths,
-        eval_lengths=functools.partial(np.take, evals.history_length),
+        item_mean_labels=item_means,
+        train_lengths=lengths,
+        eval_lengths=functools.partial(np.take, eval_lengths),
         bbs=config.bbs,
     )
 

@@ -29,8 +29,17 @@ The output directory (written as `OUT.partial`, moved to `OUT` when complete)::
     vocab/action.csv         with an action column
     vocab/<side>_feature.<name>.csv
     item_features.npz        int32 [item rows, max values] per item feature
-    lengths.npz              int32 [records] of each shard (its file name)
+    lengths.npz              int32 [records] of each shard (its file name): events per record
+    train_events.npz         int32 [records] of each shard: train events per record (a user's
+                             first that many events are train, the rest eval: every split
+                             rule is a cutoff in the user's time order)
+    item_train_labels.npz    `events` int64 [item rows]: train events of each item;
+                             `positives` int64 [item rows, K]: their positive labels per task
     shards/part-SSSSS-of-NNNNN.array_record
+
+With `lengths.npz` and `train_events.npz` every process knows every example (its
+record, position and split) and its history length without reading a record, and
+`item_train_labels.npz` gives the item-mean-label baseline.
 
 Re-running on the same inputs and settings is a no-op (decided by size and
 modification time, or by sha256 when those moved; `manifest.check_unchanged`).
@@ -296,7 +305,10 @@ def convert(
     table_files = {side: list(expand_inputs([schema.table(side)], schema.delimiter)) for side in Side if schema.table(side)}
     all_paths = [str(f.path) for f in files] + [str(f.path) for side in table_files for f in table_files[side]]
     settings = options.settings(schema)
-    if (out / manifest_lib.MANIFEST).exists():
+    older = manifest_lib.older_version(out)
+    if older is not None:
+        log(f"converting again: {out} holds a conversion of format version {older}, this gem-data writes version {manifest_lib.VERSION}")
+    elif (out / manifest_lib.MANIFEST).exists():
         previous = manifest_lib.read_manifest(out)
         unchanged, reason = manifest_lib.check_unchanged(previous, settings, all_paths)
         if unchanged:
@@ -445,6 +457,9 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     (work / "shards").mkdir()
     writers = [ArrayRecordWriter(str(work / "shards" / name), WRITER_OPTIONS) for name in shard_names]
     shard_lengths: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
+    shard_train: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
+    item_train_events = np.zeros(item_rows, dtype=np.int64)
+    item_train_positives = np.zeros((item_rows, len(schema.labels)), dtype=np.int64)
     split_counts = np.zeros(2, dtype=np.int64)
     eval_positives = np.zeros(len(schema.labels), dtype=np.int64)
     user_conflicts = dict.fromkeys((f.name for f in schema.side_features(Side.USER) if Side.USER not in tables), 0)
@@ -475,6 +490,10 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             events_out["weight"] = table["weight"].to_numpy()[order]
         events_out["split"] = eval_flags(options.split, cutoff, starts, events_out["time"])
         split_counts += np.bincount(events_out["split"], minlength=2)
+        train = events_out["split"] == 0
+        item_train_events += np.bincount(events_out["item"][train], minlength=item_rows)
+        for k in range(len(schema.labels)):
+            item_train_positives[:, k] += np.bincount(events_out["item"][train], weights=events_out["labels"][train, k] > 0, minlength=item_rows).astype(np.int64)
         eval_positives += (events_out["labels"][events_out["split"] == 1] > 0).sum(axis=0).astype(np.int64)
 
         users_out = np.zeros(num_users, dtype=layout.user_dtype)
@@ -513,11 +532,13 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             item_time[present] = np.maximum(item_time[present], latest)
 
         lengths = np.diff(starts).astype(np.int32)
+        train_events = np.add.reduceat(train.astype(np.int32), starts[:-1]).astype(np.int32)  # every user has >= 1 event
         shard_of = (records_written + np.arange(num_users)) % num_shards
         for k, record in enumerate(layout.records(users_out, events_out, starts)):
             writers[shard_of[k]].write(record)
         for s in range(num_shards):
             shard_lengths[s].append(lengths[shard_of == s])
+            shard_train[s].append(train_events[shard_of == s])
         records_written += num_users
         log(f"bucket {b + 1}/{num_buckets}: {num_users} users, {n} events")
     for writer in writers:
@@ -533,6 +554,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         np.savez(work / "item_features.npz", **item_table)
     lengths_by_shard = {name: np.concatenate(parts) if parts else np.zeros(0, np.int32) for name, parts in zip(shard_names, shard_lengths)}
     np.savez(work / "lengths.npz", **lengths_by_shard)
+    np.savez(work / "train_events.npz", **{name: np.concatenate(parts) if parts else np.zeros(0, np.int32) for name, parts in zip(shard_names, shard_train)})
+    np.savez(work / "item_train_labels.npz", events=item_train_events, positives=item_train_positives)
     all_lengths = np.concatenate(list(lengths_by_shard.values()))
     if Side.ITEM not in tables:
         for feature in item_features:
@@ -575,6 +598,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         ],
         "shards": [f"shards/{name}" for name in shard_names],
         "lengths": "lengths.npz",
+        "train_events": "train_events.npz",
+        "item_train_labels": "item_train_labels.npz",
         "item_features": "item_features.npz" if item_features else None,
         "record_layout": layout.to_json(),
         "sequence_lengths": length_summary(all_lengths),

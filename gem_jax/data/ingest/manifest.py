@@ -25,7 +25,7 @@ from gem_jax.data.rows import DataFormatError
 
 MANIFEST = "manifest.json"
 FORMAT = "gem-data converted event log"
-VERSION = 1
+VERSION = 2  # 2: the per-record train counts and the item train labels (no record read to plan batches)
 
 
 def sha256_of(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
@@ -57,9 +57,25 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         raise DataFormatError(f"{directory}: no {MANIFEST}; not a converted log (run gem-data convert)") from None
     except json.JSONDecodeError as error:
         raise DataFormatError(f"{path}: not valid JSON ({error})") from None
+    if data.get("format") == FORMAT and isinstance(data.get("version"), int) and data["version"] < VERSION:
+        raise DataFormatError(
+            f"{path}: converted by an older gem-data (format version {data['version']}; this one reads version {VERSION}); "
+            "run gem-data convert again with the same arguments: it replaces the old conversion"
+        )
     if data.get("format") != FORMAT or data.get("version") != VERSION:
         raise DataFormatError(f"{path}: format {data.get('format')!r} version {data.get('version')!r}; expected {FORMAT!r} version {VERSION}")
     return data
+
+
+def older_version(directory: str | os.PathLike) -> int | None:
+    """The format version of the conversion in `directory` when it is one of this format older than `VERSION`, else None
+    (no manifest, not ours, unreadable, or current: `read_manifest` says which)."""
+    try:
+        data = json.loads((Path(directory) / MANIFEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    version = data.get("version") if isinstance(data, dict) and data.get("format") == FORMAT else None
+    return version if isinstance(version, int) and version < VERSION else None
 
 
 def write_manifest(directory: Path, data: dict[str, Any]) -> None:

@@ -97,23 +97,19 @@ class RecordLayout:
           ValueError: a record shorter than its header, or whose size does not
             match its event count.
         """
-        if not raws:
-            return np.zeros(0, self.user_dtype), np.zeros(0, self.event_dtype), np.zeros(0, np.uint32)
-        buffer = np.frombuffer(b"".join(raws), np.uint8)
-        sizes = np.fromiter(map(len, raws), np.int64, len(raws))
-        starts = np.cumsum(sizes) - sizes
         head = _HEADER.itemsize + self.user_dtype.itemsize
+        sizes = np.fromiter(map(len, raws), np.int64, len(raws))
         short = np.flatnonzero(sizes < head)
         if short.size:
             raise ValueError(f"record {int(short[0])} holds {int(sizes[short[0]])} bytes, fewer than its {head}-byte header")
-        head_bytes = buffer[starts[:, None] + np.arange(head)]  # [u, head]
-        counts = np.ascontiguousarray(head_bytes[:, : _HEADER.itemsize]).view(_HEADER).reshape(-1)
+        views = [memoryview(raw) for raw in raws]
+        heads = np.frombuffer(b"".join([view[:head] for view in views]), dtype=[("num_events", _HEADER), ("user", self.user_dtype)])
+        counts = heads["num_events"]
         bad = np.flatnonzero(sizes != head + counts.astype(np.int64) * self.event_dtype.itemsize)
         if bad.size:
             raise ValueError(f"record {int(bad[0])} holds {int(sizes[bad[0]])} bytes, its header says {int(counts[bad[0]])} events")
-        users = np.ascontiguousarray(head_bytes[:, _HEADER.itemsize :]).view(self.user_dtype).reshape(-1)
-        events = np.delete(buffer, (starts[:, None] + np.arange(head)).reshape(-1)).view(self.event_dtype)
-        return users, events, counts
+        events = np.frombuffer(b"".join([view[head:] for view in views]), self.event_dtype)
+        return np.ascontiguousarray(heads["user"]), events, np.ascontiguousarray(counts)
 
     def to_json(self) -> dict:
         return {

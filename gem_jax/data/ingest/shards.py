@@ -9,12 +9,15 @@ multiple).
 
 from __future__ import annotations
 
+import collections
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grain
 import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader
 
 from gem_jax.data.ingest.manifest import read_manifest
 from gem_jax.data.ingest.records import RecordLayout
@@ -22,6 +25,93 @@ from gem_jax.data.ingest.schema import EventSchema
 from gem_jax.data.ingest.split import SplitRule
 from gem_jax.data.ingest.vocab import Vocab
 from gem_jax.data.rows import DataFormatError
+
+
+class RecordReader:
+    """Batched random access to the records of several shard files, numbered over the files in order.
+
+    Each file is opened on its first read (a process opens only the files it reads),
+    and each `read` reads each file's records in one call of array_record's reader,
+    single-threaded: no thread pool per call, which on a few busy cores costs more
+    than the reads (grain's `ArrayRecordDataSource.__getitems__` starts one per call).
+    The records read last are kept, up to `cache_bytes` (least recently used dropped
+    first): a user's record serves every example of theirs, so on a log whose
+    records fit, each is read from its file once. Picklable (the open files and the
+    kept records are not: a copy opens its own); thread-safe.
+
+    Args:
+      files: the shard files.
+      counts: records per file (int `[F]`), as the conversion's index gives them.
+      cache_bytes: the most record bytes kept (0: none).
+
+    Raises:
+      ValueError: not one count per file, or `cache_bytes < 0`.
+    """
+
+    OPTIONS = "readahead_buffer_size:0,max_parallelism:1"
+    CACHE_BYTES = 1 << 30
+
+    def __init__(self, files: Sequence[Path], counts: Sequence[int], cache_bytes: int = CACHE_BYTES):
+        if len(files) != len(counts):
+            raise ValueError(f"RecordReader: {len(files)} files but {len(counts)} record counts")
+        if cache_bytes < 0:
+            raise ValueError(f"RecordReader: cache_bytes must be >= 0, got {cache_bytes}")
+        self.files = tuple(Path(f) for f in files)
+        self.first = np.zeros(len(files) + 1, np.int64)  # file f holds records first[f]:first[f + 1]
+        np.cumsum(np.asarray(counts, np.int64), out=self.first[1:])
+        self.cache_bytes = cache_bytes
+        self.__setstate__(self.__getstate__())
+
+    def __len__(self) -> int:
+        return int(self.first[-1])
+
+    def __getstate__(self) -> dict:
+        return {"files": self.files, "first": self.first, "cache_bytes": self.cache_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._readers: dict[int, ArrayRecordReader] = {}
+        self._kept: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._kept_bytes = 0
+        self._lock = threading.Lock()
+
+    def opened(self) -> tuple[Path, ...]:
+        """The files opened so far, in file order."""
+        return tuple(self.files[f] for f in sorted(self._readers))
+
+    def read(self, records: np.ndarray) -> list[bytes]:
+        """The bytes of records `records` (int `[u]`, in `[0, len)`), in that order.
+
+        Raises:
+          IndexError: a record outside `[0, len)`.
+        """
+        records = np.asarray(records, np.int64)
+        if records.size and (records.min() < 0 or records.max() >= len(self)):
+            raise IndexError(f"record out of range [0, {len(self)}): {records.min()}..{records.max()}")
+        keys = records.tolist()
+        with self._lock:
+            out = [self._kept.get(key) for key in keys]
+            for key in keys:
+                if key in self._kept:
+                    self._kept.move_to_end(key)
+            missing = np.array([k for k, raw in enumerate(out) if raw is None], np.int64)
+            file_of = np.searchsorted(self.first, records[missing], side="right") - 1
+            for f in np.unique(file_of).tolist():
+                at = missing[file_of == f]
+                if f not in self._readers:
+                    self._readers[f] = ArrayRecordReader(str(self.files[f]), self.OPTIONS)
+                for k, raw in zip(at.tolist(), self._readers[f].read((records[at] - self.first[f]).tolist())):
+                    out[k] = raw
+                    self._keep(keys[k], raw)
+        return out
+
+    def _keep(self, key: int, raw: bytes) -> None:
+        if len(raw) > self.cache_bytes or key in self._kept:
+            return
+        self._kept[key] = raw
+        self._kept_bytes += len(raw)
+        while self._kept_bytes > self.cache_bytes:
+            self._kept_bytes -= len(self._kept.popitem(last=False)[1])
 
 
 class ConvertedLog:
@@ -51,8 +141,8 @@ class ConvertedLog:
         (`jax.process_index()`, `jax.process_count()` in a multi-host run).
 
     Raises:
-      DataFormatError: not a converted directory, a shard file missing, or more
-        processes than shard files (some process would get none).
+      DataFormatError: not a converted directory (or one of an older format), a shard
+        file missing, or more processes than shard files (some process would get none).
       ValueError: `process_index` outside `[0, process_count)`.
     """
 
@@ -112,10 +202,29 @@ class ConvertedLog:
         np.cumsum(counts, out=starts[1:])
         return users, events, starts
 
+    def record_reader(self) -> RecordReader:
+        """A `RecordReader` of this process's records, numbered as here (`RecordReader` opens files on demand)."""
+        with np.load(self.directory / self.manifest["lengths"]) as saved:
+            return RecordReader(self.files, [saved[f.name].shape[0] for f in self.files])
+
     def lengths(self) -> np.ndarray:
         """int32 `[len]`: the number of events of each of this process's records, in index order (no record read)."""
-        with np.load(self.directory / self.manifest["lengths"]) as saved:
+        return self._per_record("lengths")
+
+    def train_lengths(self) -> np.ndarray:
+        """int32 `[len]`: the train events of each of this process's records, in index order (no record read):
+        a record's first that many events are train (split 0), the rest eval."""
+        return self._per_record("train_events")
+
+    def _per_record(self, key: str) -> np.ndarray:
+        with np.load(self.directory / self.manifest[key]) as saved:
             return np.concatenate([saved[f.name] for f in self.files]).astype(np.int32)
+
+    def item_train_labels(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(events, positives)`: int64 `[item rows]` train events of each item and int64 `[item rows, K]`
+        their positive labels per task (the whole log's, whatever the process)."""
+        with np.load(self.directory / self.manifest["item_train_labels"]) as saved:
+            return saved["events"], saved["positives"]
 
     def vocab(self, name: str) -> Vocab:
         """A vocabulary of the log: `user`, `item`, `action` or `<side>_feature.<name>`."""

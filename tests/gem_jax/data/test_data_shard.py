@@ -3,6 +3,7 @@ the processes build every example once; the local batches place like the global 
 a converted own event log (`Source.EVENTS`) of the same example counts."""
 
 import dataclasses
+import pickle
 
 import chex
 import jax
@@ -12,7 +13,10 @@ import pytest
 from event_logs import convert_event_log, write_event_log
 from gem_jax.batch import BatchShard, LocalBatch
 from gem_jax.data.pipeline import BBSConfig, DataConfig, Source, SyntheticConfig, load_dataset
+from gem_jax.data.ingest.shards import RecordReader
+from gem_jax.data.ingest.split import EVAL, TRAIN
 from gem_jax.data.shard import LocalBatchBuilder
+from gem_jax.data.sources.converted import ConvertedBatchBuilder
 from gem_jax.mesh import Topology, make_mesh
 from gem_jax.parallel.placement import BatchPlacement, stack_batch
 
@@ -91,6 +95,36 @@ def test_processes_build_disjoint_shares_of_the_global_batches(dataset, layout):
     for seen, total in ((train_seen, 70), (eval_seen, 52)):
         assert not set(seen[0]) & set(seen[1])  # disjoint shares
         np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(total))  # together: every example once
+
+
+def test_an_event_log_process_reads_only_its_examples_records(tmp_path, monkeypatch):
+    """An own event log: loading it reads no record (the examples and lengths come from the conversion's index);
+    each process's local batch reads, in one batched read, exactly the records (users) of its chunks' examples,
+    and a process opens only the shard files that hold them."""
+    write_event_log(tmp_path / "events", num_train=70, num_eval=52)
+    path = convert_event_log(tmp_path / "events", tmp_path / "converted", shards=12).out
+    reads = []
+    read = RecordReader.read
+    monkeypatch.setattr(RecordReader, "read", lambda self, records: reads.append(np.asarray(records).tolist()) or read(self, records))
+    dataset = load_dataset(dataclasses.replace(CONFIG, source=Source.EVENTS, path=str(path)))
+    dataset = dataset.resolve_bbs(num_shards=D, workload=lambda lengths: (1.0 + lengths) ** 2)
+    assert reads == [] and dataset.train_batch.index.reader.opened() == ()
+    for chunks in SHARDS["interleaved"]:
+        index = dataclasses.replace(dataset.train_batch.index, reader=pickle.loads(pickle.dumps(dataset.train_batch.index.reader)))  # a process's own
+        builders = {}
+        for split, build in ((TRAIN, dataset.train_batch), (EVAL, dataset.eval_batch)):
+            builders[split] = Recorder(ConvertedBatchBuilder(index, build.examples, build.spec, build.batch_size, split))
+        ds = dataclasses.replace(dataset, train_batch=builders[TRAIN], eval_batch=builders[EVAL])
+        reads.clear()
+        train = ds.local_train_iterator(BatchShard(D, chunks), num_epochs=1)
+        next(train)
+        first = sorted(set((np.searchsorted(index.reader.first, reads[0], side="right") - 1).tolist()))
+        assert index.reader.opened() == tuple(index.reader.files[f] for f in first) and len(first) < len(index.reader.files)
+        list(train)
+        list(ds.local_eval_batches(BatchShard(D, chunks)))
+        calls = [(builders[TRAIN].build.examples, c) for c in builders[TRAIN].calls] + [(builders[EVAL].build.examples, c) for c in builders[EVAL].calls]
+        users = [sorted(set((np.searchsorted(index.starts, examples.target_event[c], side="right") - 1).tolist())) for examples, c in calls]
+        assert reads == [u for u in users if u]  # a batch of padding only reads nothing
 
 
 def test_the_whole_shard_is_the_global_batch(dataset):

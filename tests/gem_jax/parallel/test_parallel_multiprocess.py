@@ -87,7 +87,7 @@ def test_two_processes_run_an_uneven_epoch_like_one_process(start_worker, run_wo
     devices) and an eval set of 52 (the last batch 20): both processes finish every step and eval batch; each
     built a disjoint share of the examples, together all of them; the losses and eval metrics are those of one
     process running the same global batches on 4 devices. The synthetic source, and an own event log of 70
-    train and 52 eval events converted into 3 shard files (each process reads all of them)."""
+    train and 52 eval events converted into 3 shard files (each process reads only the records of its own examples)."""
     data = []
     if source == "events":
         write_event_log(tmp_path / "events", num_train=70, num_eval=52)

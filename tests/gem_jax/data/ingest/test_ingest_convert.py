@@ -107,6 +107,18 @@ def test_round_trip_every_event_once_in_time_order(log, tmp_path):
     assert sum(result.manifest["feature_conflicts"].values()) == 0
     np.testing.assert_array_equal(np.sort(reader.lengths()), np.sort([len(rec["item"]) for rec in records.values()]))
     assert result.manifest["sequence_lengths"]["events"] == len(rows)
+    # The index: per record, its events and its train events (a prefix: the rest are eval); per item, its train labels.
+    in_order = list(reader)
+    np.testing.assert_array_equal(reader.lengths(), [len(rec["item"]) for rec in in_order])
+    np.testing.assert_array_equal(reader.train_lengths(), [int((rec["split"] == 0).sum()) for rec in in_order])
+    assert all(not rec["split"][: int((rec["split"] == 0).sum())].any() for rec in in_order)
+    item_events, item_positives = reader.item_train_labels()
+    train_rows = [r for r in rows if r["ts"] < cutoff]
+    assert item_events.sum() == len(train_rows) and item_positives.shape == (len(item_ids) + 2, 2)
+    for row in range(2, len(item_ids) + 2):
+        mine = [r for r in train_rows if r["iid"] == item_ids[row - 2]]
+        assert item_events[row] == len(mine)
+        np.testing.assert_array_equal(item_positives[row], [sum(r["click"] for r in mine), sum(r["rating"] >= 4 for r in mine)])
 
 
 def test_buckets_do_not_change_the_records(log, tmp_path):
@@ -123,6 +135,8 @@ def test_buckets_do_not_change_the_records(log, tmp_path):
         # last:2 holds out the last two events of users with more than two
         n = len(a[user]["split"])
         np.testing.assert_array_equal(a[user]["split"], [n > 2 and k >= n - 2 for k in range(n)])
+    reader = ConvertedLog(four.out)
+    np.testing.assert_array_equal(reader.train_lengths(), [int((rec["split"] == 0).sum()) for rec in reader])
 
 
 def test_two_processes_read_disjoint_shares(log, tmp_path):
@@ -161,6 +175,50 @@ def test_rerun_is_a_no_op_and_a_changed_input_is_refused(tmp_path):
     with pytest.raises(DataFormatError, match="mine exists and is not a converted log"):
         convert([events], tmp_path / "mine", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.5")), overwrite=True)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_record_reader_reads_and_keeps_records(log, tmp_path):
+    """`RecordReader`: any records in any order, as `ConvertedLog` gives them; it opens only the files it reads,
+    and keeps the records read last within its byte budget (the least recently used dropped first)."""
+    events, _ = log
+    convert([events], tmp_path / "out", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.9"), shards=3), log=lambda _: None)
+    whole = ConvertedLog(tmp_path / "out")
+    raws = [whole.source[i] for i in range(len(whole))]
+    budget = sum(sorted(map(len, raws))[-3:])  # room for any 3 records, not for all
+    assert budget < sum(map(len, raws))
+    reader = ConvertedLog(tmp_path / "out").record_reader()
+    reader.cache_bytes = budget
+    assert len(reader) == len(whole) and reader.opened() == ()
+    first_file = np.arange(reader.first[1])
+    assert reader.read(first_file[::-1]) == [raws[i] for i in first_file[::-1]]
+    assert reader.opened() == (whole.files[0],)
+    order = np.random.default_rng(0).permutation(len(whole))
+    for _ in range(2):  # the second time partly from the kept records
+        assert reader.read(order) == [raws[i] for i in order]
+        assert 0 < reader._kept_bytes <= budget
+    for record in (order[0], order[-1]):
+        assert reader.read(np.array([record])) == [raws[record]] and list(reader._kept)[-1] == record  # the most recent
+    assert reader.read(np.zeros(0, np.int64)) == []
+    with pytest.raises(IndexError, match=r"record out of range \[0, \d+\)"):
+        reader.read(np.array([len(whole)]))
+
+
+def test_an_older_format_is_refused_and_converted_again(tmp_path):
+    """A conversion of format version 1 (before the train-event index): reading it says to convert again;
+    converting again with the same arguments replaces it."""
+    events = tmp_path / "events"
+    events.mkdir()
+    pa_csv.write_csv(pa.table(_events(np.random.default_rng(1), 30)), events / "a.csv")
+    args = ([events], tmp_path / "out", SCHEMA, ConvertOptions(split=SplitRule.parse("time:0.5")))
+    convert(*args, log=lambda _: None)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest | {"version": 1}))
+    with pytest.raises(DataFormatError, match=r"converted by an older gem-data \(format version 1; this one reads version 2\); run gem-data convert again"):
+        ConvertedLog(tmp_path / "out")
+    lines = []
+    assert convert(*args, log=lines.append).status == "converted"
+    assert "holds a conversion of format version 1, this gem-data writes version 2" in lines[0]
+    assert len(ConvertedLog(tmp_path / "out").train_lengths()) == manifest["counts"]["users"]
 
 
 def test_side_tables_and_reused_vocabularies(tmp_path):
