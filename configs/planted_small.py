@@ -6,8 +6,8 @@ The comparison run for configs/planted_gem.py: the same converted planted log, h
 up to 1024 events, 1024 examples a step, 1200 steps, evals at 600 and 1200; the model
 (width 32, 2 sequence layers) and optimizer settings are configs/events.py's (dense AdamW peak
 2e-3 after 50 warm-up steps, weight decay 1e-4, embedding Adagrad 0.05), with the cosine decay
-stretched to the longer run. It is cheap enough to run beside the GEM-width run in the same job,
-and on the CPU with smaller batches and windows (benchmarks/quality.md has such a run).
+stretched to the longer run. With smaller batches and windows it also runs on the CPU
+(benchmarks/quality.md has such a run).
 """
 
 import dataclasses
