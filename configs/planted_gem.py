@@ -34,8 +34,7 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
 - embedding tables: Adagrad at 1.0, 20x the MovieLens demo's 0.05. optax's accumulator starts at
   0.1, and a row's gradient of a batch-mean loss is small (its squares add up to far less than
   0.1 in a short run: 0.100008 median after 500 CPU steps), so Adagrad acts as SGD at rate
-  lr / sqrt(0.1) and 0.05 barely moves the
-  rows: on the CPU (benchmarks/quality.md, "Training on the planted source") a tiny model on a
+  lr / sqrt(0.1) and 0.05 barely moves the rows: on the CPU (benchmarks/quality.md, "Training on the planted source") a tiny model on a
   planted log passed the item-mean baseline within 500 steps only at embedding rates of about 10
   (AUC 0.541 at 0.05, 0.565 at 1, 0.579 at 3, 0.598 at 10, 0.585 at 30; baseline 0.590). The
   GEM-width rows start 11x smaller (init sd d^-0.5 = 0.031 against 0.35 at d = 8), so the same
