@@ -18,6 +18,13 @@ tasks.
     python benchmarks/compare_runs.py --run full=runs/f32 --run fp8_32=runs/fp8 \
         --title "MovieLens latest-small: FP8 towers vs full precision" \
         --out benchmarks/results/fp8_movielens_cpu.json --figure benchmarks/figures/fp8_movielens_ne.png
+
+Runs on a planted log (`gem-data plant`, benchmarks/quality.md "The planted source") are also
+placed between its item-mean baseline and its oracle: `--planted DIR` (the planted directory;
+its `oracle.json` is the report for the split the log was converted with) adds, per run and
+eval record, the AUC and NE of the reference's first task and their lift fractions, e.g.
+`(AUC - AUC_item_mean) / (AUC_oracle - AUC_item_mean)` (0: the baseline, 1: the oracle; NE
+alike, falling), to the summary (`planted`) and prints them as a Markdown table.
 """
 
 from __future__ import annotations
@@ -56,12 +63,42 @@ def run_tasks(workdir: Path, train: list[dict]) -> list[str]:
     return list(LEGACY_TASKS) if set(logged) <= set(LEGACY_TASKS) else logged
 
 
+def lift_fraction(value: float, baseline: float, oracle: float) -> float:
+    """Where `value` sits from `baseline` (0) to `oracle` (1); NaN when they are equal."""
+    return (value - baseline) / (oracle - baseline) if oracle != baseline else float("nan")
+
+
+def planted_rows(oracle: dict, evals: dict[str, list[dict]], task: dict[str, str]) -> list[dict]:
+    """Per run and eval record: step, AUC and NE of the run's `task[name]`, and their lift fractions
+    between `oracle`'s (an `oracle.json`: `oracle_report(...).to_json()`) item-mean baseline and oracle."""
+    base, best = oracle["item_mean"], oracle["oracle"]
+    rows = []
+    for name, records in evals.items():
+        for record in records:
+            auc, ne = record[f"auc_{task[name]}"], record[f"ne_{task[name]}"]
+            rows.append({
+                "run": name, "step": record["step"], "auc": auc, "ne": ne,
+                "auc_lift_fraction": lift_fraction(auc, base["auc"], best["auc"]),
+                "ne_lift_fraction": lift_fraction(ne, base["ne"], best["ne"]),
+            })
+    return rows
+
+
+def planted_table(oracle: dict, rows: list[dict]) -> str:
+    """`planted_rows` as a Markdown table, under the item-mean and oracle rows."""
+    lines = [f"split {oracle['split']}, {oracle['eval_events']} eval events", "", "| run | step | AUC | NE | AUC lift fraction | NE lift fraction |", "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | | {oracle[key]['auc']:.4f} | {oracle[key]['ne']:.4f} | {lift:g} | {lift:g} |" for name, key, lift in (("item-mean", "item_mean", 0), ("oracle", "oracle", 1))]
+    lines += [f"| {r['run']} | {r['step']} | {r['auc']:.4f} | {r['ne']:.4f} | {r['auc_lift_fraction']:.3f} | {r['ne_lift_fraction']:.3f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, help="name=workdir; the first is the reference")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
     parser.add_argument("--title", default="eval and train NE per run")
+    parser.add_argument("--planted", type=Path, help="a gem-data plant directory: place every eval against its oracle.json (module docstring)")
     parser.add_argument("--loss-window", type=int, default=5, help="last logged train steps averaged for the final loss (>= 1)")
     args = parser.parse_args()
     if args.loss_window < 1:
@@ -124,6 +161,18 @@ def main() -> None:
         },
         "curves": {name: {"train": run["train"], "eval": run["eval"]} for name, run in runs.items()},
     }
+    if args.planted is not None:
+        report = args.planted / "oracle.json"
+        if not report.is_file():
+            raise SystemExit(f"compare_runs: --planted {args.planted} holds no oracle.json (gem-data plant writes it for its --split)")
+        oracle = json.loads(report.read_text())
+        for name, run in runs.items():
+            missing = [r["step"] for r in run["eval"] if f"auc_{names[name][tasks[0]]}" not in r]
+            if missing:
+                raise SystemExit(f"compare_runs: run {name!r}, eval records of steps {missing} lack auc_{names[name][tasks[0]]} ({paths[name] / 'metrics.jsonl'})")
+        rows = planted_rows(oracle, {name: run["eval"] for name, run in runs.items()}, {name: names[name][tasks[0]] for name in runs})
+        summary["planted"] = {"oracle_report": oracle, "task": tasks[0], "evals": rows}
+        print(planted_table(oracle, rows))
     args.out.write_text(json.dumps(summary, indent=1))
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, run in runs.items():

@@ -100,3 +100,31 @@ def test_tasks_are_compared_by_position_across_task_names(compare_main, monkeypa
     assert summary["final_train_ne"]["named"] == {"primary": pytest.approx(0.75)}
     with pytest.raises(SystemExit, match=r"run 'ref', train record of step 10 lacks \['ne_secondary', 'bce_secondary'\]"):
         _compare(compare_main, monkeypatch, tmp_path, [("named", named), ("ref", reference)])  # the reference's second task, "love"
+
+
+def test_planted_runs_are_placed_between_the_item_mean_baseline_and_the_oracle(compare_main, monkeypatch, tmp_path, capsys):
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    oracle = {"split": "time quantile 0.9", "eval_events": 100, "oracle": {"auc": 0.8, "ne": 0.8}, "item_mean": {"auc": 0.6, "ne": 1.0}}
+    (planted / "oracle.json").write_text(json.dumps(oracle))
+    runs = []
+    for name, auc, ne in (("small", 0.65, 0.95), ("gem", 0.75, 0.85)):
+        directory = _write_run(tmp_path / name, [1.0, 0.9], [1.0, 0.9], eval_ne=ne)
+        records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+        records[-1]["auc_primary"] = auc
+        (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        runs.append((name, directory))
+    out = tmp_path / "summary.json"
+    argv = ["compare_runs.py", *(f"--run={name}={path}" for name, path in runs), f"--out={out}", f"--figure={tmp_path / 'ne.png'}", f"--planted={planted}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    compare_main()
+    rows = json.loads(out.read_text())["planted"]["evals"]
+    assert [(r["run"], r["step"]) for r in rows] == [("small", 20), ("gem", 20)]
+    assert [r["auc_lift_fraction"] for r in rows] == [pytest.approx(0.25), pytest.approx(0.75)]
+    assert [r["ne_lift_fraction"] for r in rows] == [pytest.approx(0.25), pytest.approx(0.75)]
+    printed = capsys.readouterr().out
+    assert "| gem | 20 | 0.7500 | 0.8500 | 0.750 | 0.750 |" in printed and "| oracle | | 0.8000 | 0.8000 | 1 | 1 |" in printed
+
+    (planted / "oracle.json").unlink()
+    with pytest.raises(SystemExit, match="holds no oracle.json"):
+        compare_main()
