@@ -1,5 +1,6 @@
 """Checkpoint sizing, the disk preflight, non-blocking (deferred) saves, a disk that fills up, host memory of saves."""
 
+import contextlib
 import errno
 import subprocess
 import threading
@@ -184,10 +185,11 @@ def _check_failed_save(tmp_path, checkpointer, failure, good_state, good_step):
     return restarted
 
 
-def test_disk_full_in_the_background_write_keeps_the_last_good_step(tmp_path, monkeypatch):
-    good = _state()
-    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1))
-    checkpointer.save(1, good, _data(1))
+@contextlib.contextmanager
+def _disk_fills_after_step_one(tmp_path, monkeypatch, **config):
+    """A checkpointer with step 1 written, whose background writes fail with ENOSPC inside the block."""
+    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1, **config))
+    checkpointer.save(1, _state(), _data(1))
     checkpointer.wait()
     estimate = serialization.estimate_write_memory_footprint
 
@@ -195,10 +197,16 @@ def test_disk_full_in_the_background_write_keeps_the_last_good_step(tmp_path, mo
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(serialization, "estimate_write_memory_footprint", full)
-    checkpointer.save(2, _state(seed=1), _data(2))  # the copy succeeds; the write fails in the background
-    with pytest.raises(CheckpointWriteError) as failed:
-        checkpointer.wait()
+    yield checkpointer
     monkeypatch.setattr(serialization, "estimate_write_memory_footprint", estimate)
+
+
+def test_disk_full_in_the_background_write_keeps_the_last_good_step(tmp_path, monkeypatch):
+    good = _state()
+    with _disk_fills_after_step_one(tmp_path, monkeypatch) as checkpointer:
+        checkpointer.save(2, _state(seed=1), _data(2))  # the copy succeeds; the write fails in the background
+        with pytest.raises(CheckpointWriteError) as failed:
+            checkpointer.wait()
     restarted = _check_failed_save(tmp_path / "ckpt", checkpointer, failed.value, good, 1)
     assert restarted.save(2, _state(seed=1), _data(2))  # with space again, saving resumes
     restarted.close()
@@ -351,21 +359,12 @@ def test_a_save_blocks_for_the_snapshot_not_for_the_hand_over(tmp_path, monkeypa
 
 def test_disk_full_in_a_snapshot_save_surfaces_as_before(tmp_path, monkeypatch):
     good = _state()
-    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1, snapshot="on"))
-    checkpointer.save(1, good, _data(1))
-    checkpointer.wait()
-    estimate = serialization.estimate_write_memory_footprint
-
-    def full(value):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", full)
-    assert checkpointer.save(2, _state(seed=1), _data(2)) and checkpointer.saves[-1].snapshot
-    with pytest.raises(CheckpointWriteError) as failed:
-        while True:  # the next should_save raises it, once the background write has failed
-            checkpointer.should_save(3)
-            time.sleep(0.02)
-    monkeypatch.setattr(serialization, "estimate_write_memory_footprint", estimate)
+    with _disk_fills_after_step_one(tmp_path, monkeypatch, snapshot="on") as checkpointer:
+        assert checkpointer.save(2, _state(seed=1), _data(2)) and checkpointer.saves[-1].snapshot
+        with pytest.raises(CheckpointWriteError) as failed:
+            while True:  # the next should_save raises it, once the background write has failed
+                checkpointer.should_save(3)
+                time.sleep(0.02)
     _check_failed_save(tmp_path / "ckpt", checkpointer, failed.value, good, 1).close()
 
 
