@@ -77,10 +77,11 @@ def test_the_launch_and_chaos_scripts_run_python_through_the_interpreter_rule(re
     assert calls[0] == f"{repo_root}/scripts/xla_flags.py --env"
     assert calls[1].startswith("-c from gem_jax.cli import train_main") and calls[1].endswith(f"--workdir {tmp_path / 'run'}")
     log.unlink()
-    # the fake trains nothing, so the first kill finds no run: exit 1, after both starts went to the fake
+    # the fake trains nothing, so the first kill (a second after the start, when the fake has long
+    # exited) finds no run: exit 1, after both starts went to the fake
     done = run(
         repo_root, tmp_path, "chaos.sh", "1", "configs/movielens_tiny.py", str(tmp_path / "chaos"), python=python,
-        CHAOS_MIN_S="0", CHAOS_MAX_S="0",
+        CHAOS_MIN_S="1", CHAOS_MAX_S="1",
     )
     assert done.returncode == 1 and "found no run in training" in done.stdout
     assert [call.split(" --workdir ")[0] for call in log.read_text().splitlines()] == ["-m gem_jax.cli --config configs/movielens_tiny.py"] * 2

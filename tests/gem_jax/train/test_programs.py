@@ -77,7 +77,8 @@ def test_a_run_over_three_capacities_compiles_nothing_after_step_1(config, tmp_p
     assert len([name for _, name in compiles if "train_step" in (name or "")]) <= 3, compiles
     buckets = {k: v for k, v in summary.items() if k.startswith("time_")}
     assert sum(buckets.values()) == pytest.approx(summary["wall_s"], rel=1e-9)
-    assert summary["wall_s"] == pytest.approx(elapsed, rel=0.02)
+    # the wall clock covers the whole call but the writing of the summary itself (tenths of a second under load)
+    assert elapsed - 1.5 < summary["wall_s"] <= elapsed
     assert 0 < summary["goodput"] == pytest.approx(summary["time_train_step_s"] / summary["wall_s"])
     assert summary["time_startup_compile_s"] > 0 and summary["time_startup_lowering_s"] > 0
     summary_record = records[-1]
