@@ -221,10 +221,10 @@ def switch_figure(table: dict, title: str, path: Path) -> None:
     x = np.arange(len(rows))
     if not np.isnan(ref["ne_spread_pct"]):
         half = ref["ne_spread_pct"] / 2
-        ax.axhspan(-4 * half, 4 * half, color="tab:gray", alpha=0.15, label="2 x reference spread")
-        ax.axhspan(-half, half, color="tab:gray", alpha=0.35, label="reference spread (max - min)")
+        ax.axhspan(-4 * half, 4 * half, color="tab:gray", alpha=0.15, label="within two spreads: +-2 x (max - min)")
+        ax.axhspan(-half, half, color="tab:gray", alpha=0.35, label="reference spread (max - min), centred on 0")
     for bound in (-100 * NE_TOLERANCE, 100 * NE_TOLERANCE):
-        ax.axhline(bound, color="tab:red", linestyle="--", linewidth=1)
+        ax.axhline(bound, color="tab:red", linestyle="--", linewidth=1, label=f"+-{100 * NE_TOLERANCE:g}%" if bound > 0 else None)
     ax.bar(x, [r["ne_change_pct"] for r in rows], color="tab:blue", label="NE change of the seeds' mean")
     for i, r in enumerate(rows):
         ax.plot([i] * len(r["ne"]), [100 * (v / ref["ne_mean"] - 1) for v in r["ne"]], "k.", markersize=5)
@@ -291,7 +291,7 @@ def main() -> None:
     parser.add_argument("--run", action="append", required=True, help="name=workdir; the first is the reference")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
-    parser.add_argument("--title", default="eval and train NE per run")
+    parser.add_argument("--title", help="the figure's title (default: eval and train NE per run; with --switch-table: switch table)")
     parser.add_argument("--planted", type=Path, help="a gem-data plant directory: place every eval against its oracle.json (module docstring)")
     parser.add_argument("--loss-window", type=int, default=5, help="last logged train steps averaged for the final loss (>= 1)")
     parser.add_argument("--switch-table", action="store_true", help="runs named <switch>_seed<k>: the switch table (module docstring); needs --planted")
@@ -302,8 +302,10 @@ def main() -> None:
     paths = {name: Path(path) for name, path in (r.split("=", 1) for r in args.run)}
     runs = {name: read_run(path) for name, path in paths.items()}
     if args.switch_table:
+        args.title = args.title or "switch table"
         switch_table_main(args, paths, runs)
         return
+    args.title = args.title or "eval and train NE per run"
     reference = next(iter(runs))
     ref_tasks = run_tasks(paths[reference], runs[reference]["train"])
     logged = (runs[reference]["train"] or [{}])[-1]
