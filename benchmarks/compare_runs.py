@@ -25,6 +25,23 @@ its `oracle.json` is the report for the split the log was converted with) adds, 
 eval record, the AUC and NE of the reference's first task and their lift fractions, e.g.
 `(AUC - AUC_item_mean) / (AUC_oracle - AUC_item_mean)` (0: the baseline, 1: the oracle; NE
 alike, falling), to the summary (`planted`) and prints them as a Markdown table.
+
+`--switch-table` (with `--planted`) tabulates numerics switches against a reference trained
+with several seeds (benchmarks/quality.md, "The switch table"; `benchmarks/switch_table.py`
+trains them). Runs are named `<switch>_seed<k>` (`bf16_seed0`, `fp8_32_seed0`, ...; a run whose
+`run.json` holds its config must have `loop.seed` and `data.seed` k). Per switch it gives
+the final eval NE and AUC of the first task (each seed's, and their mean), their change against
+the reference's mean in %, the mean change against the reference run of the same seed (paired),
+the lift fractions of the mean between the planted log's item-mean baseline and oracle, and two
+flags: within two spreads (|NE - reference mean NE| <= 2 x the reference seeds' NE spread,
+max - min) and within 0.5% (|NE / reference mean NE - 1| <= 0.005). The reference's spread is
+given as max - min and as the sample standard deviation (ddof 1). `needs_more_seeds` lists the
+switches within two spreads that have fewer than 3 seeds. Runs without a final eval are named
+and left out.
+
+    python benchmarks/compare_runs.py --switch-table --planted runs/planted/short-range/log \
+        --run bf16_seed0=DIR --run bf16_seed1=DIR --run bf16_seed2=DIR --run fp8_32_seed0=DIR ... \
+        --title "switch table, short-range" --out table.json --figure table.png
 """
 
 from __future__ import annotations
@@ -33,6 +50,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 from pathlib import Path
 
 import jax
@@ -44,6 +62,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 LEGACY_TASKS = ("primary", "secondary")  # the metric keys of runs before named tasks: their first two tasks
+SWITCH_RUN = re.compile(r"(?P<switch>\w+?)_seed(?P<seed>\d+)")  # a switch table's run name: `<switch>_seed<k>`
+NE_TOLERANCE = 0.005  # the switch table's bound on |NE / reference NE - 1|
+SEEDS_WHEN_CLOSE = 3  # seeds a switch within two spreads of the reference needs
 
 
 def read_run(workdir: Path) -> dict[str, list[dict]]:
@@ -61,6 +82,14 @@ def run_tasks(workdir: Path, train: list[dict]) -> list[str]:
             return list(tasks)
     logged = sorted(k[len("ne_"):] for k in (train or [{}])[-1] if k.startswith("ne_"))
     return list(LEGACY_TASKS) if set(logged) <= set(LEGACY_TASKS) else logged
+
+
+def final_eval(run: dict[str, list[dict]]) -> dict | None:
+    """A run's final eval record (`read_run`'s): the eval of its last train step; None without one
+    (an earlier eval is not a final one: the run stopped before its last)."""
+    if run["eval"] and run["train"] and run["eval"][-1]["step"] == run["train"][-1]["step"]:
+        return run["eval"][-1]
+    return None
 
 
 def lift_fraction(value: float, baseline: float, oracle: float) -> float:
@@ -92,19 +121,191 @@ def planted_table(oracle: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def read_oracle(planted: Path) -> dict:
+    """`planted`'s `oracle.json` (the report `gem-data plant` writes for its `--split`)."""
+    report = planted / "oracle.json"
+    if not report.is_file():
+        raise SystemExit(f"compare_runs: --planted {planted} holds no oracle.json (gem-data plant writes it for its --split)")
+    return json.loads(report.read_text())
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    """max - min and the sample standard deviation (ddof 1) of `values`; NaN for both below two values."""
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    return float(np.max(values) - np.min(values)), float(np.std(values, ddof=1))
+
+
+def switch_table(evals: dict[str, dict[int, dict[str, float]]], reference: str, oracle: dict) -> dict:
+    """The switch table (module docstring) from final evals.
+
+    Args:
+      evals: switch -> seed -> `{"ne": eval NE, "auc": eval AUC}` of that run's final eval;
+        `reference` among the switches.
+      reference: the switch every other is compared with (its seeds give the spread).
+      oracle: the planted log's `oracle.json` (`item_mean` and `oracle`, each with `auc`, `ne`).
+
+    Returns:
+      `{"reference": {...seeds, ne, auc, ne_mean, auc_mean, ne_spread, ne_std, ne_spread_pct,
+      auc_spread, auc_std}, "switches": [one row per switch, the reference first], "needs_more_seeds"}`;
+      NE and AUC changes in % of the reference mean; the flags are None when the reference has
+      fewer than two seeds (no spread).
+    """
+    if reference not in evals:
+        raise SystemExit(f"compare_runs: no run of the reference switch {reference!r} with a final eval (runs of {sorted(evals)})")
+    ref = evals[reference]
+    ref_ne, ref_auc = [ref[k]["ne"] for k in sorted(ref)], [ref[k]["auc"] for k in sorted(ref)]
+    ne_mean, auc_mean = float(np.mean(ref_ne)), float(np.mean(ref_auc))
+    (ne_spread, ne_std), (auc_spread, auc_std) = _spread(ref_ne), _spread(ref_auc)
+    rows = []
+    for switch in [reference] + sorted(set(evals) - {reference}):
+        seeds = sorted(evals[switch])
+        ne, auc = [evals[switch][k]["ne"] for k in seeds], [evals[switch][k]["auc"] for k in seeds]
+        mean_ne, mean_auc = float(np.mean(ne)), float(np.mean(auc))
+        paired = [evals[switch][k]["ne"] / ref[k]["ne"] - 1 for k in seeds if k in ref]
+        close = None if np.isnan(ne_spread) else bool(abs(mean_ne - ne_mean) <= 2 * ne_spread)
+        rows.append({
+            "switch": switch, "seeds": seeds, "ne": ne, "auc": auc, "ne_mean": mean_ne, "auc_mean": mean_auc,
+            "ne_change_pct": 100 * (mean_ne / ne_mean - 1), "auc_change_pct": 100 * (mean_auc / auc_mean - 1),
+            "ne_paired_change_pct": 100 * float(np.mean(paired)) if paired else None,
+            "ne_lift_fraction": lift_fraction(mean_ne, oracle["item_mean"]["ne"], oracle["oracle"]["ne"]),
+            "auc_lift_fraction": lift_fraction(mean_auc, oracle["item_mean"]["auc"], oracle["oracle"]["auc"]),
+            "within_two_spreads": close,
+            "ne_within_tolerance": bool(abs(mean_ne / ne_mean - 1) <= NE_TOLERANCE),
+        })
+    return {
+        "reference": {
+            "switch": reference, "seeds": sorted(ref), "ne": ref_ne, "auc": ref_auc, "ne_mean": ne_mean, "auc_mean": auc_mean,
+            "ne_spread": ne_spread, "ne_std": ne_std, "ne_spread_pct": 100 * ne_spread / ne_mean,
+            "auc_spread": auc_spread, "auc_std": auc_std,
+        },
+        "ne_tolerance": NE_TOLERANCE,
+        "switches": rows,
+        "needs_more_seeds": [r["switch"] for r in rows[1:] if r["within_two_spreads"] and len(r["seeds"]) < SEEDS_WHEN_CLOSE],
+    }
+
+
+def switch_markdown(table: dict, oracle: dict) -> str:
+    """`switch_table`'s result as a Markdown table under a line on the reference's spread."""
+    ref = table["reference"]
+
+    def flag(value):
+        return "n/a" if value is None else ("yes" if value else "**no**")
+
+    lines = [
+        f"reference {ref['switch']} (seeds {', '.join(map(str, ref['seeds']))}): eval NE {ref['ne_mean']:.4f}, spread (max - min) "
+        f"{ref['ne_spread']:.4f} ({ref['ne_spread_pct']:.2f}%), std {ref['ne_std']:.4f}; eval AUC {ref['auc_mean']:.4f}, "
+        f"spread {ref['auc_spread']:.4f}, std {ref['auc_std']:.4f}; item-mean AUC / NE {oracle['item_mean']['auc']:.4f} / "
+        f"{oracle['item_mean']['ne']:.4f}, oracle {oracle['oracle']['auc']:.4f} / {oracle['oracle']['ne']:.4f}",
+        "",
+        "| switch | seeds | eval NE | NE vs reference | paired | eval AUC | AUC vs reference | NE lift fraction | within 2 spreads | NE within 0.5% |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table["switches"]:
+        paired = "" if r["ne_paired_change_pct"] is None else f"{r['ne_paired_change_pct']:+.2f}%"
+        lines.append(
+            f"| {r['switch']} | {', '.join(map(str, r['seeds']))} | {r['ne_mean']:.4f} | {r['ne_change_pct']:+.2f}% | {paired} | "
+            f"{r['auc_mean']:.4f} | {r['auc_change_pct']:+.2f}% | {r['ne_lift_fraction']:.3f} | {flag(r['within_two_spreads'])} | "
+            f"{flag(r['ne_within_tolerance'])} |"
+        )
+    if table["needs_more_seeds"]:
+        lines += ["", f"within two spreads with fewer than {SEEDS_WHEN_CLOSE} seeds: {', '.join(table['needs_more_seeds'])}"]
+    return "\n".join(lines)
+
+
+def switch_figure(table: dict, title: str, path: Path) -> None:
+    """Bars of each switch's NE change against the reference mean (%), its seeds as points, the
+    reference's spread (max - min) as a band around 0 and twice it lighter, the 0.5% bound dashed."""
+    ref, rows = table["reference"], table["switches"][1:]
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows) + 2), 4))
+    x = np.arange(len(rows))
+    if not np.isnan(ref["ne_spread_pct"]):
+        half = ref["ne_spread_pct"] / 2
+        ax.axhspan(-4 * half, 4 * half, color="tab:gray", alpha=0.15, label="within two spreads: +-2 x (max - min)")
+        ax.axhspan(-half, half, color="tab:gray", alpha=0.35, label="reference spread (max - min), centred on 0")
+    for bound in (-100 * NE_TOLERANCE, 100 * NE_TOLERANCE):
+        ax.axhline(bound, color="tab:red", linestyle="--", linewidth=1, label=f"+-{100 * NE_TOLERANCE:g}%" if bound > 0 else None)
+    ax.bar(x, [r["ne_change_pct"] for r in rows], color="tab:blue", label="NE change of the seeds' mean")
+    for i, r in enumerate(rows):
+        ax.plot([i] * len(r["ne"]), [100 * (v / ref["ne_mean"] - 1) for v in r["ne"]], "k.", markersize=5)
+    ax.set_xticks(x, [r["switch"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel(f"eval NE vs {ref['switch']} mean (%)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: dict[str, dict[str, list[dict]]]) -> None:
+    """`--switch-table`: reads each run's final eval, writes the table's JSON and figure, prints the Markdown."""
+    if args.planted is None:
+        raise SystemExit("compare_runs: --switch-table needs --planted DIR (the planted log's oracle.json)")
+    oracle = read_oracle(args.planted)
+    evals: dict[str, dict[int, dict[str, float]]] = {}
+    without_eval = []
+    for name, run in runs.items():
+        where = paths[name] / "metrics.jsonl"
+        match = SWITCH_RUN.fullmatch(name)
+        if match is None:
+            raise SystemExit(f"compare_runs: --switch-table run {name!r} is not named <switch>_seed<k> ({where})")
+        switch, seed = match["switch"], int(match["seed"])
+        record_file = paths[name] / "run.json"
+        config = json.loads(record_file.read_text()).get("config", {}) if record_file.exists() else {}
+        for part in ("loop", "data"):
+            logged = config.get(part, {}).get("seed", seed)
+            if logged != seed:
+                raise SystemExit(f"compare_runs: run {name!r} was trained with {part}.seed={logged}, not {seed} ({record_file})")
+        if not run["train"]:
+            raise SystemExit(f"compare_runs: run {name!r} logged no train step ({where})")
+        record = final_eval(run)
+        if record is None:
+            without_eval.append(name)
+            continue
+        task = run_tasks(paths[name], run["train"])[0]
+        missing = [key for key in (f"ne_{task}", f"auc_{task}") if record.get(key) is None]
+        if missing:
+            raise SystemExit(f"compare_runs: run {name!r}, eval record of step {record['step']} lacks {missing} ({where})")
+        if seed in evals.get(switch, {}):
+            raise SystemExit(f"compare_runs: two runs of switch {switch!r} with seed {seed}")
+        evals.setdefault(switch, {})[seed] = {"ne": record[f"ne_{task}"], "auc": record[f"auc_{task}"]}
+    if without_eval:
+        print(f"compare_runs: no final eval record in {', '.join(without_eval)}: left out of the table")
+    table = switch_table(evals, args.reference_switch, oracle)
+    summary = {
+        "date": datetime.date.today().isoformat(),
+        "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
+        "jax": jax.__version__,
+        "title": args.title,
+        "runs": {name: str(path) for name, path in paths.items()},
+        "runs_without_eval": without_eval,
+        "oracle_report": oracle,
+        **table,
+    }
+    args.out.write_text(json.dumps(summary, indent=1))
+    switch_figure(table, args.title, args.figure)
+    print(switch_markdown(table, oracle))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, help="name=workdir; the first is the reference")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
-    parser.add_argument("--title", default="eval and train NE per run")
+    parser.add_argument("--title", help="the figure's title (default: eval and train NE per run; with --switch-table: switch table)")
     parser.add_argument("--planted", type=Path, help="a gem-data plant directory: place every eval against its oracle.json (module docstring)")
     parser.add_argument("--loss-window", type=int, default=5, help="last logged train steps averaged for the final loss (>= 1)")
+    parser.add_argument("--switch-table", action="store_true", help="runs named <switch>_seed<k>: the switch table (module docstring); needs --planted")
+    parser.add_argument("--reference-switch", default="bf16", help="with --switch-table: the switch the others are compared with")
     args = parser.parse_args()
     if args.loss_window < 1:
         raise SystemExit(f"compare_runs: --loss-window must be >= 1, got {args.loss_window}")
     paths = {name: Path(path) for name, path in (r.split("=", 1) for r in args.run)}
     runs = {name: read_run(path) for name, path in paths.items()}
+    if args.switch_table:
+        args.title = args.title or "switch table"
+        switch_table_main(args, paths, runs)
+        return
+    args.title = args.title or "eval and train NE per run"
     reference = next(iter(runs))
     ref_tasks = run_tasks(paths[reference], runs[reference]["train"])
     logged = (runs[reference]["train"] or [{}])[-1]
@@ -129,7 +330,7 @@ def main() -> None:
     loss = {name: float(np.mean([r["loss"] for r in records])) for name, records in window.items()}
     train_ne = {name: {task: float(np.mean([r[f"ne_{names[name][task]}"] for r in records])) for task in tasks} for name, records in window.items()}
     # A final eval is the eval of the run's last train step; an earlier one is not compared.
-    final = {name: run["eval"][-1] for name, run in runs.items() if run["eval"] and run["eval"][-1]["step"] == run["train"][-1]["step"]}
+    final = {name: record for name, run in runs.items() if (record := final_eval(run)) is not None}
     without_eval = [name for name in runs if name not in final]
     if without_eval:
         print(f"compare_runs: no final eval record in {', '.join(without_eval)}: compared on train loss and train NE only")
@@ -162,10 +363,7 @@ def main() -> None:
         "curves": {name: {"train": run["train"], "eval": run["eval"]} for name, run in runs.items()},
     }
     if args.planted is not None:
-        report = args.planted / "oracle.json"
-        if not report.is_file():
-            raise SystemExit(f"compare_runs: --planted {args.planted} holds no oracle.json (gem-data plant writes it for its --split)")
-        oracle = json.loads(report.read_text())
+        oracle = read_oracle(args.planted)
         for name, run in runs.items():
             missing = [r["step"] for r in run["eval"] if f"auc_{names[name][tasks[0]]}" not in r]
             if missing:

@@ -11,6 +11,8 @@
 #          bf16_residuals="" fp8_saved_activations="model.fp8_saved_activations=True"
 # writes runs/quality/OUT_NAME/<name>/ (workdirs and logs), benchmarks/results/OUT_NAME.json and
 # benchmarks/figures/OUT_NAME.png. Run from the repository root with gem_jax importable.
+# GEM_COMPARE=0 trains without the comparison (benchmarks/switch_table.py tabulates the runs of
+# several such calls itself).
 set -euo pipefail
 out_name=$1 config=$2 common=$3
 shift 3
@@ -36,5 +38,6 @@ for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || { echo "run ${runs[$((2 * i + 1))]} failed: see its log" >&2; status=1; }
 done
 [ "$status" -eq 0 ] || exit 1
+[ "${GEM_COMPARE:-1}" = 0 ] && exit 0
 python3 benchmarks/compare_runs.py "${runs[@]}" --title "$out_name" \
   --out "benchmarks/results/$out_name.json" --figure "benchmarks/figures/$out_name.png"

@@ -128,3 +128,93 @@ def test_planted_runs_are_placed_between_the_item_mean_baseline_and_the_oracle(c
     (planted / "oracle.json").unlink()
     with pytest.raises(SystemExit, match="holds no oracle.json"):
         compare_main()
+
+
+def _write_planted_run(directory, seed, eval_ne, eval_auc, eval_step=20):
+    """A run as the trainer writes one on a converted planted log: task "click", run.json with the config's seeds."""
+    directory.mkdir()
+    records = [
+        {"step": 10, "kind": "train", "loss": 0.7, "ne_click": 1.0, "bce_click": 0.7},
+        {"step": 20, "kind": "train", "loss": 0.6, "ne_click": 0.9, "bce_click": 0.6},
+        {"step": eval_step, "kind": "eval", "ne_click": eval_ne, "bce_click": eval_ne / 2, "auc_click": eval_auc, "baseline_auc_click": 0.6},
+    ]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_json = {"config": {"loop": {"seed": seed}, "data": {"seed": seed}}, "spec": {"tasks": ["click"]}}
+    (directory / "run.json").write_text(json.dumps(run_json))
+    return directory
+
+
+SWITCH_RUNS = {  # name: (eval NE, eval AUC)
+    "bf16_seed0": (0.80, 0.70), "bf16_seed1": (0.81, 0.71), "bf16_seed2": (0.82, 0.69),
+    "fp8_32_seed0": (0.83, 0.70),
+    "sliding_256_seed0": (0.90, 0.65),
+    "fp8_128_seed0": (0.812, 0.70), "fp8_128_seed1": (0.811, 0.70), "fp8_128_seed2": (0.810, 0.70),
+}
+
+
+def _switch_table(compare_main, monkeypatch, tmp_path, runs):
+    planted = tmp_path / "planted"
+    planted.mkdir(exist_ok=True)
+    oracle = {"split": "time quantile 0.9", "eval_events": 100, "oracle": {"auc": 0.8, "ne": 0.8}, "item_mean": {"auc": 0.6, "ne": 1.0}}
+    (planted / "oracle.json").write_text(json.dumps(oracle))
+    out = tmp_path / "table.json"
+    argv = ["compare_runs.py", "--switch-table", f"--planted={planted}", *(f"--run={n}={p}" for n, p in runs), f"--out={out}", f"--figure={tmp_path / 'table.png'}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    compare_main()
+    return json.loads(out.read_text())
+
+
+def test_the_switch_table_against_hand_computed_spreads_and_flags(compare_main, monkeypatch, tmp_path, capsys):
+    runs = [(name, _write_planted_run(tmp_path / name, int(name[-1]), ne, auc)) for name, (ne, auc) in SWITCH_RUNS.items()]
+    runs.append(("block_local_64_seed0", _write_planted_run(tmp_path / "block_local_64_seed0", 0, 0.85, 0.7, eval_step=10)))  # no final eval
+    table = _switch_table(compare_main, monkeypatch, tmp_path, runs)
+    ref = table["reference"]
+    assert ref["seeds"] == [0, 1, 2]
+    assert ref["ne_mean"] == pytest.approx(0.81) and ref["auc_mean"] == pytest.approx(0.70)
+    assert ref["ne_spread"] == pytest.approx(0.02) and ref["ne_std"] == pytest.approx(0.01)  # sample std of 0.80, 0.81, 0.82
+    assert ref["ne_spread_pct"] == pytest.approx(100 * 0.02 / 0.81)
+    assert ref["auc_spread"] == pytest.approx(0.02) and ref["auc_std"] == pytest.approx(0.01)
+    rows = {r["switch"]: r for r in table["switches"]}
+    assert [r["switch"] for r in table["switches"]] == ["bf16", "fp8_128", "fp8_32", "sliding_256"]
+    fp8_32 = rows["fp8_32"]
+    assert fp8_32["ne_change_pct"] == pytest.approx(100 * (0.83 / 0.81 - 1))  # +2.47%: |0.02| <= 2 x 0.02
+    assert fp8_32["ne_paired_change_pct"] == pytest.approx(100 * (0.83 / 0.80 - 1))  # against bf16_seed0
+    assert fp8_32["auc_change_pct"] == pytest.approx(0.0)
+    assert (fp8_32["within_two_spreads"], fp8_32["ne_within_tolerance"]) == (True, False)
+    assert fp8_32["ne_lift_fraction"] == pytest.approx((0.83 - 1.0) / (0.8 - 1.0)) and fp8_32["auc_lift_fraction"] == pytest.approx(0.5)
+    fp8_128 = rows["fp8_128"]
+    assert fp8_128["ne_mean"] == pytest.approx(0.811) and fp8_128["ne_change_pct"] == pytest.approx(100 * (0.811 / 0.81 - 1))
+    assert fp8_128["ne_paired_change_pct"] == pytest.approx(100 / 3 * (0.812 / 0.80 + 0.811 / 0.81 + 0.810 / 0.82 - 3))
+    assert (fp8_128["within_two_spreads"], fp8_128["ne_within_tolerance"]) == (True, True)
+    assert (rows["sliding_256"]["within_two_spreads"], rows["sliding_256"]["ne_within_tolerance"]) == (False, False)  # 0.09 > 0.04
+    assert rows["bf16"]["ne_change_pct"] == pytest.approx(0.0) and rows["bf16"]["ne_lift_fraction"] == pytest.approx(0.95)
+    assert table["needs_more_seeds"] == ["fp8_32"]  # fp8_128 already has 3 seeds; sliding_256 is outside
+    assert table["runs_without_eval"] == ["block_local_64_seed0"]
+    printed = capsys.readouterr().out
+    assert "| fp8_32 | 0 | 0.8300 | +2.47% | +3.75% | 0.7000 | +0.00% | 0.850 | yes | **no** |" in printed
+    assert "spread (max - min) 0.0200 (2.47%), std 0.0100" in printed and "fewer than 3 seeds: fp8_32" in printed
+    assert (tmp_path / "table.png").stat().st_size > 0
+
+
+def test_one_reference_seed_gives_no_spread_flags(compare_main, monkeypatch, tmp_path):
+    runs = [(name, _write_planted_run(tmp_path / name, 0, *SWITCH_RUNS[name])) for name in ("bf16_seed0", "fp8_32_seed0")]
+    table = _switch_table(compare_main, monkeypatch, tmp_path, runs)
+    fp8_32 = table["switches"][1]
+    assert fp8_32["within_two_spreads"] is None and fp8_32["ne_within_tolerance"] is False  # 0.83 / 0.80: +3.75%
+    assert table["needs_more_seeds"] == []
+
+
+def test_switch_table_inputs_are_refused_with_the_run_named(compare_main, monkeypatch, tmp_path):
+    good = _write_planted_run(tmp_path / "bf16_seed0", 0, 0.8, 0.7)
+    with pytest.raises(SystemExit, match=r"run 'fp8' is not named <switch>_seed<k>"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good), ("fp8", good)])
+    with pytest.raises(SystemExit, match=r"run 'bf16_seed1' was trained with loop.seed=0, not 1 \(.*run.json\)"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed1", good)])
+    with pytest.raises(SystemExit, match=r"no run of the reference switch 'bf16' with a final eval"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("fp8_32_seed0", _write_planted_run(tmp_path / "fp8", 0, 0.8, 0.7))])
+    no_auc = _write_planted_run(tmp_path / "no_auc", 0, 0.8, None)  # logged NaN: null in metrics.jsonl
+    with pytest.raises(SystemExit, match=r"run 'bf16_seed0', eval record of step 20 lacks \['auc_click'\]"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", no_auc)])
+    monkeypatch.setattr(sys, "argv", ["compare_runs.py", "--switch-table", f"--run=bf16_seed0={good}", "--out=x", "--figure=y"])
+    with pytest.raises(SystemExit, match="--switch-table needs --planted DIR"):
+        compare_main()

@@ -1,0 +1,211 @@
+"""The switch table's runs: configs/planted_sharded.py once per numerics switch and seed, on a planted log.
+
+Every switch that changes the step's numerics (`SWITCHES`: FP8 layouts, FP8 saved activations,
+sliding-window and block-local attention) is trained beside the bf16 full-attention reference on
+the same converted planted log, from the same seeds (seed k: `loop.seed=k data.seed=k`, the
+same parameter init and the same batch order for every switch), and compared on its final eval
+NE and AUC (`benchmarks/compare_runs.py --switch-table`; benchmarks/quality.md, "The switch
+table"). Runs are named `<switch>_seed<k>`.
+
+    python3 benchmarks/switch_table.py plan                                  # the first pass's calls
+    python3 benchmarks/switch_table.py train --preset short-range bf16_seed0 bf16_seed1 ... [--export DIR]
+    python3 benchmarks/switch_table.py table --preset short-range            # every finished run of the preset
+
+`train` plants and converts the preset's log under runs/planted/<preset>/ when it is not there
+(about 30 s), then trains the named runs at once on one GPU through benchmarks/quality_runs.sh
+(`GEM_COMPARE=0`; each process gets `GEM_MEM_FRACTION`, 0.15 unless set; all share the compilation
+cache runs/quality/switch_table_cache unless `GEM_COMPILE_CACHE_DIR` is set), into
+runs/quality/switch_table_<preset>/<run>/. `--export DIR` copies what the table needs (each run's
+metrics.jsonl, run.json and log; the log's oracle.json and planted.json) under DIR at the same
+paths, also when a run failed: on a machine that does not keep runs/ between calls, DIR is the
+call's output folder. `table` runs compare_runs --switch-table on every run of the preset that
+holds a metrics.jsonl, writes benchmarks/results/switch_table_<preset>.json and
+benchmarks/figures/switch_table_<preset>.png, and prints the `train` commands for the seeds the
+table still wants (switches within two spreads of the reference with fewer than 3 seeds).
+
+`plan` groups runs into calls of at most `--per-call` (5) runs: the first pass is the reference
+with seeds 0, 1, 2 and every switch with seed 0, per preset (20 runs, 4 calls); a second pass
+names its switches and seeds (`plan --presets short-range --switches fp8_32 --seeds 1 2
+--reference-seeds`). A call of five runs is estimated (configs/planted_sharded.py: ~2.5 minutes
+alone, under a minute of it GPU time) at 6-8 minutes: planting and converting ~30 s on a fresh
+machine, 1-2 minutes of start-up (five processes compiling at once on the host), then five runs'
+train steps and evals sharing the GPU, ~4-5 minutes (5 x 27 s of steps and 5 x 16 s of evals
+if the GPU time adds up, plus the processes' host work between steps). Estimates, not
+measured: the first call says what the rest take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.compare_runs import SEEDS_WHEN_CLOSE, SWITCH_RUN
+
+REFERENCE = "bf16"
+SWITCHES = {  # switch -> the `--set` overrides of configs/planted_sharded.py that turn it on
+    REFERENCE: (),
+    "fp8_32": ("model.fp8=True", "model.fp8_block=32"),
+    "fp8_128": ("model.fp8=True", "model.fp8_block=128"),
+    "fp8_hadamard": ("model.fp8=True", "model.fp8_block=128", "model.fp8_hadamard=True"),
+    # the default regions (self-attention, MLPs, pooled KV) and the cross tower (token attention and DHEN mixing)
+    "fp8_dhen": ("model.fp8=True", "model.fp8_block=32", "model.fp8_regions=SEQ_ATTENTION,SEQ_MLP,POOLED,CROSS"),
+    "fp8_saved": ("model.fp8_saved_activations=True",),
+    "sliding_256": ("model.sequence_attention=SLIDING_WINDOW", "model.attention_window=256"),
+    "block_local_64": ("model.sequence_attention=BLOCK_LOCAL", "model.attention_block_size=64"),
+}
+PRESETS = ("long-range", "short-range")
+CONFIG = "configs/planted_sharded.py"
+RUNS_PER_CALL = 5
+MEM_FRACTION = "0.15"
+REFERENCE_SEEDS = (0, 1, 2)
+SPLIT = "time:0.9"
+
+
+def run_overrides(name: str) -> list[str]:
+    """The `--set` overrides of run `<switch>_seed<k>`: the switch's and `loop.seed=k data.seed=k`.
+
+    Raises:
+      ValueError: a name not of that form, or an unknown switch (the known ones are listed).
+    """
+    match = SWITCH_RUN.fullmatch(name)
+    if match is None or match["switch"] not in SWITCHES:
+        raise ValueError(f"run {name!r}: not <switch>_seed<k> with a switch of {sorted(SWITCHES)}")
+    return [*SWITCHES[match["switch"]], f"loop.seed={match['seed']}", f"data.seed={match['seed']}"]
+
+
+def plan(presets, switches, seeds, reference_seeds, per_call: int) -> list[tuple[str, list[str]]]:
+    """The calls: `(preset, run names)`, at most `per_call` runs each, the reference's seeds first."""
+    calls = []
+    for preset in presets:
+        names = [f"{REFERENCE}_seed{k}" for k in reference_seeds] + [f"{s}_seed{k}" for s in switches for k in seeds]
+        calls += [(preset, names[i:i + per_call]) for i in range(0, len(names), per_call)]
+    return calls
+
+
+def _slug(preset: str) -> str:
+    return preset.replace("-", "_")
+
+
+def paths(preset: str) -> dict[str, Path]:
+    """Where a preset's planted log, converted log, runs, table and figure go (relative to the repository root)."""
+    return {
+        "log": Path("runs/planted") / preset / "log",
+        "converted": Path("runs/planted") / preset / "converted",
+        "runs": Path("runs/quality") / f"switch_table_{_slug(preset)}",
+        "table": Path("benchmarks/results") / f"switch_table_{_slug(preset)}.json",
+        "figure": Path("benchmarks/figures") / f"switch_table_{_slug(preset)}.png",
+    }
+
+
+def _prepare(preset: str) -> None:
+    """Plants and converts the preset's default-size log unless already there."""
+    where = paths(preset)
+    if not (where["log"] / "oracle.json").is_file():
+        subprocess.run([sys.executable, "-m", "gem_jax.data_cli", "plant", "--out", str(where["log"]), "--preset", preset,
+                        "--split", SPLIT, "--overwrite"], check=True)
+    if not (where["converted"] / "manifest.json").is_file():
+        subprocess.run([
+            sys.executable, "-m", "gem_jax.data_cli", "convert", str(where["log"] / "events.parquet"), "--out", str(where["converted"]),
+            "--overwrite", "--user", "user_id", "--item", "item_id", "--time", "ts", "--label", "click",
+            "--item-table", str(where["log"] / "items.parquet"), "--item-feature", "category", "--split", SPLIT,
+        ], check=True)
+
+
+def export(preset: str, names: list[str], out: Path) -> None:
+    """Copies what the table needs of `names` and of the preset's log under `out`, at their paths."""
+    where = paths(preset)
+    files = [where["log"] / "oracle.json", where["log"] / "planted.json"]
+    for name in names:
+        files += [where["runs"] / name / "metrics.jsonl", where["runs"] / name / "run.json", where["runs"] / f"{name}.log"]
+    for file in files:
+        if file.is_file():
+            (out / file.parent).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(file, out / file)
+
+
+def train(preset: str, names: list[str], export_to: Path | None) -> int:
+    """Trains `names` at once on one GPU (benchmarks/quality_runs.sh); quality_runs.sh's exit status.
+
+    Raises:
+      ValueError: a run name `run_overrides` refuses, or more runs than `GEM_MEM_FRACTION` leaves room for.
+    """
+    variants = [f"{name}={' '.join(run_overrides(name))}" for name in names]
+    env = os.environ | {"GEM_COMPARE": "0"}
+    env.setdefault("GEM_MEM_FRACTION", MEM_FRACTION)
+    if len(names) * float(env["GEM_MEM_FRACTION"]) > 1:
+        raise ValueError(f"{len(names)} runs at GEM_MEM_FRACTION={env['GEM_MEM_FRACTION']} each ask for more than the GPU's memory")
+    _prepare(preset)
+    where = paths(preset)
+    env.setdefault("GEM_COMPILE_CACHE_DIR", str(Path("runs/quality/switch_table_cache").resolve()))
+    command = ["bash", "benchmarks/quality_runs.sh", where["runs"].name, CONFIG, f"data.path={where['converted']}", *variants]
+    try:
+        return subprocess.run(command, env=env).returncode
+    finally:
+        if export_to is not None:
+            export(preset, names, export_to)
+
+
+def table(preset: str) -> int:
+    """compare_runs --switch-table on every run of `preset` that logged metrics; prints the seeds still wanted."""
+    where = paths(preset)
+    runs = sorted(d for d in where["runs"].iterdir() if (d / "metrics.jsonl").is_file()) if where["runs"].is_dir() else []
+    if not runs:
+        raise SystemExit(f"switch_table: no run of {preset} with a metrics.jsonl under {where['runs']}")
+    command = [
+        sys.executable, "benchmarks/compare_runs.py", "--switch-table", "--planted", str(where["log"]),
+        *(f"--run={d.name}={d}" for d in runs), "--title", f"switch table, {preset} planted log", "--out", str(where["table"]),
+        "--figure", str(where["figure"]),
+    ]
+    done = subprocess.run(command)
+    if done.returncode:
+        return done.returncode
+    wanted = more_seeds(json.loads(where["table"].read_text()))
+    for i in range(0, len(wanted), RUNS_PER_CALL):
+        print(f"more seeds: python3 benchmarks/switch_table.py train --preset {preset} {' '.join(wanted[i:i + RUNS_PER_CALL])}")
+    return 0
+
+
+def more_seeds(result: dict) -> list[str]:
+    """The runs a switch table (compare_runs --switch-table's JSON) still wants: seeds 0 to 2 of each
+    switch within two spreads of the reference, those it lacks."""
+    seeds = {r["switch"]: r["seeds"] for r in result["switches"]}
+    return [f"{s}_seed{k}" for s in result["needs_more_seeds"] for k in range(SEEDS_WHEN_CLOSE) if k not in seeds[s]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("plan", help="print the train commands of a pass, one call each")
+    p.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
+    p.add_argument("--switches", nargs="*", choices=[s for s in SWITCHES if s != REFERENCE], default=[s for s in SWITCHES if s != REFERENCE])
+    p.add_argument("--seeds", nargs="*", type=int, default=[0], help="seeds of every switch")
+    p.add_argument("--reference-seeds", nargs="*", type=int, default=list(REFERENCE_SEEDS), help="seeds of the bf16 reference (none: leave it out)")
+    p.add_argument("--per-call", type=int, default=RUNS_PER_CALL, help="runs trained at once in one call (one GPU)")
+    t = commands.add_parser("train", help="train the named runs at once on one GPU")
+    t.add_argument("--preset", choices=PRESETS, required=True)
+    t.add_argument("runs", nargs="+", help="<switch>_seed<k>")
+    t.add_argument("--export", type=Path, help="copy the table's inputs here (a device call's output folder)")
+    b = commands.add_parser("table", help="tabulate every finished run of a preset")
+    b.add_argument("--preset", choices=PRESETS, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        if args.per_call < 1:
+            parser.error(f"--per-call must be >= 1, got {args.per_call}")
+        for preset, names in plan(args.presets, args.switches, args.seeds, args.reference_seeds, args.per_call):
+            print(f"python3 benchmarks/switch_table.py train --preset {preset} {' '.join(names)}")
+        return 0
+    if args.command == "train":
+        try:
+            return train(args.preset, args.runs, args.export)
+        except ValueError as error:
+            parser.error(str(error))
+    return table(args.preset)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""configs/gem_sharded.py's model (d = 256) on the converted planted log, one H200: the switch table's config.
+
+    gem-train --config configs/planted_sharded.py --workdir runs/planted_sharded --set data.path=data/planted-converted
+
+`benchmarks/switch_table.py` trains it once per numerics switch (FP8 variants, sliding-window
+and block-local attention) and per seed, several runs at once on one GPU, and
+`benchmarks/compare_runs.py --switch-table` tabulates their final eval NE and AUC against the
+bf16 full-attention runs' seed spread (benchmarks/quality.md, "The switch table").
+
+Model: gem_sharded's, unchanged (d = 256, 2 heads of 128, 2 sequence layers, MLP ratio 4,
+8 pooled queries, 2 DHEN layers, head MLPs of 512, bf16 activations, full causal attention),
+on one GPU with the data-parallel rules (configs/planted_gem.py's layout; gem_sharded's cluster
+table sharding has nothing to split on one device and the planted tables are small: 10k items,
+12k users).
+
+Data: every train event of the converted log, histories of up to 1024 events (the long-range
+signal sits 256-1000 events back), 1024 examples a step, `data.seed` 0 (the per-epoch shuffle;
+a seed of the switch table sets it and `loop.seed` together). `data.capacity_step` 1.2: every
+train batch takes one of two capacities, the fewest the capacity schedule allows
+(`gem_jax.jagged.TokenBuckets`: the capacities are E times powers of the step around a batch's
+expected rows E, so batches below E take E and those above take the next one; one capacity for
+all would need a schedule without that split). `gem-train --dry-run` on the converted default
+log (long-range or short-range: same item draws, same history lengths) plans the 1200 steps at
+163,072 rows (610 steps) and 195,712 (590), the eval at 782,464; data seeds 1 and 2 take the same
+two (621/579 and 640/560 steps): three programs a run, against planted_gem's five at 1.1
+(148k-197k; the largest train capacity is 197,248 there, so 1.2 costs no memory, and a step
+above E leaves under 1 - 1/1.2 = 17% of its rows as slack). Every run of one switch compiles the same three
+shapes, on either preset, so a common compilation cache (`GEM_COMPILE_CACHE_DIR`) shares them.
+
+The recipe (configs/planted_gem.py's structure, scaled to the width), and why:
+
+- 1200 steps (0.7 epoch of the 1.73M train events), evals on every eval event (191,962,
+  188 batches) at steps 600 and 1200: the step count and eval cadence of planted_gem, so the
+  two widths compare at equal data; short enough that five runs share one GPU within a
+  10-minute job (below).
+- dense AdamW peak 1e-3 (gem_sharded's own; planted_gem's 3e-4 at d = 1024 scaled by the
+  usual inverse-width rule gives 1.2e-3), linear warm-up over 120 steps (10%), cosine decay
+  to 10% of the peak over the other 1080; gradient-norm clip 1.0 (the default).
+- weight decay 0.01 on dense weights (planted_gem's; exp(-1200 * 1e-3 * 0.01) = 0.988).
+- embedding tables: Adagrad at 1.0 (planted_gem's; CPU runs on planted logs favoured rates of
+  1-10 over the demo's 0.05, benchmarks/quality.md). The rows start at sd d^-0.5 = 0.0625.
+  Not tuned for this width: the table compares switches at one recipe, it does not rank recipes.
+- float32 AdamW moments (the default): no moments' rounding on top of the switch under test.
+- one checkpoint, at the end (a quality run is not resumed; `max_to_keep` 1).
+- `compile_in_background`: training starts once the largest train program is built.
+
+Estimated per run on one H200, alone (estimates, not measured on this log): ~22 ms a train
+step (gem_sharded's model measured 20.4 ms at 164,652 rows, benchmarks/step.md; half the steps
+here run at 195,712), ~27 s of train steps; an eval ~8 s (188 forward batches of 4.8x a train
+batch's rows, a forward about a third of a step), 16 s for two; start-up 1-2 minutes on the
+host (jax import, the data set, compiling three programs, more with FP8), so ~2.5 minutes
+wall and under a minute of GPU time. Memory: parameters 404 MB and AdamW moments 762 MB
+(`--dry-run`: 101M float32 parameters), activations of a 196k-row step a
+few GB (gem_sharded's model peaked at 12.5 GB with its 1M-row synthetic tables,
+benchmarks/step.md); `GEM_MEM_FRACTION` 0.15 (21 GB a process) leaves room for five runs at once.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from gem_jax.data.config import DataConfig, Source
+from gem_jax.mesh import Topology
+from gem_jax.parallel.rules import DATA_PARALLEL_RULES
+from gem_jax.train.checkpoint import CheckpointConfig
+from gem_jax.train.config import LoopConfig, TrainConfig, load_config
+from gem_jax.train.optimizer import OptimConfig
+
+NUM_STEPS = 1200
+WARMUP_STEPS = 120
+
+
+def get_config() -> TrainConfig:
+    sharded = load_config(Path(__file__).with_name("gem_sharded.py"))
+    return TrainConfig(
+        data=DataConfig(
+            source=Source.EVENTS, path="data/planted-converted", max_seq_len=1024, batch_size=1024, seed=0,
+            capacity_step=1.2,
+        ),
+        model=dataclasses.replace(sharded.model, compute_dtype="bfloat16"),
+        optim=OptimConfig(
+            learning_rate=1e-3, warmup_steps=WARMUP_STEPS, decay_steps=NUM_STEPS - WARMUP_STEPS, weight_decay=0.01, embedding_learning_rate=1.0
+        ),
+        checkpoint=CheckpointConfig(every_steps=NUM_STEPS, max_to_keep=1),
+        loop=LoopConfig(num_steps=NUM_STEPS, log_every=50, eval_every=NUM_STEPS // 2, seed=0, compile_in_background=True),
+        topology=Topology(),
+        rules=DATA_PARALLEL_RULES,
+    )

@@ -1,0 +1,109 @@
+"""benchmarks/switch_table.py: every switch's overrides build configs/planted_sharded.py's config, the call plan, and what `train` runs and exports."""
+
+import subprocess
+
+import pytest
+
+from gem_jax.model.config import Fp8Region, SequenceAttention
+from gem_jax.train.config import load_config
+from gem_jax.train.config_tree import apply_overrides
+
+
+@pytest.fixture(scope="module")
+def switch_table(repo_root):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(repo_root))
+        from benchmarks import switch_table
+
+    return switch_table
+
+
+@pytest.fixture(scope="module")
+def planted_sharded(repo_root):
+    return load_config(repo_root / "configs" / "planted_sharded.py")
+
+
+EXPECTED = {  # switch -> the model fields its overrides set (every other field stays the reference's)
+    "bf16": {},
+    "fp8_32": {"fp8": True, "fp8_block": 32},
+    "fp8_128": {"fp8": True, "fp8_block": 128},
+    "fp8_hadamard": {"fp8": True, "fp8_block": 128, "fp8_hadamard": True},
+    "fp8_dhen": {"fp8": True, "fp8_block": 32, "fp8_regions": (Fp8Region.SEQ_ATTENTION, Fp8Region.SEQ_MLP, Fp8Region.POOLED, Fp8Region.CROSS)},
+    "fp8_saved": {"fp8_saved_activations": True},
+    "sliding_256": {"sequence_attention": SequenceAttention.SLIDING_WINDOW, "attention_window": 256},
+    "block_local_64": {"sequence_attention": SequenceAttention.BLOCK_LOCAL, "attention_block_size": 64},
+}
+
+
+def test_planted_sharded_is_the_gem_sharded_model_in_bf16(repo_root, planted_sharded):
+    sharded = load_config(repo_root / "configs" / "gem_sharded.py").model
+    model = planted_sharded.model
+    assert (model.embed_dim, model.num_heads, model.num_seq_layers, model.num_dhen_layers) == (256, 2, 2, 2)
+    assert model == sharded and model.compute_dtype == "bfloat16" and model.sequence_attention == SequenceAttention.FULL and not model.fp8
+    assert planted_sharded.data.max_seq_len == 1024 and planted_sharded.topology.num_devices == 1
+
+
+@pytest.mark.parametrize("switch", sorted(EXPECTED))
+def test_every_switch_parses_and_builds_the_model_config(switch_table, planted_sharded, switch):
+    assert set(switch_table.SWITCHES) == set(EXPECTED)
+    config = apply_overrides(planted_sharded, switch_table.run_overrides(f"{switch}_seed2"))
+    changed = {name: getattr(config.model, name) for name in EXPECTED[switch]}
+    assert changed == EXPECTED[switch]
+    rest = {f: getattr(config.model, f) for f in vars(config.model) if f not in EXPECTED[switch]}
+    assert rest == {f: getattr(planted_sharded.model, f) for f in rest}
+    assert (config.loop.seed, config.data.seed) == (2, 2)
+    assert config.optim == planted_sharded.optim and config.data.path == planted_sharded.data.path
+
+
+def test_bad_run_names_are_refused(switch_table):
+    with pytest.raises(ValueError, match=r"run 'fp8_64_seed0': not <switch>_seed<k> with a switch of"):
+        switch_table.run_overrides("fp8_64_seed0")
+    with pytest.raises(ValueError, match=r"run 'bf16': not <switch>_seed<k>"):
+        switch_table.run_overrides("bf16")
+
+
+def test_the_first_pass_is_four_calls_of_five_runs(switch_table):
+    switches = [s for s in switch_table.SWITCHES if s != "bf16"]
+    calls = switch_table.plan(["long-range", "short-range"], switches, [0], [0, 1, 2], 5)
+    assert [(preset, len(names)) for preset, names in calls] == [("long-range", 5), ("long-range", 5), ("short-range", 5), ("short-range", 5)]
+    assert calls[0][1] == ["bf16_seed0", "bf16_seed1", "bf16_seed2", "fp8_32_seed0", "fp8_128_seed0"]
+    assert calls[1][1] == ["fp8_hadamard_seed0", "fp8_dhen_seed0", "fp8_saved_seed0", "sliding_256_seed0", "block_local_64_seed0"]
+    assert switch_table.plan(["short-range"], ["fp8_32", "fp8_saved"], [1, 2], [], 5) == [
+        ("short-range", ["fp8_32_seed1", "fp8_32_seed2", "fp8_saved_seed1", "fp8_saved_seed2"])
+    ]
+
+
+def test_train_runs_quality_runs_and_exports_the_tables_inputs(switch_table, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    where = switch_table.paths("short-range")
+    for file in (where["log"] / "oracle.json", where["log"] / "planted.json", where["converted"] / "manifest.json",
+                 where["runs"] / "bf16_seed0" / "metrics.jsonl", where["runs"] / "bf16_seed0.log"):
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text("{}")
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda command, **kw: calls.append((command, kw)) or subprocess.CompletedProcess(command, 1))
+    monkeypatch.delenv("GEM_MEM_FRACTION", raising=False)
+    status = switch_table.train("short-range", ["bf16_seed0", "fp8_32_seed0"], tmp_path / "out")
+    (command, kw), = calls  # the log is there: no planting, no converting
+    assert status == 1
+    assert command == [
+        "bash", "benchmarks/quality_runs.sh", "switch_table_short_range", "configs/planted_sharded.py", "data.path=runs/planted/short-range/converted",
+        "bf16_seed0=loop.seed=0 data.seed=0", "fp8_32_seed0=model.fp8=True model.fp8_block=32 loop.seed=0 data.seed=0",
+    ]
+    assert kw["env"]["GEM_COMPARE"] == "0" and kw["env"]["GEM_MEM_FRACTION"] == "0.15"
+    exported = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert exported == [
+        "runs/planted/short-range/log/oracle.json", "runs/planted/short-range/log/planted.json",
+        "runs/quality/switch_table_short_range/bf16_seed0.log", "runs/quality/switch_table_short_range/bf16_seed0/metrics.jsonl",
+    ]  # what the failed fp8_32 run left: nothing
+    monkeypatch.setenv("GEM_MEM_FRACTION", "0.3")
+    with pytest.raises(ValueError, match=r"4 runs at GEM_MEM_FRACTION=0.3 each ask for more than the GPU's memory"):
+        switch_table.train("short-range", ["bf16_seed0", "bf16_seed1", "bf16_seed2", "fp8_32_seed0"], None)
+
+
+def test_the_second_pass_wants_the_missing_seeds_of_switches_within_two_spreads(switch_table):
+    result = {
+        "switches": [{"switch": "bf16", "seeds": [0, 1, 2]}, {"switch": "fp8_32", "seeds": [0]}, {"switch": "fp8_saved", "seeds": [0, 2]}],
+        "needs_more_seeds": ["fp8_32", "fp8_saved"],
+    }
+    assert switch_table.more_seeds(result) == ["fp8_32_seed1", "fp8_32_seed2", "fp8_saved_seed1"]
