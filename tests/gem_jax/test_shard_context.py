@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent(
             self.proj = dense(128, 64, ("embed", "mlp"), rngs=rngs, fp8=Fp8Recipe(implementation="xla"))
             self.table = EmbeddingTable(60, 8, rngs=rngs)
 
-    net = Net(nnx.Rngs(0))
+    with nnx.use_eager_sharding(False):
+        net = Net(nnx.Rngs(0))
     name_layers(net)
     graphdef, state = nnx.split(net)
     params = nnx.to_pure_dict(state)
@@ -121,10 +122,11 @@ def test_plan_sharding_refuses_layers_that_do_not_know_their_paths():
             self.table = EmbeddingTable(60, 8, rngs=rngs)
 
     sizes = Topology(1, 1, 4, experts_per_node=1).axis_sizes
-    unnamed = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
+    with nnx.use_eager_sharding(False):
+        unnamed = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
+        named = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"Fp8Linear at 'proj' has path None: .*name_layers"):
         plan_sharding(unnamed, sizes, HSDP_RULES)
-    named = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
     name_layers(named)
     plan = plan_sharding(named, sizes, HSDP_RULES)
     assert set(plan.tables) == {"table"}
