@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     from gem_jax.quant import Fp8Gather, Fp8Recipe
 
     assert jax.device_count() == 4, jax.devices()
-    bits = lambda a: np.asarray(a).view(np.uint8)
+    bits = lambda a: np.asarray(a).reshape(-1).view(np.uint8)
     mesh = make_mesh(Topology(1, 1, 4, experts_per_node=1))
     sizes = dict(mesh.shape)
 
