@@ -51,7 +51,7 @@ def measure(config, table: str, real: int, capacity: int) -> dict:
     from gem_jax.mesh import live_axes, make_mesh
     from gem_jax.model.gem import GEMModel
     from gem_jax.data.sources.synthetic import synthetic_spec
-    from gem_jax.nn import shard_context as context
+    from gem_jax import shard_context as context
     from gem_jax.nn.embeddings import describe_exchange, lookup
     from gem_jax.parallel.rules import plan_sharding, spec_from_axes
     from gem_jax.train.run_record import code_version

@@ -16,7 +16,7 @@ from gem_jax.model import remat
 from gem_jax.model.config import ModelConfig
 from gem_jax.model.cross_tower import CrossFeatureTower, uniform_offsets
 from gem_jax.model.interaction import CrossAttention
-from gem_jax.nn.layers import MLP, EmbeddingTable, dense, rms_norm
+from gem_jax.nn.layers import MLP, EmbeddingTable, dense, name_layers, rms_norm
 from gem_jax.model.sequence_tower import SequenceTower
 
 USER_TABLES = "embed/user/"  # path prefix of the user features' modules (`GEMModel.embed.user[name]`)
@@ -110,6 +110,7 @@ class GEMModel(nnx.Module):
         # model can be made anywhere, with or without a mesh.
         with nnx.use_eager_sharding(False):
             self._build(spec, config, rngs)
+        name_layers(self)  # tables and FP8 layers know their paths: a sharded step's context is keyed by them
 
     def _build(self, spec: FeatureSpec, config: ModelConfig, rngs: nnx.Rngs) -> None:
         d = config.embed_dim

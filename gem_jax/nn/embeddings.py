@@ -64,12 +64,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from gem_jax.batch import PAD_ID
-from gem_jax.nn import shard_context as context
+from gem_jax import shard_context as context
 from gem_jax.mesh import GROUP_AXES, INTRA_NODE_AXES, MESH_AXES, NODE, ZONE, live_axes
-from gem_jax.pytree import path_str
 from gem_jax.units import format_bytes
 
 MAX_ROW_MULTIPLE = 1024
@@ -468,15 +466,6 @@ def lookup(
         raise ValueError(f"table {name!r} is sharded ({placement.generation.name}); look it up inside the sharded step")
     dtype = table.dtype if ctx.exchange_dtype is None else ctx.exchange_dtype
     return _exchange(table, flat, valid, placement, dtype).reshape(*ids.shape, d)
-
-
-def bind_tables(model: nnx.Module, placements: dict[str, TablePlacement]) -> None:
-    """Sets `placement` on the embedding tables of `model` named by `placements` (module
-    paths such as "embed/item", "embed/user/user"), so that their lookups run sharded."""
-    for path, module in nnx.iter_modules(model):
-        key = path_str(path)
-        if key in placements:
-            module.placement = placements[key]
 
 
 def check_lookup_stats(metrics: dict, placements: dict[str, TablePlacement], *, where: str = "step") -> None:

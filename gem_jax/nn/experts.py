@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import jax
 
-from gem_jax.nn import shard_context as context
+from gem_jax import shard_context as context
 from gem_jax.mesh import EXPERT
 
 

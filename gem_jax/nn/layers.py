@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gem_jax import shard_context
 from gem_jax.nn import embeddings
+from gem_jax.pytree import path_str
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.quant.saved_activations import dense_fp8_input, gelu_dense_fp8_input
 from pallas_kernels.mxfp8 import Fp8Recipe
@@ -68,26 +70,40 @@ class EmbeddingTable(nnx.Module):
 
     The parameter has `padded_table_rows(num_rows)` rows (a mesh-independent padding
     so that rows divide over the owners; padding rows are never read). Lookups go
-    through `gem_jax.nn.embeddings.lookup`: a plain gather on one device, the
-    sharded all-to-all exchange inside a sharded step once `placement` is set
-    (`gem_jax.nn.embeddings.bind_tables`). Out-of-range ids are never clamped:
-    they get a zero row (or are hashed, per the table's `OutOfRange` policy) and are
-    counted.
+    through `gem_jax.nn.embeddings.lookup`: a plain gather on one device; inside a
+    sharded step, with the placement the step's context holds for the table's `path`
+    (`gem_jax.shard_context.table_placement`), the sharded all-to-all exchange.
+    Out-of-range ids are never clamped: they get a zero row (or are hashed, per the
+    table's `OutOfRange` policy) and are counted.
 
     Attributes:
       num_rows: vocabulary size.
-      placement: the table's resolved sharding, or None (local lookup).
+      path: the table's module path in its model ("embed/item"), set once when the
+        model is built (`name_layers`), or None (a local lookup).
     """
 
     def __init__(self, num_rows: int, dim: int, *, rngs: nnx.Rngs):
         self.num_rows = num_rows
-        self.placement: embeddings.TablePlacement | None = None
+        self.path: str | None = None
         init = nnx.with_partitioning(nnx.initializers.normal(stddev=dim**-0.5), ("table_rows", "table_dim"))
         setattr(self, EMBEDDING_PARAM, nnx.Param(init(rngs.params(), (embeddings.padded_table_rows(num_rows), dim))))
 
     def __call__(self, ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """int `[...]` -> `[..., dim]` in the parameter's dtype (float32); zero rows where bool `mask` `[...]` is False."""
-        return embeddings.lookup(getattr(self, EMBEDDING_PARAM)[...], ids, self.num_rows, self.placement, mask=mask)
+        placement = shard_context.table_placement(self.path)
+        return embeddings.lookup(getattr(self, EMBEDDING_PARAM)[...], ids, self.num_rows, placement, mask=mask)
+
+
+def name_layers(model: nnx.Module) -> None:
+    """Sets `path` on every `EmbeddingTable` and `Fp8Linear` of `model` to its module path ("embed/item").
+
+    Called once by a model's constructor, on the finished model: the path is a static
+    attribute of the layer (kept by `nnx.split` / `nnx.merge`), by which a sharded step's
+    context gives it its placement or FP8 gather (`gem_jax.shard_context`).
+    """
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, (EmbeddingTable, Fp8Linear)):
+            module.path = path_str(path)
 
 
 def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None) -> nnx.RMSNorm:

@@ -34,6 +34,7 @@ from gem_jax.quant import Fp8Linear
 from gem_jax.nn.embeddings import Generation, TablePlacement, TableSharding, place_table
 from gem_jax.mesh import EXPERT, GROUP_AXES, live_axes
 from gem_jax.pytree import path_keys, path_str
+from pallas_kernels.mxfp8 import Fp8Gather
 
 Axes = tuple[str, ...]
 
@@ -119,22 +120,6 @@ def spec_from_axes(axes: Axes, ndim: int, dim: int = 0) -> PartitionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Gather:
-    """How an FP8 layer's sharded kernel reaches the layer: quantized on the shard, gathered in 8 bits.
-
-    The sharded step all-gathers the kernel (in the compute dtype) over every axis of
-    its spec except `axes` on dimension `dim`; the layer quantizes that chunk and
-    all-gathers the 8-bit data and scales over `axes` (`Fp8Recipe.fsdp_axis` /
-    `fsdp_dim`). `axes` is the longest outer part of the dimension's axes whose chunks
-    hold whole quantization blocks, so the result is bit-identical to quantizing the
-    gathered kernel.
-    """
-
-    dim: int
-    axes: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     """Every parameter's sharding on one mesh.
 
@@ -144,7 +129,12 @@ class ShardingPlan:
       tables: the embedding tables' placements, by module path.
       axis_sizes: the mesh's axis sizes.
       fp8: the FP8 layers (`gem_jax.quant.Fp8Linear`) whose kernels are quantized on
-        the shard, by module path ("sequence_tower/blocks/0/qkv").
+        the shard, by module path ("sequence_tower/blocks/0/qkv"): the sharded step
+        all-gathers such a kernel (in the compute dtype) over every axis of its spec
+        except `axes` of dimension `dim`, and the layer quantizes that chunk and
+        all-gathers its 8-bit data and scales over `axes`. `axes` is the longest outer
+        part of the dimension's axes whose chunks hold whole quantization blocks, so the
+        result is bit-identical to quantizing the gathered kernel.
     """
 
     specs: dict
@@ -181,7 +171,7 @@ class ShardingPlan:
 
 
 def fp8_gather(spec: PartitionSpec, shape: tuple[int, ...], block: int, axis_sizes: dict[str, int]) -> Fp8Gather | None:
-    """Where an FP8 kernel of `shape` sharded as `spec` is quantized on the shard (see `Fp8Gather`).
+    """Where an FP8 kernel of `shape` sharded as `spec` is quantized on the shard (see `ShardingPlan.fp8`).
 
     Picks the dimension whose longest outer run of axes leaves chunks of whole
     `block`s and spans the most devices; None when no chunk smaller than the kernel
@@ -212,11 +202,18 @@ def plan_sharding(abstract_model: nnx.Module, axis_sizes: dict[str, int], rules:
       rules: the config's rules.
 
     Raises:
-      ValueError: `rules.tables` names a table the model does not have (the model's tables listed).
+      ValueError: `rules.tables` names a table the model does not have (the model's tables listed),
+        or a table or FP8 layer whose `path` is not its module path (a model that did not call
+        `gem_jax.nn.layers.name_layers`: the sharded step finds them by it).
     """
     _, abstract_params = nnx.split(abstract_model)
     placements: dict[str, TablePlacement] = {}
     for path, module in nnx.iter_modules(abstract_model):
+        if isinstance(module, (EmbeddingTable, Fp8Linear)) and module.path != path_str(path):
+            raise ValueError(
+                f"{type(module).__name__} at {path_str(path)!r} has path {module.path!r}: "
+                "the model must name its layers once built (gem_jax.nn.layers.name_layers)"
+            )
         if isinstance(module, EmbeddingTable):
             name = path_str(path)
             padded = getattr(module, EMBEDDING_PARAM).shape[0]

@@ -15,6 +15,11 @@ its gradient comes back through the same reduce-scatter and all-reduce. The DHEN
 expert group keeps its `expert` dimension sharded (`gem_jax.nn.experts`) and
 embedding tables stay as shards for the sharded lookup (`gem_jax.nn.embeddings`).
 
+What the layers need of this (axis sizes, the dtype embedding rows are exchanged in,
+each FP8 layer's `Fp8Gather` and each table's placement, by module path) reaches them
+through one `gem_jax.shard_context.ShardContext`, built once per step from the plan
+and the compute dtype; the merged model itself is used as it is.
+
 The loss is the weighted mean BCE over the *global* batch: each device's weighted sum
 and weight total are summed over all devices before the division, so the loss and its
 gradients equal the single-device result on the same examples.
@@ -31,9 +36,8 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from gem_jax.batch import Batch
+from gem_jax import shard_context as context
 from gem_jax.nn.layers import EMBEDDING_PARAM
-from gem_jax.nn import embeddings
-from gem_jax.nn import shard_context as context
 from gem_jax.mesh import live_axes
 from gem_jax.pytree import path_keys, path_str
 from gem_jax.parallel.rules import Fp8Gather, ShardingPlan, spec_from_axes
@@ -105,15 +109,6 @@ def gather_param(
     return x
 
 
-def bind_fp8(model: nnx.Module, gathers: dict[str, Fp8Gather]) -> None:
-    """Points the FP8 layers named in `gathers` (module paths) at their kernel's 8-bit gather
-    (`Fp8Recipe.fsdp_axis` / `fsdp_dim`), so that they quantize the shard `gather_param` left them."""
-    for path, module in nnx.iter_modules(model):
-        gather = gathers.get(path_str(path))
-        if gather is not None:
-            module.recipe = dataclasses.replace(module.recipe, fsdp_axis=gather.axes, fsdp_dim=gather.dim)
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardedModel:
     """The model's forward pass and loss over a stacked per-device batch.
@@ -152,11 +147,8 @@ class ShardedModel:
         full = jax.tree_util.tree_map_with_path(
             gather, params, self.plan.specs, self.plan.logical, roles, is_leaf=lambda x: _is_spec(x) or isinstance(x, Role)
         )
-        with context.shard_context(sizes, dtype, rows) as ctx:
-            model = nnx.merge(self.graphdef, full)
-            embeddings.bind_tables(model, self.plan.tables)
-            bind_fp8(model, self.plan.fp8)
-            logits = model(local)
+        with context.shard_context(sizes, dtype, fp8=self.plan.fp8, tables=self.plan.tables, rows=rows) as ctx:
+            logits = nnx.merge(self.graphdef, full)(local)
         return logits, dict(ctx.stats), local
 
     def _shard_map(self, body, out_specs, *extra_specs):
@@ -196,7 +188,7 @@ class ShardedModel:
         return loss, (bce, stats, logits.reshape(-1, logits.shape[-1]))
 
     def loss_with_rows(self, params: dict, batch: Batch, deltas: dict[str, list[jax.Array]] | None = None):
-        """`loss` whose unsharded tables' lookups take row deltas (`gem_jax.nn.shard_context.TableRows`).
+        """`loss` whose unsharded tables' lookups take row deltas (`gem_jax.shard_context.TableRows`).
 
         Args:
           params, batch: as `loss`.

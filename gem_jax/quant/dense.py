@@ -3,7 +3,9 @@
 The quantization recipe, the custom VJP (MXFP8 forward and input-gradient GEMMs, a bf16
 weight gradient, the RMSNorm or GELU before the layer fused into its input quantization)
 and the on-shard weight quantization live beside the kernels in `pallas_kernels.mxfp8`;
-this module is the Flax layer the model uses.
+this module is the Flax layer the model uses. Inside a sharded step the layer takes
+its kernel's `Fp8Gather` (where the kernel is sharded) from the step's context by its
+module path (`gem_jax.shard_context`); its recipe holds the numerics alone.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gem_jax import shard_context
 from pallas_kernels.mxfp8 import Fp8Recipe, Prologue, Rounding, fp8_matmul
 
 
@@ -28,8 +31,8 @@ class Fp8Linear(nnx.Module):
 
     Args:
       in_features, out_features: sizes; for the 32 recipe both should be multiples of 32
-        (partial blocks work but waste GEMM tiles), with `fsdp_axis` the sharded one must
-        split into whole blocks.
+        (partial blocks work but waste GEMM tiles); a kernel quantized on its shard
+        (`Fp8Gather`) must split into whole blocks along the sharded one.
       use_bias: add a bias (in `dtype`, after the FP8 GEMM).
       dtype: compute/output dtype; None: the promoted dtype of inputs and kernel.
       param_dtype: parameter dtype.
@@ -37,6 +40,12 @@ class Fp8Linear(nnx.Module):
       recipe: `Fp8Recipe`.
       rngs: for the initializers.
       kernel_metadata, bias_metadata: extra metadata for the parameters.
+
+    Attributes:
+      path: the layer's module path in its model ("sequence_tower/blocks/0/qkv"), set
+        once when the model is built (`gem_jax.nn.layers.name_layers`), or None: inside
+        a sharded step the layer's `Fp8Gather` is the one the step's context holds for
+        this path (`gem_jax.shard_context.fp8_gather`); without one the kernel is whole.
     """
 
     def __init__(
@@ -66,6 +75,7 @@ class Fp8Linear(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.recipe = recipe
+        self.path: str | None = None
 
     def __call__(
         self,
@@ -101,6 +111,7 @@ class Fp8Linear(nnx.Module):
         if self.recipe.grad_rounding == Rounding.STOCHASTIC and key is None:
             raise ValueError('Fp8Recipe(grad_rounding="stochastic") needs key= at call time')
         kernel = self.kernel[...]
+        gather = shard_context.fp8_gather(self.path)
         dtype = self.dtype or jnp.result_type(inputs.dtype, kernel.dtype)
         x = inputs.reshape(-1, self.in_features).astype(dtype)
         if norm is not None and gelu:
@@ -109,10 +120,12 @@ class Fp8Linear(nnx.Module):
             raise ValueError("Fp8Linear: input_bias is added before the GELU: pass it with gelu=True")
         if norm is not None:
             scale = self._norm_scale(norm, inputs.dtype)
-            y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, prologue=Prologue.RMSNORM, norm_scale=scale, eps=norm.epsilon)
+            y = fp8_matmul(
+                x, kernel, key, self.recipe, kernel.dtype, gather=gather, prologue=Prologue.RMSNORM, norm_scale=scale, eps=norm.epsilon
+            )
         else:
             prologue = Prologue.GELU if gelu else Prologue.NONE
-            y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, prologue=prologue, input_bias=input_bias)
+            y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, gather=gather, prologue=prologue, input_bias=input_bias)
         if self.bias is not None and add_bias:
             y = y + self.bias[...].astype(dtype)
         return y.reshape(*inputs.shape[:-1], self.out_features)

@@ -7,7 +7,7 @@ each unsharded table (placement REPLICATED: every table on one device) whose ste
 looks up fewer ids than it has rows, the step here instead:
 
 1. differentiates the loss w.r.t. a zero row delta per lookup
-   (`gem_jax.nn.shard_context.TableRows`), not w.r.t. the table;
+   (`gem_jax.shard_context.TableRows`), not w.r.t. the table;
 2. sums the row gradients of each distinct id (`jnp.unique` with a static size, then
    `segment_sum`);
 3. runs the unchanged optax optimizer on a *row view* of the train state, in which

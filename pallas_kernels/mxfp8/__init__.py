@@ -4,9 +4,10 @@ the FP8 dense matmul with its custom VJP, and weight quantization on the FSDP sh
 from pallas_kernels.mxfp8.fsdp import quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.reference import Rounding
-from pallas_kernels.mxfp8.vjp import Fp8Recipe, Prologue, fp8_matmul, hadamard_signs, quantize_weight
+from pallas_kernels.mxfp8.vjp import Fp8Gather, Fp8Recipe, Prologue, fp8_matmul, hadamard_signs, quantize_weight
 
 __all__ = [
+    "Fp8Gather",
     "Fp8Recipe",
     "Prologue",
     "Rounding",

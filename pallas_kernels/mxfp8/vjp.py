@@ -63,7 +63,7 @@ from pallas_kernels.mxfp8.reference import Rounding
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
-    """How an FP8 dense layer quantizes.
+    """How an FP8 dense layer quantizes: the numerics alone (where its kernel is sharded is an `Fp8Gather`).
 
     Attributes:
       block: 32 for MXFP8 (32x32 tiles for activations, weights and gradients, promotion
@@ -71,12 +71,6 @@ class Fp8Recipe:
         128x128 weight tiles, promotion every 128 K: DeepSeek-V3's granularity).
       grad_rounding: rounding of the output gradient before the dgrad GEMM; "stochastic"
         needs a `key` at call time.
-      fsdp_axis: if set, the kernel (sharded along `fsdp_dim` over this mesh axis, or
-        these axes, outermost first) is quantized on each shard and the 8-bit data
-        all-gathered (`quantize_gathered`); inside a `shard_map` over those axes the
-        kernel given is this device's shard, and its gradient is reduce-scattered back
-        to it (`shard_gradient`).
-      fsdp_dim: the sharded dimension of the kernel `[in, out]`.
       implementation: for `mxfp8_matmul` and the input and output-gradient quantizations
         (`quantize_mxfp8` and its fused forms): "xla", "pallas" or None (pallas on Hopper).
       config: `pallas_kernels.mxfp8.kernel_matmul.TuningConfig` for the Pallas GEMMs, or
@@ -88,8 +82,6 @@ class Fp8Recipe:
 
     block: int = 32
     grad_rounding: str = "nearest"
-    fsdp_axis: str | tuple[str, ...] | None = None
-    fsdp_dim: int = 0
     implementation: str | None = None
     config: Any = None
     hadamard: bool = False
@@ -101,10 +93,6 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe.block must be 32 or 128, got {self.block}")
         if self.grad_rounding not in tuple(Rounding):
             raise ValueError(f"Fp8Recipe.grad_rounding must be one of {[r.value for r in Rounding]}, got {self.grad_rounding!r}")
-        if self.fsdp_dim not in (0, 1):
-            raise ValueError(f"Fp8Recipe.fsdp_dim must be 0 or 1, got {self.fsdp_dim}")
-        if isinstance(self.fsdp_axis, list):  # the recipe is a static (hashed) argument of the layer's jit
-            object.__setattr__(self, "fsdp_axis", tuple(self.fsdp_axis))
         try:
             hash(self.config)
         except TypeError:
@@ -119,6 +107,36 @@ class Fp8Recipe:
     def weight_block(self) -> tuple[int, int]:
         """Quantization tile of the kernel `[in, out]` (square, so its transpose reuses it)."""
         return (self.block, self.block)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Gather:
+    """Where an FP8 layer's sharded kernel is quantized: on the shard, its 8-bit data and scales all-gathered.
+
+    Inside a `shard_map` over `axes` the kernel `fp8_matmul` is given is this device's
+    shard along dimension `dim` of `[in, out]`; it is quantized there, the 8-bit data and
+    scales all-gathered over `axes` (`quantize_gathered`), and its gradient is
+    reduce-scattered back to the shard (`shard_gradient`). Bit-identical to quantizing the
+    gathered kernel when every shard holds whole quantization blocks.
+
+    Attributes:
+      dim: the sharded dimension of the kernel `[in, out]`: 0 or 1.
+      axes: the mesh axes it is sharded over, outermost first (one name: that axis).
+
+    Raises:
+      ValueError: `dim` not 0 or 1, or no axis named.
+    """
+
+    dim: int
+    axes: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.dim not in (0, 1):
+            raise ValueError(f"Fp8Gather.dim must be 0 or 1, got {self.dim}")
+        # A static (hashed) argument of the layer's jit: a tuple, whichever sequence was given.
+        object.__setattr__(self, "axes", (self.axes,) if isinstance(self.axes, str) else tuple(self.axes))
+        if not self.axes:
+            raise ValueError("Fp8Gather.axes names no mesh axis")
 
 
 HADAMARD_SEED = 0  # Fp8Recipe(hadamard=True): the signs of R come from jax.random.key(HADAMARD_SEED)
@@ -146,24 +164,24 @@ def _input_signs(n: int, recipe: Fp8Recipe) -> np.ndarray | None:
     return hadamard_signs(n)
 
 
-def _rotate_weight(w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
+def _rotate_weight(w: jax.Array, recipe: Fp8Recipe, gather: Fp8Gather | None) -> jax.Array:
     """float32 `R^T @ w`: the rows of `w [in, out]` (or of this device's row shard of it) rotated."""
-    row_shards = recipe.fsdp_axis is not None and recipe.fsdp_dim == 0
-    n_in = gathered_extent(w, axis_name=recipe.fsdp_axis) if row_shards else w.shape[0]
+    row_shards = gather is not None and gather.dim == 0
+    n_in = gathered_extent(w, axis_name=gather.axes) if row_shards else w.shape[0]
     signs = jnp.asarray(_input_signs(n_in, recipe))
     if n_in != w.shape[0]:  # a row shard inside shard_map: its slice of the signs
-        signs = local_part(signs, axis_name=recipe.fsdp_axis, size=w.shape[0])
+        signs = local_part(signs, axis_name=gather.axes, size=w.shape[0])
     return reference.rotate(w, signs, block=recipe.block, axis=0)
 
 
-def quantize_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[jax.Array, jax.Array]:
-    """`(wq [in, out], sw)` of `w` (of `R^T @ w` with `recipe.hadamard`), on the FSDP shard then
-    gathered if `recipe.fsdp_axis` is set."""
+def quantize_weight(w: jax.Array, recipe: Fp8Recipe, gather: Fp8Gather | None = None) -> tuple[jax.Array, jax.Array]:
+    """`(wq [in, out], sw)` of `w` (of `R^T @ w` with `recipe.hadamard`); with a `gather`, `w` is
+    this device's shard, quantized there and gathered."""
     if recipe.hadamard:
-        w = _rotate_weight(w, recipe)
-    if recipe.fsdp_axis is None:
+        w = _rotate_weight(w, recipe, gather)
+    if gather is None:
         return quantize_mxfp8(w, block=recipe.weight_block)
-    return quantize_gathered(w, axis_name=recipe.fsdp_axis, dim=recipe.fsdp_dim, block=recipe.weight_block)
+    return quantize_gathered(w, axis_name=gather.axes, dim=gather.dim, block=recipe.weight_block)
 
 
 class Prologue(enum.Enum):
@@ -198,6 +216,7 @@ def fp8_matmul(
     recipe: Fp8Recipe,
     w_dtype: Any,
     *,
+    gather: Fp8Gather | None = None,
     prologue: Prologue | str = Prologue.NONE,
     norm_scale: jax.Array | None = None,
     input_bias: jax.Array | None = None,
@@ -218,11 +237,12 @@ def fp8_matmul(
 
     Args:
       x: `[T, in]` float; its dtype is the output dtype.
-      w: `[in, out]` float of dtype `w_dtype` (the master weight); with `recipe.fsdp_axis`
-        (inside `shard_map`) this device's shard of it along `recipe.fsdp_dim`.
+      w: `[in, out]` float of dtype `w_dtype` (the master weight); with a `gather`
+        (inside `shard_map`) this device's shard of it along `gather.dim`.
       key: PRNG key for stochastic rounding of the output gradient, or None.
       recipe: the quantization recipe.
       w_dtype: dtype of `w` (the weight gradient is returned in it).
+      gather: where `w` is sharded (`Fp8Gather`), or None: `w` is the whole kernel.
       prologue: `Prologue` (or its value).
       norm_scale: `[in]` RMSNorm gain, with `Prologue.RMSNORM` only (its gradient is returned
         in its dtype).
@@ -235,7 +255,7 @@ def fp8_matmul(
 
     Raises:
       ValueError: `x` or `w` not 2-D or of different inner sizes (w's rows counted gathered
-        with `recipe.fsdp_axis`), an unknown prologue, or
+        with a `gather`), an unknown prologue, or
         `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM, or
         `input_bias` given without GELU or of the wrong shape, or with `recipe.hadamard`
         an `in` that is not a multiple of `recipe.block`.
@@ -243,9 +263,9 @@ def fp8_matmul(
     prologue = Prologue(prologue)
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"fp8_matmul: x must be [T, in] and w [in, out]; got {x.shape} and {w.shape}")
-    in_rows = w.shape[0] if recipe.fsdp_axis is None or recipe.fsdp_dim != 0 else gathered_extent(w, axis_name=recipe.fsdp_axis)
+    in_rows = w.shape[0] if gather is None or gather.dim != 0 else gathered_extent(w, axis_name=gather.axes)
     if x.shape[1] != in_rows:
-        raise ValueError(f"fp8_matmul: x has {x.shape[1]} input features, w {in_rows} rows (w {w.shape}, gathered over {recipe.fsdp_axis})")
+        raise ValueError(f"fp8_matmul: x has {x.shape[1]} input features, w {in_rows} rows (w {w.shape}, {gather})")
     if (prologue is Prologue.RMSNORM) != (norm_scale is not None):
         raise ValueError(f"fp8_matmul: norm_scale is required with Prologue.RMSNORM and only with it (prologue={prologue})")
     if input_bias is not None and prologue is not Prologue.GELU:
@@ -254,17 +274,17 @@ def fp8_matmul(
         if param is not None and jnp.shape(param) != (x.shape[1],):
             raise ValueError(f"fp8_matmul: {name} must be [{x.shape[1]}], got {jnp.shape(param)}")
     param = norm_scale if prologue is Prologue.RMSNORM else input_bias
-    static = dict(recipe=recipe, w_dtype=jnp.dtype(w_dtype), prologue=prologue, eps=float(eps))
+    static = dict(recipe=recipe, gather=gather, w_dtype=jnp.dtype(w_dtype), prologue=prologue, eps=float(eps))
     return shared_lowering.call(_fp8_matmul_by_name, x, param, w, key, static=static)
 
 
-def _fp8_matmul_by_name(x, param, w, key, *, recipe, w_dtype, prologue, eps):
-    return _fp8_matmul(x, param, w, key, recipe, w_dtype, prologue, eps)
+def _fp8_matmul_by_name(x, param, w, key, *, recipe, gather, w_dtype, prologue, eps):
+    return _fp8_matmul(x, param, w, key, recipe, gather, w_dtype, prologue, eps)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fp8_matmul(x, param, w, key, recipe, w_dtype, prologue, eps):
-    return _fp8_matmul_fwd(x, param, w, key, recipe, w_dtype, prologue, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _fp8_matmul(x, param, w, key, recipe, gather, w_dtype, prologue, eps):
+    return _fp8_matmul_fwd(x, param, w, key, recipe, gather, w_dtype, prologue, eps)[0]
 
 
 def _quantize_input(x, param, recipe, prologue, eps):
@@ -277,10 +297,10 @@ def _quantize_input(x, param, recipe, prologue, eps):
     return quantize_mxfp8(x, **opts)
 
 
-def _fp8_matmul_fwd(x, param, w, key, recipe, w_dtype, prologue, eps):
+def _fp8_matmul_fwd(x, param, w, key, recipe, gather, w_dtype, prologue, eps):
     del w_dtype
     xq, sx = _quantize_input(x, param, recipe, prologue, eps)
-    wq, sw = quantize_weight(w, recipe)
+    wq, sw = quantize_weight(w, recipe, gather)
     y = mxfp8_matmul(
         xq, sx, wq, sw, b_contracting_dim=0, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config
     )
@@ -296,7 +316,7 @@ def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
     return x if jax.typeof(x).sharding.spec == want else jax.sharding.reshard(x, want)
 
 
-def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
+def _fp8_matmul_bwd(recipe, gather, w_dtype, prologue, eps, residuals, dy):
     x, param, xq, sx, wq, sw, key, w = residuals
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key, implementation=recipe.implementation)
     signs = _input_signs(xq.shape[1], recipe)
@@ -308,8 +328,8 @@ def _fp8_matmul_bwd(recipe, w_dtype, prologue, eps, residuals, dy):
         dp = reference.rotate(dp, signs, block=recipe.block, inverse=True, bf16_operands=True).astype(dy.dtype)
         dw = reference.rotate(dw, signs, block=recipe.block, axis=0, inverse=True)
     dw = dw.astype(w_dtype)
-    if recipe.fsdp_axis is not None:  # inside shard_map: back to this device's shard of the kernel
-        dw = shard_gradient(dw, axis_name=recipe.fsdp_axis, dim=recipe.fsdp_dim)
+    if gather is not None:  # inside shard_map: back to this device's shard of the kernel
+        dw = shard_gradient(dw, axis_name=gather.axes, dim=gather.dim)
     dw = _with_sharding_of(dw, w)
     if prologue is Prologue.NONE:
         return _with_sharding_of(dp, xq), None, dw, None

@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from tolerances import BFLOAT16, DRAW, E4M3, check, check_within, dot_bound, product_rms, rel_err as _rel, sum_worst
 
 from gem_jax.nn.layers import MLP, rms_norm
-from gem_jax.quant import Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight
+from gem_jax.quant import Fp8Gather, Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight
 from pallas_kernels.mxfp8 import dequantize_mxfp8, hadamard_signs, kernel_matmul, quantize_mxfp8, reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent
 
@@ -319,4 +319,4 @@ def test_fp8_matmul_refuses_inputs_whose_features_differ_from_the_weight_rows():
     with pytest.raises(ValueError, match="x has 96 input features, w 128 rows"):
         fp8_matmul(x, w, None, Fp8Recipe(), jnp.float32)
     with pytest.raises(ValueError, match="x has 96 input features, w 128 rows"):  # gathered size counts outside too
-        fp8_matmul(x, w, None, Fp8Recipe(fsdp_axis="fsdp"), jnp.float32)
+        fp8_matmul(x, w, None, Fp8Recipe(), jnp.float32, gather=Fp8Gather(0, "fsdp"))

@@ -12,7 +12,7 @@ SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from gem_jax.quant import Fp8Recipe, fp8_matmul, quantize_gathered
+    from gem_jax.quant import Fp8Gather, Fp8Recipe, fp8_matmul, quantize_gathered
     from pallas_kernels.mxfp8 import quantize_mxfp8
 
     assert jax.device_count() == 8, jax.devices()
@@ -46,13 +46,12 @@ SCRIPT = textwrap.dedent(
     w = jax.random.normal(jax.random.key(10), (256, 96)) / 16
     g = jax.random.normal(jax.random.key(11), (64, 96))
     plain = Fp8Recipe(implementation="xla")
-    fsdp = Fp8Recipe(implementation="xla", fsdp_axis="fsdp", fsdp_dim=0)
-    def step(recipe):
-        f = lambda x, w: jnp.sum(fp8_matmul(x, w, None, recipe, w.dtype) * g)
+    def step(recipe, gather=None):
+        f = lambda x, w: jnp.sum(fp8_matmul(x, w, None, recipe, w.dtype, gather=gather) * g)
         return jax.value_and_grad(f, argnums=(0, 1))
     with jax.set_mesh(mesh2):
         w_sharded = jax.device_put(w, NamedSharding(mesh2, P("fsdp", None)))
-        got = jax.jit(step(fsdp))(x, w_sharded)
+        got = jax.jit(step(plain, Fp8Gather(0, ("fsdp",))))(x, w_sharded)
     want = jax.jit(step(plain))(x, w)
     # The same quantized operands (scales per whole 32x32 tile) and the same contractions: equal up to the float32
     # sum of the loss's 64 x 96 terms, which XLA may order differently in the sharded program (measured: ~1e-7).
@@ -64,7 +63,7 @@ SCRIPT = textwrap.dedent(
     # gradient (the weight gradients of all devices' rows, reduce-scattered).
     from gem_jax.quant import shard_gradient
     axes = ("data", "fsdp")
-    manual = Fp8Recipe(implementation="xla", fsdp_axis=axes, fsdp_dim=0)
+    manual = Fp8Gather(0, axes)
     x = jax.random.normal(jax.random.key(12), (256, 256))
     g = jax.random.normal(jax.random.key(13), (256, 96))
     want = jax.jit(step(plain))(x, w)
@@ -72,7 +71,7 @@ SCRIPT = textwrap.dedent(
 
     def local(x_rows, g_rows, w_shard):
         data, scales = quantize_gathered(w_shard, axis_name=axes, dim=0)
-        f = lambda x, w: jnp.sum(fp8_matmul(x, w, None, manual, w.dtype) * g_rows)
+        f = lambda x, w: jnp.sum(fp8_matmul(x, w, None, plain, w.dtype, gather=manual) * g_rows)
         value, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x_rows, w_shard)
         return data, scales, jax.lax.psum(value, axes), dx, dw
 
@@ -89,11 +88,11 @@ SCRIPT = textwrap.dedent(
     for a, b in zip((value, dx, dw), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
     # With the random Hadamard rotation each row shard rotates by its slice of the signs: the same layer.
-    hadamard = Fp8Recipe(implementation="xla", fsdp_axis=axes, fsdp_dim=0, hadamard=True)
-    want = jax.jit(step(Fp8Recipe(implementation="xla", hadamard=True)))(x, w)
+    hadamard = Fp8Recipe(implementation="xla", hadamard=True)
+    want = jax.jit(step(hadamard))(x, w)
 
     def local_rotated(x_rows, g_rows, w_shard):
-        f = lambda x, w: jnp.sum(fp8_matmul(x, w, None, hadamard, w.dtype) * g_rows)
+        f = lambda x, w: jnp.sum(fp8_matmul(x, w, None, hadamard, w.dtype, gather=manual) * g_rows)
         value, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x_rows, w_shard)
         return jax.lax.psum(value, axes), dx, dw
 

@@ -42,7 +42,7 @@ from gem_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, 
 from gem_jax.mesh import Topology, live_axes, make_mesh  # noqa: E402
 from gem_jax.model.config import Fp8Region  # noqa: E402
 from gem_jax.model.gem import GEMModel  # noqa: E402
-from gem_jax.nn import shard_context as context  # noqa: E402
+from gem_jax import shard_context as context  # noqa: E402
 from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding, exchange_buffer, lookup, place_table  # noqa: E402
 from gem_jax.parallel.placement import BatchPlacement  # noqa: E402
 from gem_jax.parallel.rules import spec_from_axes  # noqa: E402

@@ -43,7 +43,7 @@ from gem_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticBatchBuilder, 
 from gem_jax.jagged import Jagged  # noqa: E402
 from gem_jax.model.cross_tower import MLPExperts  # noqa: E402
 from gem_jax.model.gem import GEMModel  # noqa: E402
-from gem_jax.nn import shard_context as context  # noqa: E402
+from gem_jax import shard_context as context  # noqa: E402
 from gem_jax.parallel.placement import BatchPlacement  # noqa: E402
 from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding, lookup, place_table  # noqa: E402
 from gem_jax.mesh import Topology, make_mesh  # noqa: E402

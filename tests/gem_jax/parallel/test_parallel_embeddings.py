@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gem_jax.nn import shard_context as context
+from gem_jax import shard_context as context
 from gem_jax.nn.embeddings import (
     EmbeddingLookupError,
     Generation,

@@ -17,7 +17,7 @@ import pytest
 from jax.extend import core as jax_core
 
 from gem_jax.nn import embeddings
-from gem_jax.nn import shard_context as context
+from gem_jax import shard_context as context
 from gem_jax.nn.embeddings import Generation, OutOfRange, TableSharding
 from gem_jax.train import sparse_tables
 from gem_jax.train.config import load_config

@@ -1,11 +1,22 @@
-"""The per-device context of a sharded step: mesh axis sizes, lookup statistics, table row gradients.
+"""The one per-step context of a sharded step: what the sharding plan and the step tell the layers.
 
-Model code (embedding tables, the DHEN expert group) runs unchanged on one device and
-inside the `shard_map` of `gem_jax.parallel.spmd`. Inside, it needs the sizes of the
-named mesh axes for its collectives, and a place to report counters (out-of-range ids,
-buffer overflows, bytes exchanged) that the step returns as metrics. `shard_context` provides both for
-the duration of one trace. A step that updates unsharded tables row by row
-(`gem_jax.train.sparse_tables`) also passes `TableRows` through it.
+Model code (embedding tables, FP8 layers, the DHEN expert group) runs unchanged on one
+device and inside the `shard_map` of `gem_jax.parallel.spmd`. Inside, it needs what the
+step decided and the model's own configuration does not hold: the sizes of the named
+mesh axes for its collectives, the dtype embedding rows cross the network in, where
+each FP8 layer's kernel is sharded (`pallas_kernels.mxfp8.Fp8Gather`: quantized on the
+shard, gathered in 8 bits) and each table's placement, both by module path; and a place
+to report counters (out-of-range ids, buffer overflows, bytes exchanged) that the step
+returns as metrics. A step that updates unsharded tables row by row
+(`gem_jax.train.sparse_tables`) also passes `TableRows` through it. The numerics of a
+layer (its `Fp8Recipe`, its compute dtype) stay with the layer, from `ModelConfig`.
+
+`ShardedModel` builds one `ShardContext` per step and makes it the active one for the
+duration of the trace (`shard_context`); layers read it with `active()` and look
+themselves up by their module path (`Fp8Linear.path`, `EmbeddingTable.path`). The
+context is held by this single scope rather than passed through every `__call__`: the
+same model code runs outside any step (then `active()` is None and every layer is whole
+and local), and no module attribute is rewritten per step.
 """
 
 from __future__ import annotations
@@ -13,10 +24,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.mxfp8 import Fp8Gather
 
 
 @dataclasses.dataclass
@@ -64,8 +78,12 @@ class TableRows:
 class ShardContext:
     """Attributes:
     axis_sizes: size of every mesh axis, outermost first.
-    exchange_dtype: dtype in which activations cross the network (embedding rows);
-      None keeps theirs.
+    exchange_dtype: the step's compute dtype, in which embedding rows cross the network;
+      None keeps the table's.
+    fp8: by FP8 layer path ("sequence_tower/blocks/0/qkv"), where its kernel shard is
+      quantized and gathered (`ShardingPlan.fp8`); a layer not named gets its whole kernel.
+    tables: by table path ("embed/item"), its `gem_jax.nn.embeddings.TablePlacement`
+      (`ShardingPlan.tables`); a table not named is looked up locally.
     stats: scalar counters recorded during the trace, by name (summed per name): int32,
       or float32 for quantities that overflow int32 (bytes).
     rows: the row gradients of unsharded tables, or None (tables get dense gradients).
@@ -73,6 +91,8 @@ class ShardContext:
 
     axis_sizes: dict[str, int]
     exchange_dtype: jnp.dtype | None = None
+    fp8: Mapping[str, Fp8Gather] = dataclasses.field(default_factory=dict)
+    tables: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     stats: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
     rows: TableRows | None = None
 
@@ -87,9 +107,17 @@ _ACTIVE: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar("g
 
 
 @contextlib.contextmanager
-def shard_context(axis_sizes: dict[str, int], exchange_dtype=None, rows: TableRows | None = None) -> Iterator[ShardContext]:
-    """Makes a fresh `ShardContext` the active one inside the `with` block."""
-    ctx = ShardContext(dict(axis_sizes), None if exchange_dtype is None else jnp.dtype(exchange_dtype), rows=rows)
+def shard_context(
+    axis_sizes: dict[str, int],
+    exchange_dtype=None,
+    *,
+    fp8: Mapping[str, Fp8Gather] | None = None,
+    tables: Mapping[str, Any] | None = None,
+    rows: TableRows | None = None,
+) -> Iterator[ShardContext]:
+    """Makes a fresh `ShardContext` (fields as its attributes) the active one inside the `with` block."""
+    dtype = None if exchange_dtype is None else jnp.dtype(exchange_dtype)
+    ctx = ShardContext(dict(axis_sizes), dtype, dict(fp8 or {}), dict(tables or {}), rows=rows)
     token = _ACTIVE.set(ctx)
     try:
         yield ctx
@@ -113,3 +141,15 @@ def row_delta(name: str, ids: jax.Array) -> jax.Array | None:
     """`TableRows.take` of the active context; None outside one or without `rows`."""
     ctx = active()
     return None if ctx is None or ctx.rows is None else ctx.rows.take(name, ids)
+
+
+def fp8_gather(path: str | None) -> Fp8Gather | None:
+    """The gather of the FP8 layer at module path `path` in the active step; None outside one, or for a whole kernel."""
+    ctx = active()
+    return None if ctx is None or path is None else ctx.fp8.get(path)
+
+
+def table_placement(path: str | None):
+    """The `TablePlacement` of the table at module path `path` in the active step; None outside one (a local lookup)."""
+    ctx = active()
+    return None if ctx is None or path is None else ctx.tables.get(path)
