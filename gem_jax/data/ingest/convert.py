@@ -3,23 +3,31 @@
 Two streaming passes over the input, in memory bounded by `ConvertOptions.memory_mb`:
 
 1. Every input file is read in record batches (`readers.stream_columns`), its
-   values checked, its ids, actions and feature values counted, and its rows
-   appended, by a hash of the user id, to one of B bucket files (Arrow IPC,
-   in a scratch folder of the output). B = ceil(events x 320 bytes / (memory -
-   a fixed share)), events estimated from Parquet row counts or the CSV size
-   over its mean line length, so a bucket's sorting fits the memory budget
-   whatever the input size (`ConvertOptions.memory_plan`). The
-   inputs' sha256 are computed in a background thread meanwhile.
-2. The vocabularies are built (`vocab.Vocab.build`: min count, max size, OOV),
+   values checked, its item ids, actions and feature values counted (in a
+   second thread, one batch behind), and its rows appended, by a hash of the user id,
+   to one of B bucket files (Arrow IPC, in a scratch folder of the output).
+   B = 4 x ceil(events x 320 bytes / (memory - a fixed share)) (or 1 when one
+   bucket fits), events estimated from Parquet row counts or the CSV size over
+   its mean line length (`ConvertOptions.memory_plan`). The inputs' sha256 are
+   computed in a background thread meanwhile.
+2. The users are counted bucket by bucket (a user's events are all in one
+   bucket), the vocabularies built (`vocab.Vocab.build`: min count, max size, OOV),
    the split resolved (a time quantile exactly, from histograms of the bucket
-   times), then each bucket is read back, its ids mapped to rows, its events
-   sorted by (user, time, input order) and written as one record per user
+   times), then the buckets are read back in groups of consecutive buckets
+   (`bucket_groups`) whose events fit the memory left once the vocabularies
+   are held, each group's ids mapped to rows (its users among its buckets'
+   kept users only: the user vocabulary is not hashed whole), its events sorted by (user,
+   time, input order) and written as one record per user
    (`records.RecordLayout`) to the shards, dealt in turn.
 
-Memory: besides the buckets, the vocabularies (distinct ids and counts) and the
-item feature table (rows x max values) are held; they grow with the number of
-distinct ids, not with the number of events. One user's events must fit in a
-bucket's share (a user with more events than the budget holds is one bucket).
+Memory: besides a group's events, the vocabularies (distinct ids and counts,
+and the hash tables of their lookups) and the item feature table (rows x max
+values) are held; they grow with the number of distinct ids, not with the
+number of events, and the groups shrink to leave them room. Grouping the
+buckets by their measured sizes after pass 1 keeps a group within the budget
+when a few heavy users make some buckets several times the mean. One user's
+events must fit in the budget: a bucket larger than it (a user with more events
+than the budget holds) is a group of its own, and the conversion says so.
 
 The output directory (written as `OUT.partial`, moved to `OUT` when complete)::
 
@@ -62,21 +70,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from array_record.python.array_record_module import ArrayRecordWriter
 
 from gem_jax.data.ingest import manifest as manifest_lib
 from gem_jax.data.ingest.readers import BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, stream_columns
 from gem_jax.data.ingest.records import RecordLayout
+from gem_jax.data.ingest.shard_writer import ShardWriters
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, Side, label_values
 from gem_jax.data.ingest.split import SplitRule, eval_flags, resolve_cutoff
 from gem_jax.data.ingest.stats import length_summary
 from gem_jax.data.ingest.vocab import FIRST_ID_ROW, CountAccumulator, Vocab
 from gem_jax.data.rows import BadRowKind, DataFormatError, OnBadRow
 
-WRITER_OPTIONS = "group_size:1,uncompressed"  # one record per chunk: random access reads one record; ids and times barely compress
 _BYTES_PER_EVENT = 320  # memory while sorting one bucket, per event (ids, rows, sort orders, records)
 _BASE_MB = 320  # the interpreter, numpy, pyarrow, its CSV reader (about 100 MiB of its own), the writers
 _READ_AHEAD_BLOCKS = 8  # batches in flight (read ahead, parsed, partitioned), in CSV blocks
+_BUCKETS_PER_GROUP = 4  # pass 1 writes this many more buckets than the budget needs; pass 2 groups them by size
+_INDEX_SHARE = 4  # the open shard files' chunk indexes may hold up to 1/4 of the sorting memory (`ShardWriters`)
+_LOOKUP_COPIES = 4  # a vocabulary's memory while it is looked up whole: its ids and counts, and pyarrow's hash table of the ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +98,17 @@ class ConvertOptions:
       min_count: user and item ids seen fewer times go to the OOV row.
       max_vocab: at most this many user ids and item ids are kept each (the
         most frequent), or None.
-      shards: number of shard files; None: 16, or fewer when there are fewer users.
-      memory_mb: the memory budget that sets the bucket count (MiB).
+      shards: number of shard files, all written at once; None: windows of 16
+        files (fewer when there are fewer users), as many windows as the
+        memory for their indexes needs (`ShardWriters`).
+      memory_mb: the memory budget (MiB) that sets the bucket count, the size
+        of pass 2's bucket groups and how many shard files are open at once.
       on_bad_row: `OnBadRow.RAISE` (default) or `SKIP` (count and drop).
       vocab_from: a converted directory whose vocabularies to reuse (ids
         unseen there go to OOV and are counted), or None to build them.
-      buckets: the bucket count, or None to derive it from the input size and `memory_mb`.
+      buckets: the bucket count of pass 1, or None to derive it from the
+        input size and `memory_mb`; pass 2 groups them by the memory budget
+        either way.
     """
 
     split: SplitRule
@@ -193,14 +208,18 @@ class _Buckets:
         directory.mkdir(parents=True)
         self.paths = [directory / f"bucket-{b:05d}.arrow" for b in range(count)]
         self.schema = schema
+        self.events = np.zeros(count, dtype=np.int64)  # rows written to each bucket
         self._writers = [pa.ipc.new_file(str(p), schema) for p in self.paths]
 
     def write(self, table: pa.Table, bucket: np.ndarray) -> None:
         if len(self.paths) == 1:
             self._writers[0].write_table(table)
+            self.events[0] += table.num_rows
             return
         order = np.argsort(bucket, kind="stable")
-        ends = np.cumsum(np.bincount(bucket, minlength=len(self.paths)))
+        sizes = np.bincount(bucket, minlength=len(self.paths))
+        self.events += sizes
+        ends = np.cumsum(sizes)
         table = table.take(pa.array(order))
         start = 0
         for b, end in enumerate(ends):
@@ -215,6 +234,25 @@ class _Buckets:
     def read(self, b: int, columns: list[str] | None = None) -> pa.Table:
         with pa.memory_map(str(self.paths[b])) as source:
             return pa.ipc.open_file(source).read_all().select(columns) if columns else pa.ipc.open_file(source).read_all()
+
+    def read_group(self, group: range) -> pa.Table:
+        """The rows of buckets `group` (consecutive), bucket after bucket."""
+        return pa.concat_tables([self.read(b) for b in group])
+
+
+def bucket_groups(events: np.ndarray, max_events: int) -> list[range]:
+    """Consecutive buckets grouped greedily so that each group holds at most `max_events`
+    events (int64 `events` `[B]` per bucket); a bucket above `max_events` is a group alone.
+    Empty buckets join their neighbours. Every bucket is in exactly one group, in order."""
+    groups, start, held = [], 0, 0
+    for b, n in enumerate(events.tolist()):
+        if held and held + n > max_events:
+            groups.append(range(start, b))
+            start, held = b, 0
+        held += n
+    if len(events):
+        groups.append(range(start, len(events)))
+    return groups
 
 
 def stable_order(major: np.ndarray, minor: np.ndarray) -> np.ndarray:
@@ -238,6 +276,24 @@ def stable_order(major: np.ndarray, minor: np.ndarray) -> np.ndarray:
         run = np.cumsum(np.r_[True, ~tie])[tied]
         order[tied] = order[tied][np.lexsort((order[tied], run))]
     return order
+
+
+def _user_counts(buckets: _Buckets) -> pa.Table:
+    """`id` (string), `count` (int64): every user's events, counted bucket by bucket (a user is in one
+    bucket, so the buckets' counts are disjoint: no merge of the whole user set is ever hashed)."""
+    parts = []
+    for b in range(len(buckets.paths)):
+        counts = pc.value_counts(buckets.read(b, ["user"])["user"].combine_chunks())
+        parts.append(pa.table({"id": counts.field("values"), "count": pc.cast(counts.field("counts"), pa.int64())}))
+    return pa.concat_tables(parts).combine_chunks()
+
+
+def _kept_ids_by_bucket(vocab: Vocab, num_buckets: int, chunk: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
+    """`(order, starts)`: indices of `vocab.ids` (int64 `[n]`) sorted by their bucket (`bucket_of`),
+    bucket b's at `order[starts[b]:starts[b + 1]]` (`starts` int64 `[B + 1]`); hashed a chunk at a time."""
+    buckets = np.concatenate([bucket_of(vocab.ids.slice(k, chunk), num_buckets) for k in range(0, len(vocab.ids), chunk)] or [np.zeros(0, np.int64)])
+    order = np.argsort(buckets, kind="stable")
+    return order, np.searchsorted(buckets[order], np.arange(num_buckets + 1))
 
 
 def _feature_rows(vocab: Vocab, values, width: int) -> np.ndarray:
@@ -373,8 +429,9 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     kinds = event_kinds(schema)
     event_features = [f for f in schema.features if schema.table(f.side) is None]
     block_size, bucket_bytes = options.memory_plan()
-    num_buckets = options.buckets or max(1, min(4096, math.ceil(_estimated_events(files) * _BYTES_PER_EVENT / bucket_bytes)))
-    counters = {"user": CountAccumulator(), "item": CountAccumulator()}
+    needed = math.ceil(_estimated_events(files) * _BYTES_PER_EVENT / bucket_bytes)
+    num_buckets = options.buckets or (1 if needed <= 1 else min(4096, _BUCKETS_PER_GROUP * needed))
+    counters = {"item": CountAccumulator()}  # users are counted per bucket after pass 1 (`_user_counts`)
     if schema.action:
         counters["action"] = CountAccumulator()
     for feature in event_features:
@@ -398,7 +455,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             counter.add(columns[name])
 
     log(f"reading {len(files)} file(s) into {num_buckets} bucket(s)")
-    with concurrent.futures.ThreadPoolExecutor(1) as counting_pool:  # ids, actions and features are counted beside the bucketing
+    with concurrent.futures.ThreadPoolExecutor(1) as counting_pool:  # ids, actions and features are counted beside the bucketing, one merge at a time
         counting = None
         for _, columns in prefetched(stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)):
             n = len(columns[schema.time])
@@ -407,6 +464,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             if counting is not None:
                 counting.result()  # one batch in flight: memory stays bounded
             counting = counting_pool.submit(count, columns)
+            users = pc.dictionary_encode(columns[schema.user])  # each distinct user hashed once for its bucket
+            user_index = users.indices.to_numpy(zero_copy_only=False)
             arrays = {"user": columns[schema.user], "item": columns[schema.item], "time": pa.array(columns[schema.time])}
             if schema.action:
                 arrays["action"] = columns[schema.action]
@@ -420,9 +479,6 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             for feature in event_features:
                 arrays[f"feature/{feature.name}"] = columns[feature.name]
                 max_values[feature.name] = max(max_values[feature.name], _max_values(columns[feature.name]))
-            users = pc.dictionary_encode(columns[schema.user])  # one hash pass: counts and buckets
-            user_index = users.indices.to_numpy(zero_copy_only=False)
-            counters["user"].add_counted(users.dictionary, np.bincount(user_index, minlength=len(users.dictionary)))
             events += n
             t_low, t_high = min(t_low, int(columns[schema.time].min())), max(t_high, int(columns[schema.time].max()))
             buckets.write(pa.table(arrays, schema=buckets.schema), bucket_of(users.dictionary, num_buckets)[user_index])
@@ -444,21 +500,23 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         tables[side] = (keys, feature_columns)
 
     # Vocabularies.
-    distinct_users = counters["user"].table().num_rows
+    user_counts = _user_counts(buckets)
+    distinct_users = user_counts.num_rows
     vocabs: dict[str, Vocab] = {}
     reused = Path(options.vocab_from) if options.vocab_from else None
     unseen: dict[str, int] = {}
-    for name, counter in counters.items():
+    for name in ["user", *counters]:
+        counts = user_counts if name == "user" else counters[name].table()
         if reused is not None:
             vocabs[name] = Vocab.load(name, reused / "vocab" / f"{name}.csv")
-            counts = counter.table()
             known = pc.is_in(counts["id"], value_set=vocabs[name].ids)
             unseen[name] = int(pc.sum(pc.filter(counts["count"], pc.invert(known))).as_py() or 0)
         elif name in ("user", "item"):
-            vocabs[name] = Vocab.build(name, counter.table(), options.min_count, options.max_vocab)
+            vocabs[name] = Vocab.build(name, counts, options.min_count, options.max_vocab)
         else:
-            vocabs[name] = Vocab.build(name, counter.table())
-    del counters
+            vocabs[name] = Vocab.build(name, counts)
+    del counters, user_counts, counts
+    pa.default_memory_pool().release_unused()  # pass 1's merges freed: return their pages before pass 2 sizes its groups
 
     # Split.
     cutoff = resolve_cutoff(options.split, lambda: (buckets.read(b, ["time"])["time"].to_numpy() for b in range(num_buckets)), events, t_low, t_high)
@@ -484,13 +542,24 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             item_table[feature.name][FIRST_ID_ROW:][found] = rows[pc.drop_null(at).to_numpy()]
             conflicts["items without a row in the item table"] = int((~found).sum())
 
-    # Pass 2: per bucket, map, sort, split, write one record per user.
-    num_shards = options.shards or min(16, distinct_users)
-    shard_names = [f"part-{s:05d}-of-{num_shards:05d}.array_record" for s in range(num_shards)]
+    # Pass 2: per group of buckets, map, sort, split, write one record per user.
+    users_by_bucket = _kept_ids_by_bucket(vocabs["user"], num_buckets)  # a group's users are looked up among its buckets' only
+    held_bytes = vocabs["user"].ids.nbytes + vocabs["user"].counts.nbytes + users_by_bucket[0].nbytes + users_by_bucket[1].nbytes
+    held_bytes += _LOOKUP_COPIES * sum(v.ids.nbytes + v.counts.nbytes for name, v in vocabs.items() if name != "user")
     (work / "shards").mkdir()
-    writers = [ArrayRecordWriter(str(work / "shards" / name), WRITER_OPTIONS) for name in shard_names]
-    shard_lengths: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
-    shard_train: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
+    shards = ShardWriters(work / "shards", distinct_users, bucket_bytes // _INDEX_SHARE, options.shards)
+    held_bytes += shards.index_bytes
+    held_bytes += sum(t.nbytes for t in item_table.values()) + item_time.nbytes
+    max_events = max(1, (bucket_bytes - held_bytes) // _BYTES_PER_EVENT)
+    groups = bucket_groups(buckets.events, max_events)
+    oversized = [b for b in range(num_buckets) if buckets.events[b] > max_events]
+    if held_bytes > bucket_bytes // 2 or oversized:
+        log(
+            f"memory: the vocabularies and shard indexes take {held_bytes / 2**20:.0f} MiB of the {bucket_bytes / 2**20:.0f} MiB left for sorting, "
+            f"leaving room for {max_events} events at a time"
+            + (f"; {len(oversized)} bucket(s) hold more (up to {buckets.events.max()} events: heavy users), each sorted alone above the budget" if oversized else "")
+            + "; raise --memory-mb to stay within it"
+        )
     item_train_events = np.zeros(item_rows, dtype=np.int64)
     item_train_positives = np.zeros((item_rows, len(schema.labels)), dtype=np.int64)
     split_counts = np.zeros(2, dtype=np.int64)
@@ -500,8 +569,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     records_written = 0
     oov_events = {"user": 0, "item": 0}
     lookup_pool = concurrent.futures.ThreadPoolExecutor(1)  # item ids are mapped beside the users' sort
-    for b in range(num_buckets):
-        table = buckets.read(b)
+    for g, group in enumerate(groups):
+        table = buckets.read_group(group)
         n = table.num_rows
         if n == 0:
             continue
@@ -532,7 +601,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         eval_positives += (events_out["labels"][events_out["split"] == 1] > 0).sum(axis=0).astype(np.int64)
 
         users_out = np.zeros(num_users, dtype=layout.user_dtype)
-        users_out["user"] = vocabs["user"].lookup(encoded.dictionary)
+        order_in_vocab, bucket_starts = users_by_bucket
+        users_out["user"] = vocabs["user"].lookup_among(encoded.dictionary, order_in_vocab[bucket_starts[group.start] : bucket_starts[group.stop]])
         oov_events["user"] += int(np.diff(starts)[users_out["user"] == 1].sum())
         oov_events["item"] += int((events_out["item"] == 1).sum())
         for feature in schema.side_features(Side.USER):
@@ -568,17 +638,13 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
 
         lengths = np.diff(starts).astype(np.int32)
         train_events = np.add.reduceat(train.astype(np.int32), starts[:-1]).astype(np.int32)  # every user has >= 1 event
-        shard_of = (records_written + np.arange(num_users)) % num_shards
-        for k, record in enumerate(layout.records(users_out, events_out, starts)):
-            writers[shard_of[k]].write(record)
-        for s in range(num_shards):
-            shard_lengths[s].append(lengths[shard_of == s])
-            shard_train[s].append(train_events[shard_of == s])
+        shards.write(layout.records(users_out, events_out, starts), lengths, train_events)
         records_written += num_users
-        log(f"bucket {b + 1}/{num_buckets}: {num_users} users, {n} events")
+        del table, encoded, events_out, users_out
+        pa.default_memory_pool().release_unused()
+        log(f"bucket group {g + 1}/{len(groups)} (buckets {group.start + 1}-{group.stop} of {num_buckets}): {num_users} users, {n} events")
     lookup_pool.shutdown()
-    for writer in writers:
-        writer.close()
+    lengths_by_shard, train_by_shard = shards.close()
 
     # Files beside the shards.
     (work / "vocab").mkdir()
@@ -588,9 +654,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         for feature in item_features:
             item_table[feature.name][:FIRST_ID_ROW] = 0  # padding and OOV rows carry no features
         np.savez(work / "item_features.npz", **item_table)
-    lengths_by_shard = {name: np.concatenate(parts) if parts else np.zeros(0, np.int32) for name, parts in zip(shard_names, shard_lengths)}
     np.savez(work / "lengths.npz", **lengths_by_shard)
-    np.savez(work / "train_events.npz", **{name: np.concatenate(parts) if parts else np.zeros(0, np.int32) for name, parts in zip(shard_names, shard_train)})
+    np.savez(work / "train_events.npz", **train_by_shard)
     np.savez(work / "item_train_labels.npz", events=item_train_events, positives=item_train_positives)
     all_lengths = np.concatenate(list(lengths_by_shard.values()))
     if Side.ITEM not in tables:
@@ -618,6 +683,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             "oov_item_events": oov_events["item"],
             "skipped_rows": bad.total,
             "buckets": num_buckets,
+            "bucket_groups": len(groups),
         },
         "skipped_rows": bad.counts(),
         "feature_conflicts": conflicts,
@@ -632,7 +698,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             {"name": rule.name, "rule": rule.describe(), "positive_rate": float(positives[k] / events), "eval_positive_rate": float(eval_positives[k] / split_counts[1]) if split_counts[1] else None}
             for k, rule in enumerate(schema.labels)
         ],
-        "shards": [f"shards/{name}" for name in shard_names],
+        "shards": [f"shards/{name}" for name in shards.names],
         "lengths": "lengths.npz",
         "train_events": "train_events.npz",
         "item_train_labels": "item_train_labels.npz",

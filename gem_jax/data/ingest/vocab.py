@@ -138,6 +138,13 @@ class Vocab:
         rows[values.is_null().to_numpy(zero_copy_only=False)] = PAD_ROW
         return rows
 
+    def lookup_among(self, values: pa.Array, candidates: np.ndarray) -> np.ndarray:
+        """`lookup` of non-null string `values` `[n]` that can only be the kept ids
+        `ids[candidates]` (int64 `[k]`) or unknown: int32 rows, unknown -> `OOV_ROW`. Its hash
+        table holds k ids instead of all (e.g. the users of one bucket of a conversion)."""
+        index = pc.fill_null(pc.index_in(values, value_set=self.ids.take(pa.array(candidates))), -1).to_numpy(zero_copy_only=False)
+        return np.where(index >= 0, candidates[np.maximum(index, 0)] + FIRST_ID_ROW, OOV_ROW).astype(np.int32)
+
     def save(self, path: Path) -> None:
         """Writes the `row,id,count` CSV file of the module docstring."""
         table = pa.table({

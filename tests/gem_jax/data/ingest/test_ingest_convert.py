@@ -8,8 +8,11 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
+from array_record.python.array_record_module import ArrayRecordReader
 
-from gem_jax.data.ingest.convert import ConvertOptions, bucket_of, convert, stable_order
+from gem_jax.data.ingest import convert as convert_module
+from gem_jax.data.ingest import shard_writer
+from gem_jax.data.ingest.convert import ConvertOptions, bucket_groups, bucket_of, convert, stable_order
 from gem_jax.data.ingest.records import RecordLayout
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, Side
 from gem_jax.data.ingest.shards import ConvertedLog
@@ -137,6 +140,47 @@ def test_buckets_do_not_change_the_records(log, tmp_path):
         np.testing.assert_array_equal(a[user]["split"], [n > 2 and k >= n - 2 for k in range(n)])
     reader = ConvertedLog(four.out)
     np.testing.assert_array_equal(reader.train_lengths(), [int((rec["split"] == 0).sum()) for rec in reader])
+
+
+def test_bucket_groups_fill_the_budget_in_order():
+    groups = bucket_groups(np.array([3, 0, 4, 9, 2, 2, 0, 1]), 7)
+    assert groups == [range(0, 3), range(3, 4), range(4, 8)]  # 7, then 9 (above the budget: alone), then 5
+    assert bucket_groups(np.array([0, 0]), 1) == [range(0, 2)]
+    assert bucket_groups(np.zeros(0, np.int64), 5) == []
+
+
+def test_grouping_buckets_by_memory_does_not_change_the_records(log, tmp_path, monkeypatch):
+    events, _ = log
+    options = ConvertOptions(split=SplitRule.parse("time:0.8"), shards=2, buckets=5)
+    together = convert([events], tmp_path / "together", SCHEMA, options, log=lambda _: None)
+    assert together.manifest["counts"]["bucket_groups"] == 1
+    monkeypatch.setattr(convert_module, "_BYTES_PER_EVENT", 1 << 40)  # room for one event at a time: a group per bucket
+    lines = []
+    apart = convert([events], tmp_path / "apart", SCHEMA, options, log=lines.append)
+    assert apart.manifest["counts"]["bucket_groups"] == 5
+    assert any("each sorted alone above the budget" in line for line in lines)
+    for name in together.manifest["shards"]:
+        a, b = (list(ArrayRecordReader(str(out / name)).read_all()) for out in (together.out, apart.out))
+        assert a == b  # the same records, in the same order, in the same files
+
+
+def test_a_log_with_more_users_than_the_index_memory_gets_more_files(log, tmp_path, monkeypatch):
+    events, _ = log
+    options = ConvertOptions(split=SplitRule.parse("time:0.8"))
+    usual = convert([events], tmp_path / "usual", SCHEMA, options, log=lambda _: None)
+    monkeypatch.setattr(shard_writer, "INDEX_BYTES_PER_RECORD", 1 << 40)  # indexes of one window's width at a time
+    windowed = convert([events], tmp_path / "windowed", SCHEMA, options, log=lambda _: None)
+    users = usual.manifest["counts"]["users"]
+    assert len(usual.manifest["shards"]) == 15 == users  # the 15 users, one file each (fewer than 16)
+    assert len(windowed.manifest["shards"]) == 15  # one window of 15 files holds 15 records
+    monkeypatch.setattr(shard_writer, "WINDOW_FILES", 4)
+    rolled = convert([events], tmp_path / "rolled", SCHEMA, options, log=lambda _: None)
+    assert len(rolled.manifest["shards"]) == 16  # 4 windows of 4 files, 4 + 4 + 4 + 3 records
+    a, b = _decode_all(ConvertedLog(usual.out)), _decode_all(ConvertedLog(rolled.out))
+    assert a.keys() == b.keys()
+    for user in a:
+        for key in a[user]:
+            np.testing.assert_array_equal(a[user][key], b[user][key])
 
 
 def test_two_processes_read_disjoint_shares(log, tmp_path):

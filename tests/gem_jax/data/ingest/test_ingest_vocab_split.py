@@ -37,6 +37,20 @@ def test_min_count_max_size_and_oov():
         Vocab.build("item", counts, min_count=0)
 
 
+def test_lookup_among_a_subset_of_the_kept_ids_is_lookup():
+    rng = np.random.default_rng(3)
+    ids = [f"id{k}" for k in range(50)]
+    vocab = Vocab.build("user", _counts(list(rng.choice(ids, 400))).table(), min_count=5)
+    kept = set(vocab.ids.to_pylist())
+    values = pa.array([v for v in ids[::2]] + ["never"])
+    candidates = np.array([k for k, i in enumerate(vocab.ids.to_pylist()) if i in set(values.to_pylist())], dtype=np.int64)
+    expected = vocab.lookup(values)
+    assert (expected == OOV_ROW).any() and len(kept) < len(ids)  # some values are dropped ids or unknown
+    np.testing.assert_array_equal(vocab.lookup_among(values, candidates), expected)
+    # a value outside the candidates is unknown to the subset: OOV
+    assert vocab.lookup_among(pa.array([vocab.ids[0].as_py()]), np.array([1], np.int64)).tolist() == [OOV_ROW]
+
+
 def test_the_mapping_file_round_trips(tmp_path):
     ids = ['plain', 'with,comma', 'with "quote"', "ünicode", "  spaced "]
     vocab = Vocab.build("user", _counts(ids + ids[:2]).table())
