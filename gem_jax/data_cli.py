@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     convert_parser.add_argument("--min-count", type=int, default=1, help="user/item ids seen fewer times go to the OOV row (default 1)")
     convert_parser.add_argument("--max-vocab", type=int, help="keep at most this many user ids and item ids each (the most frequent)")
     convert_parser.add_argument("--shards", type=int, help="shard files (default: 16, fewer with fewer users, more when their indexes would not fit --memory-mb); a multiple of the reading processes")
-    convert_parser.add_argument("--memory-mb", type=int, default=2048, help="memory budget, sets the bucket count (default 2048)")
+    convert_parser.add_argument("--memory-mb", type=int, default=2048, help="memory budget in MiB: sets the bucket count, the sorting groups and the shard files open at once (default 2048)")
     convert_parser.add_argument("--vocab-from", help="reuse the vocabularies of this converted directory (unseen ids -> OOV, counted)")
     convert_parser.add_argument("--overwrite", action="store_true", help="convert again when OUT holds a conversion of other inputs or settings")
     convert_parser.add_argument("--quiet", action="store_true", help="no progress lines")
