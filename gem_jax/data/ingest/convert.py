@@ -89,6 +89,20 @@ _INDEX_SHARE = 4  # the open shard files' chunk indexes may hold up to 1/4 of th
 _LOOKUP_COPIES = 4  # a vocabulary's memory while it is looked up whole: its ids and counts, and pyarrow's hash table of the ids
 
 
+def _block_mb(memory_mb: int) -> int:
+    """CSV MiB parsed per batch under a `memory_mb` budget: 1 to 16."""
+    return max(1, min(16, memory_mb // 128))
+
+
+def _minimum_memory_mb() -> int:
+    """The smallest `--memory-mb` that `ConvertOptions.memory_plan` accepts: its fixed share
+    (which grows with the block size, itself set by the budget) plus 64 MiB."""
+    memory_mb = _BASE_MB + _READ_AHEAD_BLOCKS + 64
+    while memory_mb < _BASE_MB + _READ_AHEAD_BLOCKS * _block_mb(memory_mb) + 64:
+        memory_mb = _BASE_MB + _READ_AHEAD_BLOCKS * _block_mb(memory_mb) + 64
+    return memory_mb
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvertOptions:
     """How to convert (the `gem-data convert` flags other than the schema).
@@ -121,8 +135,9 @@ class ConvertOptions:
     buckets: int | None = None
 
     def __post_init__(self):
-        if self.min_count < 1 or (self.max_vocab is not None and self.max_vocab < 1) or (self.shards is not None and self.shards < 1):
-            raise ValueError(f"min_count, max_vocab and shards must be >= 1, got {self}")
+        for flag, value in (("--min-count", self.min_count), ("--max-vocab", self.max_vocab), ("--shards", self.shards)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
         self.memory_plan()
 
     def memory_plan(self) -> tuple[int, int]:
@@ -132,10 +147,10 @@ class ConvertOptions:
         Raises:
           ValueError: `memory_mb` below that fixed share plus 64 MiB (the minimum named).
         """
-        block_mb = max(1, min(16, self.memory_mb // 128))
+        block_mb = _block_mb(self.memory_mb)
         fixed = _BASE_MB + _READ_AHEAD_BLOCKS * block_mb
         if self.memory_mb < fixed + 64:
-            raise ValueError(f"--memory-mb must be at least {fixed + 64} (MiB), got {self.memory_mb}")
+            raise ValueError(f"--memory-mb must be at least {_minimum_memory_mb()} (MiB), got {self.memory_mb}")
         return block_mb << 20, (self.memory_mb - fixed) << 20
 
     def settings(self, schema: EventSchema) -> dict:

@@ -239,7 +239,8 @@ def _csv_header(file: InputFile) -> list[str]:
     with pa.input_stream(str(file.path), compression="detect") as stream:
         head = stream.read(1 << 20)
     try:
-        first = head.split(b"\n")[0].rstrip(b"\r").decode("utf-8")
+        # "utf-8-sig": a byte order mark (as spreadsheet exports write) is no part of the first name; pyarrow's reader drops it too.
+        first = head.split(b"\n")[0].rstrip(b"\r").decode("utf-8-sig")
     except UnicodeDecodeError:
         raise DataFormatError(f"{file}: the header line is not UTF-8 text") from None
     header = next(csv.reader([first], delimiter=file.delimiter), [])

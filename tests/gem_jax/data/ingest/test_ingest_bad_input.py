@@ -58,8 +58,14 @@ def test_weights_and_huge_times_are_checked(tmp_path):
     pq.write_table(pa.table({"u": ["a", "b"], "i": ["x", "y"], "t": pa.array([1, 2**64 - 1], pa.uint64()), "click": [1, 0], "w": [1.0, 1.0]}), path)
     with pytest.raises(BadRowError, match=r"row 1, column 't': value out of range: 18446744073709551615 does not fit in int64"):
         _convert(path, tmp_path / "out", schema=schema)
-    with pytest.raises(ValueError, match=r"--memory-mb must be at least 392 \(MiB\), got 100"):
-        ConvertOptions(split=SplitRule.parse("last:1"), memory_mb=100)
+    # The minimum named is the one accepted (the fixed share grows with the budget's CSV block size).
+    for memory_mb in (100, 392, 407):
+        with pytest.raises(ValueError, match=rf"--memory-mb must be at least 408 \(MiB\), got {memory_mb}"):
+            ConvertOptions(split=SplitRule.parse("last:1"), memory_mb=memory_mb)
+    assert ConvertOptions(split=SplitRule.parse("last:1"), memory_mb=408).memory_plan() == (3 << 20, (408 - 320 - 8 * 3) << 20)
+    for flag, field in (("--min-count", "min_count"), ("--max-vocab", "max_vocab"), ("--shards", "shards")):
+        with pytest.raises(ValueError, match=rf"^{flag} must be at least 1, got 0$"):
+            ConvertOptions(split=SplitRule.parse("last:1"), **{field: 0})
 
 
 def test_a_row_empty_in_the_read_columns_is_a_bad_row_not_a_blank_line(tmp_path):
@@ -74,6 +80,15 @@ def test_undecodable_bytes_name_the_line_and_byte(tmp_path):
     path.write_bytes(HEADER.encode() + b"a,b,1,1,5\nc\xff,d,2,0,3\n")
     with pytest.raises(BadRowError, match=r"line 3, column 'u': undecodable bytes: byte 0xff at byte 2 is not valid UTF-8"):
         _convert(path, tmp_path / "out")
+
+
+def test_a_byte_order_mark_is_no_part_of_the_first_column_name(tmp_path):
+    # Spreadsheet exports ("CSV UTF-8") begin with one; the rows after it are read as without it.
+    path = tmp_path / "log.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + HEADER.encode() + b"a,b,1,1,5\nc,d,2,0,3\na,d,3,1,4\n")
+    result = _convert(path, tmp_path / "out")
+    assert result.manifest["counts"]["events"] == 3
+    assert (tmp_path / "out" / "vocab" / "user.csv").read_text().splitlines()[3:] == ['2,"a",2', '3,"c",1']
 
 
 def test_every_dropped_row_is_counted_by_kind(tmp_path):
