@@ -43,6 +43,7 @@ class BadRowKind(enum.Enum):
     DUPLICATE_ID = "duplicate id"
     ENCODING = "undecodable bytes"
     QUOTING = "unbalanced quote"
+    LINE_BREAK = "line break in a quoted field"
 
 
 class DataFormatError(ValueError):

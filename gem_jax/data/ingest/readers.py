@@ -12,13 +12,15 @@ missing or mistyped column, and Parquet files whose column types disagree,
 raise `DataFormatError` naming the file(s).
 
 CSV files are read with a header line, RFC 4180 quoting (a quoted field may
-hold the delimiter, not a line break) and UTF-8 text; `.csv.gz` / `.csv.bz2`
+hold the delimiter, not a line break: such a record is a bad row,
+`BadRowKind.LINE_BREAK`) and UTF-8 text; `.csv.gz` / `.csv.bz2`
 are decompressed on the fly. A line whose fields are all empty (a blank line)
 is no row, as in every reader of this package.
 """
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import csv
 import dataclasses
@@ -156,15 +158,37 @@ class BadRows:
         return [{"file": path, "kind": kind.value, "count": count, "first": first} for (path, kind), (count, first) in self._counts.items()]
 
 
+def _csv_line(skipped_lines: list[int], k: int) -> int:
+    """Line of the k-th (0-based) row the parser accepted: the header is line 1, rows follow, past
+    `skipped_lines` (sorted: lines the parser rejected, and the continuation lines of rows whose
+    quoted fields hold line breaks)."""
+    adjusted = np.asarray(skipped_lines, dtype=np.int64) - np.arange(len(skipped_lines)) - 2
+    return k + 2 + int(np.searchsorted(adjusted, k, side="right"))
+
+
 def _csv_line_locator(skipped_lines: list[int], rows_before: int) -> Callable[[int], str]:
-    """Line of a batch's row i: the header is line 1, rows follow, minus the lines the parser rejected."""
+    """`line N` of a batch's row i (`_csv_line`)."""
+    return lambda i: f"line {_csv_line(skipped_lines, rows_before + i)}"
 
-    def locate(i: int) -> str:
-        k = rows_before + i  # 0-based index among accepted rows
-        adjusted = np.asarray(skipped_lines, dtype=np.int64) - np.arange(len(skipped_lines)) - 2
-        return f"line {k + 2 + int(np.searchsorted(adjusted, k, side='right'))}"
 
-    return locate
+def _line_breaks(path: str, batch: pa.RecordBatch, skipped_lines: list[int], rows_before: int, bad: BadRows) -> np.ndarray:
+    """bool `[rows]`: the batch's rows whose quoted fields hold a line break (pyarrow takes them
+    within a block). Each is reported as a bad row at its first line, and its continuation lines
+    join `skipped_lines` so that the rows after it keep their true line numbers."""
+    newlines = np.zeros(batch.num_rows, dtype=np.int64)
+    returns = np.zeros(batch.num_rows, dtype=bool)
+    for column in batch.columns:
+        newlines += pc.count_substring(column, "\n").to_numpy(zero_copy_only=False)
+        returns |= pc.match_substring(column, "\r").to_numpy(zero_copy_only=False)
+    broken = (newlines > 0) | returns
+    for i in np.flatnonzero(broken).tolist():
+        line = _csv_line(skipped_lines, rows_before + i)
+        for extra in range(1, int(newlines[i]) + 1):
+            bisect.insort(skipped_lines, line + extra)
+        fields = [batch.column(c)[i].as_py()[:60] for c in range(batch.num_columns)]
+        lines = f"lines {line}-{line + int(newlines[i])}" if newlines[i] else f"line {line}"
+        bad.one(path, f"line {line}", BadRowKind.LINE_BREAK, f"a quoted field holds a line break ({lines}); a record is one line: {fields!r}")
+    return broken
 
 
 def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str]]]:
@@ -219,6 +243,7 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
         if blank.any():
             for column in batch.columns[1:]:
                 blank &= pc.equal(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
+        blank |= _line_breaks(str(file), batch, skipped_lines, rows_before, bad)  # reported, then left out like blank lines
         locate = _csv_line_locator(list(skipped_lines), rows_before)
         rows_before += batch.num_rows
         batch = batch.select(list(columns))

@@ -49,6 +49,19 @@ def test_a_bad_csv_row_is_named_then_skipped_and_counted(tmp_path, row, kind, me
     assert skipped["kind"] == kind.value
 
 
+def test_a_line_break_in_a_quoted_field_is_a_bad_row_and_later_lines_keep_their_numbers(tmp_path):
+    # line 2 good, lines 3-4 one record (a quoted id with a line break), line 5 good, line 6 bad, line 7 good
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + 'a,b,1,1,5\n"c\nd",x,2,0,3\ne,f,3,1,4\ng,h,soon,1,4\ni,j,5,0,1\n')
+    with pytest.raises(BadRowError, match="line 3: line break in a quoted field: a quoted field holds a line break \\(lines 3-4\\)"):
+        _convert(path, tmp_path / "out")
+    result = _convert(path, tmp_path / "skip", OnBadRow.SKIP)
+    assert result.manifest["counts"]["events"] == 3 and result.manifest["counts"]["skipped_rows"] == 2
+    firsts = {entry["kind"]: entry["first"] for entry in result.manifest["skipped_rows"]}
+    assert firsts[BadRowKind.LINE_BREAK.value].startswith("line 3:")
+    assert firsts[BadRowKind.BAD_VALUE.value].startswith("line 6, column 't'")  # not line 5: the break's second line counts
+
+
 def test_weights_and_huge_times_are_checked(tmp_path):
     schema = EventSchema(user="u", item="i", time="t", weight="w", labels=(LabelRule.parse("click"),))
     path = tmp_path / "log.parquet"
