@@ -22,7 +22,7 @@ import numpy as np
 from gem_jax.jagged import Jagged, from_lengths
 
 PAD_ID = 0  # reserved id in every vocabulary: padding / unknown
-_NAME = re.compile(r"[A-Za-z0-9_]+")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_]+")  # feature and task names: they name metrics (`auc_<task>`) and parameters
 
 
 class HistoryField(enum.IntEnum):
@@ -72,7 +72,7 @@ class CategoricalFeature:
     pooling: Pooling = Pooling.MEAN
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+        if not isinstance(self.name, str) or not NAME_PATTERN.fullmatch(self.name):
             raise ValueError(f"feature name {self.name!r} must be letters, digits and '_'")
         for field, minimum in (("vocab_size", 2 if self.pooling is Pooling.MULTI_HOT else 1), ("max_values", 1)):
             value = getattr(self, field)
@@ -115,7 +115,7 @@ class FeatureSpec:
         if not self.tasks:
             raise ValueError("FeatureSpec.tasks is empty: a data set has at least one task")
         for task in self.tasks:
-            if not isinstance(task, str) or not _NAME.fullmatch(task):
+            if not isinstance(task, str) or not NAME_PATTERN.fullmatch(task):
                 raise ValueError(f"task name {task!r} must be letters, digits and '_'")
         for field, names in (
             ("tasks", self.tasks),

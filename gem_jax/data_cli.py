@@ -24,7 +24,7 @@ def _schema_flags(parser: argparse.ArgumentParser, required: bool) -> None:
     group.add_argument("--item", required=required, help="item id column")
     group.add_argument("--time", required=required, help="timestamp column: integers, ISO 8601 dates/times, or Parquet timestamps")
     group.add_argument("--action", help="event-type column (categorical), optional")
-    group.add_argument("--label", action="append", default=[], metavar="RULE", help="a task: a 0/1 column (click), a rule (rating>=4) or name=rule (like=rating>=4); repeatable")
+    group.add_argument("--label", action="append", default=[], metavar="RULE", help="a task: a 0/1 column (click) or name=rule (like=rating>=4); names are letters, digits and _; repeatable")
     group.add_argument("--weight", help="per-event weight column (finite, >= 0), optional")
     group.add_argument("--item-feature", action="append", default=[], metavar="COLUMN[:multi]", help="categorical item feature; :multi splits values at --multi-separator; repeatable")
     group.add_argument("--user-feature", action="append", default=[], metavar="COLUMN[:multi]", help="categorical user feature; repeatable")

@@ -13,7 +13,8 @@ Flag syntax (`gem-data convert --help`):
 - `--label click`: the column's values must be 0 or 1 (or true/false).
 - `--label like=rating>=4`: task `like` is 1 where `rating >= 4`, else 0; the
   operators are `>=`, `>`, `<=`, `<`, `==`, `!=` against a number. A rule
-  without `name=` is named by its text (`rating>=4`).
+  needs its `name=`; task and feature names are letters, digits and `_` (they
+  name metrics, `auc_like`, and parameters).
 - `--item-feature category` (one value per row) or `--item-feature tags:multi`
   (several values per row, split at `--multi-separator`, default `|`); the
   same for `--user-feature`.
@@ -29,12 +30,20 @@ import operator
 import re
 from typing import Any
 
+from gem_jax.batch import NAME_PATTERN
+
 _OPERATORS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt, "<": operator.lt}
 _RULE = re.compile(r"^\s*([^<>=!]+?)\s*(>=|<=|==|!=|>|<)\s*([^<>=!\s]+)\s*$")
 
 
 class SchemaError(ValueError):
     """A flag or a saved schema that does not describe a valid event schema."""
+
+
+def _task_name(name: str, text: str) -> str:
+    if not NAME_PATTERN.fullmatch(name):
+        raise SchemaError(f"--label {text!r}: the task name {name!r} must be letters, digits and '_' (it names metrics: auc_<task>); e.g. --label like=rating>=4")
+    return name
 
 
 class Side(enum.Enum):
@@ -68,23 +77,26 @@ class LabelRule:
 
     @classmethod
     def parse(cls, text: str) -> LabelRule:
-        """`click`, `rating>=4` or `like=rating>=4` (see the module docstring).
+        """`click`, `like=rating>=4` or `yes=click` (see the module docstring).
 
         Raises:
-          SchemaError: text that is none of these, or a threshold that is not a number.
+          SchemaError: text that is none of these, a threshold that is not a number, a
+            rule without a name, a name other than letters, digits and `_`.
         """
         name, _, rule = text.partition("=") if re.match(r"^[^<>=!]+=[^=]", text) else ("", "", text)
         match = _RULE.match(rule)
         if match is None:
             if not re.match(r"^[^<>=!\s]+$", rule.strip()):
-                raise SchemaError(f"--label {text!r}: expected a column (click), a rule (rating>=4) or name=rule (like=rating>=4)")
-            return cls(name=name.strip() or rule.strip(), column=rule.strip())
+                raise SchemaError(f"--label {text!r}: expected a column (click) or name=rule (like=rating>=4)")
+            return cls(name=_task_name(name.strip() or rule.strip(), text), column=rule.strip())
         column, op, value = match.groups()
         try:
             threshold = float(value)
         except ValueError:
             raise SchemaError(f"--label {text!r}: the threshold {value!r} is not a number") from None
-        return cls(name=name.strip() or rule.replace(" ", ""), column=column, op=op, threshold=threshold)
+        if not name.strip():
+            raise SchemaError(f"--label {text!r}: name the rule's task (letters, digits and '_'), e.g. --label like={rule.strip()}")
+        return cls(name=_task_name(name.strip(), text), column=column, op=op, threshold=threshold)
 
     def describe(self) -> str:
         return self.column if self.op is None else f"{self.column}{self.op}{self.threshold:g}"
@@ -115,6 +127,8 @@ class FeatureColumn:
         name, _, kind = text.partition(":")
         if not name or kind not in ("", "multi"):
             raise SchemaError(f"--{side.value}-feature {text!r}: expected COLUMN or COLUMN:multi")
+        if not NAME_PATTERN.fullmatch(name):
+            raise SchemaError(f"--{side.value}-feature {text!r}: the feature's name is its column's, which must be letters, digits and '_' (rename the column)")
         return cls(name=name, side=side, multi=kind == "multi")
 
 

@@ -178,6 +178,6 @@ def test_bad_settings_and_directories_are_refused(converted, tmp_path):
     shard.write_bytes((donor / "shards" / shard.name).read_bytes())  # a shard of another conversion
     with pytest.raises(DataFormatError, match=r"record shards/part-00000-of-00003.array_record:\d+ holds \d+ events, the index \d+; the shards were changed after the conversion"):
         list(load_dataset(config(swapped)).train_iterator(num_epochs=1))  # found when the record is read
-    unnamed = dataclasses.replace(SCHEMA, labels=(LabelRule.parse("rating>=4"),))
+    unnamed = dataclasses.replace(SCHEMA, labels=(LabelRule(name="rating>=4", column="rating", op=">=", threshold=4.0),))  # as older gem-data wrote
     with pytest.raises(ValueError, match=r"names do not fit the model: task name 'rating>=4' must be letters"):
         load_dataset(config(convert_event_log(events, tmp_path / "unnamed", schema=unnamed).out))

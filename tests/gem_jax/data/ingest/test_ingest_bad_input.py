@@ -6,11 +6,11 @@ import pytest
 
 from gem_jax.data.ingest.convert import ConvertOptions, convert
 from gem_jax.data.ingest.readers import expand_inputs
-from gem_jax.data.ingest.schema import EventSchema, LabelRule, SchemaError
+from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, SchemaError, Side
 from gem_jax.data.ingest.split import SplitRule
 from gem_jax.data.rows import BadRowError, BadRowKind, DataFormatError, OnBadRow
 
-SCHEMA = EventSchema(user="u", item="i", time="t", labels=(LabelRule.parse("click"), LabelRule.parse("r>=4")))
+SCHEMA = EventSchema(user="u", item="i", time="t", labels=(LabelRule.parse("click"), LabelRule.parse("r4=r>=4")))
 HEADER = "u,i,t,click,r\n"
 
 
@@ -166,7 +166,13 @@ def test_inputs_and_flags_are_checked(tmp_path):
     with pytest.raises(SchemaError, match=r"expected time:Q \(0 < Q < 1\)"):
         SplitRule.parse("time:1.5")
     assert LabelRule.parse("like=rating>=4") == LabelRule("like", "rating", ">=", 4.0)
-    assert LabelRule.parse("rating > 3.5") == LabelRule("rating>3.5", "rating", ">", 3.5)
+    assert LabelRule.parse("high = rating > 3.5") == LabelRule("high", "rating", ">", 3.5)
+    with pytest.raises(SchemaError, match=r"name the rule's task .*, e\.g\. --label like=rating > 3\.5"):
+        LabelRule.parse("rating > 3.5")  # its task would be named 'rating>3.5', which no metric can carry
+    with pytest.raises(SchemaError, match="the task name 'my-like' must be letters, digits and '_'"):
+        LabelRule.parse("my-like=rating>=4")
+    with pytest.raises(SchemaError, match="the feature's name is its column's, which must be letters, digits and '_'"):
+        FeatureColumn.parse("genre-list:multi", Side.ITEM)
     assert SplitRule.parse("time:2024-01-02").value == 1704153600
     schema = EventSchema(user="u", item="i", time="u", labels=(LabelRule.parse("click"),))
     path = tmp_path / "log.csv"
