@@ -660,6 +660,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         log(f"bucket group {g + 1}/{len(groups)} (buckets {group.start + 1}-{group.stop} of {num_buckets}): {num_users} users, {n} events")
     lookup_pool.shutdown()
     lengths_by_shard, train_by_shard = shards.close()
+    if not split_counts.all():
+        log(f"note: the split ({options.split.describe()}) left {split_counts[0]} train and {split_counts[1]} eval events; gem-train needs both")
 
     # Files beside the shards.
     (work / "vocab").mkdir()

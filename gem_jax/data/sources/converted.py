@@ -191,7 +191,8 @@ def converted_examples(index: ConvertedIndex, max_seq_len: int) -> tuple[Convert
     """The train and eval examples: one per event of each split, in event order (module docstring).
 
     Raises:
-      ValueError: `max_seq_len < 1`, or a split without events (the conversion's
+      ValueError: `max_seq_len < 1`.
+      DataFormatError: a split without train or eval events (the conversion's
         split rule named).
     """
     if max_seq_len < 1:
@@ -205,7 +206,7 @@ def converted_examples(index: ConvertedIndex, max_seq_len: int) -> tuple[Convert
     train, evals = out
     if not len(train) or not len(evals):
         split = index.manifest["split"]["description"]
-        raise ValueError(
+        raise DataFormatError(
             f"{index.directory}: the conversion's split ({split}) left {len(train)} train and {len(evals)} eval events; "
             "both must be > 0 (convert again with another --split)"
         )
@@ -217,8 +218,8 @@ def converted_spec(index: ConvertedIndex, *, num_time_buckets: int, max_seq_len:
     of the manifest, in its order; vocabulary sizes are the vocabularies' rows.
 
     Raises:
-      ValueError: a feature or task name the model cannot take (letters, digits and
-        `_` only; "user" is the user id's), naming the directory and the name.
+      DataFormatError: a feature or task name the model cannot take (letters, digits
+        and `_` only; "user" is the user id's), naming the directory and the name.
     """
     manifest = index.manifest
     sides = {side: [f for f in manifest["features"] if f["side"] == side] for side in ("user", "item")}
@@ -235,7 +236,7 @@ def converted_spec(index: ConvertedIndex, *, num_time_buckets: int, max_seq_len:
             max_seq_len=max_seq_len,
         )
     except ValueError as error:
-        raise ValueError(
+        raise DataFormatError(
             f"{index.directory}: the converted log's names do not fit the model: {error}. Feature names are the columns' "
             "names, task names those of --label NAME=RULE, and 'user' is the user id's feature; convert again with names "
             "of letters, digits and '_'"
