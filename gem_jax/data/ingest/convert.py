@@ -359,7 +359,7 @@ def _read_table(schema: EventSchema, side: Side, bad: BadRows, block_size: int) 
         duplicate = np.ones(table.num_rows, dtype=bool)
         duplicate[first] = False
         ids = table[key]
-        bad.many(str(schema.table(side)), duplicate, lambda i: f"{key} {ids[i].as_py()!r}", BadRowKind.DUPLICATE_ID, lambda i: f"a {side.value} table holds each id once")
+        bad.many(str(schema.table(side)), duplicate, lambda i: f"{key} {ids[i].as_py()!r}", BadRowKind.DUPLICATE_ID, lambda i: f"the {side.value} table must hold each id once")
         table = table.take(pa.array(np.sort(first)))
     return table[key].combine_chunks(), {f.name: table[f.name].combine_chunks() for f in features}
 
