@@ -456,6 +456,12 @@ def _parse_time(path, column, values, locate, bad, rejected) -> np.ndarray:
                     if not rejected[row]:
                         bad.one(path, where(int(row)), BadRowKind.BAD_VALUE, f"{stamp!r} is not a valid date/time")
                     rejected[row] = True
+    if (integer & ~rejected).any() and (iso & ~rejected).any():  # two units in one column: neither can be trusted
+        first_int, first_iso = int(np.flatnonzero(integer & ~rejected)[0]), int(np.flatnonzero(iso & ~rejected)[0])
+        raise DataFormatError(
+            f"{path}: column {column!r} mixes integers ({locate(first_int)}: {show(first_int)}, read as Unix seconds) and ISO 8601 "
+            f"dates ({locate(first_iso)}: {show(first_iso)}); write one form in the whole column"
+        )
     return out
 
 

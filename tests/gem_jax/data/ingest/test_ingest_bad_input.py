@@ -62,6 +62,13 @@ def test_a_line_break_in_a_quoted_field_is_a_bad_row_and_later_lines_keep_their_
     assert firsts[BadRowKind.BAD_VALUE.value].startswith("line 6, column 't'")  # not line 5: the break's second line counts
 
 
+def test_a_time_column_mixing_integers_and_dates_is_refused(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "a,b,2024-01-01,1,5\nc,d,20240102,0,3\n")  # the second is no ISO date: 20240102 seconds
+    with pytest.raises(DataFormatError, match=r"column 't' mixes integers \(line 3: '20240102', read as Unix seconds\) and ISO 8601 dates \(line 2: '2024-01-01'\)"):
+        _convert(path, tmp_path / "out")
+
+
 def test_weights_and_huge_times_are_checked(tmp_path):
     schema = EventSchema(user="u", item="i", time="t", weight="w", labels=(LabelRule.parse("click"),))
     path = tmp_path / "log.parquet"
