@@ -45,7 +45,8 @@ CSV_SUFFIXES = (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".csv.bz2", ".tsv.
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _INTEGER = r"^\s*[-+]?[0-9]+\s*$"
 _NUMBER = r"^\s*[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?\s*$"
-_ISO_TIME = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]+)?)?)?Z?$"
+_ISO_TIME = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]+)?)?)?(Z|[+-][0-9]{2}:?[0-9]{2})?$"
+_ISO_ZONE = r"(Z|[+-][0-9]{2}:?[0-9]{2})$"  # a UTC offset: the time is converted to UTC
 _TRUE_FALSE = {"true": 1.0, "false": 0.0, "True": 1.0, "False": 0.0}
 
 
@@ -60,7 +61,7 @@ class ColumnKind(enum.Enum):
     """How a column is parsed (`stream_columns`)."""
 
     ID = "id"  # non-empty string (integers become their decimal text)
-    TIME = "time"  # int64: integers as given, ISO 8601 / Parquet timestamps as Unix seconds
+    TIME = "time"  # int64: integers as given, ISO 8601 (UTC or with an offset) / Parquet timestamps as Unix seconds, fractions floored
     NUMBER = "number"  # float64, finite
     WEIGHT = "weight"  # float64, finite, >= 0
     BINARY = "binary"  # float64, 0 or 1 (also true / false)
@@ -403,10 +404,19 @@ def _check_binary(path, column, numbers: np.ndarray, locate, bad, rejected) -> N
     rejected |= other
 
 
+def _whole_seconds(stamps: pa.Array) -> pa.Array:
+    """int64 Unix seconds of a timestamp array of any unit, fractions of a second floored (nulls kept)."""
+    per_second = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}[stamps.type.unit]
+    ticks = pc.cast(stamps, pa.int64())
+    floored = pc.fill_null(ticks, 0).to_numpy(zero_copy_only=False) // per_second  # exact integer floor, also before 1970
+    return pa.array(floored, mask=np.asarray(ticks.is_null())) if ticks.null_count else pa.array(floored)
+
+
 def _parse_time(path, column, values, locate, bad, rejected) -> np.ndarray:
     where = lambda i: f"{locate(i)}, column {column!r}"  # noqa: E731
     if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
-        seconds = pc.cast(pc.cast(values, pa.timestamp("s", values.type.tz if pa.types.is_timestamp(values.type) else None)), pa.int64())
+        stamps = values if pa.types.is_timestamp(values.type) else pc.cast(values, pa.timestamp("s"))
+        seconds = _whole_seconds(stamps)
         missing = np.asarray(seconds.is_null()) & ~rejected
         bad.many(path, missing, where, BadRowKind.BAD_VALUE, lambda i: "missing time")
         rejected |= missing
@@ -443,15 +453,17 @@ def _parse_time(path, column, values, locate, bad, rejected) -> np.ndarray:
             bad.many(path, np.isin(np.arange(len(text)), rows[big]) & ~rejected, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{show(i)} does not fit in int64")
             rejected[rows[big]] = True
             out[rows[~big]] = pc.cast(pc.filter(digits, pa.array(~big)), pa.int64()).to_numpy(zero_copy_only=False)
-    if iso.any():
-        stamps = pc.replace_substring_regex(pc.filter(text, pa.array(iso)), "Z$", "")
-        rows = np.flatnonzero(iso)
+    zoned = pc.fill_null(pc.match_substring_regex(text, _ISO_ZONE), False).to_numpy(zero_copy_only=False)
+    for rows, kind in ((np.flatnonzero(iso & zoned), pa.timestamp("ns", "UTC")), (np.flatnonzero(iso & ~zoned), pa.timestamp("ns"))):
+        if rows.size == 0:
+            continue
+        stamps = text.take(pa.array(rows))
         try:
-            out[rows] = pc.cast(pc.cast(stamps, pa.timestamp("s")), pa.int64()).to_numpy(zero_copy_only=False)
+            out[rows] = _whole_seconds(pc.cast(stamps, kind)).to_numpy(zero_copy_only=False)
         except pa.ArrowInvalid:  # e.g. month 13: find the rows one by one (only on this error path)
             for row, stamp in zip(rows, stamps.to_pylist()):
                 try:
-                    out[row] = pc.cast(pa.scalar(stamp).cast(pa.timestamp("s")), pa.int64()).as_py()
+                    out[row] = _whole_seconds(pa.array([stamp]).cast(kind))[0].as_py()
                 except pa.ArrowInvalid:
                     if not rejected[row]:
                         bad.one(path, where(int(row)), BadRowKind.BAD_VALUE, f"{stamp!r} is not a valid date/time")

@@ -62,6 +62,17 @@ def test_a_line_break_in_a_quoted_field_is_a_bad_row_and_later_lines_keep_their_
     assert firsts[BadRowKind.BAD_VALUE.value].startswith("line 6, column 't'")  # not line 5: the break's second line counts
 
 
+def test_utc_offsets_are_converted_and_fractions_of_a_second_floored(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "a,b,2024-01-01T02:00:00+02:00,1,5\nc,d,2024-01-01T00:00:00Z,0,3\ne,f,2024-01-01 01:00-0100,1,4\ng,h,2024-01-01T00:00:01.9,0,1\n")
+    result = _convert(path, tmp_path / "out")
+    assert result.manifest["time_range"] == [1704067200, 1704074400]  # 00:00 UTC twice, 00:00:01 (floored), 01:00 at UTC-1: 02:00 UTC
+    # Parquet timestamps of any unit alike (milliseconds floored, also before 1970)
+    pq.write_table(pa.table({"u": ["a", "b", "c"], "i": ["x", "y", "z"], "click": [1, 0, 1], "r": [5, 3, 4],
+                             "t": pa.array([1704067200999, -1500, 1704067201000], pa.timestamp("ms"))}), tmp_path / "log.parquet")
+    assert _convert(tmp_path / "log.parquet", tmp_path / "pq").manifest["time_range"] == [-2, 1704067201]
+
+
 def test_a_time_column_mixing_integers_and_dates_is_refused(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text(HEADER + "a,b,2024-01-01,1,5\nc,d,20240102,0,3\n")  # the second is no ISO date: 20240102 seconds
