@@ -202,7 +202,8 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
         if row.actual_columns == 1 and not row.text.strip():
             return "skip"
         if row.text.count('"') % 2:
-            kind, detail = BadRowKind.QUOTING, f"the record runs over {lines} line(s) to {'the end of the file' if lines > 1 else 'its end'}: {row.text[:200]!r}"
+            span = f"lines {row.number}-{row.number + lines - 1}, all dropped" if lines > 1 else "one line"
+            kind, detail = BadRowKind.QUOTING, f"the record runs over {span}: {row.text[:200]!r}"
         else:
             kind, detail = BadRowKind.FIELD_COUNT, f"{row.actual_columns} fields, the header has {row.expected_columns}: {row.text[:200]!r}"
         try:

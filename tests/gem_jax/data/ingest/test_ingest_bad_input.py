@@ -30,7 +30,7 @@ def _convert(path, out, on_bad_row=OnBadRow.RAISE, schema=SCHEMA):
         ("a,b,2024-13-01,1,5", BadRowKind.BAD_VALUE, "line 5, column 't': invalid value: '2024-13-01' is not a valid date/time"),
         ("a,b,99999999999999999999,1,5", BadRowKind.OUT_OF_RANGE, "line 5, column 't': value out of range: '99999999999999999999' does not fit in int64"),
         (",b,3,1,5", BadRowKind.BAD_VALUE, "line 5, column 'u': invalid value: empty id"),
-        ('a,"b,3,1,5', BadRowKind.QUOTING, "line 5: unbalanced quote: the record runs over 2 line(s) to the end of the file"),
+        ('a,"b,3,1,5', BadRowKind.QUOTING, "line 5: unbalanced quote: the record runs over lines 5-6, all dropped"),
     ],
 )
 def test_a_bad_csv_row_is_named_then_skipped_and_counted(tmp_path, row, kind, message):
