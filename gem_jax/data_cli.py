@@ -97,8 +97,10 @@ def _convert(args) -> None:
         + (f" (cutoff {manifest['split']['cutoff']})" if manifest["split"]["cutoff"] is not None else "")
     )
     for name, vocab in manifest["vocabularies"].items():
-        extra = f", {vocab['unseen_occurrences']} unseen" if "unseen_occurrences" in vocab else ""
-        print(f"  vocab {name}: {vocab['rows']} rows ({vocab['ids']} ids, {vocab['dropped_ids']} dropped, {vocab['oov_count']} occurrences to OOV{extra})")
+        if "unseen_occurrences" in vocab:  # reused (--vocab-from): its counts are the other log's
+            print(f"  vocab {name}: {vocab['rows']} rows, reused; {vocab['unseen_occurrences']} occurrences in this log are not in it and go to OOV")
+        else:
+            print(f"  vocab {name}: {vocab['rows']} rows ({vocab['ids']} ids, {vocab['dropped_ids']} dropped, {vocab['oov_count']} occurrences to OOV)")
     for entry in manifest["skipped_rows"]:
         print(f"  skipped {entry['count']} row(s) of {entry['file']}: {entry['kind']} (first: {entry['first']})")
     for what, count in manifest["feature_conflicts"].items():
