@@ -72,7 +72,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gem_jax.data.ingest import manifest as manifest_lib
-from gem_jax.data.ingest.readers import BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, stream_columns
+from gem_jax.data.ingest.readers import BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, require_columns, stream_columns
 from gem_jax.data.ingest.records import RecordLayout
 from gem_jax.data.ingest.shard_writer import ShardWriters
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, Side, label_values
@@ -413,6 +413,9 @@ def convert(
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataFormatError(f"{out} exists and is not a converted log (no {manifest_lib.MANIFEST}); choose another --out: only a converted log is ever replaced")
 
+    require_columns(files, list(event_kinds(schema)))  # a misspelt column fails now, not after a pass over the log
+    for side, side_files in table_files.items():
+        require_columns(side_files, [schema.key(side)] + [f.name for f in schema.side_features(side)])
     started = time.perf_counter()
     work = out.with_name(out.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)

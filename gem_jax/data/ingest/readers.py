@@ -294,6 +294,25 @@ def _parquet_batches(file: InputFile, columns: Sequence[str], batch_size: int) -
             start += batch.num_rows
 
 
+def require_columns(files: Sequence[InputFile], columns: Sequence[str]) -> None:
+    """Checks, from headers and Parquet schemas only, that every file has `columns` (before a long read).
+
+    Raises:
+      DataFormatError: the first file missing a column, naming the columns it has.
+    """
+    for file in files:
+        if file.format is Format.CSV:
+            present = _csv_header(file)
+        else:
+            try:
+                present = pq.read_schema(str(file.path)).names
+            except (pa.ArrowInvalid, OSError) as error:
+                raise DataFormatError(f"{file}: not a readable Parquet file ({error})") from error
+        missing = [c for c in columns if c not in present]
+        if missing:
+            raise DataFormatError(f"{file}: missing column(s) {missing}; the {'header' if file.format is Format.CSV else 'file'} has {present}")
+
+
 def parquet_column_types(file: InputFile, columns: Sequence[str]) -> dict[str, str]:
     """The Arrow type (as text) of each of `columns` in a Parquet file."""
     schema = pq.read_schema(str(file.path))

@@ -73,6 +73,18 @@ def test_utc_offsets_are_converted_and_fractions_of_a_second_floored(tmp_path):
     assert _convert(tmp_path / "log.parquet", tmp_path / "pq").manifest["time_range"] == [-2, 1704067201]
 
 
+def test_a_missing_side_table_column_is_named_before_the_log_is_read(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "a,b,1,1,5\n")
+    (tmp_path / "items.csv").write_text("item,genre\nb,x\n")
+    schema = EventSchema(user="u", item="i", time="t", labels=SCHEMA.labels, item_table=str(tmp_path / "items.csv"), item_key="item_id",
+                         features=(FeatureColumn("genre", Side.ITEM),))
+    lines = []
+    with pytest.raises(DataFormatError, match=r"items\.csv: missing column\(s\) \['item_id'\]; the header has \['item', 'genre'\]"):
+        convert([path], tmp_path / "out", schema, ConvertOptions(split=SplitRule.parse("time:0.5")), log=lines.append)
+    assert lines == [] and not (tmp_path / "out.partial").exists()  # nothing was read or written
+
+
 def test_a_time_column_mixing_integers_and_dates_is_refused(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text(HEADER + "a,b,2024-01-01,1,5\nc,d,20240102,0,3\n")  # the second is no ISO date: 20240102 seconds
