@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import optax
 
 from gem_jax.units import format_bytes
 
@@ -120,6 +122,8 @@ class SpacePlan:
         them by new copies.
       free: bytes free on the folder's filesystem now.
       path: the folder whose filesystem was measured.
+      float32_moments: whether the state holds AdamW moments in float32 (then bfloat16
+        moments are one of the remedies named).
 
     The peak is `max(max_to_keep, on_disk) + 1` copies (the kept ones and the one being
     written; a restart holding more than `max_to_keep` deletes the extra ones only after
@@ -131,6 +135,7 @@ class SpacePlan:
     on_disk: int
     free: int
     path: Path
+    float32_moments: bool = True
 
     @property
     def peak_copies(self) -> int:
@@ -175,8 +180,8 @@ class SpacePlan:
         fewer = dataclasses.replace(self, max_to_keep=self.max_to_keep - 1)
         return ", ".join(
             ([f"checkpoint.max_to_keep={fewer.max_to_keep} ({format_bytes(fewer.needed)} needed)"] if fewer.needed < self.needed else [])
+            + (["optim.moments_dtype=bfloat16 for a new run (AdamW moments at half size)"] if self.float32_moments else [])
             + [
-                "optim.moments_dtype=bfloat16 for a new run (AdamW moments at half size)",
                 "a --workdir on a filesystem with more free space",
                 "free space on this one",
             ]
@@ -186,4 +191,9 @@ class SpacePlan:
 def plan_space(abstract_state, max_to_keep: int, on_disk: int, directory: str | Path) -> SpacePlan:
     """The `SpacePlan` of saving `abstract_state` into `directory` (free space probed now, via `free_bytes`)."""
     path = nearest_existing(directory)
-    return SpacePlan(checkpoint_bytes(abstract_state), max_to_keep, on_disk, free_bytes(path), path)
+    return SpacePlan(checkpoint_bytes(abstract_state), max_to_keep, on_disk, free_bytes(path), path, _float32_moments(abstract_state))
+
+
+def _float32_moments(abstract_state) -> bool:
+    adam = [s for s in jax.tree.leaves(abstract_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    return any(leaf.dtype == jnp.float32 for s in adam for leaf in jax.tree.leaves(s.mu))

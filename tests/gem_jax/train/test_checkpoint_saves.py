@@ -96,6 +96,12 @@ def test_preflight_refuses_warns_or_passes_by_free_space(tmp_path, monkeypatch):
     message = str(refused.value)
     for fragment in ("3 copies", "free on the filesystem of", str(tmp_path), "checkpoint.max_to_keep=1", "optim.moments_dtype=bfloat16", "--workdir"):
         assert fragment in message, (fragment, message)
+    # moments already in bfloat16: not suggested again
+    half = _state(moments_dtype="bfloat16")
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 3 * disk_space.checkpoint_bytes(half) - 1)
+    with pytest.raises(CheckpointSpaceError) as refused:
+        checkpointer.preflight(half)
+    assert "moments_dtype" not in str(refused.value) and "--workdir" in str(refused.value)
     monkeypatch.setattr(disk_space, "free_bytes", lambda path: 4 * copy)
     lines = checkpointer.preflight(state)
     assert "headroom 1.33x" in lines[1] and "warning: less than 2x headroom" in lines[2]
