@@ -1,0 +1,40 @@
+"""configs/gem_h200.py at width d = 1536: the config where FP8's GEMMs should be large enough to pay.
+
+Width 1536 (12 heads of 128, head MLPs of 1536), everything else as configs/gem_h200.py
+(4 sequence layers, 2 DHEN layers, 1024 examples, histories of up to 1024 events). d = 2048
+with today's DHEN would hold ~147 GB of parameters, moments and gradients, more than one H200;
+at 1536 the DHEN grows 2.25x and the tables 1.5x:
+
+- parameters: 33.8 GB of float32 (8.45B), the optimizer state 21.5 GB with bfloat16 AdamW
+  moments (`optim.moments_dtype`, set here) and row-wise Adagrad tables: 55.3 GB of
+  arguments, one checkpoint copy (`gem-train --dry-run` on the CPU, from the state's shapes);
+- peak device memory, estimated from configs/gem_h200.py's measured 89.7 GB (45.1 GB of
+  arguments, benchmarks/memory.md): ~22 GB of dense float32 gradients plus ~52 GB of
+  activations (1.5x d = 1024's) on top of the arguments, about 129 GB of the H200's 141 GB,
+  without remat (as configs/gem_h200.py). Not yet measured on the GPU; if it does not fit,
+  `--set model.remat.budget_gb=...` lets the remat planner choose what to recompute (its
+  estimate needs the Pallas kernels: on a CPU it prices the padded reference attention).
+
+`configs/gem_h200_wide.py` is the bf16 step; add `--set model.fp8=True model.fp8_block=128`
+(and the DHEN region: `model.fp8_regions=SEQ_ATTENTION,SEQ_MLP,POOLED,CROSS`) for the FP8 one.
+
+    PYTHONPATH=. python3 benchmarks/train_bench.py --config configs/gem_h200_wide.py --devices 1 --profile --out step_wide.json
+"""
+
+import dataclasses
+from pathlib import Path
+
+from gem_jax.train.config import TrainConfig, load_config
+
+WIDTH = 1536
+
+
+def get_config() -> TrainConfig:
+    config = load_config(Path(__file__).with_name("gem_h200.py"))
+    model = dataclasses.replace(
+        config.model,
+        embed_dim=WIDTH,
+        num_heads=WIDTH // 128,
+        head_hidden=WIDTH,
+    )
+    return dataclasses.replace(config, model=model, optim=dataclasses.replace(config.optim, moments_dtype="bfloat16"))
