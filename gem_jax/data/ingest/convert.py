@@ -715,7 +715,11 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             for f in schema.features
         ],
         "tasks": [
-            {"name": rule.name, "rule": rule.describe(), "positive_rate": float(positives[k] / events), "eval_positive_rate": float(eval_positives[k] / split_counts[1]) if split_counts[1] else None}
+            {
+                "name": rule.name, "rule": rule.describe(), "positive_rate": float(positives[k] / events),  # over all events
+                "train_positive_rate": float(item_train_positives[:, k].sum() / split_counts[0]) if split_counts[0] else None,
+                "eval_positive_rate": float(eval_positives[k] / split_counts[1]) if split_counts[1] else None,
+            }
             for k, rule in enumerate(schema.labels)
         ],
         "shards": [f"shards/{name}" for name in shards.names],

@@ -107,6 +107,8 @@ def test_round_trip_every_event_once_in_time_order(log, tmp_path):
     assert counts["eval_events"] == sum(r["ts"] >= cutoff for r in rows)
     assert result.manifest["features"][1] == {"name": "tags", "side": "item", "vocab": "vocab/item_feature.tags.csv", "vocab_size": 4, "multi": True, "max_values": 2}
     assert result.manifest["tasks"][1]["positive_rate"] == pytest.approx(np.mean([r["rating"] >= 4 for r in rows]))
+    assert result.manifest["tasks"][1]["train_positive_rate"] == pytest.approx(np.mean([r["rating"] >= 4 for r in rows if r["ts"] < cutoff]))
+    assert result.manifest["tasks"][1]["eval_positive_rate"] == pytest.approx(np.mean([r["rating"] >= 4 for r in rows if r["ts"] >= cutoff]))
     assert sum(result.manifest["feature_conflicts"].values()) == 0
     np.testing.assert_array_equal(np.sort(reader.lengths()), np.sort([len(rec["item"]) for rec in records.values()]))
     assert result.manifest["sequence_lengths"]["events"] == len(rows)
