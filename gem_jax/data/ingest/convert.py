@@ -570,12 +570,12 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     held_bytes += sum(t.nbytes for t in item_table.values()) + item_time.nbytes
     max_events = max(1, (bucket_bytes - held_bytes) // _BYTES_PER_EVENT)
     groups = bucket_groups(buckets.events, max_events)
-    oversized = [b for b in range(num_buckets) if buckets.events[b] > max_events]
+    oversized = int(np.count_nonzero(buckets.events > max_events))
     if held_bytes > bucket_bytes // 2 or oversized:
         log(
             f"memory: the vocabularies and shard indexes take {held_bytes / 2**20:.0f} MiB of the {bucket_bytes / 2**20:.0f} MiB left for sorting, "
             f"leaving room for {max_events} events at a time"
-            + (f"; {len(oversized)} bucket(s) hold more (up to {buckets.events.max()} events: heavy users), each sorted alone above the budget" if oversized else "")
+            + (f"; {oversized} bucket(s) hold more (up to {buckets.events.max()} events: heavy users), each sorted alone above the budget" if oversized else "")
             + "; raise --memory-mb to stay within it"
         )
     item_train_events = np.zeros(item_rows, dtype=np.int64)
@@ -584,84 +584,81 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     eval_positives = np.zeros(len(schema.labels), dtype=np.int64)
     user_conflicts = dict.fromkeys((f.name for f in schema.side_features(Side.USER) if Side.USER not in tables), 0)
     missing_users = 0
-    records_written = 0
     oov_events = {"user": 0, "item": 0}
-    lookup_pool = concurrent.futures.ThreadPoolExecutor(1)  # item ids are mapped beside the users' sort
-    for g, group in enumerate(groups):
-        table = buckets.read_group(group)
-        n = table.num_rows
-        if n == 0:
-            continue
-        item_lookup = lookup_pool.submit(vocabs["item"].lookup, table["item"].combine_chunks())
-        encoded = pc.dictionary_encode(table["user"]).combine_chunks()
-        codes = encoded.indices.to_numpy()
-        times = table["time"].to_numpy()
-        order = stable_order(codes, times)  # ties keep input order
-        num_users = len(encoded.dictionary)
-        starts = np.searchsorted(codes[order], np.arange(num_users + 1))
+    with concurrent.futures.ThreadPoolExecutor(1) as lookup_pool:  # item ids are mapped beside the users' sort
+        for g, group in enumerate(groups):
+            table = buckets.read_group(group)
+            n = table.num_rows
+            if n == 0:
+                continue
+            item_lookup = lookup_pool.submit(vocabs["item"].lookup, table["item"].combine_chunks())
+            encoded = pc.dictionary_encode(table["user"]).combine_chunks()
+            codes = encoded.indices.to_numpy()
+            times = table["time"].to_numpy()
+            order = stable_order(codes, times)  # ties keep input order
+            num_users = len(encoded.dictionary)
+            starts = np.searchsorted(codes[order], np.arange(num_users + 1))
 
-        # Ids are mapped in input order (Arrow), then every column is reordered in numpy.
-        events_out = np.zeros(n, dtype=layout.event_dtype)
-        events_out["item"] = item_lookup.result()[order]
-        events_out["time"] = times[order]
-        if schema.action:
-            events_out["action"] = vocabs["action"].lookup(table["action"].combine_chunks())[order]
-        for k, rule in enumerate(schema.labels):
-            events_out["labels"][:, k] = table[f"label/{rule.name}"].to_numpy()[order]
-        if schema.weight:
-            events_out["weight"] = table["weight"].to_numpy()[order]
-        events_out["split"] = eval_flags(options.split, cutoff, starts, events_out["time"])
-        split_counts += np.bincount(events_out["split"], minlength=2)
-        train = events_out["split"] == 0
-        item_train_events += np.bincount(events_out["item"][train], minlength=item_rows)
-        for k in range(len(schema.labels)):
-            item_train_positives[:, k] += np.bincount(events_out["item"][train], weights=events_out["labels"][train, k] > 0, minlength=item_rows).astype(np.int64)
-        eval_positives += (events_out["labels"][events_out["split"] == 1] > 0).sum(axis=0).astype(np.int64)
+            # Ids are mapped in input order (Arrow), then every column is reordered in numpy.
+            events_out = np.zeros(n, dtype=layout.event_dtype)
+            events_out["item"] = item_lookup.result()[order]
+            events_out["time"] = times[order]
+            if schema.action:
+                events_out["action"] = vocabs["action"].lookup(table["action"].combine_chunks())[order]
+            for k, rule in enumerate(schema.labels):
+                events_out["labels"][:, k] = table[f"label/{rule.name}"].to_numpy()[order]
+            if schema.weight:
+                events_out["weight"] = table["weight"].to_numpy()[order]
+            events_out["split"] = eval_flags(options.split, cutoff, starts, events_out["time"])
+            split_counts += np.bincount(events_out["split"], minlength=2)
+            train = events_out["split"] == 0
+            item_train_events += np.bincount(events_out["item"][train], minlength=item_rows)
+            for k in range(len(schema.labels)):
+                item_train_positives[:, k] += np.bincount(events_out["item"][train], weights=events_out["labels"][train, k] > 0, minlength=item_rows).astype(np.int64)
+            eval_positives += (events_out["labels"][events_out["split"] == 1] > 0).sum(axis=0).astype(np.int64)
 
-        users_out = np.zeros(num_users, dtype=layout.user_dtype)
-        order_in_vocab, bucket_starts = users_by_bucket
-        users_out["user"] = vocabs["user"].lookup_among(encoded.dictionary, order_in_vocab[bucket_starts[group.start] : bucket_starts[group.stop]])
-        oov_events["user"] += int(np.diff(starts)[users_out["user"] == 1].sum())
-        oov_events["item"] += int((events_out["item"] == 1).sum())
-        for feature in schema.side_features(Side.USER):
-            vocab, width = vocabs[_vocab_name(feature)], max_values[feature.name]
-            if Side.USER in tables:
-                keys, feature_columns = tables[Side.USER]
-                at = pc.index_in(encoded.dictionary, value_set=keys)
-                found = at.is_valid().to_numpy(zero_copy_only=False)
-                missing_users += int((~found).sum())
-                rows = _feature_rows(vocab, feature_columns[feature.name], width)
-                users_out[f"user_feature/{feature.name}"][found] = rows[pc.drop_null(at).to_numpy()]
-            else:
-                rows = _feature_rows(vocab, table[f"feature/{feature.name}"], width)[order]
-                chosen, conflict = _last_per_group(starts, rows)
-                users_out[f"user_feature/{feature.name}"] = chosen
-                user_conflicts[feature.name] += int(conflict.sum())
-        if item_features and Side.ITEM not in tables:
-            # Latest value per item in this bucket, merged into the item table by time.
-            item = events_out["item"]
-            by_item = stable_order(item, events_out["time"])
-            item_sorted = item[by_item]
-            item_starts = np.r_[0, np.flatnonzero(np.diff(item_sorted)) + 1, n]
-            present = item_sorted[item_starts[:-1]]
-            latest = events_out["time"][by_item][item_starts[1:] - 1]
-            newer = latest >= item_time[present]
-            for feature in item_features:
-                rows = _feature_rows(vocabs[_vocab_name(feature)], table[f"feature/{feature.name}"], max_values[feature.name])[order][by_item]
-                chosen, conflict = _last_per_group(item_starts, rows)
-                before = item_table[feature.name][present]
-                item_conflict[feature.name][present] |= conflict | ((before != chosen).any(axis=1) & before.any(axis=1) & chosen.any(axis=1))
-                item_table[feature.name][present[newer]] = chosen[newer]
-            item_time[present] = np.maximum(item_time[present], latest)
+            users_out = np.zeros(num_users, dtype=layout.user_dtype)
+            order_in_vocab, bucket_starts = users_by_bucket
+            users_out["user"] = vocabs["user"].lookup_among(encoded.dictionary, order_in_vocab[bucket_starts[group.start] : bucket_starts[group.stop]])
+            oov_events["user"] += int(np.diff(starts)[users_out["user"] == 1].sum())
+            oov_events["item"] += int((events_out["item"] == 1).sum())
+            for feature in schema.side_features(Side.USER):
+                vocab, width = vocabs[_vocab_name(feature)], max_values[feature.name]
+                if Side.USER in tables:
+                    keys, feature_columns = tables[Side.USER]
+                    at = pc.index_in(encoded.dictionary, value_set=keys)
+                    found = at.is_valid().to_numpy(zero_copy_only=False)
+                    missing_users += int((~found).sum())
+                    rows = _feature_rows(vocab, feature_columns[feature.name], width)
+                    users_out[f"user_feature/{feature.name}"][found] = rows[pc.drop_null(at).to_numpy()]
+                else:
+                    rows = _feature_rows(vocab, table[f"feature/{feature.name}"], width)[order]
+                    chosen, conflict = _last_per_group(starts, rows)
+                    users_out[f"user_feature/{feature.name}"] = chosen
+                    user_conflicts[feature.name] += int(conflict.sum())
+            if item_features and Side.ITEM not in tables:
+                # Latest value per item in this bucket, merged into the item table by time.
+                item = events_out["item"]
+                by_item = stable_order(item, events_out["time"])
+                item_sorted = item[by_item]
+                item_starts = np.r_[0, np.flatnonzero(np.diff(item_sorted)) + 1, n]
+                present = item_sorted[item_starts[:-1]]
+                latest = events_out["time"][by_item][item_starts[1:] - 1]
+                newer = latest >= item_time[present]
+                for feature in item_features:
+                    rows = _feature_rows(vocabs[_vocab_name(feature)], table[f"feature/{feature.name}"], max_values[feature.name])[order][by_item]
+                    chosen, conflict = _last_per_group(item_starts, rows)
+                    before = item_table[feature.name][present]
+                    item_conflict[feature.name][present] |= conflict | ((before != chosen).any(axis=1) & before.any(axis=1) & chosen.any(axis=1))
+                    item_table[feature.name][present[newer]] = chosen[newer]
+                item_time[present] = np.maximum(item_time[present], latest)
 
-        lengths = np.diff(starts).astype(np.int32)
-        train_events = np.add.reduceat(train.astype(np.int32), starts[:-1]).astype(np.int32)  # every user has >= 1 event
-        shards.write(layout.records(users_out, events_out, starts), lengths, train_events)
-        records_written += num_users
-        del table, encoded, events_out, users_out
-        pa.default_memory_pool().release_unused()
-        log(f"bucket group {g + 1}/{len(groups)} (buckets {group.start + 1}-{group.stop} of {num_buckets}): {num_users} users, {n} events")
-    lookup_pool.shutdown()
+            lengths = np.diff(starts).astype(np.int32)
+            train_events = np.add.reduceat(train.astype(np.int32), starts[:-1]).astype(np.int32)  # every user has >= 1 event
+            shards.write(layout.records(users_out, events_out, starts), lengths, train_events)
+            del table, encoded, events_out, users_out
+            pa.default_memory_pool().release_unused()
+            log(f"bucket group {g + 1}/{len(groups)} (buckets {group.start + 1}-{group.stop} of {num_buckets}): {num_users} users, {n} events")
     lengths_by_shard, train_by_shard = shards.close()
     if not split_counts.all():
         log(f"note: the split ({options.split.describe()}) left {split_counts[0]} train and {split_counts[1]} eval events; gem-train needs both")
@@ -695,7 +692,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         "schema": schema.to_json(),
         "counts": {
             "events": events,
-            "users": int(records_written),
+            "users": distinct_users,
             "items": len(vocabs["item"].ids),
             "train_events": int(split_counts[0]),
             "eval_events": int(split_counts[1]),

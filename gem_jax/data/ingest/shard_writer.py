@@ -92,7 +92,14 @@ class ShardWriters:
 
     def close(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Closes every file (files no record went to are written empty). Returns per file name its
-        records' lengths and train events (int32 `[records]`)."""
+        records' lengths and train events (int32 `[records]`).
+
+        Raises:
+          ValueError: fewer or more records were written than `num_records` (the file names
+            and windows were planned for that many).
+        """
+        if self._written != self.num_records:
+            raise ValueError(f"{self._written} records were written, {self.num_records} were planned")
         for file in range(len(self.names)):
             if file not in self._open and not self._lengths[file]:
                 ArrayRecordWriter(str(self.directory / self.names[file]), WRITER_OPTIONS).close()

@@ -42,3 +42,8 @@ def test_explicit_file_count_is_one_window(tmp_path):
     assert [len(lengths[name]) for name in writers.names] == [10, 10, 10]
     with pytest.raises(ValueError, match="num_records and num_files must be >= 1"):
         ShardWriters(tmp_path, 0, 1 << 20)
+    short = ShardWriters(tmp_path / "short", 5, 1 << 20)
+    (tmp_path / "short").mkdir()
+    short.write(iter([b"a", b"b"]), np.ones(2, np.int32), np.ones(2, np.int32))
+    with pytest.raises(ValueError, match="2 records were written, 5 were planned"):
+        short.close()
