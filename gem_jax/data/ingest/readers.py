@@ -213,10 +213,7 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
             return "error"
         return "skip"
 
-    header = _csv_header(file)
-    missing = [c for c in columns if c not in header]
-    if missing:
-        raise DataFormatError(f"{file}: missing column(s) {missing}; the header has {header}")
+    header = _csv_header(file)  # holds `columns` (`require_columns`)
     try:
         # Every column is read (as bytes, not converted) so that a blank line is told from a row
         # whose read columns are empty; only `columns` are parsed.
@@ -283,10 +280,6 @@ def _parquet_batches(file: InputFile, columns: Sequence[str], batch_size: int) -
         parquet = pq.ParquetFile(str(file.path))
     except (pa.ArrowInvalid, OSError) as error:
         raise DataFormatError(f"{file}: not a readable Parquet file ({error})") from error
-    names = parquet.schema_arrow.names
-    missing = [c for c in columns if c not in names]
-    if missing:
-        raise DataFormatError(f"{file}: missing column(s) {missing}; the file has {names}")
     for group in range(parquet.num_row_groups):
         start = 0
         for batch in parquet.iter_batches(batch_size=batch_size, row_groups=[group], columns=list(columns)):
@@ -582,6 +575,7 @@ def stream_columns(
       BadRowError: a bad value under `OnBadRow.RAISE`.
       DataFormatError: a missing or mistyped column, Parquet files whose types disagree.
     """
+    require_columns(files, list(kinds))
     check_parquet_types(files, list(kinds))
     for file in files:
         if on_file is not None:
