@@ -25,6 +25,13 @@ Two schedules:
   the same examples and labels with more slack rows, so such steps cost more device
   time and sum in another order (losses are not bit-identical to an ahead run's). An
   eval reached before its program is ready waits for it (`compile_after_start`).
+  A train program the executable cache holds is always loaded. One it does not hold is
+  built only if it pays (`capacities_worth_building`): the device time its steps would
+  save over the rest of the run, at the step time measured at the largest capacity,
+  must exceed the seconds the largest capacity's own build took before the first step.
+  A short cold run at GEM width builds none (its steps at the largest capacity cost less
+  than the background lowering, which holds the GIL, and compiling, which shares the
+  CPU and the GPU with the run, take from them); a long one builds the common ones.
   One process only: the processes of a multi-process run must place every batch alike.
 
 A batch at a capacity that was not planned (the replay and the placement disagree,
@@ -98,6 +105,57 @@ def run_capacities(
     return dict(sorted(taken.items()))
 
 
+def capacities_worth_building(
+    counts: dict[int, int], ready: Iterable[int], step_s: float, build_s: float, steps_left: int
+) -> list[int]:
+    """The train capacities whose programs pay for their build, chosen greedily by saving.
+
+    A step's device time is taken as proportional to its token capacity (an upper bound on
+    what a smaller capacity saves: the per-example work, e.g. the DHEN, does not shrink).
+    Without a program for capacity `c`, its batches run at the smallest chosen capacity
+    above it. Adding `c` saves `step_s * n * (above - c) / largest` for each of the `n`
+    batches it takes over from `above`, scaled by the share of the run still ahead once it
+    is built (`steps_left - build_s / step_s` of `steps_left`); it is chosen while that
+    saving exceeds `build_s`.
+
+    Args:
+      counts: capacity -> how many of the run's batches take it (`planned_capacities`).
+      ready: capacities with a program already (at least the largest of `counts`).
+      step_s: wall seconds of one step at the largest ready capacity (measured).
+      build_s: seconds to lower and compile one program (the first one's, measured).
+      steps_left: train steps still to run when the decision is made.
+
+    Returns:
+      The capacities to build, in the order chosen (largest saving first).
+
+    Raises:
+      ValueError: `ready` holds no capacity at or above the largest of `counts`.
+    """
+    chosen = sorted(set(ready))
+    if counts and (not chosen or chosen[-1] < max(counts)):
+        raise ValueError(f"capacities_worth_building: no ready capacity holds the largest batch ({max(counts)}); ready: {chosen}")
+    if not counts or step_s <= 0:
+        return []
+    largest = chosen[-1]
+    total = sum(counts.values())
+    ahead = max(0.0, steps_left - build_s / step_s) / total
+
+    def cost(capacities: list[int]) -> float:
+        return sum(n * min(c for c in capacities if c >= d) for d, n in counts.items())
+
+    picked: list[int] = []
+    while True:
+        base = cost(chosen)
+        savings = {c: base - cost(sorted([*chosen, c])) for c in counts if c not in chosen}
+        if not savings:
+            return picked
+        best = max(savings, key=lambda c: savings[c])
+        if step_s * savings[best] / largest * ahead <= build_s:
+            return picked
+        chosen = sorted([*chosen, best])
+        picked.append(best)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Job:
     """One program to build: `step` lowered on `args` (abstract), kept in the cache at `path`."""
@@ -155,19 +213,26 @@ class Programs:
         self._ready_at_step: int | None = None
         self._steps = 0
         self._steps_padded = 0
+        self._counts: dict[int, int] = {}
+        self._first_build_s: float | None = None  # the largest capacity's lowering + compile (None: loaded)
+        self._go = threading.Event()  # the background may start: a step time is measured, or a program is awaited
+        self._step_s: float | None = None
+        self._step_done_at = 0.0
+        self._not_built: list[int] = []
 
     # ------------------------------------------------------------------ the steps
 
     def train_capacity(self, local: LocalBatch) -> int | None:
         """The token capacity to place `local`'s global batch at (`BatchPlacement.put_local(capacity=...)`):
-        its own when that program is ready, else the smallest ready one above it; None (the
-        placement's own choice) when every planned program is ready."""
-        if not self._pending:
+        its own when that program is ready, else (building, or not built: it would not have
+        paid) the smallest ready one above it; None (the placement's own choice) when every
+        planned program is ready."""
+        if not self._pending and not self._not_built:
             return None
         buckets = self.training.dataset.token_buckets
         per = local.global_batch_size // self.training.placement.num_shards
         needed = pick_capacity(int(local.chunk_rows().max()), buckets.capacities(per))
-        if needed in self.train or ("train", needed) not in self._pending:
+        if needed in self.train or (("train", needed) not in self._pending and needed not in self._not_built):
             return needed
         self._steps_padded += 1
         return min(c for c in self.train if c > needed)
@@ -178,7 +243,20 @@ class Programs:
         if capacity not in self.train:
             self.train[capacity] = self._late(f"train step, token capacity {capacity}", self.training.train_step, self.training.state.abstract, batch)
         self._steps += 1
-        return self.train[capacity](state, batch)
+        out = self.train[capacity](state, batch)
+        if not self._go.is_set() and self._background and self._steps in (2, 3):
+            self._time_step(out)
+        return out
+
+    def _time_step(self, out) -> None:
+        """Measures the wall time of the run's third step (from the end of the second to the end of
+        the third, the loop's host work included) before the background begins, then lets it begin."""
+        jax.block_until_ready(out[1])
+        now = time.perf_counter()
+        if self._steps == 3:
+            self._step_s = now - self._step_done_at
+            self._go.set()
+        self._step_done_at = now
 
     def eval_step(self, params, batch: Batch) -> dict:
         """`(params, placed batch) -> dict` (`gem_jax.train.step.make_eval_step`)."""
@@ -203,6 +281,7 @@ class Programs:
         future = self._pending.get(key)
         if future is None:
             return
+        self._go.set()  # no step time yet (an eval before step 3): build now
         with self._late_compile(f"waiting for the background build of the {key[0]} step at token capacity {key[1]}"):
             concurrent.futures.wait([future])
 
@@ -242,6 +321,8 @@ class Programs:
         self._thread.start()
 
     def _lower_in_background(self) -> None:
+        self._go.wait()
+        chosen: set[int] | None = None
         for job in self._background:
             if self._cancel.is_set():
                 self._pending[(job.kind, job.capacity)].cancel()
@@ -251,11 +332,40 @@ class Programs:
                 if program is not None:
                     self.loaded += 1
                     self._finish(job, program)
-                else:
-                    lowered = job.step.lower(*job.args)
-                    self._pool.submit(self._compile_in_background, job, lowered)
+                    continue
+                if job.kind == "train":
+                    if chosen is None:
+                        chosen = self._worth_building()
+                    if job.capacity not in chosen:
+                        self._skip(job)
+                        continue
+                lowered = job.step.lower(*job.args)
+                self._pool.submit(self._compile_in_background, job, lowered)
             except Exception as error:  # noqa: BLE001 - reported, and the run goes on without the program
                 self._fail(job, error)
+
+    def _worth_building(self) -> set[int]:
+        """The train capacities the executable cache does not hold that pay for their build
+        (`capacities_worth_building`); all of them when a build's or a step's time is unknown."""
+        missing = {job.capacity for job in self._background if job.kind == "train"}
+        if self._first_build_s is None or self._step_s is None:
+            return missing
+        ready = set(self.train) | {c for kind, c in self._pending if kind == "train" and c not in missing}
+        steps_left = sum(self._counts.values()) - self._steps
+        return set(capacities_worth_building(self._counts, ready, self._step_s, self._first_build_s, steps_left))
+
+    def _skip(self, job: _Job) -> None:
+        self._not_built.append(job.capacity)
+        self._pending.pop((job.kind, job.capacity)).set_result(None)
+        if not any(kind == "train" for kind, _ in self._pending) and self._not_built:
+            print(
+                f"gem-train: not building the train steps at token capacities {sorted(self._not_built)}: each would save "
+                f"less device time over the {sum(self._counts.values()) - self._steps} steps left ({self._step_s:.3f} s a step "
+                f"at the largest) than its build takes ({self._first_build_s:.1f} s); their batches run at a larger capacity",
+                flush=True,
+            )
+        if not self._pending:
+            self._all_ready()
 
     def _compile_in_background(self, job: _Job, lowered) -> None:
         try:
@@ -269,9 +379,12 @@ class Programs:
         self._ready(job, program)
         self._pending.pop((job.kind, job.capacity)).set_result(None)
         if not self._pending:
-            self._ready_after_s = time.perf_counter() - self._background_began
-            self._ready_at_step = self._steps
-            print(f"gem-train: all programs ready, {self._ready_after_s:.1f} s after the first step's (step {self._steps})", flush=True)
+            self._all_ready()
+
+    def _all_ready(self) -> None:
+        self._ready_after_s = time.perf_counter() - self._background_began
+        self._ready_at_step = self._steps
+        print(f"gem-train: all programs ready, {self._ready_after_s:.1f} s after the first step's (step {self._steps})", flush=True)
 
     def _fail(self, job: _Job, error: Exception) -> None:
         self._failed[job.name] = f"{type(error).__name__}: {error}"
@@ -295,6 +408,7 @@ class Programs:
         if self._thread is None:
             return
         self._cancel.set()
+        self._go.set()
         with self._late_compile("background builds in flight at the end of the run") if self._pending else contextlib.nullcontext():
             self._thread.join()
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -313,8 +427,8 @@ class Programs:
         )
         if self._pending:
             line += (
-                f"; {len(self._pending)} more build in the background while the run trains "
-                "(until a batch's own capacity is ready it runs at the smallest ready one above it)"
+                f"; {len(self._pending)} more build in the background while the run trains, a train step only if it "
+                "pays for its build (until a batch's own capacity is ready it runs at the smallest ready one above it)"
             )
         return line
 
@@ -322,10 +436,15 @@ class Programs:
         """The run's program measurements, for its summary: `programs_before_first_step`,
         `programs_in_background`, `steps_at_larger_capacity` (placed above their own capacity
         while it was building), and once all were ready `programs_ready_after_s` (seconds after
-        the background began) and `programs_ready_at_step`; `programs_failed` if any failed."""
+        the background began) and `programs_ready_at_step`; `programs_not_built` (train steps that
+        would not have paid for their build), `background_step_s` (the step time that decided it);
+        `programs_failed` if any failed."""
         out: dict[str, float | int] = {"programs_before_first_step": self._before_first_step, "programs_in_background": len(self._background)}
         if self._background:
             out["steps_at_larger_capacity"] = self._steps_padded
+            out["programs_not_built"] = len(self._not_built)
+            if self._step_s is not None:
+                out["background_step_s"] = self._step_s
             if self._ready_after_s is not None:
                 out.update(programs_ready_after_s=self._ready_after_s, programs_ready_at_step=self._ready_at_step)
         if self._failed:
@@ -405,6 +524,8 @@ def compile_programs(
         # the eval step first (its compile is the longest, and an eval waits for it), then the commonest capacities
         rest = [make("eval", c) for c in evals] + [make("train", c) for c in sorted(counts, key=lambda c: -counts[c]) if c != largest]
         programs._build([make("train", largest)], threads)
+        programs._counts = dict(counts)
+        programs._first_build_s = programs.lowering_s + programs.compile_s if programs.loaded == 0 else None
         if rest:
             programs._start_background(rest, threads)
     else:

@@ -106,15 +106,26 @@ def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(r
     assert not workdir.exists()
 
 
-def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_learns_as_the_ahead_run(config, tmp_path, capsys):
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_learns_as_the_ahead_run(config, tmp_path, capsys, monkeypatch, pays):
     ahead = train_and_evaluate(config, tmp_path / "ahead", stop_after_steps=6, progress=False)
     capsys.readouterr()
+    if pays:  # as if a long run: every capacity saves more than its build
+        monkeypatch.setattr(programs, "capacities_worth_building", lambda counts, ready, *_: [c for c in counts if c not in set(ready)])
     background = apply_overrides(config, ["loop.compile_in_background=True"])
     summary = train_and_evaluate(background, tmp_path / "background", stop_after_steps=6, progress=False)
     out = capsys.readouterr().out
     assert "compiled 1 programs before the first step" in out and "2 more build in the background" in out
     assert summary["programs_before_first_step"] == 1 and summary["programs_in_background"] == 2
-    assert 0 <= summary["steps_at_larger_capacity"] <= 6
+    assert summary["background_step_s"] > 0
+    if pays:
+        assert summary["programs_not_built"] == 0 and "all programs ready" in out
+        assert 0 <= summary["steps_at_larger_capacity"] <= 6
+    else:
+        # 3 steps left after the timed ones save milliseconds; each build took seconds: steps 4-6 run at the largest
+        assert summary["programs_not_built"] == 2 and "not building the train steps at token capacities" in out
+        assert summary["steps_at_larger_capacity"] >= 3
+        assert summary["compiles_after_start"] == 0  # nothing built in the background, nothing waited for at the end
     buckets = {k: v for k, v in summary.items() if k.startswith("time_")}
     assert sum(buckets.values()) == pytest.approx(summary["wall_s"], rel=1e-9)
 
@@ -144,3 +155,22 @@ def test_a_batch_whose_program_is_building_is_placed_at_the_smallest_ready_capac
     built.train[needed] = object()
     assert built.train_capacity(local) == needed
     assert built.report()["programs_in_background"] == 0
+    del built.train[needed]
+    built._pending, built._not_built = {}, [needed, above[0]]
+    assert built.train_capacity(local) == above[1]  # not built (it would not have paid): the smallest ready above, for good
+
+
+def test_a_capacity_is_built_when_its_steps_save_more_than_its_build():
+    counts = {100: 400, 120: 300, 150: 300}
+    # Without 100 and 120 every step runs at 150: 0.3 s. Adding 120 saves (30 * 700) / 150 * 0.3 = 42 s over the
+    # whole run, adding 100 instead (50 * 400) / 150 * 0.3 = 40 s; with 120 built, 100 saves 20 * 400 / 150 * 0.3 = 16 s.
+    assert programs.capacities_worth_building(counts, [150], 0.3, build_s=15.0, steps_left=1000 + 50) == [120, 100]
+    ahead = (1000 - 20 / 0.3) / 1000  # the share of the run left once a 20 s build is done
+    assert 16 * ahead <= 20 < 42 * ahead
+    assert programs.capacities_worth_building(counts, [150], 0.3, build_s=20.0, steps_left=1000) == [120]
+    assert programs.capacities_worth_building(counts, [150], 0.3, build_s=45.0, steps_left=1000) == []
+    assert programs.capacities_worth_building(counts, [150], 0.3, build_s=15.0, steps_left=40) == []  # the run ends first
+    assert programs.capacities_worth_building(counts, [120, 150], 0.3, build_s=15.0, steps_left=1000) == [100]
+    assert programs.capacities_worth_building({}, [150], 0.3, build_s=1.0, steps_left=10) == []
+    with pytest.raises(ValueError, match="no ready capacity holds the largest batch"):
+        programs.capacities_worth_building(counts, [120], 0.3, build_s=1.0, steps_left=1000)
