@@ -13,13 +13,16 @@ This cache keys each compiled program by what determines it, computed without tr
 - the source of `gem_jax` and `pallas_kernels` (sha256 of every `.py` file's bytes);
 - jax and jaxlib versions, the backend's platform and version, the devices' kinds and ids,
   the process index (each process of a multi-process run compiles for its own devices);
-- `XLA_FLAGS` and the jax config options that change compiled code.
+- `XLA_FLAGS` (its flags, whatever the whitespace between them) and the jax config options
+  that change compiled code.
 
 A hit deserializes the executable (`jax.experimental.serialize_executable`, as MaxText's
 AOT-compiled train steps are saved and loaded); a miss compiles and stores it. Entries are
 written atomically (a temporary file renamed), so a crash never leaves a half entry that
-looks whole; an entry that cannot be read is reported, removed and recompiled. Loading an
-entry runs code from it: keep the cache in a directory only you write.
+looks whole; an entry that cannot be read is reported, removed and recompiled. Beside each
+entry, `<key>.json` records the seconds its lowering and compile took (`build_seconds`): a
+warm start that loads a program still knows what building it costs. Loading an entry runs
+code from it: keep the cache in a directory only you write.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def program_key(name: str, job: Any, abstract_args: tuple) -> str:
         "process": [jax.process_index(), jax.process_count()],
         "backend": [devices[0].platform, devices[0].client.platform_version],
         "devices": [f"{d.id}:{d.device_kind}" for d in devices],
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flags": os.environ.get("XLA_FLAGS", "").split(),  # `export XLA_FLAGS="$flags ${XLA_FLAGS:-}"` adds a space
         "options": {option: str(getattr(jax.config, option, None)) for option in _JAX_OPTIONS},
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
@@ -115,19 +118,41 @@ class ExecutableCache:
             return None
 
     @staticmethod
-    def store(path: Path | None, compiled: jax.stages.Compiled) -> str:
-        """Keeps `compiled` at `path` (atomically); returns why it was not stored, else ""."""
+    def store(path: Path | None, compiled: jax.stages.Compiled, build_s: float | None = None) -> str:
+        """Keeps `compiled` at `path` (atomically), and `build_s` (seconds its lowering and compile
+        took) beside it; returns why it was not stored, else ""."""
         if path is None:
             return ""
         try:
             payload = pickle.dumps(serialize_executable.serialize(compiled))
         except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as error:
             return f"not stored: {type(error).__name__}: {error}"
-        temporary = path.with_suffix(f".tmp{os.getpid()}")
         try:
-            temporary.write_bytes(payload)
-            temporary.replace(path)
+            if build_s is not None:
+                _write_atomically(path.with_suffix(".json"), json.dumps({"build_s": build_s}).encode())
+            _write_atomically(path, payload)
         except OSError as error:
-            temporary.unlink(missing_ok=True)
             return f"not stored: {error}"
         return ""
+
+    @staticmethod
+    def build_seconds(path: Path | None) -> float | None:
+        """Seconds the lowering and compile of the program kept at `path` took when it was stored
+        (None: no record, or one that cannot be read)."""
+        if path is None:
+            return None
+        try:
+            return float(json.loads(path.with_suffix(".json").read_text())["build_s"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` through a temporary file renamed over it (removed if the write fails)."""
+    temporary = path.with_suffix(f"{path.suffix}.tmp{os.getpid()}")
+    try:
+        temporary.write_bytes(data)
+        temporary.replace(path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+        raise

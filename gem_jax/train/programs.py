@@ -28,7 +28,8 @@ Two schedules:
   A train program the executable cache holds is always loaded. One it does not hold is
   built only if it pays (`capacities_worth_building`): the device time its steps would
   save over the rest of the run, at the step time measured at the largest capacity,
-  must exceed the seconds the largest capacity's own build took before the first step.
+  must exceed the seconds the largest capacity's own build took (in this run, or as the
+  executable cache recorded it when the program was loaded: a warm start decides alike).
   A short cold run at GEM width builds none (its steps at the largest capacity cost less
   than the background lowering, which holds the GIL, and compiling, which shares the
   CPU and the GPU with the run, take from them); a long one builds the common ones.
@@ -188,6 +189,8 @@ class Programs:
       lowering_s, compile_s: wall seconds of the lowering and compiling before the first
         step (loading from the executable cache included).
       loaded: how many programs came from the executable cache.
+      build_s: (kind, capacity) -> seconds its lowering and compile took, in this run or, for
+        a program loaded from the cache, when it was stored (None: unknown).
       chrono: where late compiles and waits are counted (None: not counted).
     """
 
@@ -214,7 +217,8 @@ class Programs:
         self._steps = 0
         self._steps_padded = 0
         self._counts: dict[int, int] = {}
-        self._first_build_s: float | None = None  # the largest capacity's lowering + compile (None: loaded)
+        self.build_s: dict[tuple[str, int], float | None] = {}
+        self._first_build_s: float | None = None  # the largest capacity's lowering + compile (None: unknown)
         self._go = threading.Event()  # the background may start: a step time is measured, or a program is awaited
         self._step_s: float | None = None
         self._step_done_at = 0.0
@@ -293,18 +297,21 @@ class Programs:
         with self._measure(goodput.COMPILE):
             compiled = [self._cache.load(job.path) for job in jobs]
         missing = [i for i, program in enumerate(compiled) if program is None]
+        for i, program in enumerate(compiled):
+            if program is not None:
+                self.build_s[(jobs[i].kind, jobs[i].capacity)] = self._cache.build_seconds(jobs[i].path)
         loading_s = time.perf_counter() - began
         began = time.perf_counter()
         with self._measure(goodput.LOWERING):
-            lowered = {i: jobs[i].step.lower(*jobs[i].args) for i in missing}
+            lowered = {i: _timed(jobs[i].step.lower, *jobs[i].args) for i in missing}
         self.lowering_s += time.perf_counter() - began
         began = time.perf_counter()
         with self._measure(goodput.COMPILE):
             if missing:
                 with concurrent.futures.ThreadPoolExecutor(_workers(len(missing), threads)) as pool:
-                    for i, program in zip(missing, pool.map(lambda i: lowered[i].compile(), missing)):
+                    for i, (program, seconds) in zip(missing, pool.map(lambda i: _timed(lowered[i][0].compile), missing)):
                         compiled[i] = program
-                        self._store(jobs[i], program)
+                        self._store(jobs[i], program, lowered[i][1] + seconds)
         self.compile_s += loading_s + time.perf_counter() - began
         self.loaded += len(jobs) - len(missing)
         self._before_first_step += len(jobs)
@@ -339,8 +346,8 @@ class Programs:
                     if job.capacity not in chosen:
                         self._skip(job)
                         continue
-                lowered = job.step.lower(*job.args)
-                self._pool.submit(self._compile_in_background, job, lowered)
+                lowered, lowering_s = _timed(job.step.lower, *job.args)
+                self._pool.submit(self._compile_in_background, job, lowered, lowering_s)
             except Exception as error:  # noqa: BLE001 - reported, and the run goes on without the program
                 self._fail(job, error)
 
@@ -367,10 +374,10 @@ class Programs:
         if not self._pending:
             self._all_ready()
 
-    def _compile_in_background(self, job: _Job, lowered) -> None:
+    def _compile_in_background(self, job: _Job, lowered, lowering_s: float) -> None:
         try:
-            program = lowered.compile()
-            self._store(job, program)
+            program, compile_s = _timed(lowered.compile)
+            self._store(job, program, lowering_s + compile_s)
             self._finish(job, program)
         except Exception as error:  # noqa: BLE001 - reported, and the run goes on without the program
             self._fail(job, error)
@@ -394,8 +401,9 @@ class Programs:
     def _ready(self, job: _Job, program) -> None:
         (self.train if job.kind == "train" else self.eval)[job.capacity] = program
 
-    def _store(self, job: _Job, program) -> None:
-        note = self._cache.store(job.path, program)
+    def _store(self, job: _Job, program, build_s: float) -> None:
+        self.build_s[(job.kind, job.capacity)] = build_s
+        note = self._cache.store(job.path, program, build_s)
         if note:
             print(f"gem-train: the {job.name} was {note}", flush=True)
 
@@ -450,6 +458,12 @@ class Programs:
         if self._failed:
             out["programs_failed"] = len(self._failed)
         return out
+
+
+def _timed(fn: Callable, *args):
+    """`(fn(*args), wall seconds it took)`."""
+    began = time.perf_counter()
+    return fn(*args), time.perf_counter() - began
 
 
 def _workers(jobs: int, threads: int | None) -> int:
@@ -525,7 +539,7 @@ def compile_programs(
         rest = [make("eval", c) for c in evals] + [make("train", c) for c in sorted(counts, key=lambda c: -counts[c]) if c != largest]
         programs._build([make("train", largest)], threads)
         programs._counts = dict(counts)
-        programs._first_build_s = programs.lowering_s + programs.compile_s if programs.loaded == 0 else None
+        programs._first_build_s = programs.build_s.get(("train", largest))
         if rest:
             programs._start_background(rest, threads)
     else:

@@ -55,6 +55,11 @@ def test_the_key_changes_with_shapes_job_and_source(monkeypatch):
         flags.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
         assert program_key("step", {"width": 4}, _args()) != base
     assert program_key("step", {"width": 4}, _args()) == base
+    with monkeypatch.context() as flags:  # the same flags, spaced otherwise (`export XLA_FLAGS="$f ${XLA_FLAGS:-}"`): the same key
+        flags.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+        spaced = program_key("step", {"width": 4}, _args())
+        flags.setenv("XLA_FLAGS", "  --xla_cpu_enable_fast_math=false ")
+        assert program_key("step", {"width": 4}, _args()) == spaced
     monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited")
     assert program_key("step", {"width": 4}, _args()) != base
 
@@ -68,6 +73,23 @@ def test_an_unreadable_entry_is_named_removed_and_missed(tmp_path, capsys):
     assert cache.load(entry) is None
     assert f"cached program {entry} is unreadable" in capsys.readouterr().err
     assert not entry.exists()
+
+
+def test_the_build_seconds_are_kept_beside_the_entry(tmp_path):
+    cache = ExecutableCache(tmp_path)
+    path = cache.path("step", _args(), {})
+    compiled = jax.jit(_step).lower(*_args()).compile()
+    assert cache.store(path, compiled, build_s=73.5) == ""
+    assert ExecutableCache(tmp_path).build_seconds(path) == 73.5
+    other = cache.path("step", _args(16), {})
+    assert cache.store(other, compiled) == "" and cache.build_seconds(other) is None  # not recorded: unknown
+    path.with_suffix(".json").write_text("{")
+    assert cache.build_seconds(path) is None  # unreadable: unknown, the entry itself still loads
+    assert cache.load(path) is not None
+    assert cache.build_seconds(None) is None
+    assert sorted(p.name for p in (tmp_path / executable_cache.SUBDIR).iterdir()) == sorted(
+        [path.name, path.with_suffix(".json").name, other.name]
+    )  # no temporary files left
 
 
 def test_no_directory_keeps_nothing():

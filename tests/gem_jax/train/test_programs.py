@@ -160,6 +160,20 @@ def test_a_batch_whose_program_is_building_is_placed_at_the_smallest_ready_capac
     assert built.train_capacity(local) == above[1]  # not built (it would not have paid): the smallest ready above, for good
 
 
+def test_a_warm_start_weighs_the_other_programs_against_the_build_the_cache_recorded(config, tmp_path):
+    training, _ = setup_training(config, init_state=False)
+    counts, _ = programs.planned_capacities(training, range(6), False)
+    cache = programs.ExecutableCache(tmp_path)
+    cold = programs.compile_programs(training, counts, [], cache=cache, background=True)
+    cold.close()
+    largest = max(counts)
+    built_s = cold.build_s[("train", largest)]
+    assert cold.loaded == 0 and built_s > 0 and cold._first_build_s == built_s
+    warm = programs.compile_programs(training, counts, [], cache=cache, background=True)
+    warm.close()
+    assert warm.loaded >= 1 and warm.build_s[("train", largest)] == built_s and warm._first_build_s == built_s
+
+
 def test_a_capacity_is_built_when_its_steps_save_more_than_its_build():
     counts = {100: 400, 120: 300, 150: 300}
     # Without 100 and 120 every step runs at 150: 0.3 s. Adding 120 saves (30 * 700) / 150 * 0.3 = 42 s over the
