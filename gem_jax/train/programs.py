@@ -220,6 +220,7 @@ class Programs:
         self.build_s: dict[tuple[str, int], float | None] = {}
         self._first_build_s: float | None = None  # the largest capacity's lowering + compile (None: unknown)
         self._go = threading.Event()  # the background may start: a step time is measured, or a program is awaited
+        self._timed = threading.Event()  # train programs may be decided: a step time is measured, or the run ends
         self._step_s: float | None = None
         self._step_done_at = 0.0
         self._not_built: list[int] = []
@@ -248,7 +249,7 @@ class Programs:
             self.train[capacity] = self._late(f"train step, token capacity {capacity}", self.training.train_step, self.training.state.abstract, batch)
         self._steps += 1
         out = self.train[capacity](state, batch)
-        if not self._go.is_set() and self._background and self._steps in (2, 3):
+        if not self._timed.is_set() and self._background and self._steps in (2, 3):
             self._time_step(out)
         return out
 
@@ -259,6 +260,7 @@ class Programs:
         now = time.perf_counter()
         if self._steps == 3:
             self._step_s = now - self._step_done_at
+            self._timed.set()
             self._go.set()
         self._step_done_at = now
 
@@ -285,7 +287,7 @@ class Programs:
         future = self._pending.get(key)
         if future is None:
             return
-        self._go.set()  # no step time yet (an eval before step 3): build now
+        self._go.set()  # no step time yet (an eval before step 3): build the eval step now, the train steps once timed
         with self._late_compile(f"waiting for the background build of the {key[0]} step at token capacity {key[1]}"):
             concurrent.futures.wait([future])
 
@@ -342,6 +344,10 @@ class Programs:
                     continue
                 if job.kind == "train":
                     if chosen is None:
+                        self._timed.wait()
+                        if self._cancel.is_set():
+                            self._pending[(job.kind, job.capacity)].cancel()
+                            continue
                         chosen = self._worth_building()
                     if job.capacity not in chosen:
                         self._skip(job)
@@ -417,6 +423,7 @@ class Programs:
             return
         self._cancel.set()
         self._go.set()
+        self._timed.set()
         with self._late_compile("background builds in flight at the end of the run") if self._pending else contextlib.nullcontext():
             self._thread.join()
             self._pool.shutdown(wait=True, cancel_futures=True)

@@ -119,7 +119,7 @@ def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_
     assert summary["programs_before_first_step"] == 1 and summary["programs_in_background"] == 2
     assert summary["background_step_s"] > 0
     if pays:
-        assert summary["programs_not_built"] == 0 and "all programs ready" in out
+        assert summary["programs_not_built"] == 0 and "not building" not in out  # built (or still building when the run ended)
         assert 0 <= summary["steps_at_larger_capacity"] <= 6
     else:
         # 3 steps left after the timed ones save milliseconds; each build took seconds: steps 4-6 run at the largest
@@ -158,6 +158,16 @@ def test_a_batch_whose_program_is_building_is_placed_at_the_smallest_ready_capac
     del built.train[needed]
     built._pending, built._not_built = {}, [needed, above[0]]
     assert built.train_capacity(local) == above[1]  # not built (it would not have paid): the smallest ready above, for good
+
+
+def test_a_run_too_short_to_time_a_step_builds_its_eval_step_and_no_other_train_step(config, tmp_path, capsys):
+    short = apply_overrides(config, ["loop.compile_in_background=True", "loop.num_steps=2"])
+    summary = train_and_evaluate(short, tmp_path / "short", progress=False)
+    out = capsys.readouterr().out
+    assert summary["finished"] and "auc_like" in summary  # the final eval waited for its program
+    assert summary["programs_in_background"] >= 2 and "background_step_s" not in summary
+    assert summary["compiles_after_start"] >= 1 and "compile after start: waiting for the background build of the eval step" in out
+    assert "not building" not in out and "all programs ready" not in out  # the train steps were never weighed: the run ended
 
 
 def test_a_warm_start_weighs_the_other_programs_against_the_build_the_cache_recorded(config, tmp_path):
