@@ -202,6 +202,7 @@ class Checkpointer:
         self._copy_bytes: int | None = None
         self._manifests = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
         self._closed = False
+        self._ending: dict[str, float] = {}  # the last `wait` and `close`: seconds of each part
         self._manifest_jobs: dict[int, concurrent.futures.Future] = {}
         self._lock = threading.RLock()  # held by every call of `self.manager`, from either thread
         self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-snapshot")
@@ -382,10 +383,13 @@ class Checkpointer:
         Raises:
           CheckpointWriteError: the save in flight, or writing a manifest, failed.
         """
+        began = time.perf_counter()
         self._finish_write()
+        written = time.perf_counter()
         for step in self.all_steps():
             self._queue_manifest(step)
         self._await_manifests(list(self._manifest_jobs))
+        self._ending.update(checkpoint_final_wait_s=written - began, checkpoint_final_manifests_s=time.perf_counter() - written)
 
     def report(self) -> dict[str, float | int]:
         """The run's checkpoint measurements, for its summary.
@@ -394,8 +398,10 @@ class Checkpointer:
         (saves started later than due), `checkpoint_snapshots` (saves from an on-device
         snapshot), `checkpoint_blocking_s_mean` and `_max` (time in `save`),
         `checkpoint_write_gb_per_s` (bytes over write seconds of the finished saves),
-        `checkpoint_final_write_s` (the last save's write on its own). Only the keys with
-        a measurement are present.
+        `checkpoint_final_write_s` (the last save's write on its own); of the last `wait`,
+        `checkpoint_final_wait_s` (for the write in flight) and `checkpoint_final_manifests_s`
+        (for the checksum manifests still being written), and `checkpoint_close_s` (releasing
+        Orbax's manager and the threads after it). Only the keys with a measurement are present.
         """
         report: dict[str, float | int] = {
             "checkpoint_saves": len(self.saves),
@@ -413,6 +419,7 @@ class Checkpointer:
             report["checkpoint_write_gb_per_s"] = sum(s.bytes for s in written) / sum(s.write_s for s in written) / 1e9
             if written[-1] is self.saves[-1]:
                 report["checkpoint_final_write_s"] = written[-1].write_s
+        report.update(self._ending)
         return report
 
     def restore_latest(
@@ -467,10 +474,12 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            began = time.perf_counter()
             self._stager.shutdown(wait=True)
             self._manifests.shutdown(wait=True)
             with self._lock:
                 self.manager.close()
+            self._ending["checkpoint_close_s"] = time.perf_counter() - began
 
     # ------------------------------------------------------------------ the write in flight
 

@@ -160,9 +160,11 @@ def test_a_save_due_while_the_previous_one_writes_is_deferred_not_blocked(tmp_pa
     assert report["checkpoint_deferred"] == 1 and report["checkpoint_saves"] == len(checkpointer.saves)
     assert report["checkpoint_blocking_s_max"] < 0.5 and report["checkpoint_write_gb_per_s"] > 0
     assert report["checkpoint_final_write_s"] == checkpointer.saves[-1].write_s
+    assert 0 <= report["checkpoint_final_wait_s"] < 0.5 and report["checkpoint_final_manifests_s"] >= 0  # the last wait, in parts
     for step in checkpointer.all_steps():  # a manifest for every finished step
         assert (tmp_path / str(step) / "checksums.json").is_file()
     checkpointer.close()
+    assert checkpointer.report()["checkpoint_close_s"] >= 0
 
 
 def test_a_forced_save_waits_for_the_write_in_flight(tmp_path, slow_writes):
