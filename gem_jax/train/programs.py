@@ -23,8 +23,8 @@ Two schedules:
 - ahead (the default): every program is built before the first step;
 - background (`LoopConfig.compile_in_background`): only the largest train capacity is
   built before the first step, since every batch fits it; the rest are built in a
-  background thread while the run trains (started by `Programs.finish`), the eval step and then the train capacities
-  in order of how many of the run's steps take them. Until a batch's own capacity is
+  background thread while the run trains (from `Programs.finish` on), the eval step and
+  then the train capacities in order of how many of the run's steps take them. Until a batch's own capacity is
   ready it is placed at the smallest ready capacity above it (`Programs.train_capacity`):
   the same examples and labels with more slack rows, so such steps cost more device
   time and sum in another order (losses are not bit-identical to an ahead run's). An
@@ -345,7 +345,8 @@ class Programs:
           self, every program before the first step ready.
 
         Raises:
-          the error of a program that failed to compile (the other compiles are waited for first).
+          the error of the first program (in build order) that failed to compile, once the other
+          compiles have ended.
         """
         if self._compiling is None:
             raise RuntimeError("Programs.finish: nothing was started (make Programs with start_programs) or finish already ran")
