@@ -1,8 +1,9 @@
 """The training loop: each step reads as data, step, log, checkpoint, eval; time goes to `gem_jax.train.goodput`.
 
 Before the first step every train and eval program the run takes is compiled
-(`gem_jax.train.programs`); a `Chrono` owns the run's time, a `TrainWindow` the
-metrics between two train records (`gem_jax.train.window`).
+(`gem_jax.train.programs`): they are lowered on the state's shapes, then compile in
+threads while the state is initialised or restored. A `Chrono` owns the run's time, a
+`TrainWindow` the metrics between two train records (`gem_jax.train.window`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gem_jax.train.executable_cache import ExecutableCache
 from gem_jax.train.metric_log import MetricLogger, train_line
 from gem_jax.train.optimizer import learning_rate_schedule
 from gem_jax.train.preemption import Preempted, StopSignals
-from gem_jax.train.programs import Programs, compile_programs, planned_capacities
+from gem_jax.train.programs import Programs, planned_capacities, start_programs
 from gem_jax.train.setup import setup_training
 from gem_jax.train.window import TrainWindow
 from gem_jax.train.workdir_lock import WorkdirLock
@@ -119,29 +120,41 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
     checkpointer = Checkpointer(checkpoint_dir, config.checkpoint)
     logger, progress_bar, write_error, programs = None, None, None, None
     try:
-        run_record.check_num_steps(config.loop.num_steps, checkpointer.latest_step(), checkpoint_dir)
-        with chrono.measure(goodput.INIT):  # a resumed run restores its state instead of initialising it
-            training, state = setup_training(config, dataset=dataset, init_state=checkpointer.latest_step() is None)
+        latest = checkpointer.latest_step()
+        num_steps = config.loop.num_steps
+        run_record.check_num_steps(num_steps, latest, checkpoint_dir)
+        with chrono.measure(goodput.INIT):  # the job without its state: it is initialised or restored while the programs compile
+            training, _ = setup_training(config, dataset=dataset, init_state=False)
         _describe(training)
         for line in checkpointer.preflight(training.state.abstract):  # refuses a run whose checkpoints cannot fit
             print(f"gem-train: {line}", flush=True)
         dataset = training.dataset
         train_iter = dataset.local_train_iterator(training.placement.shard)
+
+        def last_step_from(start: int) -> int:
+            return num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
+
+        # Planned from the newest checkpoint: should the restore fall back to an older one, a batch of the
+        # steps between needing an unplanned capacity is compiled when it comes (`Programs.train_step`).
+        planned = latest or 0
+        programs = _start_programs(training, range(planned, last_step_from(planned)), last_step_from(planned), chrono)
+        if latest is None:
+            with chrono.measure(goodput.INIT):
+                state = training.initial_state()
         with chrono.measure(goodput.RESTORE):
             restored = checkpointer.restore_latest(training.state.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
         start = 0
         if restored:
             start, state = restored
-            if start >= config.loop.num_steps:
+            if start >= num_steps:
                 print(f"gem-train: the run finished at step {start} ({checkpointer.step_path(start)}); reporting its summary", flush=True)
             else:
                 print(f"gem-train: resuming from step {start} ({checkpointer.step_path(start)})", flush=True)
 
-        num_steps = config.loop.num_steps
-        last_step = num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
+        last_step = last_step_from(start)
         trains = start < last_step  # False for a finished run started again: it only re-reports
         learning_rate = learning_rate_schedule(config.optim)
-        programs = _compile_programs(training, range(start, last_step), last_step, chrono, learning_rate)
+        _finish_programs(programs, start, chrono, learning_rate)
 
         def last_good() -> str:
             step = checkpointer.latest_step()
@@ -270,8 +283,9 @@ def _describe(training) -> None:
     print(f"gem-train: {describe_capacities(training.dataset.token_buckets, training.per_device_batch)}", flush=True)
 
 
-def _compile_programs(training, train_steps: range, last_step: int, chrono, learning_rate) -> Programs:
-    """Every train and eval program the steps `train_steps` and their evals run, compiled now (`gem_jax.train.programs`)."""
+def _start_programs(training, train_steps: range, last_step: int, chrono) -> Programs:
+    """Every train and eval program the steps `train_steps` and their evals run, lowered now and
+    compiling in threads when it returns (`gem_jax.train.programs.start_programs`; `_finish_programs` waits)."""
     loop = training.config.loop
     periodic = loop.eval_every and any(step % loop.eval_every == 0 and step != loop.num_steps for step in range(train_steps.start + 1, last_step + 1))
     with chrono.measure(goodput.DATA):
@@ -283,12 +297,17 @@ def _compile_programs(training, train_steps: range, last_step: int, chrono, lear
     if background and jax.process_count() > 1:
         print("gem-train: loop.compile_in_background is ignored in a multi-process run (every process must place a batch alike)", flush=True)
         background = False
-    programs = compile_programs(training, train, evals, chrono=chrono, cache=ExecutableCache(cache) if cache else None, background=background)
+    return start_programs(training, train, evals, chrono=chrono, cache=ExecutableCache(cache) if cache else None, background=background)
+
+
+def _finish_programs(programs: Programs, start: int, chrono, learning_rate) -> None:
+    """Waits for `programs`' compiles (`Programs.finish`), compiles the learning-rate schedule's host-side
+    ops (for step `start`), and waits for the other processes; all in `startup/compile`."""
+    programs.finish()
     with chrono.measure(goodput.COMPILE):
-        float(learning_rate(max(train_steps.start, 0)))  # the schedule's host-side ops compile on first use
+        float(learning_rate(start))  # the schedule's host-side ops compile on first use
         wait_at_barrier("gem-train: programs compiled")  # processes finish compiling at different times
     print(f"gem-train: {programs.describe()}", flush=True)
-    return programs
 
 
 def dry_run(config: TrainConfig, workdir: str | Path) -> dict:

@@ -12,15 +12,19 @@ only: its extra slack costs less than lowering and compiling a program per capac
 `compile_programs` builds each program: loaded from an `ExecutableCache` (`gem-train`
 keeps it beside jax's persistent cache, on GPUs: a warm start skips lowering, which the
 persistent cache cannot skip), else lowered (`jax.jit(...).lower` on abstract arguments:
-Python tracing, which holds the GIL) one after the other and compiled in parallel
-threads (XLA compiles release the GIL).
+Python tracing, which holds the GIL) one after the other, each compiled in a thread as
+soon as it is lowered (XLA compiles release the GIL). Lowering needs only the train
+state's shapes (`Training.state.abstract`), so a trainer can start the builds before the
+state exists: `start_programs` returns once every program is lowered, with the compiles
+running; the trainer initialises or restores the state meanwhile, then `Programs.finish`
+waits for them (`compile_programs` is the two at once).
 
 Two schedules:
 - ahead (the default): every program is built before the first step;
 - background (`LoopConfig.compile_in_background`): only the largest train capacity is
   built before the first step, since every batch fits it; the rest are built in a
-  background thread while the run trains, the eval step and then the train capacities
-  in order of how many of the run's steps take them. Until a batch's own capacity is
+  background thread while the run trains (from `Programs.finish` on), the eval step and
+  then the train capacities in order of how many of the run's steps take them. Until a batch's own capacity is
   ready it is placed at the smallest ready capacity above it (`Programs.train_capacity`):
   the same examples and labels with more slack rows, so such steps cost more device
   time and sum in another order (losses are not bit-identical to an ahead run's). An
@@ -180,14 +184,18 @@ class Programs:
     `[D, T_local, F]`: `T_local`). A capacity that was not planned is compiled then, in
     `chrono`'s `compile_after_start` bucket with the reason named. With programs still
     building in the background, place each train batch at `train_capacity(local)`.
+    Made by `start_programs`: call `finish()` before the first step.
 
     Attributes:
       training: the job whose `train_step` / `eval_step` these are.
       train: capacity -> compiled train step (the ready ones).
       eval: capacity -> compiled eval step (the ready ones).
       eval_capacity: the token capacity every eval batch is placed at (None: no eval step).
-      lowering_s, compile_s: wall seconds of the lowering and compiling before the first
-        step (loading from the executable cache included).
+      lowering_s: wall seconds of the lowering before the first step.
+      compile_s: wall seconds of loading from the executable cache and of compiling before
+        the first step, from the first compile's start to the last one's end (known after
+        `finish`); `overlapped_s` of them ran beside the caller's other work (lowering
+        the next programs, initialising or restoring the state), the rest was waited for.
       loaded: how many programs came from the executable cache.
       build_s: (kind, capacity) -> seconds its lowering and compile took, in this run or, for
         a program loaded from the cache, when it was stored (None: unknown).
@@ -201,10 +209,15 @@ class Programs:
         self.eval_capacity = eval_capacity
         self.lowering_s = 0.0
         self.compile_s = 0.0
+        self.overlapped_s = 0.0
         self.loaded = 0
         self.chrono = chrono
         self._cache = cache
         self._before_first_step = 0
+        self._compiling: list[tuple[_Job, concurrent.futures.Future]] | None = None  # started, not yet finished
+        self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._later: list[_Job] = []  # to build in the background once `finish` returns
+        self._threads: int | None = None
         self._background: list[_Job] = []
         self._pending: dict[tuple[str, int], concurrent.futures.Future] = {}
         self._failed: dict[str, str] = {}
@@ -274,6 +287,8 @@ class Programs:
         return self.eval[capacity](params, batch)
 
     def _late(self, reason: str, step, *args) -> jax.stages.Compiled:
+        if self._compiling is not None:
+            raise RuntimeError(f"Programs: the {reason} was called before finish(): the programs built before the first step are still compiling")
         print(f"gem-train: compiling the {reason}: no batch of the planned steps took it", flush=True)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
         with self._late_compile(reason):
@@ -293,32 +308,74 @@ class Programs:
 
     # ------------------------------------------------------------------ building
 
-    def _build(self, jobs: list[_Job], threads: int | None) -> None:
-        """Builds `jobs` now: loads what the cache holds, lowers the rest one after the other, compiles them in threads."""
+    def _start(self, jobs: list[_Job], threads: int | None, later: list[_Job]) -> None:
+        """Starts building `jobs`: loads what the cache holds, lowers the rest one after the other (holding
+        the GIL) and hands each to a compile thread as soon as it is lowered; returns without waiting
+        for the compiles (`finish` waits, then builds `later` in the background)."""
+        self._threads, self._later = threads, later
         began = time.perf_counter()
         with self._measure(goodput.COMPILE):
             compiled = [self._cache.load(job.path) for job in jobs]
-        missing = [i for i, program in enumerate(compiled) if program is None]
-        for i, program in enumerate(compiled):
+        self.compile_s += time.perf_counter() - began
+        for job, program in zip(jobs, compiled):
             if program is not None:
-                self.build_s[(jobs[i].kind, jobs[i].capacity)] = self._cache.build_seconds(jobs[i].path)
-        loading_s = time.perf_counter() - began
-        began = time.perf_counter()
-        with self._measure(goodput.LOWERING):
-            lowered = {i: _timed(jobs[i].step.lower, *jobs[i].args) for i in missing}
-        self.lowering_s += time.perf_counter() - began
-        began = time.perf_counter()
-        with self._measure(goodput.COMPILE):
-            if missing:
-                with concurrent.futures.ThreadPoolExecutor(_workers(len(missing), threads)) as pool:
-                    for i, (program, seconds) in zip(missing, pool.map(lambda i: _timed(lowered[i][0].compile), missing)):
-                        compiled[i] = program
-                        self._store(jobs[i], program, lowered[i][1] + seconds)
-        self.compile_s += loading_s + time.perf_counter() - began
+                self._ready(job, program)
+                self.build_s[(job.kind, job.capacity)] = self._cache.build_seconds(job.path)
+        missing = [job for job, program in zip(jobs, compiled) if program is None]
         self.loaded += len(jobs) - len(missing)
         self._before_first_step += len(jobs)
-        for job, program in zip(jobs, compiled):
-            self._ready(job, program)
+        self._compiling = []
+        if not missing:
+            return
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(_workers(len(missing), threads), thread_name_prefix="gem-compile")
+        began = time.perf_counter()
+        with self._measure(goodput.LOWERING):
+            for job in missing:
+                lowered, lowering_s = _timed(job.step.lower, *job.args)
+                self._compiling.append((job, self._compile_pool.submit(self._compile_ahead, job, lowered, lowering_s)))
+        self.lowering_s += time.perf_counter() - began
+
+    def _compile_ahead(self, job: _Job, lowered, lowering_s: float) -> tuple[jax.stages.Compiled, float, float]:
+        """Compiles and stores one program (in a compile thread); returns it with its start and end (`time.perf_counter`)."""
+        began = time.perf_counter()
+        program = lowered.compile()
+        ended = time.perf_counter()
+        self._store(job, program, lowering_s + ended - began)
+        return program, began, ended
+
+    def finish(self) -> Programs:
+        """Waits for the compiles started before the first step, then starts the background builds, if any.
+
+        Only the wait goes to `chrono`'s `startup/compile` bucket: the seconds the compiles ran
+        beside other work are that work's. Call it once, before the first step.
+
+        Returns:
+          self, every program before the first step ready.
+
+        Raises:
+          the error of the first program (in build order) that failed to compile, once the other
+          compiles have ended.
+        """
+        if self._compiling is None:
+            raise RuntimeError("Programs.finish: nothing was started (make Programs with start_programs) or finish already ran")
+        if self._compile_pool is not None:
+            waiting = time.perf_counter()
+            try:
+                with self._measure(goodput.COMPILE):
+                    done = [(job, *future.result()) for job, future in self._compiling]
+            finally:
+                self._compile_pool.shutdown(wait=True)
+                self._compile_pool = None
+            for job, program, _, _ in done:
+                self._ready(job, program)
+            began, ended = min(d[2] for d in done), max(d[3] for d in done)
+            self.compile_s += ended - began
+            self.overlapped_s = max(0.0, min(waiting, ended) - began)
+        self._compiling = None
+        if self._later:
+            self._first_build_s = self.build_s.get(("train", max(self._counts)))
+            self._start_background(self._later, self._threads)
+        return self
 
     def _start_background(self, jobs: list[_Job], threads: int | None) -> None:
         """Builds `jobs`, in order, in a background thread (lowering) and a compile pool."""
@@ -417,8 +474,13 @@ class Programs:
         return self.chrono.measure(bucket) if self.chrono is not None else contextlib.nullcontext()
 
     def close(self) -> None:
-        """Stops building: programs not yet lowered are dropped, compiles in flight are waited for
-        (counted as a late compile); then the executable cache holds every finished program."""
+        """Stops building. Before `finish` (an error came first): compiles not begun are dropped,
+        those running end in their threads (the process's exit waits for them). In the background:
+        programs not yet lowered are dropped, compiles in flight are waited for (counted as a late
+        compile); then the executable cache holds every finished program."""
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            self._compile_pool = None
         if self._thread is None:
             return
         self._cancel.set()
@@ -440,6 +502,8 @@ class Programs:
             f"compiled {self._before_first_step} programs before the first step ({self.loaded} loaded from the "
             f"executable cache): {', '.join(parts)}; lowering {self.lowering_s:.1f} s, compile {self.compile_s:.1f} s"
         )
+        if self.overlapped_s:
+            line += f" ({self.overlapped_s:.1f} s of it beside other start-up work: lowering, the state's initialisation or restore)"
         if self._pending:
             line += (
                 f"; {len(self._pending)} more build in the background while the run trains, a train step only if it "
@@ -453,8 +517,14 @@ class Programs:
         while it was building), and once all were ready `programs_ready_after_s` (seconds after
         the background began) and `programs_ready_at_step`; `programs_not_built` (train steps that
         would not have paid for their build), `background_step_s` (the step time that decided it);
-        `programs_failed` if any failed."""
-        out: dict[str, float | int] = {"programs_before_first_step": self._before_first_step, "programs_in_background": len(self._background)}
+        `programs_failed` if any failed; `programs_compile_s` and `programs_compile_overlapped_s`
+        (`compile_s`, `overlapped_s`: seconds)."""
+        out: dict[str, float | int] = {
+            "programs_before_first_step": self._before_first_step,
+            "programs_in_background": len(self._background),
+            "programs_compile_s": self.compile_s,
+            "programs_compile_overlapped_s": self.overlapped_s,
+        }
         if self._background:
             out["steps_at_larger_capacity"] = self._steps_padded
             out["programs_not_built"] = len(self._not_built)
@@ -498,7 +568,7 @@ def program_job(training: Training) -> dict:
     return {"config": {k: v for k, v in config.items() if k not in ("loop", "checkpoint")}, "spec": repr(training.dataset.spec)}
 
 
-def compile_programs(
+def start_programs(
     training: Training,
     train_capacities: dict[int, int] | Iterable[int],
     eval_capacities: Iterable[int],
@@ -508,24 +578,31 @@ def compile_programs(
     cache: ExecutableCache | None = None,
     background: bool = False,
 ) -> Programs:
-    """The train and eval steps at the given capacities: loaded from `cache`, else lowered one after the
-    other and compiled in `threads` parallel threads (and stored in `cache`).
+    """Starts building the train and eval steps at the given capacities: loads them from `cache`, else
+    lowers them one after the other now and compiles each in one of `threads` threads (storing it in
+    `cache`), returning while they compile; `Programs.finish()` waits for them.
+
+    Needs no train state: call it before initialising or restoring the state, to overlap the two.
 
     Args:
-      training: the job (`setup_training`); its jitted steps are lowered on abstract
-        arguments (`training.state.abstract`, `BatchPlacement.abstract`).
+      training: the job (`setup_training`, `init_state=False` will do); its jitted steps are
+        lowered on abstract arguments (`training.state.abstract`, `BatchPlacement.abstract`).
       train_capacities: token capacities (rows per device) of the train steps, or capacity ->
         how many steps take it (`planned_capacities`: the background builds the commonest first).
       eval_capacities: token capacities of the eval step (at most one is used by `Training.evaluate`).
-      chrono: lowering before the first step goes to its `startup/lowering` bucket, loading,
-        compiling and storing to `startup/compile`.
+      chrono: lowering before the first step goes to its `startup/lowering` bucket, loading
+        and `finish`'s wait for the compiles to `startup/compile`.
       threads: compile threads (default: `$GEM_COMPILE_THREADS`, else one per program,
         at most the CPU count). On a GPU, XLA autotunes while it compiles, on the device:
         fewer threads trade start-up time for undisturbed autotuning.
       cache: compiled programs on disk under a key known before tracing
         (`gem_jax.train.executable_cache`); a hit skips lowering and compiling.
-      background: build only the largest train capacity now and the rest in the background
-        (the module docstring's background schedule; call `Programs.close()` at the end).
+      background: build only the largest train capacity before the first step and the rest
+        in the background once `finish` returns (the module docstring's background schedule;
+        call `Programs.close()` at the end).
+
+    Raises:
+      the errors of tracing and lowering a step (a compile's error comes from `finish`).
     """
     counts = train_capacities if isinstance(train_capacities, dict) else dict.fromkeys(sorted(set(train_capacities)), 1)
     evals = sorted(set(eval_capacities))
@@ -544,11 +621,23 @@ def compile_programs(
         largest = max(counts)
         # the eval step first (its compile is the longest, and an eval waits for it), then the commonest capacities
         rest = [make("eval", c) for c in evals] + [make("train", c) for c in sorted(counts, key=lambda c: -counts[c]) if c != largest]
-        programs._build([make("train", largest)], threads)
         programs._counts = dict(counts)
-        programs._first_build_s = programs.build_s.get(("train", largest))
-        if rest:
-            programs._start_background(rest, threads)
+        programs._start([make("train", largest)], threads, later=rest)
     else:
-        programs._build([make("train", c) for c in counts] + [make("eval", c) for c in evals], threads)
+        programs._start([make("train", c) for c in counts] + [make("eval", c) for c in evals], threads, later=[])
     return programs
+
+
+def compile_programs(
+    training: Training,
+    train_capacities: dict[int, int] | Iterable[int],
+    eval_capacities: Iterable[int],
+    *,
+    chrono: goodput.Chrono | None = None,
+    threads: int | None = None,
+    cache: ExecutableCache | None = None,
+    background: bool = False,
+) -> Programs:
+    """`start_programs(...).finish()`: the train and eval steps at the given capacities, every one
+    before the first step ready when it returns (arguments and errors as those two)."""
+    return start_programs(training, train_capacities, eval_capacities, chrono=chrono, threads=threads, cache=cache, background=background).finish()

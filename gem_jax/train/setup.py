@@ -28,7 +28,7 @@ from gem_jax.train.config import TrainConfig
 from gem_jax.train.metrics import EvalAccumulator
 from gem_jax.train.optimizer import make_optimizer
 from gem_jax.train.remat_plan import RematPlan, measure_step, model_graphdef, plan_remat, planning_batch
-from gem_jax.train.state import StateSetup, TrainState, create_train_state, state_setup
+from gem_jax.train.state import StateSetup, TrainState, init_train_state, state_setup
 from gem_jax.train.step import make_eval_step, make_train_step
 
 
@@ -62,6 +62,11 @@ class Training:
     train_step: Callable
     eval_step: Callable
     remat_plan: RematPlan | None = None
+
+    def initial_state(self) -> TrainState:
+        """The train state freshly initialised from `config.loop.seed`, sharded as `state.shardings`
+        (`gem_jax.train.state.init_train_state`): what `setup_training(config)` returns beside the job."""
+        return init_train_state(model_factory(self.dataset, self.config), self.optimizer, self.state, self.config.loop.seed)
 
     @property
     def per_device_batch(self) -> int:
@@ -139,7 +144,8 @@ def setup_training(
       dataset: an already loaded data set (default: `load_dataset(config.data)`).
       devices: the mesh's devices (default: all).
       init_state: False returns None for the state (restore it from a checkpoint
-        onto `training.state.abstract` instead).
+        onto `training.state.abstract` instead, or initialise it later with
+        `training.initial_state()`, e.g. while programs compile).
 
     Returns:
       `(training, state)`.
@@ -153,10 +159,7 @@ def setup_training(
     optimizer = make_optimizer(config.optim)
     factory = model_factory(dataset, config)
     dtype = config.model.compute_dtype
-    if init_state:
-        state, setup = create_train_state(factory, optimizer, mesh, config.rules, config.loop.seed, compute_dtype=dtype)
-    else:
-        state, setup = None, state_setup(factory, optimizer, mesh, config.rules, compute_dtype=dtype)
+    setup = state_setup(factory, optimizer, mesh, config.rules, compute_dtype=dtype)
     workload = train_workload(config.model, dataset.spec)
     dataset = dataset.resolve_bbs(num_shards=mesh.devices.size, workload=workload)
     placement = BatchPlacement(mesh, dataset.token_buckets)
@@ -179,4 +182,4 @@ def setup_training(
         eval_step=make_eval_step(setup, placement),
         remat_plan=plan,
     )
-    return training, state
+    return training, training.initial_state() if init_state else None

@@ -143,5 +143,14 @@ def create_train_state(
         their shard before the FSDP all-gather.
     """
     setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype)
-    state = jax.jit(_init_fn(model_factory, optimizer, seed), out_shardings=setup.shardings)()
-    return state, setup
+    return init_train_state(model_factory, optimizer, setup, seed), setup
+
+
+def init_train_state(
+    model_factory: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, setup: StateSetup, seed: int
+) -> TrainState:
+    """The model and optimizer state of `setup` (`state_setup`), initialised from `seed` with `setup.shardings`.
+
+    Arguments as `create_train_state`; the same seed gives the same state on any mesh.
+    """
+    return jax.jit(_init_fn(model_factory, optimizer, seed), out_shardings=setup.shardings)()

@@ -4,6 +4,7 @@ import collections
 import concurrent.futures
 import json
 import re
+import threading
 import time
 
 import jax
@@ -21,7 +22,8 @@ from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
 from gem_jax.train.loop import train_and_evaluate
 from gem_jax.train import disk_space
-from gem_jax.train.setup import setup_training
+from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train.setup import Training, setup_training
 from gem_jax.train.state import TrainState
 from tolerances import sum_worst
 
@@ -84,6 +86,50 @@ def test_a_run_over_three_capacities_compiles_nothing_after_step_1(config, tmp_p
     summary_record = records[-1]
     assert summary_record["kind"] == "summary" and summary_record["goodput"] == summary["goodput"]
     assert all("goodput" in r and "data_wait_s" in r for r in train)
+
+
+@pytest.mark.parametrize("slowed", ["init", "restore"])
+def test_the_programs_compile_while_the_state_is_initialised_or_restored(config, tmp_path, monkeypatch, capsys, slowed):
+    """Init (a fresh run) or restore (a resumed one) and every compile slowed by 2 s: the compiles run
+    beside the foreground's init or restore, and only the rest of their wait is `startup/compile`."""
+    pause = 2.0
+    if slowed == "restore":
+        train_and_evaluate(config, tmp_path, stop_after_steps=2, progress=False)
+    compiles = []  # (start, seconds) of each compile in a compile thread, the pause left out
+    compile = jax.stages.Lowered.compile
+
+    def slow_compile(lowered, *args, **kwargs):
+        time.sleep(pause)
+        began = time.perf_counter()
+        try:
+            return compile(lowered, *args, **kwargs)
+        finally:
+            if threading.current_thread().name.startswith("gem-compile"):
+                compiles.append((began, time.perf_counter() - began))
+
+    foreground = {"init": (Training, "initial_state"), "restore": (Checkpointer, "restore_latest")}[slowed]
+    work = getattr(*foreground)
+
+    def slow_work(*args, **kwargs):
+        time.sleep(pause)
+        return work(*args, **kwargs)
+
+    monkeypatch.setattr(*foreground, slow_work)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", slow_compile)
+    capsys.readouterr()
+    summary = train_and_evaluate(config, tmp_path, stop_after_steps=2, progress=False)
+    buckets = {k: v for k, v in summary.items() if k.startswith("time_")}
+    assert sum(buckets.values()) == pytest.approx(summary["wall_s"], rel=1e-6)
+    assert summary[{"init": "time_startup_init_s", "restore": "time_restore_s"}[slowed]] >= pause
+    assert summary["programs_before_first_step"] == len(compiles) >= 1 and summary["compiles_after_start"] == 0
+    assert summary["programs_compile_s"] >= pause + max(seconds for _, seconds in compiles)
+    assert summary["programs_compile_overlapped_s"] >= pause  # beside the lowering of the next programs and the slowed work
+    # The last compile begins after the last lowering, before the slowed work. One after the other,
+    # startup/compile would hold all of it, pause included; beside the work, at most what outlasts the work
+    # (its own compile less the work's time beyond the pause, plus the learning-rate schedule's first use).
+    last = max(compiles)[1]
+    assert summary["time_startup_compile_s"] < last + pause / 2
+    assert "of it beside other start-up work" in capsys.readouterr().out
 
 
 def test_array_bytes_counts_params_and_optimizer_state_from_shapes():
