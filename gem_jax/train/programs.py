@@ -237,6 +237,7 @@ class Programs:
         self._step_s: float | None = None
         self._step_done_at = 0.0
         self._not_built: list[int] = []
+        self._run_larger: set[int] = set()  # train capacities never built here (not paying, or failed): placed above
 
     # ------------------------------------------------------------------ the steps
 
@@ -245,12 +246,12 @@ class Programs:
         its own when that program is ready, else (building, or not built: it would not have
         paid) the smallest ready one above it; None (the placement's own choice) when every
         planned program is ready."""
-        if not self._pending and not self._not_built:
+        if not self._pending and not self._run_larger:
             return None
         buckets = self.training.dataset.token_buckets
         per = local.global_batch_size // self.training.placement.num_shards
         needed = pick_capacity(int(local.chunk_rows().max()), buckets.capacities(per))
-        if needed in self.train or (("train", needed) not in self._pending and needed not in self._not_built):
+        if needed in self.train or (("train", needed) not in self._pending and needed not in self._run_larger):
             return needed
         self._steps_padded += 1
         return min(c for c in self.train if c > needed)
@@ -426,6 +427,7 @@ class Programs:
 
     def _skip(self, job: _Job) -> None:
         self._not_built.append(job.capacity)
+        self._run_larger.add(job.capacity)
         self._pending.pop((job.kind, job.capacity)).set_result(None)
         if not any(kind == "train" for kind, _ in self._pending) and self._not_built:
             print(
@@ -458,6 +460,8 @@ class Programs:
 
     def _fail(self, job: _Job, error: Exception) -> None:
         self._failed[job.name] = f"{type(error).__name__}: {error}"
+        if job.kind == "train":
+            self._run_larger.add(job.capacity)
         print(f"gem-train: building the {job.name} in the background failed ({type(error).__name__}: {error}); its batches run at a larger capacity", flush=True)
         self._pending.pop((job.kind, job.capacity)).set_result(None)
 

@@ -202,8 +202,13 @@ def test_a_batch_whose_program_is_building_is_placed_at_the_smallest_ready_capac
     assert built.train_capacity(local) == needed
     assert built.report()["programs_in_background"] == 0
     del built.train[needed]
-    built._pending, built._not_built = {}, [needed, above[0]]
-    assert built.train_capacity(local) == above[1]  # not built (it would not have paid): the smallest ready above, for good
+    built._step_s, built._first_build_s = 0.2, 78.0  # what a skip's line reports
+    for never_built in ("_skip", "_fail"):  # not built (it would not have paid) or its build failed: the smallest ready above, for good
+        built._run_larger, built._pending = set(), {("train", needed): concurrent.futures.Future(), ("train", above[0]): concurrent.futures.Future()}
+        for capacity in (needed, above[0]):
+            job = programs._Job("train", capacity, None, (), None)
+            built._skip(job) if never_built == "_skip" else built._fail(job, RuntimeError("compile failed"))
+        assert built.train_capacity(local) == above[1]
 
 
 def test_a_run_too_short_to_time_a_step_builds_its_eval_step_and_no_other_train_step(config, tmp_path, capsys):
