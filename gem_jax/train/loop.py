@@ -29,7 +29,8 @@ from gem_jax.train.executable_cache import ExecutableCache
 from gem_jax.train.metric_log import MetricLogger, train_line
 from gem_jax.train.optimizer import learning_rate_schedule
 from gem_jax.train.preemption import Preempted, StopSignals
-from gem_jax.train.programs import Programs, planned_capacities, start_programs
+from gem_jax.train.capacity_plan import planned_capacities
+from gem_jax.train.programs import Programs, start_programs
 from gem_jax.train.setup import setup_training
 from gem_jax.train.window import TrainWindow
 from gem_jax.train.workdir_lock import WorkdirLock

@@ -1,23 +1,15 @@
 """Every step program a run executes, compiled before it is needed: a train step per token capacity, one eval step.
 
-A batch's history rows are packed into one of the data set's token capacities
-(`gem_jax.jagged.TokenBuckets`), and each capacity is its own program. Which ones a run
-takes is known before it starts: the batches' example indices come from the shuffle
-seed, their history lengths from the data set's metadata, so `run_capacities` replays
-the placement's choice (`gem_jax.parallel.placement`) for every batch of the steps to
-run and of the eval set, without building a batch. Every eval batch is placed at the
+Which token capacities a run's batches take comes from `gem_jax.train.capacity_plan`
+(replayed from the data order before the run starts). Every eval batch is placed at the
 largest capacity an eval batch takes, so the eval step is one program (eval is forward
 only: its extra slack costs less than lowering and compiling a program per capacity).
 
 `compile_programs` builds each program: loaded from an `ExecutableCache` (`gem-train`
 keeps it beside jax's persistent cache, on GPUs: a warm start skips lowering, which the
 persistent cache cannot skip), else lowered (`jax.jit(...).lower` on abstract arguments:
-Python tracing, which holds the GIL) one after the other, each compiled in a thread as
-soon as it is lowered (XLA compiles release the GIL). Lowering needs only the train
-state's shapes (`Training.state.abstract`), so a trainer can start the builds before the
-state exists: `start_programs` returns once every program is lowered, with the compiles
-running; the trainer initialises or restores the state meanwhile, then `Programs.finish`
-waits for them (`compile_programs` is the two at once).
+Python tracing, which holds the GIL) one after the other and compiled in parallel
+threads (XLA compiles release the GIL).
 
 Two schedules:
 - ahead (the default): every program is built before the first step;
@@ -47,7 +39,6 @@ rather than stopping a long job for a shape.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -57,108 +48,15 @@ import time
 from collections.abc import Callable, Iterable
 
 import jax
-import numpy as np
 
 from gem_jax.batch import Batch, LocalBatch
-from gem_jax.jagged import TokenBuckets, pick_capacity
+from gem_jax.jagged import pick_capacity
 from gem_jax.train import config_tree, goodput
+from gem_jax.train.capacity_plan import capacities_worth_building
 from gem_jax.train.executable_cache import ExecutableCache
 from gem_jax.train.setup import Training
 
 THREADS_ENV_VAR = "GEM_COMPILE_THREADS"
-
-
-def batch_capacity(lengths: np.ndarray, num_shards: int, buckets: TokenBuckets) -> int:
-    """The token capacity the placement packs a global batch into.
-
-    Args:
-      lengths: int `[B]` history rows of each example in device order (0 for padding).
-      num_shards: D, the devices the batch is split over (D divides B).
-      buckets: the data set's token buckets.
-
-    Returns:
-      The smallest of `buckets.capacities(B/D)` holding the fullest device's rows.
-    """
-    per = lengths.shape[0] // num_shards
-    return pick_capacity(int(lengths.reshape(num_shards, per).sum(axis=1).max()), buckets.capacities(per))
-
-
-def run_capacities(
-    indices, lengths: Callable[[np.ndarray], np.ndarray], batches: Iterable[int], batch_size: int, num_shards: int, buckets: TokenBuckets
-) -> dict[int, int]:
-    """How many of the batches `batches` of `indices` take each token capacity.
-
-    Args:
-      indices: a grain `MapDataset` of each batch's example indices (int64 `[<= B]`,
-        `Dataset.train_indices()` or `eval_indices()`).
-      lengths: example indices -> their history rows (`Dataset.train_lengths` / `eval_lengths`).
-      batches: positions in `indices` (the steps a run takes).
-      batch_size: B (a short batch is padded with examples of no rows).
-      num_shards: D.
-      buckets: the data set's token buckets.
-
-    Returns:
-      capacity -> number of batches, in increasing capacity.
-    """
-    taken: collections.Counter[int] = collections.Counter()
-    padded = np.zeros(batch_size, np.int64)
-    for k in batches:
-        idx = np.asarray(indices[k], np.int64)
-        padded[:] = 0
-        padded[: idx.shape[0]] = lengths(idx)
-        taken[batch_capacity(padded, num_shards, buckets)] += 1
-    return dict(sorted(taken.items()))
-
-
-def capacities_worth_building(
-    counts: dict[int, int], ready: Iterable[int], step_s: float, build_s: float, steps_left: int
-) -> list[int]:
-    """The train capacities whose programs pay for their build, chosen greedily by saving.
-
-    A step's device time is taken as proportional to its token capacity (an upper bound on
-    what a smaller capacity saves: the per-example work, e.g. the DHEN, does not shrink).
-    Without a program for capacity `c`, its batches run at the smallest chosen capacity
-    above it. Adding `c` saves `step_s * n * (above - c) / largest` for each of the `n`
-    batches it takes over from `above`, scaled by the share of the run still ahead once it
-    is built (`steps_left - build_s / step_s` of `steps_left`); it is chosen while that
-    saving exceeds `build_s`.
-
-    Args:
-      counts: capacity -> how many of the run's batches take it (`planned_capacities`).
-      ready: capacities with a program already (at least the largest of `counts`).
-      step_s: wall seconds of one step at the largest ready capacity (measured).
-      build_s: seconds to lower and compile one program (the first one's, measured).
-      steps_left: train steps still to run when the decision is made.
-
-    Returns:
-      The capacities to build, in the order chosen (largest saving first).
-
-    Raises:
-      ValueError: `ready` holds no capacity at or above the largest of `counts`.
-    """
-    chosen = sorted(set(ready))
-    if counts and (not chosen or chosen[-1] < max(counts)):
-        raise ValueError(f"capacities_worth_building: no ready capacity holds the largest batch ({max(counts)}); ready: {chosen}")
-    if not counts or step_s <= 0:
-        return []
-    largest = chosen[-1]
-    total = sum(counts.values())
-    ahead = max(0.0, steps_left - build_s / step_s) / total
-
-    def cost(capacities: list[int]) -> float:
-        return sum(n * min(c for c in capacities if c >= d) for d, n in counts.items())
-
-    picked: list[int] = []
-    while True:
-        base = cost(chosen)
-        savings = {c: base - cost(sorted([*chosen, c])) for c in counts if c not in chosen}
-        if not savings:
-            return picked
-        best = max(savings, key=lambda c: savings[c])
-        if step_s * savings[best] / largest * ahead <= build_s:
-            return picked
-        chosen = sorted([*chosen, best])
-        picked.append(best)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -549,19 +447,6 @@ def _timed(fn: Callable, *args):
 
 def _workers(jobs: int, threads: int | None) -> int:
     return max(1, min(jobs, threads or int(os.environ.get(THREADS_ENV_VAR, 0)) or os.cpu_count() or 1))
-
-
-def planned_capacities(training: Training, train_steps: range, evaluates: bool) -> tuple[dict[int, int], tuple[int, ...]]:
-    """How many train batches of `train_steps` take each token capacity (`run_capacities`), and,
-    if `evaluates`, the eval step's capacity: the largest any eval batch takes (all of them are placed at it)."""
-    dataset, num_shards, buckets = training.dataset, training.placement.num_shards, training.dataset.token_buckets
-    train = run_capacities(dataset.train_indices(), dataset.train_lengths, train_steps, dataset.batch_size, num_shards, buckets)
-    evals = (
-        tuple(run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), dataset.batch_size, num_shards, buckets))[-1:]
-        if evaluates
-        else ()
-    )
-    return train, evals
 
 
 def program_job(training: Training) -> dict:

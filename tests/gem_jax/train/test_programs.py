@@ -17,7 +17,7 @@ from gem_jax.cli import train_main
 from gem_jax.data.pipeline import load_dataset
 from gem_jax.jagged import TokenBuckets
 from gem_jax.parallel.placement import stack_batch
-from gem_jax.train import goodput, programs
+from gem_jax.train import capacity_plan, goodput, programs
 from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
 from gem_jax.train.loop import train_and_evaluate
@@ -42,18 +42,18 @@ def test_replayed_capacities_are_those_the_placement_takes(config, num_shards):
     buckets = dataset.token_buckets
     train = dataset.train_iterator()
     placed = collections.Counter(stack_batch(next(train), num_shards, buckets).history.values.shape[1] for _ in range(12))
-    replayed = programs.run_capacities(dataset.train_indices(), dataset.train_lengths, range(12), 16, num_shards, buckets)
+    replayed = capacity_plan.run_capacities(dataset.train_indices(), dataset.train_lengths, range(12), 16, num_shards, buckets)
     assert replayed == dict(placed) and list(replayed) == sorted(placed)
     assert len(placed) >= (3 if num_shards == 1 else 1)
     evals = collections.Counter(stack_batch(b, num_shards, buckets).history.values.shape[1] for b in dataset.eval_batches())
-    got = programs.run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), 16, num_shards, buckets)
+    got = capacity_plan.run_capacities(dataset.eval_indices(), dataset.eval_lengths, range(dataset.num_eval_batches), 16, num_shards, buckets)
     assert got == dict(evals)
 
 
 def test_batch_capacity_is_the_fullest_device_rounded_up():
     buckets = TokenBuckets(mean_length=10.0, std_length=2.0, max_seq_len=64, step=1.25)
     lengths = np.array([10, 10, 30, 2])  # devices: 20 and 32 rows
-    assert programs.batch_capacity(lengths, 2, buckets) == min(c for c in buckets.capacities(2) if c >= 32)
+    assert capacity_plan.batch_capacity(lengths, 2, buckets) == min(c for c in buckets.capacities(2) if c >= 32)
 
 
 def test_a_run_over_three_capacities_compiles_nothing_after_step_1(config, tmp_path, capsys):
@@ -180,7 +180,7 @@ def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_
 
     # The same examples and labels, with more slack rows in the steps placed above their own capacity:
     # only float32 summation order differs (attention sums over at most the largest capacity's keys).
-    bound = sum_worst(max(programs.planned_capacities(setup_training(config, init_state=False)[0], range(6), False)[0]))
+    bound = sum_worst(max(capacity_plan.planned_capacities(setup_training(config, init_state=False)[0], range(6), False)[0]))
     np.testing.assert_allclose(losses("background"), losses("ahead"), rtol=bound)
     assert summary["loss"] == pytest.approx(ahead["loss"], rel=bound)
 
@@ -189,8 +189,8 @@ def test_a_batch_whose_program_is_building_is_placed_at_the_smallest_ready_capac
     training, _ = setup_training(config, init_state=False)
     buckets, num_shards = training.dataset.token_buckets, training.placement.num_shards
     batches = training.dataset.local_train_iterator(training.placement.shard)
-    local = min((next(batches) for _ in range(12)), key=lambda b: programs.batch_capacity(np.asarray(b.lengths), num_shards, buckets))
-    needed = programs.batch_capacity(np.asarray(local.lengths), num_shards, buckets)
+    local = min((next(batches) for _ in range(12)), key=lambda b: capacity_plan.batch_capacity(np.asarray(b.lengths), num_shards, buckets))
+    needed = capacity_plan.batch_capacity(np.asarray(local.lengths), num_shards, buckets)
     above = [c for c in buckets.capacities(local.global_batch_size // num_shards) if c > needed][:2]
     assert len(above) == 2
     built = programs.Programs(training, None, None, programs.ExecutableCache(None))
@@ -223,7 +223,7 @@ def test_a_run_too_short_to_time_a_step_builds_its_eval_step_and_no_other_train_
 
 def test_a_warm_start_weighs_the_other_programs_against_the_build_the_cache_recorded(config, tmp_path):
     training, _ = setup_training(config, init_state=False)
-    counts, _ = programs.planned_capacities(training, range(6), False)
+    counts, _ = capacity_plan.planned_capacities(training, range(6), False)
     cache = programs.ExecutableCache(tmp_path)
     cold = programs.compile_programs(training, counts, [], cache=cache, background=True)
     cold.close()
@@ -239,13 +239,13 @@ def test_a_capacity_is_built_when_its_steps_save_more_than_its_build():
     counts = {100: 400, 120: 300, 150: 300}
     # Without 100 and 120 every step runs at 150: 0.3 s. Adding 120 saves (30 * 700) / 150 * 0.3 = 42 s over the
     # whole run, adding 100 instead (50 * 400) / 150 * 0.3 = 40 s; with 120 built, 100 saves 20 * 400 / 150 * 0.3 = 16 s.
-    assert programs.capacities_worth_building(counts, [150], 0.3, build_s=15.0, steps_left=1000 + 50) == [120, 100]
+    assert capacity_plan.capacities_worth_building(counts, [150], 0.3, build_s=15.0, steps_left=1000 + 50) == [120, 100]
     ahead = (1000 - 20 / 0.3) / 1000  # the share of the run left once a 20 s build is done
     assert 16 * ahead <= 20 < 42 * ahead
-    assert programs.capacities_worth_building(counts, [150], 0.3, build_s=20.0, steps_left=1000) == [120]
-    assert programs.capacities_worth_building(counts, [150], 0.3, build_s=45.0, steps_left=1000) == []
-    assert programs.capacities_worth_building(counts, [150], 0.3, build_s=15.0, steps_left=40) == []  # the run ends first
-    assert programs.capacities_worth_building(counts, [120, 150], 0.3, build_s=15.0, steps_left=1000) == [100]
-    assert programs.capacities_worth_building({}, [150], 0.3, build_s=1.0, steps_left=10) == []
+    assert capacity_plan.capacities_worth_building(counts, [150], 0.3, build_s=20.0, steps_left=1000) == [120]
+    assert capacity_plan.capacities_worth_building(counts, [150], 0.3, build_s=45.0, steps_left=1000) == []
+    assert capacity_plan.capacities_worth_building(counts, [150], 0.3, build_s=15.0, steps_left=40) == []  # the run ends first
+    assert capacity_plan.capacities_worth_building(counts, [120, 150], 0.3, build_s=15.0, steps_left=1000) == [100]
+    assert capacity_plan.capacities_worth_building({}, [150], 0.3, build_s=1.0, steps_left=10) == []
     with pytest.raises(ValueError, match="no ready capacity holds the largest batch"):
-        programs.capacities_worth_building(counts, [120], 0.3, build_s=1.0, steps_left=1000)
+        capacity_plan.capacities_worth_building(counts, [120], 0.3, build_s=1.0, steps_left=1000)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gem_jax.model.remat import RematConfig
-from gem_jax.train import programs
+from gem_jax.train import capacity_plan
 from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
 from gem_jax.train.loop import train_and_evaluate
@@ -58,7 +58,7 @@ def test_the_capacity_step_leaves_the_losses_unchanged(repo_root, tmp_path):
     """ml-latest-small, 16 examples of up to 64 events: steps of 1.05 and 2.0 place the batches at other capacities."""
     base = apply_overrides(load_config(repo_root / "configs" / "movielens_tiny.py"), [*STEPS, "data.max_seq_len=64", "data.batch_size=16"])
     fine, coarse = (apply_overrides(base, [f"data.capacity_step={step}"]) for step in (1.05, 2.0))
-    capacities = [programs.planned_capacities(setup_training(c, init_state=False)[0], range(4), False)[0] for c in (fine, coarse)]
+    capacities = [capacity_plan.planned_capacities(setup_training(c, init_state=False)[0], range(4), False)[0] for c in (fine, coarse)]
     assert set(capacities[0]) != set(capacities[1])  # the switch does change the shapes
     got, want = losses(coarse, tmp_path / "coarse"), losses(fine, tmp_path / "fine")
     # The same examples and labels with more or fewer slack rows: masked rows add exact zeros, but the
