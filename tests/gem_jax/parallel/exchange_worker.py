@@ -12,7 +12,8 @@ MODE:
             step that gathers first; and what E4M3 rounding noise on the FP8 kernels does
             to the float32 step (the scale of the FP8 steps' bounds).
 
-Writes a JSON report to OUT.json; `test_parallel_exchange.py` asserts on it.
+Writes a JSON report to OUT.json; `test_parallel_exchange_ids.py` (exchange) and
+`test_parallel_exchange.py` (fp8) assert on it.
 """
 
 from __future__ import annotations
