@@ -12,7 +12,8 @@ MODE:
             step that gathers first; and what E4M3 rounding noise on the FP8 kernels does
             to the float32 step (the scale of the FP8 steps' bounds).
 
-Writes a JSON report to OUT.json; `test_parallel_exchange.py` asserts on it.
+Writes a JSON report to OUT.json; `test_parallel_exchange_ids.py` (exchange) and
+`test_parallel_exchange.py` (fp8) assert on it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "support"))
 jax.config.update("jax_default_matmul_precision", "highest")
+# The test suite's compile settings (tests/conftest.py), which this subprocess does not load: tiny shapes, so
+# compile time dominates; the persistent cache is shared with the suite's other processes.
+jax.config.update("jax_disable_most_optimizations", True)
+jax.config.update("jax_compilation_cache_dir", os.environ.get("GEM_TEST_JAX_CACHE", "/tmp/gem-jax-test-cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 import dataclasses  # noqa: E402
 
