@@ -152,9 +152,23 @@ def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(r
     assert not workdir.exists()
 
 
+@pytest.fixture(scope="module")
+def ahead_run(config, tmp_path_factory):
+    """6 steps with every program built before step 1: (summary, train losses)."""
+    workdir = tmp_path_factory.mktemp("ahead")
+    summary = train_and_evaluate(config, workdir, stop_after_steps=6, progress=False)
+    return summary, _losses(workdir)
+
+
+def _losses(workdir):
+    return [r["loss"] for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
 @pytest.mark.parametrize("pays", [False, True])
-def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_learns_as_the_ahead_run(config, tmp_path, capsys, monkeypatch, pays):
-    ahead = train_and_evaluate(config, tmp_path / "ahead", stop_after_steps=6, progress=False)
+def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_learns_as_the_ahead_run(
+    config, ahead_run, tmp_path, capsys, monkeypatch, pays
+):
+    ahead, ahead_losses = ahead_run
     capsys.readouterr()
     if pays:  # as if a long run: every capacity saves more than its build
         monkeypatch.setattr(programs, "capacities_worth_building", lambda counts, ready, *_: [c for c in counts if c not in set(ready)])
@@ -175,13 +189,10 @@ def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_
     buckets = {k: v for k, v in summary.items() if k.startswith("time_")}
     assert sum(buckets.values()) == pytest.approx(summary["wall_s"], rel=1e-9)
 
-    def losses(run):
-        return [r["loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-
     # The same examples and labels, with more slack rows in the steps placed above their own capacity:
     # only float32 summation order differs (attention sums over at most the largest capacity's keys).
     bound = sum_worst(max(capacity_plan.planned_capacities(setup_training(config, init_state=False)[0], range(6), False)[0]))
-    np.testing.assert_allclose(losses("background"), losses("ahead"), rtol=bound)
+    np.testing.assert_allclose(_losses(tmp_path / "background"), ahead_losses, rtol=bound)
     assert summary["loss"] == pytest.approx(ahead["loss"], rel=bound)
 
 
