@@ -354,7 +354,8 @@ class Programs:
     def _all_ready(self) -> None:
         self._ready_after_s = time.perf_counter() - self._background_began
         self._ready_at_step = self._steps
-        print(f"gem-train: all programs ready, {self._ready_after_s:.1f} s after the first step's (step {self._steps})", flush=True)
+        done = f"background builds done ({len(self._not_built)} train steps not built)" if self._not_built else "all programs ready"
+        print(f"gem-train: {done}, {self._ready_after_s:.1f} s after the first step's (step {self._steps})", flush=True)
 
     def _fail(self, job: _Job, error: Exception) -> None:
         self._failed[job.name] = f"{type(error).__name__}: {error}"
