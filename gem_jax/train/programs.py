@@ -5,7 +5,7 @@ Which token capacities a run's batches take comes from `gem_jax.train.capacity_p
 largest capacity an eval batch takes, so the eval step is one program (eval is forward
 only: its extra slack costs less than lowering and compiling a program per capacity).
 
-`compile_programs` builds each program: loaded from an `ExecutableCache` (`gem-train`
+`start_programs` builds each program (`Programs.finish` waits for it): loaded from an `ExecutableCache` (`gem-train`
 keeps it beside jax's persistent cache, on GPUs: a warm start skips lowering, which the
 persistent cache cannot skip), else lowered (`jax.jit(...).lower` on abstract arguments:
 Python tracing, which holds the GIL) one after the other and compiled in parallel
@@ -129,7 +129,6 @@ class Programs:
         self._steps_padded = 0
         self._counts: dict[int, int] = {}
         self.build_s: dict[tuple[str, int], float | None] = {}
-        self._first_build_s: float | None = None  # the largest capacity's lowering + compile (None: unknown)
         self._go = threading.Event()  # the background may start: a step time is measured, or a program is awaited
         self._timed = threading.Event()  # train programs may be decided: a step time is measured, or the run ends
         self._step_s: float | None = None
@@ -272,7 +271,6 @@ class Programs:
             self.overlapped_s = max(0.0, min(waiting, ended) - began)
         self._compiling = None
         if self._later:
-            self._first_build_s = self.build_s.get(("train", max(self._counts)))
             self._start_background(self._later, self._threads)
         return self
 
@@ -313,15 +311,20 @@ class Programs:
             except Exception as error:  # noqa: BLE001 - reported, and the run goes on without the program
                 self._fail(job, error)
 
+    @property
+    def _largest_build_s(self) -> float | None:
+        """Seconds the largest planned train capacity's lowering and compile took (None: unknown)."""
+        return self.build_s.get(("train", max(self._counts))) if self._counts else None
+
     def _worth_building(self) -> set[int]:
         """The train capacities the executable cache does not hold that pay for their build
         (`capacities_worth_building`); all of them when a build's or a step's time is unknown."""
         missing = {job.capacity for job in self._background if job.kind == "train"}
-        if self._first_build_s is None or self._step_s is None:
+        if self._largest_build_s is None or self._step_s is None:
             return missing
         ready = set(self.train) | {c for kind, c in self._pending if kind == "train" and c not in missing}
         steps_left = sum(self._counts.values()) - self._steps
-        return set(capacities_worth_building(self._counts, ready, self._step_s, self._first_build_s, steps_left))
+        return set(capacities_worth_building(self._counts, ready, self._step_s, self._largest_build_s, steps_left))
 
     def _skip(self, job: _Job) -> None:
         self._not_built.append(job.capacity)
@@ -331,7 +334,7 @@ class Programs:
             print(
                 f"gem-train: not building the train steps at token capacities {sorted(self._not_built)}: each would save "
                 f"less device time over the {sum(self._counts.values()) - self._steps} steps left ({self._step_s:.3f} s a step "
-                f"at the largest) than its build takes ({self._first_build_s:.1f} s); their batches run at a larger capacity",
+                f"at the largest) than its build takes ({self._largest_build_s:.1f} s); their batches run at a larger capacity",
                 flush=True,
             )
         if not self._pending:
@@ -516,18 +519,3 @@ def start_programs(
     else:
         programs._start([make("train", c) for c in counts] + [make("eval", c) for c in evals], threads, later=[])
     return programs
-
-
-def compile_programs(
-    training: Training,
-    train_capacities: dict[int, int] | Iterable[int],
-    eval_capacities: Iterable[int],
-    *,
-    chrono: goodput.Chrono | None = None,
-    threads: int | None = None,
-    cache: ExecutableCache | None = None,
-    background: bool = False,
-) -> Programs:
-    """`start_programs(...).finish()`: the train and eval steps at the given capacities, every one
-    before the first step ready when it returns (arguments and errors as those two)."""
-    return start_programs(training, train_capacities, eval_capacities, chrono=chrono, threads=threads, cache=cache, background=background).finish()

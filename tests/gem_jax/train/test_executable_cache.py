@@ -25,7 +25,7 @@ def _args(n=8):
 
 
 def _compile_and_store(cache, jitted, args, job):
-    """A miss as `gem_jax.train.programs.compile_programs` handles it: compile, then store."""
+    """A miss as `gem_jax.train.programs.start_programs` handles it: compile, then store."""
     compiled = jitted.lower(*args).compile()
     return compiled, cache.store(cache.path("step", args, job), compiled)
 

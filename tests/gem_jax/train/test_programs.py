@@ -214,7 +214,7 @@ def test_a_batch_whose_program_is_building_is_placed_at_the_smallest_ready_capac
     assert built.train_capacity(local) == needed
     assert built.report()["programs_in_background"] == 0
     del built.train[needed]
-    built._step_s, built._first_build_s = 0.2, 78.0  # what a skip's line reports
+    built._step_s, built._counts, built.build_s = 0.2, {above[1]: 1}, {("train", above[1]): 78.0}  # what a skip's line reports
     for never_built in ("_skip", "_fail"):  # not built (it would not have paid) or its build failed: the smallest ready above, for good
         built._run_larger, built._pending = set(), {("train", needed): concurrent.futures.Future(), ("train", above[0]): concurrent.futures.Future()}
         for capacity in (needed, above[0]):
@@ -237,14 +237,14 @@ def test_a_warm_start_weighs_the_other_programs_against_the_build_the_cache_reco
     training, _ = setup_training(config, init_state=False)
     counts, _ = capacity_plan.planned_capacities(training, range(6), False)
     cache = programs.ExecutableCache(tmp_path)
-    cold = programs.compile_programs(training, counts, [], cache=cache, background=True)
+    cold = programs.start_programs(training, counts, [], cache=cache, background=True).finish()
     cold.close()
     largest = max(counts)
     built_s = cold.build_s[("train", largest)]
-    assert cold.loaded == 0 and built_s > 0 and cold._first_build_s == built_s
-    warm = programs.compile_programs(training, counts, [], cache=cache, background=True)
+    assert cold.loaded == 0 and built_s > 0 and cold._largest_build_s == built_s
+    warm = programs.start_programs(training, counts, [], cache=cache, background=True).finish()
     warm.close()
-    assert warm.loaded >= 1 and warm.build_s[("train", largest)] == built_s and warm._first_build_s == built_s
+    assert warm.loaded >= 1 and warm.build_s[("train", largest)] == built_s and warm._largest_build_s == built_s
 
 
 def test_a_capacity_is_built_when_its_steps_save_more_than_its_build():
