@@ -15,12 +15,16 @@ import argparse
 # The latency-hiding scheduler overlaps the FSDP all-gathers / reduce-scatters and the
 # embedding all-to-alls with compute. The combine thresholds let XLA merge the many
 # small per-parameter collectives of HSDP into few large ones (at least one DHEN
-# layer's weights; JAX-Toolbox's rule of thumb).
+# layer's weights; JAX-Toolbox's rule of thumb). Without Triton GEMMs XLA autotunes
+# only cuBLAS's algorithms for each dot, which is what it picked anyway at GEM width: the
+# gem_h200 step compiled in 45.5 s instead of 56.0 s and ran 0.181 s against 0.183 s
+# (benchmarks/results/xla_flags_h200_triton_gemm_20261203.json, benchmarks/step.md).
 XLA_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
     "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_enable_triton_gemm=false",
 )
 
 ENVIRONMENT = {

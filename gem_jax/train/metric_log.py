@@ -15,7 +15,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
-from tensorboardX import SummaryWriter
+
+from gem_jax.train.tensorboard_events import EventWriter
 
 # Counters printed on the train line only when non-zero (they are always in metrics.jsonl).
 COUNTER_SUFFIXES = ("/overflow", "/out_of_range")
@@ -67,7 +68,7 @@ class MetricLogger:
         if path.exists():
             _drop_after(path, resume_step)
         self.jsonl = open(path, "a", encoding="utf-8")
-        self.tensorboard = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        self.tensorboard = EventWriter(workdir / "tensorboard", purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, step: int, kind: str, record: dict, *, not_in_tensorboard: Collection[str] = ()) -> None:
         """Writes `record` (flat dict of scalars) for `step`; `kind` is "train", "eval" or "summary".
@@ -82,6 +83,7 @@ class MetricLogger:
         for key, value in _scalars(record).items():
             if math.isfinite(value) and key not in not_in_tensorboard:
                 self.tensorboard.add_scalar(f"{kind}/{key}", value, step)
+        self.tensorboard.flush()
 
     def close(self) -> None:
         if not self.write:
