@@ -12,16 +12,51 @@ processes (`mp_prefetch`) yield the same batches for any worker count.
 A whole-epoch numpy permutation replaces `MapDataset.shuffle`, whose
 per-element index shuffle costs about 40 us an element in Python (10 ms per
 256-example batch on one CPU core, several times the cost of building the
-batch itself).
+batch itself). A permutation of 100M examples takes ~5 s, so each epoch's is
+computed once per process, in a thread (numpy releases the GIL), and shared by
+every `ShuffledBatchIndices` of the same examples and seed (the run's capacity
+plan and its loader); `prefetch_epoch_order` starts it before it is needed.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import sys
 import threading
 
 import grain
 import numpy as np
+
+# (num_examples, seed, epoch) -> the future of that epoch's order, the newest `_KEPT_ORDERS`.
+_ORDERS: dict[tuple[int, int, int], concurrent.futures.Future] = {}
+_ORDERS_LOCK = threading.Lock()
+_KEPT_ORDERS = 2  # an epoch and the next: 1.6 GB at 100M examples
+# A forked process (a grain worker) has none of the parent's threads: it computes its own orders.
+os.register_at_fork(after_in_child=_ORDERS.clear)
+
+
+def _compute_order(num_examples: int, seed: int, epoch: int, future: concurrent.futures.Future) -> None:
+    try:
+        order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+        order.flags.writeable = False  # shared by every reader of the epoch
+        future.set_result(order)
+    except BaseException as error:  # handed to whoever waits for the order
+        future.set_exception(error)
+
+
+def prefetch_epoch_order(num_examples: int, seed: int, epoch: int) -> concurrent.futures.Future:
+    """The future of int64 `[num_examples]`, epoch `epoch`'s order for `seed`; computing in a thread
+    unless an earlier call started it (the order of `ShuffledBatchIndices.epoch_order`)."""
+    key = (num_examples, seed, epoch)
+    with _ORDERS_LOCK:
+        future = _ORDERS.get(key)
+        if future is None:
+            future = _ORDERS[key] = concurrent.futures.Future()
+            threading.Thread(target=_compute_order, args=(*key, future), name="epoch-order", daemon=True).start()
+            while len(_ORDERS) > _KEPT_ORDERS:
+                del _ORDERS[next(iter(_ORDERS))]
+        return future
 
 
 class ShuffledBatchIndices(grain.MapDataset):
@@ -50,19 +85,6 @@ class ShuffledBatchIndices(grain.MapDataset):
         self.seed = seed
         self.num_epochs = num_epochs
         self.steps_per_epoch = -(-num_examples // batch_size)
-        self._lock = threading.Lock()
-        self._cached: tuple[int, np.ndarray] | None = None
-
-    def __getstate__(self) -> dict:
-        """Pickled for grain worker processes without the lock and the cached epoch."""
-        state = self.__dict__.copy()
-        del state["_lock"]
-        state["_cached"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return sys.maxsize if self.num_epochs is None else self.num_epochs * self.steps_per_epoch
@@ -71,14 +93,15 @@ class ShuffledBatchIndices(grain.MapDataset):
         return f"ShuffledBatchIndices(num_examples={self.num_examples}, batch_size={self.batch_size}, seed={self.seed})"
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """int64 `[num_examples]`: the example order of `epoch`."""
+        """int64 `[num_examples]`: the example order of `epoch` (shared, do not modify)."""
         if self.seed is None:
             return np.arange(self.num_examples, dtype=np.int64)
-        with self._lock:
-            if self._cached is None or self._cached[0] != epoch:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
-                self._cached = (epoch, order.astype(np.int64))
-            return self._cached[1]
+        return prefetch_epoch_order(self.num_examples, self.seed, epoch).result()
+
+    def prefetch(self, index: int) -> None:
+        """Starts computing, in a thread, the order of the epoch of batch `index` (no-op unshuffled)."""
+        if self.seed is not None:
+            prefetch_epoch_order(self.num_examples, self.seed, index // self.steps_per_epoch)
 
     def __getitem__(self, index):
         if isinstance(index, slice):

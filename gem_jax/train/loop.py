@@ -122,6 +122,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
     logger, progress_bar, write_error, programs = None, None, None, None
     try:
         latest = checkpointer.latest_step()
+        dataset.prefetch_train_order(latest or 0)  # its epoch's shuffle (seconds at 100M examples) beside the set-up below
         num_steps = config.loop.num_steps
         run_record.check_num_steps(num_steps, latest, checkpoint_dir)
         with chrono.measure(goodput.INIT):  # the job without its state: it is initialised or restored while the programs compile

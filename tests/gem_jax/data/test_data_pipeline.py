@@ -10,6 +10,7 @@ import pytest
 from gem_jax.batch import Pooling, validate_ids
 from gem_jax.data.paths import SHARED_DATA_ENV, SOURCE_FOLDERS, default_path, shared_data_dir
 from gem_jax.data.pipeline import DataConfig, OnBadRow, Source, SyntheticConfig, load_dataset
+from gem_jax.data import sampling
 from gem_jax.data.sampling import ShuffledBatchIndices
 
 
@@ -93,6 +94,22 @@ def test_shuffled_batch_indices_are_epoch_permutations():
         src[48]
     with pytest.raises(ValueError, match="num_epochs"):
         ShuffledBatchIndices(10, 4, seed=0, num_epochs=0)
+
+
+def test_an_epoch_order_is_computed_once_and_shared_read_only():
+    first = ShuffledBatchIndices(1000, 64, seed=7)
+    first.prefetch(16)  # batch 16 is epoch 1's first
+    second = ShuffledBatchIndices(1000, 64, seed=7, num_epochs=4)  # another reader of the same examples
+    assert second.epoch_order(1) is first.epoch_order(1)
+    np.testing.assert_array_equal(first.epoch_order(1), np.random.default_rng([7, 1]).permutation(1000))
+    assert second.epoch_order(0) is not second.epoch_order(1)
+    with pytest.raises(ValueError, match="read-only"):
+        second[16][0] = 3
+    assert sampling.prefetch_epoch_order(1000, 8, 0) is not sampling.prefetch_epoch_order(1000, 7, 0)
+    for epoch in range(2, 2 + sampling._KEPT_ORDERS):  # older epochs are dropped, recomputed alike when asked again
+        first.epoch_order(epoch)
+    assert (1000, 7, 1) not in sampling._ORDERS
+    np.testing.assert_array_equal(first.epoch_order(1), second.epoch_order(1))
 
 
 def test_seed_controls_the_order(ml_small):
