@@ -14,7 +14,9 @@ threads (XLA compiles release the GIL).
 Two schedules:
 - ahead (the default): every program is built before the first step;
 - background (`LoopConfig.compile_in_background`): only the largest train capacity is
-  built before the first step, since every batch fits it; the rest are built in a
+  built before the first step, since every batch fits it (or loaded: a larger capacity the
+  executable cache holds, which also fits every batch, is taken instead of building the
+  largest planned one, as for a restart whose batches stop short of the run's largest); the rest are built in a
   background thread while the run trains (from `Programs.finish` on), the eval step and
   then the train capacities in order of how many of the run's steps take them. Until a batch's own capacity is
   ready it is placed at the smallest ready capacity above it (`Programs.train_capacity`):
@@ -23,8 +25,8 @@ Two schedules:
   eval reached before its program is ready waits for it (`compile_after_start`).
   A train program the executable cache holds is always loaded. One it does not hold is
   built only if it pays (`capacities_worth_building`): the device time its steps would
-  save over the rest of the run, at the step time measured at the largest capacity,
-  must exceed the seconds the largest capacity's own build took (in this run, or as the
+  save over the rest of the run, at the step time measured at the first program's capacity,
+  must exceed the seconds the first program's own build took (in this run, or as the
   executable cache recorded it when the program was loaded: a warm start decides alike).
   A short cold run at GEM width builds none (its steps at the largest capacity cost less
   than the background lowering, which holds the GIL, and compiling, which shares the
@@ -128,6 +130,7 @@ class Programs:
         self._steps = 0
         self._steps_padded = 0
         self._counts: dict[int, int] = {}
+        self._first: int | None = None  # the train capacity built before the first step (background schedule)
         self.build_s: dict[tuple[str, int], float | None] = {}
         self._go = threading.Event()  # the background may start: a step time is measured, or a program is awaited
         self._timed = threading.Event()  # train programs may be decided: a step time is measured, or the run ends
@@ -312,19 +315,19 @@ class Programs:
                 self._fail(job, error)
 
     @property
-    def _largest_build_s(self) -> float | None:
-        """Seconds the largest planned train capacity's lowering and compile took (None: unknown)."""
-        return self.build_s.get(("train", max(self._counts))) if self._counts else None
+    def _first_build_s(self) -> float | None:
+        """Seconds the first train program's lowering and compile took (None: unknown)."""
+        return self.build_s.get(("train", self._first)) if self._first is not None else None
 
     def _worth_building(self) -> set[int]:
         """The train capacities the executable cache does not hold that pay for their build
         (`capacities_worth_building`); all of them when a build's or a step's time is unknown."""
         missing = {job.capacity for job in self._background if job.kind == "train"}
-        if self._largest_build_s is None or self._step_s is None:
+        if self._first_build_s is None or self._step_s is None:
             return missing
         ready = set(self.train) | {c for kind, c in self._pending if kind == "train" and c not in missing}
         steps_left = sum(self._counts.values()) - self._steps
-        return set(capacities_worth_building(self._counts, ready, self._step_s, self._largest_build_s, steps_left))
+        return set(capacities_worth_building(self._counts, ready, self._step_s, self._first_build_s, steps_left))
 
     def _skip(self, job: _Job) -> None:
         self._not_built.append(job.capacity)
@@ -334,7 +337,7 @@ class Programs:
             print(
                 f"gem-train: not building the train steps at token capacities {sorted(self._not_built)}: each would save "
                 f"less device time over the {sum(self._counts.values()) - self._steps} steps left ({self._step_s:.3f} s a step "
-                f"at the largest) than its build takes ({self._largest_build_s:.1f} s); their batches run at a larger capacity",
+                f"at {self._first}) than its build takes ({self._first_build_s:.1f} s); their batches run at a larger capacity",
                 flush=True,
             )
         if not self._pending:
@@ -511,11 +514,15 @@ def start_programs(
 
     programs = Programs(training, evals[-1] if evals else None, chrono, cache)
     if background and counts:
-        largest = max(counts)
+        # The first program holds every batch: the largest planned capacity, or a larger one the cache
+        # holds (a restart whose batches stop short of the largest capacity loads it instead of building one).
+        per = dataset.batch_size // placement.num_shards
+        above = [c for c in dataset.token_buckets.capacities(per) if c > max(counts)]
+        first = next((c for c in above if (path := make("train", c).path) is not None and path.exists()), max(counts))
         # the eval step first (its compile is the longest, and an eval waits for it), then the commonest capacities
-        rest = [make("eval", c) for c in evals] + [make("train", c) for c in sorted(counts, key=lambda c: -counts[c]) if c != largest]
-        programs._counts = dict(counts)
-        programs._start([make("train", largest)], threads, later=rest)
+        rest = [make("eval", c) for c in evals] + [make("train", c) for c in sorted(counts, key=lambda c: -counts[c]) if c != first]
+        programs._counts, programs._first = dict(counts), first
+        programs._start([make("train", first)], threads, later=rest)
     else:
         programs._start([make("train", c) for c in counts] + [make("eval", c) for c in evals], threads, later=[])
     return programs

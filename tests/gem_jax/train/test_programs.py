@@ -214,7 +214,7 @@ def test_a_batch_whose_program_is_building_is_placed_at_the_smallest_ready_capac
     assert built.train_capacity(local) == needed
     assert built.report()["programs_in_background"] == 0
     del built.train[needed]
-    built._step_s, built._counts, built.build_s = 0.2, {above[1]: 1}, {("train", above[1]): 78.0}  # what a skip's line reports
+    built._step_s, built._counts, built._first, built.build_s = 0.2, {above[1]: 1}, above[1], {("train", above[1]): 78.0}  # what a skip's line reports
     for never_built in ("_skip", "_fail"):  # not built (it would not have paid) or its build failed: the smallest ready above, for good
         built._run_larger, built._pending = set(), {("train", needed): concurrent.futures.Future(), ("train", above[0]): concurrent.futures.Future()}
         for capacity in (needed, above[0]):
@@ -241,10 +241,18 @@ def test_a_warm_start_weighs_the_other_programs_against_the_build_the_cache_reco
     cold.close()
     largest = max(counts)
     built_s = cold.build_s[("train", largest)]
-    assert cold.loaded == 0 and built_s > 0 and cold._largest_build_s == built_s
+    assert cold.loaded == 0 and built_s > 0 and cold._first_build_s == built_s
     warm = programs.start_programs(training, counts, [], cache=cache, background=True).finish()
     warm.close()
-    assert warm.loaded >= 1 and warm.build_s[("train", largest)] == built_s and warm._largest_build_s == built_s
+    assert warm.loaded >= 1 and warm.build_s[("train", largest)] == built_s and warm._first_build_s == built_s
+    # A restart whose batches stop short of the largest capacity loads the cached larger program
+    # rather than building its own largest, which it weighs in the background like the others.
+    short = {c: n for c, n in counts.items() if c != largest}
+    restart = programs.start_programs(training, short, [], cache=cache, background=True)
+    assert restart._first == largest and restart.loaded == 1 and restart.lowering_s == 0
+    assert ("train", max(short)) in {(job.kind, job.capacity) for job in restart._later}
+    restart.close()
+    assert restart._first_build_s == built_s
 
 
 def test_a_capacity_is_built_when_its_steps_save_more_than_its_build():
