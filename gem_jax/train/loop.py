@@ -1,13 +1,15 @@
 """The training loop: each step reads as data, step, log, checkpoint, eval; time goes to `gem_jax.train.goodput`.
 
 Before the first step every train and eval program the run takes is compiled
-(`gem_jax.train.programs`): they are lowered on the state's shapes, then compile in
-threads while the state is initialised or restored. A `Chrono` owns the run's time, a
+(`gem_jax.train.programs`): they are planned and lowered on the state's shapes while a
+fresh state is initialised in a thread, then compile in threads while it finishes or the
+state is restored. A `Chrono` owns the run's time, a
 `TrainWindow` the metrics between two train records (`gem_jax.train.window`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 from pathlib import Path
@@ -136,13 +138,17 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
         def last_step_from(start: int) -> int:
             return num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
 
-        # Planned from the newest checkpoint: should the restore fall back to an older one, a batch of the
-        # steps between needing an unplanned capacity is compiled when it comes (`Programs.train_step`).
-        planned = latest or 0
-        programs = _start_programs(training, range(planned, last_step_from(planned)), last_step_from(planned), chrono)
-        if latest is None:
-            with chrono.measure(goodput.INIT):
-                state = training.initial_state()
+        # A fresh state is initialised in a thread while the capacity plan waits for the data order and the
+        # programs are lowered or loaded (its trace is short; its compile and its run release the GIL).
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gem-init") as initialiser:
+            initialised = initialiser.submit(training.initial_state) if latest is None else None
+            # Planned from the newest checkpoint: should the restore fall back to an older one, a batch of the
+            # steps between needing an unplanned capacity is compiled when it comes (`Programs.train_step`).
+            planned = latest or 0
+            programs = _start_programs(training, range(planned, last_step_from(planned)), last_step_from(planned), chrono)
+            if initialised is not None:
+                with chrono.measure(goodput.INIT):  # what is left of it: the programs compile meanwhile
+                    state = initialised.result()
         with chrono.measure(goodput.RESTORE):
             restored = checkpointer.restore_latest(training.state.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
         start = 0
