@@ -80,6 +80,12 @@ class OptimConfig:
       embedding_accumulator: the tables' Adagrad state, "row" (one float32 per table
         row, `rowwise_adagrad`) or "element" (one per table element, `optax.adagrad`).
         Changes results and the state's shapes, so a restarted run must keep it.
+      embedding_initial_accumulator: each accumulator's starting value, >= 0: optax's 0.1
+        (the default), or FBGEMM's and PyTorch's 0. A row's mean squared gradient under a
+        batch-mean loss is tiny, so from 0.1 the first updates are about
+        `embedding_learning_rate / sqrt(0.1)` times the gradient (plain SGD), and from 0
+        about `embedding_learning_rate` in each coordinate, whatever the gradient's scale
+        (`benchmarks/quality.md`).
     """
 
     learning_rate: float = 2e-3
@@ -91,6 +97,7 @@ class OptimConfig:
     sparse_embedding_updates: bool = True
     moments_dtype: str = "float32"
     embedding_accumulator: str = "row"
+    embedding_initial_accumulator: float = ADAGRAD_INITIAL_ACCUMULATOR
 
     def __post_init__(self):
         check_float(self, "learning_rate", positive=True)
@@ -100,6 +107,7 @@ class OptimConfig:
         check_float(self, "embedding_learning_rate", positive=True)
         check_float(self, "grad_clip_norm", minimum=0.0)
         check_bool(self, "sparse_embedding_updates")
+        check_float(self, "embedding_initial_accumulator", minimum=0.0)
         if self.moments_dtype not in MOMENTS_DTYPES:
             raise ValueError(f"OptimConfig.moments_dtype must be one of {MOMENTS_DTYPES}, got {self.moments_dtype!r}")
         if self.embedding_accumulator not in EMBEDDING_ACCUMULATORS:
@@ -139,9 +147,9 @@ def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
     if config.grad_clip_norm:
         dense.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
     if config.embedding_accumulator == "row":
-        embedding = rowwise_adagrad(config.embedding_learning_rate)
+        embedding = rowwise_adagrad(config.embedding_learning_rate, config.embedding_initial_accumulator)
     else:
-        embedding = optax.adagrad(config.embedding_learning_rate, ADAGRAD_INITIAL_ACCUMULATOR, ADAGRAD_EPS)
+        embedding = optax.adagrad(config.embedding_learning_rate, config.embedding_initial_accumulator, ADAGRAD_EPS)
     return optax.multi_transform(
         {ParamGroup.DENSE: optax.chain(*dense), ParamGroup.EMBEDDING: embedding},
         lambda params: jax.tree_util.tree_map_with_path(lambda path, _: param_group(path), params),
@@ -206,13 +214,16 @@ def scale_by_row_rss(
     return optax.GradientTransformation(init, update)
 
 
-def rowwise_adagrad(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
-    """Row-wise Adagrad (`scale_by_row_rss`, optax's default constants) then the learning rate.
+def rowwise_adagrad(
+    learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = ADAGRAD_INITIAL_ACCUMULATOR
+) -> optax.GradientTransformation:
+    """Row-wise Adagrad (`scale_by_row_rss`, optax's eps) then the learning rate.
 
     The chain of `optax.adagrad` with the row-wise scaling in place of `scale_by_rss`:
-    `row_r <- row_r - learning_rate * g_r / sqrt(acc_r + eps)`.
+    `row_r <- row_r - learning_rate * g_r / sqrt(acc_r + eps)`, `acc_r` starting at
+    `initial_accumulator_value` (optax's 0.1 by default).
     """
-    return optax.chain(scale_by_row_rss(), optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(scale_by_row_rss(initial_accumulator_value), optax.scale_by_learning_rate(learning_rate))
 
 
 def stochastic_round_bf16(x: jax.Array, salt: jax.Array) -> jax.Array:

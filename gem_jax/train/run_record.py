@@ -44,10 +44,11 @@ MAY_CHANGE = (
     "model.remat",
 )
 
-# Config leaves added after runs were recorded whose default is not what those runs did:
-# a record without the leaf reads as the value the run used. Tables' Adagrad kept one
-# accumulator per element before `optim.embedding_accumulator` made "row" the default.
-RECORDED_BEFORE_FIELD = {"optim.embedding_accumulator": "element"}
+# Config leaves added after runs were recorded: a record without the leaf reads as the value
+# the run used. Tables' Adagrad kept one accumulator per element before
+# `optim.embedding_accumulator` made "row" the default, and started it at 0.1 before
+# `optim.embedding_initial_accumulator` could change that.
+RECORDED_BEFORE_FIELD = {"optim.embedding_accumulator": "element", "optim.embedding_initial_accumulator": 0.1}
 
 
 class RunMismatchError(ValueError):

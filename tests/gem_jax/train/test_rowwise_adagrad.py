@@ -28,19 +28,21 @@ def _accumulator(opt_state):
     return opt_state.inner_states["embedding"].inner_state[0].sum_of_squares
 
 
-def _reference(table, grads, per_row):
-    """Adagrad by hand: acc += g^2 (per element) or mean_d(g^2) (per row); row -= lr g / sqrt(acc + eps)."""
-    table, acc = table.astype(np.float64), np.full(table.shape if not per_row else table.shape[:1], INIT)
+def _reference(table, grads, per_row, init=INIT):
+    """Adagrad by hand: acc += g^2 (per element) or mean_d(g^2) (per row); row -= lr g / sqrt(acc + eps),
+    0 where acc is 0."""
+    table, acc = table.astype(np.float64), np.full(table.shape if not per_row else table.shape[:1], init)
     for g in grads:
         g = g.astype(np.float64)
         acc = acc + (np.mean(g**2, axis=1) if per_row else g**2)
-        scale = 1.0 / np.sqrt(acc + EPS)
+        scale = np.where(acc > 0, 1.0 / np.sqrt(acc + EPS), 0.0)
         table = table - LR * g * (scale[:, None] if per_row else scale)
     return table, acc
 
 
+@pytest.mark.parametrize("init", [INIT, 0.0])
 @pytest.mark.parametrize("accumulator", ["row", "element"])
-def test_the_update_matches_a_numpy_reference_over_steps(accumulator):
+def test_the_update_matches_a_numpy_reference_over_steps(accumulator, init):
     rng = np.random.default_rng(0)
     rows, d, steps = 6, 4, 5
     table = rng.normal(size=(rows, d)).astype(np.float32)
@@ -49,28 +51,30 @@ def test_the_update_matches_a_numpy_reference_over_steps(accumulator):
         g[4] = 0.0  # a row never looked up
     grads[1][0] = 0.0  # a row skipped for one step
     params = {"embed": {"t": {"embedding": jnp.asarray(table)}}}
-    optimizer = make_optimizer(OptimConfig(embedding_accumulator=accumulator))
+    optimizer = make_optimizer(OptimConfig(embedding_accumulator=accumulator, embedding_initial_accumulator=init))
     state, p = optimizer.init(params), params
     acc0 = _accumulator(state)["embed"]["t"]["embedding"]
     assert acc0.dtype == jnp.float32 and acc0.shape == ((rows,) if accumulator == "row" else (rows, d))
     for g in grads:
         updates, state = optimizer.update({"embed": {"t": {"embedding": jnp.asarray(g)}}}, state, p)
         p = jax.tree.map(lambda a, b: a + b, p, updates)
-    want_table, want_acc = _reference(table, grads, per_row=accumulator == "row")
+    want_table, want_acc = _reference(table, grads, per_row=accumulator == "row", init=init)
     acc = _accumulator(state)["embed"]["t"]["embedding"]
     np.testing.assert_allclose(acc, want_acc, rtol=1e-6)
     np.testing.assert_allclose(p["embed"]["t"]["embedding"], want_table, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(p["embed"]["t"]["embedding"][4], table[4])  # zero gradients: row and
-    np.testing.assert_array_equal(acc[4], np.float32(INIT))  # accumulator unchanged
+    np.testing.assert_array_equal(acc[4], np.float32(init))  # accumulator unchanged
     if accumulator == "row":  # every entry of a row scaled alike: the update is the gradient times one number per row
         last = np.asarray(updates["embed"]["t"]["embedding"]) / grads[-1]
         np.testing.assert_allclose(last[[0, 1, 2, 3, 5]], last[[0, 1, 2, 3, 5], :1] * np.ones((1, d)), rtol=1e-6)
 
 
 def test_the_accumulator_is_validated_and_the_default_is_per_row():
-    assert OptimConfig().embedding_accumulator == "row"
+    assert OptimConfig().embedding_accumulator == "row" and OptimConfig().embedding_initial_accumulator == INIT
     with pytest.raises(ValueError, match=r"OptimConfig.embedding_accumulator must be one of \('row', 'element'\), got 'rows'"):
         OptimConfig(embedding_accumulator="rows")
+    with pytest.raises(ValueError, match="embedding_initial_accumulator"):
+        OptimConfig(embedding_initial_accumulator=-0.1)
 
 
 def test_a_row_accumulator_mirrors_its_table_and_nothing_else():
@@ -118,3 +122,4 @@ def test_a_run_recorded_before_the_choice_reads_as_element_wise(tmp_path):
     element = config_tree.apply_overrides(config, ["optim.embedding_accumulator=element"])
     kept = run_record.check_run(tmp_path, run_record.make_record(element, {}, None), has_checkpoints=True, write=False)
     assert config_tree.from_tree(TrainConfig, kept["config"]).optim.embedding_accumulator == "element"
+    assert config_tree.from_tree(TrainConfig, kept["config"]).optim.embedding_initial_accumulator == INIT
