@@ -40,8 +40,16 @@ def test_flushed_scalars_survive_a_killed_process(tmp_path):
     assert _scalars(tmp_path, "train/loss") == [(3, 0.5)]
 
 
-def test_the_trainer_imports_neither_torch_nor_tensorflow():
-    # tensorboardX imports torch whenever it is installed: ~6 s of start-up on the GPU host
-    code = "import sys, gem_jax.train.loop; print(sorted(m for m in ('torch', 'tensorflow', 'tensorboardX') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+def test_the_trainer_imports_neither_torch_nor_tensorflow(tmp_path):
+    # tensorboardX imports torch whenever it is installed: ~6 s of start-up on the GPU host. Empty
+    # stand-ins make both importable here, so any import of them shows in sys.modules.
+    for name in ("torch", "tensorflow"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    code = (
+        "import sys, gem_jax.train.loop, gem_jax.train.metric_log\n"
+        "print(sorted(m for m in ('torch', 'tensorflow', 'tensorboardX') if m in sys.modules))"
+    )
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path})
     assert out.stdout.strip() == "[]"
