@@ -28,12 +28,21 @@ import threading
 import grain
 import numpy as np
 
-# (num_examples, seed, epoch) -> the future of that epoch's order, the newest `_KEPT_ORDERS`.
+# (num_examples, seed, epoch) -> the future of that epoch's order, the `_KEPT_ORDERS` used last.
 _ORDERS: dict[tuple[int, int, int], concurrent.futures.Future] = {}
 _ORDERS_LOCK = threading.Lock()
-_KEPT_ORDERS = 2  # an epoch and the next: 1.6 GB at 100M examples
-# A forked process (a grain worker) has none of the parent's threads: it computes its own orders.
-os.register_at_fork(after_in_child=_ORDERS.clear)
+_KEPT_ORDERS = 2  # two epochs: 1.6 GB at 100M examples
+
+
+def _forget_after_fork() -> None:
+    """A forked process has none of its parent's threads (an order being computed never arrives)
+    and may have forked while one held the lock: it starts with no orders and a free lock."""
+    global _ORDERS_LOCK
+    _ORDERS_LOCK = threading.Lock()
+    _ORDERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _compute_order(num_examples: int, seed: int, epoch: int, future: concurrent.futures.Future) -> None:
@@ -50,13 +59,16 @@ def prefetch_epoch_order(num_examples: int, seed: int, epoch: int) -> concurrent
     unless an earlier call started it (the order of `ShuffledBatchIndices.epoch_order`)."""
     key = (num_examples, seed, epoch)
     with _ORDERS_LOCK:
-        future = _ORDERS.get(key)
-        if future is None:
-            future = _ORDERS[key] = concurrent.futures.Future()
-            threading.Thread(target=_compute_order, args=(*key, future), name="epoch-order", daemon=True).start()
-            while len(_ORDERS) > _KEPT_ORDERS:
-                del _ORDERS[next(iter(_ORDERS))]
-        return future
+        future = _ORDERS.pop(key, None)
+        started = future is None
+        if started:
+            future = concurrent.futures.Future()
+        _ORDERS[key] = future  # the most recently used last
+        while len(_ORDERS) > _KEPT_ORDERS:
+            del _ORDERS[next(iter(_ORDERS))]
+    if started:
+        threading.Thread(target=_compute_order, args=(*key, future), name="epoch-order", daemon=True).start()
+    return future
 
 
 class ShuffledBatchIndices(grain.MapDataset):

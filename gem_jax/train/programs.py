@@ -517,8 +517,8 @@ def start_programs(
         # The first program holds every batch: the largest planned capacity, or a larger one the cache
         # holds (a restart whose batches stop short of the largest capacity loads it instead of building one).
         per = dataset.batch_size // placement.num_shards
-        above = [c for c in dataset.token_buckets.capacities(per) if c > max(counts)]
-        first = next((c for c in above if (path := make("train", c).path) is not None and path.exists()), max(counts))
+        candidates = [max(counts), *(c for c in dataset.token_buckets.capacities(per) if c > max(counts))]
+        first = next((c for c in candidates if (path := make("train", c).path) is not None and path.exists()), max(counts))
         # the eval step first (its compile is the longest, and an eval waits for it), then the commonest capacities
         rest = [make("eval", c) for c in evals] + [make("train", c) for c in sorted(counts, key=lambda c: -counts[c]) if c != first]
         programs._counts, programs._first = dict(counts), first

@@ -20,7 +20,7 @@ from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-# Two writers of one process opened within the same second get distinct files.
+# Two writers of one process opened within the same second get distinct files, in the order opened.
 _FILE_NUMBER = itertools.count()
 
 
@@ -39,7 +39,7 @@ class EventWriter:
     def __init__(self, logdir: str | Path, *, purge_step: int | None = None):
         logdir = Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_NUMBER)}"
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_NUMBER):06d}"
         self.path = logdir / name
         self._records = RecordWriter(open(self.path, "wb"))  # noqa: SIM115  (closed by `close`)
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))

@@ -2,6 +2,8 @@
 
 import dataclasses
 import logging
+import os
+import signal
 
 import chex
 import numpy as np
@@ -110,6 +112,26 @@ def test_an_epoch_order_is_computed_once_and_shared_read_only():
         first.epoch_order(epoch)
     assert (1000, 7, 1) not in sampling._ORDERS
     np.testing.assert_array_equal(first.epoch_order(1), second.epoch_order(1))
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # the case tested
+def test_a_process_forked_while_the_order_lock_is_held_computes_its_own_orders():
+    with sampling._ORDERS_LOCK:  # as if another thread were starting an order at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: a fresh lock and no inherited (never arriving) orders
+            signal.alarm(20)
+            order = ShuffledBatchIndices(50, 8, seed=3).epoch_order(0)
+            os._exit(0 if np.array_equal(order, np.random.default_rng([3, 0]).permutation(50)) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_orders_kept_are_the_last_used():
+    for seed in (11, 12):
+        sampling.prefetch_epoch_order(100, seed, 0).result()
+    sampling.prefetch_epoch_order(100, 11, 0)  # used again: the other one goes first
+    sampling.prefetch_epoch_order(100, 13, 0)
+    assert (100, 11, 0) in sampling._ORDERS and (100, 12, 0) not in sampling._ORDERS
 
 
 def test_seed_controls_the_order(ml_small):

@@ -266,6 +266,11 @@ def test_a_warm_start_weighs_the_other_programs_against_the_build_the_cache_reco
     assert ("train", max(short)) in {(job.kind, job.capacity) for job in restart._later}
     restart.close()
     assert restart._first_build_s == built_s
+    # Its own largest cached as well (an ahead build stores it): that one, not the larger.
+    programs.start_programs(training, {max(short): 1}, [], cache=cache).finish().close()
+    again = programs.start_programs(training, short, [], cache=cache, background=True)
+    again.close()
+    assert again._first == max(short) and again.loaded == 1
 
 
 def test_a_capacity_is_built_when_its_steps_save_more_than_its_build():
