@@ -55,8 +55,9 @@ def _compute_order(num_examples: int, seed: int, epoch: int, future: concurrent.
 
 
 def prefetch_epoch_order(num_examples: int, seed: int, epoch: int) -> concurrent.futures.Future:
-    """The future of int64 `[num_examples]`, epoch `epoch`'s order for `seed`; computing in a thread
-    unless an earlier call started it (the order of `ShuffledBatchIndices.epoch_order`)."""
+    """The future of int64 `[num_examples]` (read-only), epoch `epoch`'s order for `seed`: computing in
+    a thread unless an earlier call started it (the order of `ShuffledBatchIndices.epoch_order`).
+    Its `.result()` raises what computing it raised (numpy's error for a bad size or seed)."""
     key = (num_examples, seed, epoch)
     with _ORDERS_LOCK:
         future = _ORDERS.pop(key, None)
