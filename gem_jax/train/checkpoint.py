@@ -230,6 +230,9 @@ class Checkpointer:
                 read_only=read_only,
                 create=not read_only,
                 cleanup_tmp_directories=not read_only,
+                # The step a rotation drops is deleted in Orbax's thread, beside the checksum
+                # manifest of the step just written; `close` waits for it (a job's last ~7 s at GEM width).
+                enable_background_delete=True,
             ),
             item_handlers={
                 # The format of Orbax's StandardCheckpointHandler (which wraps this one), with the write options exposed.
@@ -401,7 +404,8 @@ class Checkpointer:
         `checkpoint_final_write_s` (the last save's write on its own); of the last `wait`,
         `checkpoint_final_wait_s` (for the write in flight) and `checkpoint_final_manifests_s`
         (for the checksum manifests still being written), and `checkpoint_close_s` (releasing
-        Orbax's manager and the threads after it). Only the keys with a measurement are present.
+        Orbax's manager and the threads after it, including the wait for Orbax's deletion of
+        the steps the rotation dropped). Only the keys with a measurement are present.
         """
         report: dict[str, float | int] = {
             "checkpoint_saves": len(self.saves),

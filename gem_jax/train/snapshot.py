@@ -59,8 +59,12 @@ def fits(tree: Any) -> tuple[bool | None, str]:
 
 def copy_program(tree: Any) -> Callable[[Any], Any]:
     """The copy of `tree` (arrays or `jax.ShapeDtypeStruct`s with shardings), compiled now: takes a tree
-    of the same shapes, dtypes and shardings and returns it in new buffers, placed alike (nothing donated)."""
+    of the same structure, shapes, dtypes and shardings and returns it in new buffers, placed alike
+    (nothing donated). The compiled executable itself (`jax.stages.Compiled`), so a call neither
+    traces nor compiles again (a jitted function's first call would, after an ahead-of-time compile).
+
+    Raises:
+      TypeError or ValueError: a call with a tree that differs from `tree` (jax's messages).
+    """
     shardings = jax.tree.map(lambda leaf: leaf.sharding, tree)
-    program = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
-    program.lower(tree).compile()  # a later call with arrays placed alike finds it in jax's cache
-    return program
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings).lower(tree).compile()
