@@ -14,6 +14,9 @@ process start to the end of that step (`time_to_first_step_s`: its start-up buck
 restore and first step). Run it twice with the
 same `--compile-cache` for a cold and a warm start.
 
+`--restart-only` (with `--restart-steps N` and the `--workdir` of a finished job) skips the
+job and runs only its restart, so a job and its restart can be timed in separate calls.
+
 `--xla-flags` exports the GPU flags and environment of `scripts/xla_flags.py` to the job
 (as the launch scripts do); without it the job gets this process's environment.
 
@@ -75,6 +78,14 @@ def checkpoint_sizes(workdir: Path) -> dict[str, int]:
     return out
 
 
+def device_fields(output: str) -> dict[str, str]:
+    """The device, backend and jax version from gem-train's first line ("unknown" without one)."""
+    found = DEVICE_LINE.search(output)
+    if not found:
+        return {"device": "unknown", "backend": "unknown", "jax_version": "unknown"}
+    return {"device": f"{found.group(1)} x {found.group(2)}", "backend": found.group(3), "jax_version": found.group(4)}
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
@@ -107,11 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default=None, help="the job's workdir (default: a new temporary directory)")
     parser.add_argument("--compile-cache", default="off", metavar="DIR|off", help="gem-train --compile-cache (default off: a cold start)")
     parser.add_argument("--restart-steps", type=int, default=0, metavar="N", help="then restart from the last checkpoint for N more steps")
+    parser.add_argument("--restart-only", action="store_true", help="--workdir holds the finished job: run only its restart")
     parser.add_argument("--xla-flags", action="store_true", help="export scripts/xla_flags.py's XLA_FLAGS and environment to the job")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/job_<config>_<date>.json")
     args = parser.parse_args(argv)
     if args.restart_steps < 0:
         parser.error(f"--restart-steps must be >= 0, got {args.restart_steps}")
+    if args.restart_only and not (args.restart_steps and args.workdir):
+        parser.error("--restart-only needs --restart-steps N and the --workdir of a finished job")
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     if args.xla_flags:
@@ -121,29 +135,36 @@ def main(argv: list[str] | None = None) -> None:
     base = ["--config", args.config, "--workdir", str(workdir), "--compile-cache", args.compile_cache]
     workdir.mkdir(parents=True, exist_ok=True)
 
-    job_args = [*base, *(["--set", *args.overrides] if args.overrides else [])]
-    status, seconds, output = run_job(job_args, env, workdir / "job.log")
-    device = DEVICE_LINE.search(output)
+    if args.restart_only:
+        finished = [r for r in records(workdir) if r["kind"] == "summary"] if (workdir / "metrics.jsonl").exists() else []
+        if not finished:
+            parser.error(f"--restart-only: {workdir / 'metrics.jsonl'} holds no summary of a finished job")
+        status, seconds, output = 0, 0.0, ""
+        job = {"step": finished[-1]["step"], "timed_in_this_call": False}
+    else:
+        job_args = [*base, *(["--set", *args.overrides] if args.overrides else [])]
+        status, seconds, output = run_job(job_args, env, workdir / "job.log")
+        job = job_record(status, seconds, output, workdir)
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {
         "benchmark": "job",
         "date": now.isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "device": f"{device.group(1)} x {device.group(2)}" if device else "unknown",
-        "backend": device.group(3) if device else "unknown",
-        "jax_version": device.group(4) if device else "unknown",
+        **device_fields(output),
         "config": args.config,
         "overrides": args.overrides,
         "compile_cache": args.compile_cache,
         "xla_flags": env.get("XLA_FLAGS", ""),
         "workdir": str(workdir),
-        "job": job_record(status, seconds, output, workdir),
+        "job": job,
     }
     record["checkpoint_bytes"] = checkpoint_sizes(workdir) if (workdir / "checkpoints").is_dir() else {}
     if args.restart_steps and "step" in record["job"]:
         last = record["job"]["step"]
         restart = [*base, "--set", *args.overrides, f"loop.num_steps={last + args.restart_steps}", "loop.log_every=1"]
         status, seconds, output = run_job(restart, env, workdir / "restart.log")
+        if args.restart_only:
+            record.update(device_fields(output))
         again = job_record(status, seconds, output, workdir)
         train = [r for r in records(workdir) if r["kind"] == "train" and r["step"] > last]
         if train and "split" in again:
@@ -160,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(record, indent=2))
     print(json.dumps(record, indent=2))
     print(f"wrote {out}")
-    if record["job"]["exit_status"] != 0:
+    if any(part.get("exit_status", 0) != 0 for part in (record["job"], record.get("restart", {}))):
         sys.exit(1)
 
 
