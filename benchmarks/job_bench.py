@@ -87,10 +87,13 @@ def device_fields(output: str) -> dict[str, str]:
 
 
 def git_commit() -> str:
+    """$GEM_GIT_COMMIT when set (a copy of the tree run elsewhere, whose `.git` may be another commit's), else git's HEAD."""
+    if os.environ.get("GEM_GIT_COMMIT"):
+        return os.environ["GEM_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GEM_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def job_record(status: int, seconds: float, output: str, workdir: Path) -> dict:

@@ -138,19 +138,23 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
         def last_step_from(start: int) -> int:
             return num_steps if stop_after_steps is None else min(num_steps, start + stop_after_steps)
 
-        # A fresh state is initialised in a thread while the capacity plan waits for the data order and the
-        # programs are lowered or loaded (its trace is short; its compile and its run release the GIL).
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gem-init") as initialiser:
-            initialised = initialiser.submit(training.initial_state) if latest is None else None
+        # A fresh state is initialised, or the newest checkpoint restored, in a thread while the capacity plan
+        # waits for the data order and the programs are lowered or loaded (the thread's trace is short; its
+        # compile, its run and the restore's reads release the GIL).
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gem-state") as state_thread:
+            if latest is None:
+                ready, bucket = state_thread.submit(training.initial_state), goodput.INIT
+            else:
+                quarantine = workdir / "corrupt_checkpoints"
+                ready = state_thread.submit(checkpointer.restore_latest, training.state.abstract, train_iter, quarantine_dir=quarantine, fallback=fallback)
+                bucket = goodput.RESTORE
             # Planned from the newest checkpoint: should the restore fall back to an older one, a batch of the
             # steps between needing an unplanned capacity is compiled when it comes (`Programs.train_step`).
             planned = latest or 0
             programs = _start_programs(training, range(planned, last_step_from(planned)), last_step_from(planned), chrono)
-            if initialised is not None:
-                with chrono.measure(goodput.INIT):  # what is left of it: the programs compile meanwhile
-                    state = initialised.result()
-        with chrono.measure(goodput.RESTORE):
-            restored = checkpointer.restore_latest(training.state.abstract, train_iter, quarantine_dir=workdir / "corrupt_checkpoints", fallback=fallback)
+            with chrono.measure(bucket):  # what is left of it: the programs compile meanwhile
+                outcome = ready.result()
+        state, restored = (outcome, None) if latest is None else (None, outcome)
         start = 0
         if restored:
             start, state = restored
