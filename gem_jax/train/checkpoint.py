@@ -431,25 +431,28 @@ class Checkpointer:
     ) -> tuple[int, TrainState] | None:
         """Restores the newest intact step; None when there is no checkpoint.
 
-        Each step, newest first, is checked against its manifest and restored; a
-        step that fails its manifest, or has none and cannot be read, is reported (path and cause on stderr), moved to
+        Each step, newest first, is checked against its manifest while it is restored (the
+        checksums are hashed in a thread beside Orbax's read of the same files; a restored
+        state is kept only when its step passes); a step that fails its manifest, or has none
+        and cannot be read, is reported (path and cause on stderr), moved to
         `quarantine_dir/<step>-<time>` and the next older step is tried.
 
         Raises:
           CorruptCheckpointError: the newest step is corrupt and `fallback` is
             False, or no step is intact (every path and cause named).
+          Exception: Orbax's error for a step that passes its manifest but does not fit
+            `abstract_state` (not corruption: nothing is moved).
         """
         failures = []
         for step in reversed(self.all_steps()):
             path = self.step_path(step)
-            problems = integrity.verify(path)
+            restored, error, problems = self._restore_verified(step, abstract_state, data_iterator)
+            if not problems and error is None:
+                return step, restored
             if not problems:
-                try:
-                    return step, self.restore(step, abstract_state, data_iterator)
-                except Exception as error:  # Orbax and tensorstore raise many types for unreadable files
-                    if integrity.has_manifest(path):
-                        raise  # intact files that do not fit this run's state: not corruption
-                    problems = [f"{path}: cannot be restored ({type(error).__name__}: {str(error).splitlines()[0][:300]})"]
+                if integrity.has_manifest(path):
+                    raise error  # intact files that do not fit this run's state: not corruption
+                problems = [f"{path}: cannot be restored ({type(error).__name__}: {str(error).splitlines()[0][:300]})"]
             failures.append(problems)
             report = "\n  ".join(problems)
             if not fallback:
@@ -464,6 +467,25 @@ class Checkpointer:
                 f"no intact checkpoint in {self.directory}; the corrupt steps were moved to {quarantine_dir}"
             )
         return None
+
+    def _restore_verified(
+        self, step: int, abstract_state: TrainState, data_iterator: grain.DatasetIterator
+    ) -> tuple[TrainState | None, Exception | None, list[str]]:
+        """`step` restored while `integrity.verify` checks its files in a thread: (the state or None, the
+        restore's error or None, the manifest's problems). A state read from a step with problems is freed."""
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify") as verifier:
+            verifying = verifier.submit(integrity.verify, self.step_path(step))
+            try:
+                restored, error = self.restore(step, abstract_state, data_iterator), None
+            except Exception as failure:  # Orbax and tensorstore raise many types for unreadable files
+                restored, error = None, failure
+            problems = verifying.result()
+        if problems and restored is not None:
+            for leaf in jax.tree.leaves(restored):
+                if isinstance(leaf, jax.Array):
+                    leaf.delete()
+            restored = None
+        return restored, error, problems
 
     def close(self) -> None:
         """Waits for the save in flight and the manifests, then releases the manager and the threads (also

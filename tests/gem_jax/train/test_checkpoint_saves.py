@@ -304,6 +304,45 @@ def test_host_memory_does_not_grow_from_save_to_save(tmp_path):
     assert checkpointer.write_buffer_gb >= 1
 
 
+def test_a_restore_is_verified_beside_the_read_and_kept_only_when_intact(tmp_path, monkeypatch):
+    """The manifest check runs in a thread while Orbax reads the same step; a step whose check fails is
+    not returned (the state read from it is freed) and the next older one is restored."""
+    state = _state()
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, max_to_keep=2))
+    for step in (1, 2):
+        checkpointer.save(step, state, _data(step), force=True)
+    checkpointer.close()
+    spans, reads = {}, []
+    verify, restore = integrity.verify, Checkpointer.restore
+
+    def slow_verify(path):
+        began = time.perf_counter()
+        time.sleep(0.3)
+        spans.setdefault("verify", []).append((threading.current_thread().name, began, time.perf_counter()))
+        return ["planted problem"] if path.name == "2" else verify(path)
+
+    def timed_restore(self, step, *args):
+        began = time.perf_counter()
+        time.sleep(0.3)
+        reads.append(restore(self, step, *args))
+        spans.setdefault("restore", []).append((threading.current_thread().name, began, time.perf_counter()))
+        return reads[-1]
+
+    monkeypatch.setattr(integrity, "verify", slow_verify)
+    monkeypatch.setattr(Checkpointer, "restore", timed_restore)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    reader = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, max_to_keep=2))
+    step, restored = reader.restore_latest(abstract, _data(), quarantine_dir=tmp_path / "corrupt")
+    assert step == 1 and _equal(restored, state)
+    (v_thread, v_began, v_ended), _ = spans["verify"]
+    (r_thread, r_began, r_ended), _ = spans["restore"]
+    assert v_thread.startswith("checkpoint-verify") and r_thread == threading.current_thread().name
+    assert v_began < r_ended and r_began < v_ended  # the two overlapped
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(reads[0]))  # step 2's state, read and freed
+    assert [p.name.split("-")[0] for p in (tmp_path / "corrupt").iterdir()] == ["2"]
+    reader.close()
+
+
 def test_manifests_are_written_off_the_calling_thread(tmp_path, monkeypatch):
     from gem_jax.train import integrity
 
