@@ -1,4 +1,4 @@
-"""Checksum manifests of checkpoint steps: sha256 of every file, written after a save, checked before a restore.
+"""Checksum manifests of checkpoint steps: sha256 of every file, written after a save, checked when a step is restored.
 
 Orbax writes a step atomically (a temporary folder renamed when complete), but
 nothing in it notices bytes that change later: a flipped byte in a data file
