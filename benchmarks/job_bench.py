@@ -136,15 +136,15 @@ def main(argv: list[str] | None = None) -> None:
         env.update(xla_flags.ENVIRONMENT)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="gem_job_"))
     base = ["--config", args.config, "--workdir", str(workdir), "--compile-cache", args.compile_cache]
-    workdir.mkdir(parents=True, exist_ok=True)
 
     if args.restart_only:
-        finished = [r for r in records(workdir) if r["kind"] == "summary"] if (workdir / "metrics.jsonl").exists() else []
-        if not finished:
-            parser.error(f"--restart-only: {workdir / 'metrics.jsonl'} holds no summary of a finished job")
+        summaries = [r for r in records(workdir) if r["kind"] == "summary"] if (workdir / "metrics.jsonl").is_file() else []
+        if not (summaries and summaries[-1].get("finished")):
+            parser.error(f"--restart-only: {workdir / 'metrics.jsonl'} holds no summary of a finished job (its last start must have finished)")
         status, seconds, output = 0, 0.0, ""
-        job = {"step": finished[-1]["step"], "timed_in_this_call": False}
+        job = {"step": summaries[-1]["step"], "timed_in_this_call": False}
     else:
+        workdir.mkdir(parents=True, exist_ok=True)
         job_args = [*base, *(["--set", *args.overrides] if args.overrides else [])]
         status, seconds, output = run_job(job_args, env, workdir / "job.log")
         job = job_record(status, seconds, output, workdir)

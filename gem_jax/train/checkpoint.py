@@ -345,7 +345,9 @@ class Checkpointer:
             self._finish_write()
         steps = self.all_steps()
         self._await_manifests(steps[: max(0, len(steps) + 1 - self.config.max_to_keep)])  # this save's rotation deletes them
-        if self._pending is not None:
+        if self._pending == step:  # due while the previous save was being written, and saved at that step after all
+            self._pending = None
+        elif self._pending is not None:
             self._announce_deferral(step)
         copy_bytes = self._copy_bytes or disk_space.checkpoint_bytes(state)
         record = SaveRecord(step, copy_bytes, 0.0, started=start, snapshot=not force and self._snapshots(state))
@@ -381,7 +383,7 @@ class Checkpointer:
         return restored.state
 
     def wait(self) -> None:
-        """Waits for the save in flight and every checksum manifest (written for each finished step lacking one).
+        """Waits for the save in flight and the checksum manifests of the steps this process saved.
 
         Raises:
           CheckpointWriteError: the save in flight, or writing a manifest, failed.
@@ -389,7 +391,9 @@ class Checkpointer:
         began = time.perf_counter()
         self._finish_write()
         written = time.perf_counter()
-        for step in self.all_steps():
+        # Only the steps this process wrote: a step found without a manifest (its process ended before
+        # writing one) is never vouched for by hashing whatever its files hold now.
+        for step in sorted(set(self.all_steps()) & {record.step for record in self.saves}):
             self._queue_manifest(step)
         self._await_manifests(list(self._manifest_jobs))
         self._ending.update(checkpoint_final_wait_s=written - began, checkpoint_final_manifests_s=time.perf_counter() - written)
@@ -431,11 +435,13 @@ class Checkpointer:
     ) -> tuple[int, TrainState] | None:
         """Restores the newest intact step; None when there is no checkpoint.
 
-        Each step, newest first, is checked against its manifest while it is restored (the
-        checksums are hashed in a thread beside Orbax's read of the same files; a restored
-        state is kept only when its step passes); a step that fails its manifest, or has none
+        Each step, newest first, is checked against its manifest and restored (its structure
+        first; its array data hashed in a thread beside Orbax's read of the same files, the
+        state kept only when they pass); a step that fails its manifest, or has none
         and cannot be read, is reported (path and cause on stderr), moved to
-        `quarantine_dir/<step>-<time>` and the next older step is tried.
+        `quarantine_dir/<step>-<time>` and the next older step is tried. A readable step without
+        a manifest (its process ended before writing one) is restored unverified, said on stderr,
+        and stays without one.
 
         Raises:
           CorruptCheckpointError: the newest step is corrupt and `fallback` is
@@ -448,6 +454,13 @@ class Checkpointer:
             path = self.step_path(step)
             restored, error, problems = self._restore_verified(step, abstract_state, data_iterator)
             if not problems and error is None:
+                if not integrity.has_manifest(path) and jax.process_index() == 0:
+                    print(
+                        f"gem-train: checkpoint step {step} has no checksum manifest (the process that saved it ended "
+                        f"before writing one): restored without verification ({path})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return step, restored
             if not problems:
                 if integrity.has_manifest(path):
@@ -471,10 +484,15 @@ class Checkpointer:
     def _restore_verified(
         self, step: int, abstract_state: TrainState, data_iterator: grain.DatasetIterator
     ) -> tuple[TrainState | None, Exception | None, list[str]]:
-        """`step` restored while `integrity.verify` checks its files in a thread: (the state or None, the
-        restore's error or None, the manifest's problems). A state read from a step with problems is freed."""
+        """`step` checked against its manifest and restored: (the state or None, the restore's error or None,
+        the manifest's problems). The step's structure (indexes, metadata, file list and sizes) is checked
+        first, and a step failing it is not read; its array data is hashed in a thread while Orbax reads it,
+        and a state read from data that fails is freed."""
+        path = self.step_path(step)
+        if problems := integrity.verify(path, data=False):
+            return None, None, problems
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify") as verifier:
-            verifying = verifier.submit(integrity.verify, self.step_path(step))
+            verifying = verifier.submit(integrity.verify, path, data=True)
             try:
                 restored, error = self.restore(step, abstract_state, data_iterator), None
             except Exception as failure:  # Orbax and tensorstore raise many types for unreadable files

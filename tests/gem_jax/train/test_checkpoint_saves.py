@@ -137,6 +137,20 @@ def test_a_full_disk_is_recognised_in_the_exception_chain(error, full):
 # ---------------------------------------------------------------- non-blocking saves
 
 
+def test_a_forced_save_at_the_step_that_was_due_is_no_deferral(tmp_path, slow_writes, capsys):
+    """The last step's save is due while the previous one still writes; the final (forced) save takes it
+    at that very step: nothing was deferred, and nothing says so."""
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=2, max_to_keep=5))
+    state = _state()
+    slow_writes[0] = 0.5
+    assert checkpointer.save(2, state, _data(2))
+    assert not checkpointer.should_save(4)  # due, but the write of step 2 is in flight
+    assert checkpointer.save(4, state, _data(4), force=True)
+    checkpointer.close()
+    assert checkpointer.deferred == [] and checkpointer.report()["checkpoint_deferred"] == 0
+    assert "deferred" not in capsys.readouterr().out and checkpointer.all_steps() == [2, 4]
+
+
 def test_a_save_due_while_the_previous_one_writes_is_deferred_not_blocked(tmp_path, slow_writes, capsys):
     checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=2, max_to_keep=5))
     state = _state()
@@ -304,22 +318,30 @@ def test_host_memory_does_not_grow_from_save_to_save(tmp_path):
     assert checkpointer.write_buffer_gb >= 1
 
 
-def test_a_restore_is_verified_beside_the_read_and_kept_only_when_intact(tmp_path, monkeypatch):
-    """The manifest check runs in a thread while Orbax reads the same step; a step whose check fails is
-    not returned (the state read from it is freed) and the next older one is restored."""
-    state = _state()
+def _two_saved_steps(tmp_path, state):
     checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, max_to_keep=2))
     for step in (1, 2):
         checkpointer.save(step, state, _data(step), force=True)
     checkpointer.close()
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+
+
+def test_a_restore_hashes_the_array_data_beside_the_read_and_keeps_it_only_when_intact(tmp_path, monkeypatch):
+    """The step's structure is checked first; its array data is hashed in a thread while Orbax reads the
+    step; a step whose data fails is not returned (the state read from it is freed) and the next older
+    one is restored."""
+    state = _state()
+    abstract = _two_saved_steps(tmp_path, state)
     spans, reads = {}, []
     verify, restore = integrity.verify, Checkpointer.restore
 
-    def slow_verify(path):
+    def slow_verify(path, *, data=None):
+        if not data:
+            return verify(path, data=data)
         began = time.perf_counter()
         time.sleep(0.3)
         spans.setdefault("verify", []).append((threading.current_thread().name, began, time.perf_counter()))
-        return ["planted problem"] if path.name == "2" else verify(path)
+        return ["planted problem"] if path.name == "2" else verify(path, data=True)
 
     def timed_restore(self, step, *args):
         began = time.perf_counter()
@@ -330,7 +352,6 @@ def test_a_restore_is_verified_beside_the_read_and_kept_only_when_intact(tmp_pat
 
     monkeypatch.setattr(integrity, "verify", slow_verify)
     monkeypatch.setattr(Checkpointer, "restore", timed_restore)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
     reader = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, max_to_keep=2))
     step, restored = reader.restore_latest(abstract, _data(), quarantine_dir=tmp_path / "corrupt")
     assert step == 1 and _equal(restored, state)
@@ -341,6 +362,58 @@ def test_a_restore_is_verified_beside_the_read_and_kept_only_when_intact(tmp_pat
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(reads[0]))  # step 2's state, read and freed
     assert [p.name.split("-")[0] for p in (tmp_path / "corrupt").iterdir()] == ["2"]
     reader.close()
+
+
+def test_a_step_with_a_damaged_index_is_not_read(tmp_path, monkeypatch):
+    """A changed small file (an index or metadata: what Orbax must trust to read the rest) fails the
+    structure check before any read; the step is moved aside and the older one restored."""
+    state = _state()
+    abstract = _two_saved_steps(tmp_path, state)
+    small = [p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file() and "manifest" in p.name]
+    assert small
+    small[0].write_bytes(bytes(b ^ 0xFF for b in small[0].read_bytes()))
+    read = []
+    restore = Checkpointer.restore
+    monkeypatch.setattr(Checkpointer, "restore", lambda self, step, *args: read.append(step) or restore(self, step, *args))
+    reader = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, max_to_keep=2))
+    step, restored = reader.restore_latest(abstract, _data(), quarantine_dir=tmp_path / "corrupt")
+    assert step == 1 and read == [1] and _equal(restored, state)
+    reader.close()
+
+
+def test_verify_splits_into_structure_and_data_passes(tmp_path, monkeypatch):
+    """`verify(data=False)` and `verify(data=True)` together report what `verify()` does: a resized small
+    file, a changed data file, an added and a missing file, each in one pass only."""
+    state = _state(rows=512)
+    _two_saved_steps(tmp_path, state)
+    step = tmp_path / "2"
+    files = sorted((p for p in step.rglob("*") if p.is_file() and p.name != integrity.MANIFEST), key=lambda p: p.stat().st_size)
+    monkeypatch.setattr(integrity, "DATA_FILE_BYTES", files[-1].stat().st_size)  # the largest file counts as data
+    data = bytearray(files[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[-1].write_bytes(bytes(data))
+    files[0].write_bytes(files[0].read_bytes() + b"x")
+    files[1].unlink()
+    (step / "state" / "extra").write_bytes(b"x")
+    everything, structure, arrays = (integrity.verify(step, data=d) for d in (None, False, True))
+    assert sorted(everything) == sorted(structure + arrays) and len(everything) == 4
+    assert arrays == [f"{files[-1]}: contents changed since the save (sha256 mismatch)"]
+    assert integrity.verify(tmp_path / "1", data=False) == [] and integrity.verify(tmp_path / "1", data=True) == []
+
+
+def test_a_step_without_a_manifest_is_restored_said_and_never_vouched_for(tmp_path, capsys):
+    """A step whose process ended before its manifest: restored (nothing to check against), said on
+    stderr, and the restoring process does not write a manifest for it (its files may have changed)."""
+    state = _state()
+    abstract = _two_saved_steps(tmp_path, state)
+    (tmp_path / "2" / integrity.MANIFEST).unlink()
+    reader = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, max_to_keep=3))
+    step, restored = reader.restore_latest(abstract, _data(), quarantine_dir=tmp_path / "corrupt")
+    assert step == 2 and _equal(restored, state)
+    assert "checkpoint step 2 has no checksum manifest" in capsys.readouterr().err
+    reader.save(3, state, _data(3), force=True)
+    reader.close()
+    assert not integrity.has_manifest(tmp_path / "2") and integrity.has_manifest(tmp_path / "3")
 
 
 def test_manifests_are_written_off_the_calling_thread(tmp_path, monkeypatch):
