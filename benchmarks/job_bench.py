@@ -63,6 +63,11 @@ def records(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def summaries(workdir: Path) -> list[dict]:
+    """The summary records of `workdir/metrics.jsonl`, oldest first (none without the file)."""
+    return [r for r in records(workdir) if r["kind"] == "summary"] if (workdir / "metrics.jsonl").is_file() else []
+
+
 def split_of(summary: dict) -> dict:
     """The summary's time split, goodput and late-compile count."""
     keys = ("wall_s", "goodput", "compiles_after_start")
@@ -99,7 +104,7 @@ def git_commit() -> str:
 def job_record(status: int, seconds: float, output: str, workdir: Path) -> dict:
     """One start of the job: exit status, outside wall time, the summary's split (or why there is none)."""
     out: dict = {"exit_status": status, "process_wall_s": seconds}
-    found = [r for r in records(workdir) if r["kind"] == "summary"] if (workdir / "metrics.jsonl").exists() else []
+    found = summaries(workdir)
     if status != 0 or not found:
         out["error"] = output[-4000:]
         return out
@@ -138,11 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     base = ["--config", args.config, "--workdir", str(workdir), "--compile-cache", args.compile_cache]
 
     if args.restart_only:
-        summaries = [r for r in records(workdir) if r["kind"] == "summary"] if (workdir / "metrics.jsonl").is_file() else []
-        if not (summaries and summaries[-1].get("finished")):
+        last = summaries(workdir)[-1:]
+        if not (last and last[0].get("finished")):
             parser.error(f"--restart-only: {workdir / 'metrics.jsonl'} holds no summary of a finished job (its last start must have finished)")
         status, seconds, output = 0, 0.0, ""
-        job = {"step": summaries[-1]["step"], "timed_in_this_call": False}
+        job = {"step": last[0]["step"], "timed_in_this_call": False}
     else:
         workdir.mkdir(parents=True, exist_ok=True)
         job_args = [*base, *(["--set", *args.overrides] if args.overrides else [])]

@@ -489,19 +489,17 @@ class Checkpointer:
         first, and a step failing it is not read; its array data is hashed in a thread while Orbax reads it,
         and a state read from data that fails is freed."""
         path = self.step_path(step)
-        if problems := integrity.verify(path, data=False):
+        if problems := integrity.verify(path, part="structure"):
             return None, None, problems
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify") as verifier:
-            verifying = verifier.submit(integrity.verify, path, data=True)
+            verifying = verifier.submit(integrity.verify, path, part="data")
             try:
                 restored, error = self.restore(step, abstract_state, data_iterator), None
             except Exception as failure:  # Orbax and tensorstore raise many types for unreadable files
                 restored, error = None, failure
             problems = verifying.result()
         if problems and restored is not None:
-            for leaf in jax.tree.leaves(restored):
-                if isinstance(leaf, jax.Array):
-                    leaf.delete()
+            _free(restored)
             restored = None
         return restored, error, problems
 
@@ -550,8 +548,7 @@ class Checkpointer:
         try:
             self._save_now(step, copy, position)
         finally:
-            for leaf in jax.tree.leaves(copy):
-                leaf.delete()
+            _free(copy)
 
     def _snapshots(self, state: TrainState) -> bool:
         """Whether non-forced saves snapshot the state on the device; decided at the first save, when the
@@ -666,6 +663,13 @@ class Checkpointer:
         with self._lock:
             self.manager.reload()
         return target
+
+
+def _free(tree) -> None:
+    """Frees the device buffers of `tree`'s arrays now (a snapshot handed over, a state read from a corrupt step)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
 
 
 def _restore_args(abstract_state: TrainState) -> ocp.args.PyTreeRestore:

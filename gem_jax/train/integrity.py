@@ -20,7 +20,7 @@ _CHUNK = 1 << 20
 # Files hashed at once: hashlib releases the GIL, so a step's data files (Orbax's OCDBT
 # files of up to 2 GiB each) are hashed on this many cores, not one.
 HASH_THREADS = min(16, os.cpu_count() or 1)
-# Files of this size or more are array data (`verify(data=True)`); below it, indexes and metadata.
+# Files of this size or more are array data (`verify(part="data")`); below it, indexes and metadata.
 DATA_FILE_BYTES = 1 << 24
 
 
@@ -61,20 +61,29 @@ def write_manifest(step_dir: str | Path) -> None:
     os.replace(tmp, step_dir / MANIFEST)
 
 
-def verify(step_dir: str | Path, *, data: bool | None = None) -> list[str]:
+PARTS = ("all", "structure", "data")
+
+
+def verify(step_dir: str | Path, *, part: str = "all") -> list[str]:
     """The problems of a step against its manifest, one line each naming the file; `[]` when intact.
 
     A step without a manifest (saved, then the process ended before the manifest
     was written) has nothing to check against and yields `[]`.
 
     Args:
-      data: None checks every file. False checks the step's structure: the manifest
-        itself, missing and added files, sizes, and the contents of the files below
+      part: "all" checks every file. "structure": the manifest itself, missing and
+        added files, every file's size, and the contents of the files below
         `DATA_FILE_BYTES` (indexes and metadata, which a reader must trust first).
-        True checks only the contents of the files of `DATA_FILE_BYTES` or more
-        (the arrays' data, nearly all of the bytes), so that they can be hashed
-        while a reader whose structure passed reads them.
+        "data": only the contents of the files of `DATA_FILE_BYTES` or more (the
+        arrays' data, nearly all of the bytes), hashed while a reader whose
+        structure passed reads them. "structure" and "data" together report what
+        "all" does.
+
+    Raises:
+      ValueError: `part` is not one of `PARTS`.
     """
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     step_dir = Path(step_dir)
     manifest = step_dir / MANIFEST
     if not manifest.is_file():
@@ -82,24 +91,24 @@ def verify(step_dir: str | Path, *, data: bool | None = None) -> list[str]:
     try:
         expected = json.loads(manifest.read_text())
     except (OSError, ValueError) as error:
-        return [] if data else [f"{manifest}: unreadable manifest ({error})"]
+        return [] if part == "data" else [f"{manifest}: unreadable manifest ({error})"]
     problems = []
     present = {str(p.relative_to(step_dir)): p for p in _files(step_dir)}
-    same_size = []
+    hashed = []  # (path, digest) of the files whose contents this part checks and whose size is right
     for name, (size, digest) in sorted(expected.items()):
         path = step_dir / name
-        if data is None or data == (size >= DATA_FILE_BYTES):
-            if name in present and path.stat().st_size == size:
-                same_size.append((path, digest))
-        if data:
-            continue
-        if name not in present:
-            problems.append(f"{path}: missing")
-        elif (actual := path.stat().st_size) != size:
-            problems.append(f"{path}: {actual} bytes, {size} when saved")
-    for (path, digest), actual in zip(same_size, _sha256_all([p for p, _ in same_size]), strict=True):
+        actual = path.stat().st_size if name in present else None
+        if part != "data":
+            if actual is None:
+                problems.append(f"{path}: missing")
+            elif actual != size:
+                problems.append(f"{path}: {actual} bytes, {size} when saved")
+        is_data = size >= DATA_FILE_BYTES
+        if actual == size and (part == "all" or is_data == (part == "data")):
+            hashed.append((path, digest))
+    for (path, digest), actual in zip(hashed, _sha256_all([p for p, _ in hashed]), strict=True):
         if actual != digest:
             problems.append(f"{path}: contents changed since the save (sha256 mismatch)")
-    if not data:
+    if part != "data":
         problems += [f"{step_dir / name}: not part of the saved checkpoint" for name in sorted(set(present) - set(expected))]
     return problems

@@ -201,13 +201,14 @@ def test_the_rotation_deletes_in_the_background_and_close_waits_for_it(tmp_path,
     returns it is gone from the disk, and the kept step is intact and restorable."""
     from orbax.checkpoint._src.path import deleter
 
-    deleting = threading.Event()
+    deleting, deleted = threading.Event(), []
     delete = deleter.StandardCheckpointDeleter.delete
 
     def slow_delete(self, step):
         deleting.set()
         time.sleep(0.5)
         delete(self, step)
+        deleted.append(time.perf_counter())
 
     monkeypatch.setattr(deleter.StandardCheckpointDeleter, "delete", slow_delete)
     state = _state()
@@ -217,9 +218,10 @@ def test_the_rotation_deletes_in_the_background_and_close_waits_for_it(tmp_path,
     checkpointer.wait()
     assert deleting.is_set()
     checkpointer.close()
+    closed = time.perf_counter()
+    assert len(deleted) == 1 and deleted[0] <= closed  # the deletion ended before `close` returned
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["2"]
     assert integrity.has_manifest(tmp_path / "2") and integrity.verify(tmp_path / "2") == []
-    assert checkpointer.report()["checkpoint_close_s"] >= 0.0
     reader = Checkpointer(tmp_path, CheckpointConfig(), read_only=True)
     assert _equal(reader.restore_state(2, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)), state)
 
@@ -335,13 +337,13 @@ def test_a_restore_hashes_the_array_data_beside_the_read_and_keeps_it_only_when_
     spans, reads = {}, []
     verify, restore = integrity.verify, Checkpointer.restore
 
-    def slow_verify(path, *, data=None):
-        if not data:
-            return verify(path, data=data)
+    def slow_verify(path, *, part="all"):
+        if part != "data":
+            return verify(path, part=part)
         began = time.perf_counter()
         time.sleep(0.3)
         spans.setdefault("verify", []).append((threading.current_thread().name, began, time.perf_counter()))
-        return ["planted problem"] if path.name == "2" else verify(path, data=True)
+        return ["planted problem"] if path.name == "2" else verify(path, part="data")
 
     def timed_restore(self, step, *args):
         began = time.perf_counter()
@@ -382,7 +384,7 @@ def test_a_step_with_a_damaged_index_is_not_read(tmp_path, monkeypatch):
 
 
 def test_verify_splits_into_structure_and_data_passes(tmp_path, monkeypatch):
-    """`verify(data=False)` and `verify(data=True)` together report what `verify()` does: a resized small
+    """`verify(part="structure")` and `verify(part="data")` together report what `verify()` does: a resized small
     file, a changed data file, an added and a missing file, each in one pass only."""
     state = _state(rows=512)
     _two_saved_steps(tmp_path, state)
@@ -395,10 +397,12 @@ def test_verify_splits_into_structure_and_data_passes(tmp_path, monkeypatch):
     files[0].write_bytes(files[0].read_bytes() + b"x")
     files[1].unlink()
     (step / "state" / "extra").write_bytes(b"x")
-    everything, structure, arrays = (integrity.verify(step, data=d) for d in (None, False, True))
+    everything, structure, arrays = (integrity.verify(step, part=part) for part in integrity.PARTS)
     assert sorted(everything) == sorted(structure + arrays) and len(everything) == 4
     assert arrays == [f"{files[-1]}: contents changed since the save (sha256 mismatch)"]
-    assert integrity.verify(tmp_path / "1", data=False) == [] and integrity.verify(tmp_path / "1", data=True) == []
+    assert integrity.verify(tmp_path / "1", part="structure") == [] and integrity.verify(tmp_path / "1", part="data") == []
+    with pytest.raises(ValueError, match="part must be one of"):
+        integrity.verify(step, part="index")
 
 
 def test_a_step_without_a_manifest_is_restored_said_and_never_vouched_for(tmp_path, capsys):
