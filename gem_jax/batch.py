@@ -26,7 +26,11 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_]+")  # feature and task names: they name
 
 
 class HistoryField(enum.IntEnum):
-    """Columns of `Batch.history.values` (int32 `[T_cap, 3]`)."""
+    """The first columns of `Batch.history.values` (int32 `[T_cap, FeatureSpec.history_width]`).
+
+    A spec with `history_item_features` adds, after these three, each history
+    event's item features (`FeatureSpec.history_feature_columns`).
+    """
 
     ITEM = 0  # remapped item id, 1..num_items-1
     ACTION = 1  # action / rating bucket, 1..num_actions-1
@@ -95,6 +99,13 @@ class FeatureSpec:
         the built-in sources).
       item_features: the candidate item's side features, one token each.
       max_seq_len: the longest history.
+      history_item_features: each history row also carries its event's item features
+        (the same features, vocabularies and tables as the candidate's), as columns
+        after the `HistoryField` ones: `max_values` columns per feature, in
+        `item_features` order (`history_feature_columns`), PAD_ID where an item has
+        fewer values. The model adds their pooled embeddings to the row's token, as
+        sequence models feed item side information into the history (Zhou et al.,
+        DIN, 2018; Zhai et al., HSTU, 2024). False: the three `HistoryField` columns.
 
     Raises:
       ValueError: no task, a repeated or malformed task name, a feature name repeated
@@ -108,6 +119,7 @@ class FeatureSpec:
     user_features: tuple[CategoricalFeature, ...] = ()
     item_features: tuple[CategoricalFeature, ...] = ()
     max_seq_len: int = 200
+    history_item_features: bool = False
 
     def __post_init__(self):
         for field in ("tasks", "user_features", "item_features"):
@@ -129,6 +141,24 @@ class FeatureSpec:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"FeatureSpec.{field} must be an int >= 1, got {value!r}")
+        if not isinstance(self.history_item_features, bool):
+            raise ValueError(f"FeatureSpec.history_item_features must be a bool, got {self.history_item_features!r}")
+
+    @property
+    def history_feature_columns(self) -> dict[str, slice]:
+        """The history values' columns of each item feature, by name (empty without `history_item_features`)."""
+        if not self.history_item_features:
+            return {}
+        columns, start = {}, len(HistoryField)
+        for feature in self.item_features:
+            columns[feature.name] = slice(start, start + feature.max_values)
+            start += feature.max_values
+        return columns
+
+    @property
+    def history_width(self) -> int:
+        """Columns of `Batch.history.values`: the `HistoryField` ones, then the item features' (`history_feature_columns`)."""
+        return len(HistoryField) + sum(c.stop - c.start for c in self.history_feature_columns.values())
 
     @property
     def num_tasks(self) -> int:
@@ -147,7 +177,8 @@ class Batch:
     """One static-shape batch of B examples in the layout of a `FeatureSpec`.
 
     Attributes:
-      history: `Jagged` with int32 values `[T_cap, 3]` (`HistoryField` columns) and
+      history: `Jagged` with int32 values `[T_cap, spec.history_width]` (`HistoryField`
+        columns, then the events' item features with `spec.history_item_features`) and
         offsets `[B+1]`: each example's events before its target, oldest first,
         at most `max_seq_len` (the most recent kept).
       user: int32 `[B, max_values]` per user feature, by name (`spec.user_features`).
@@ -188,7 +219,7 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
                 f"(missing {sorted(wanted - given)}, unknown {sorted(given - wanted)})"
             )
     expected = {
-        "history.values": ((None, len(HistoryField)), batch.history.values.shape),
+        "history.values": ((None, spec.history_width), batch.history.values.shape),
         "candidate_item": ((b,), batch.candidate_item.shape),
         **{f"user[{f.name!r}]": ((b, f.max_values), batch.user[f.name].shape) for f in spec.user_features},
         **{f"candidate_features[{f.name!r}]": ((b, f.max_values), batch.candidate_features[f.name].shape) for f in spec.item_features},
@@ -200,7 +231,8 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
             shown = tuple("T" if w is None else w for w in want)
             raise ValueError(
                 f"{where}: Batch.{name} has shape {tuple(got)}, expected {shown} "
-                "(history values are (item, action, time bucket) id columns, features [B, max_values], "
+                "(history values are (item, action, time bucket) id columns, then with history_item_features the "
+                "events' item features, max_values columns each; features [B, max_values], "
                 "labels [B, tasks]; see gem_jax.Batch)"
             )
 
@@ -225,7 +257,8 @@ def random_batch(spec: FeatureSpec, rng: np.random.Generator, lengths, capacity:
     Args:
       spec: the schema.
       rng: numpy generator (its draws, in order: history items, actions, time buckets,
-        user features, candidate items, item features, labels).
+        user features, candidate items, item features, labels, then the history rows'
+        item features with `spec.history_item_features`, drawn like the candidate's).
       lengths: int `[B]` history length of each example (each <= `spec.max_seq_len`).
       capacity: token rows `T_cap` of the history (>= sum(lengths)).
       slack_value: id written into every column of the slack rows past the last history.
@@ -239,16 +272,19 @@ def random_batch(spec: FeatureSpec, rng: np.random.Generator, lengths, capacity:
     lengths = np.asarray(lengths)
     b, t = len(lengths), int(lengths.sum())
     values = np.stack([rng.integers(1, n, t) if n > 1 else np.zeros(t, np.int64) for n in (spec.num_items, spec.num_actions, spec.num_time_buckets)], 1)
-    history = from_lengths(values, lengths, max_seq_len=spec.max_seq_len, capacity=capacity)
-    history = history.replace_values(history.values.at[t:].set(slack_value))
     user = {f.name: jnp.asarray(_random_ids(rng, f, b)) for f in spec.user_features}
     candidate = rng.integers(1, spec.num_items, b) if spec.num_items > 1 else np.zeros(b, np.int64)
+    candidate_features = {f.name: jnp.asarray(_random_ids(rng, f, b)) for f in spec.item_features}
+    labels = jnp.asarray(rng.random((b, spec.num_tasks)) < 0.5, jnp.float32)
+    columns = spec.history_feature_columns
+    values = np.concatenate([values, *(_random_ids(rng, f, t) for f in spec.item_features if f.name in columns)], axis=1)
+    history = from_lengths(values, lengths, max_seq_len=spec.max_seq_len, capacity=capacity)
     return Batch(
-        history=history,
+        history=history.replace_values(history.values.at[t:].set(slack_value)),
         user=user,
         candidate_item=jnp.asarray(candidate, jnp.int32),
-        candidate_features={f.name: jnp.asarray(_random_ids(rng, f, b)) for f in spec.item_features},
-        labels=jnp.asarray(rng.random((b, spec.num_tasks)) < 0.5, jnp.float32),
+        candidate_features=candidate_features,
+        labels=labels,
         weights=jnp.ones((b,), jnp.float32),
     )
 
@@ -272,11 +308,13 @@ def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
     ]
     checks += [(f"user feature {f.name!r}", np.asarray(batch.user[f.name]), f.vocab_size) for f in spec.user_features]
     checks += [(f"candidate feature {f.name!r}", np.asarray(batch.candidate_features[f.name]), f.vocab_size) for f in spec.item_features]
+    columns = spec.history_feature_columns
+    checks += [(f"history item feature {f.name!r}", hist[:, columns[f.name]], f.vocab_size) for f in spec.item_features if f.name in columns]
     for name, ids, size in checks:
         bad = np.argwhere((ids < 0) | (ids >= size))
         if bad.size:
             at = tuple(int(i) for i in bad[0])
-            place = f"index {at[0]}" if len(at) == 1 else f"example {at[0]}, value {at[1]}"
+            place = f"index {at[0]}" if len(at) == 1 else f"{'history row' if name.startswith('history') else 'example'} {at[0]}, value {at[1]}"
             raise ValueError(f"{where}: {name} id {int(ids[at])} at {place} is outside the vocabulary [0, {size})")
 
 

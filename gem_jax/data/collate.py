@@ -60,8 +60,11 @@ def check_history_lengths(history_length: np.ndarray, spec: FeatureSpec) -> None
         raise JaggedError(f"an example history is longer than max_seq_len {spec.max_seq_len}")
 
 
-def log_spec(log: EventLog, tasks: tuple[str, ...], *, num_time_buckets: int, max_seq_len: int) -> FeatureSpec:
-    """The `FeatureSpec` of batches built from `log`: the user id (feature "user") and the log's side features."""
+def log_spec(
+    log: EventLog, tasks: tuple[str, ...], *, num_time_buckets: int, max_seq_len: int, history_item_features: bool = False
+) -> FeatureSpec:
+    """The `FeatureSpec` of batches built from `log`: the user id (feature "user") and the log's side features
+    (with `history_item_features`, the item features in the history rows too)."""
     return FeatureSpec(
         num_items=log.num_items,
         num_actions=log.num_actions,
@@ -70,6 +73,7 @@ def log_spec(log: EventLog, tasks: tuple[str, ...], *, num_time_buckets: int, ma
         user_features=(CategoricalFeature("user", log.num_users),) + tuple(t.feature for t in log.user_features),
         item_features=tuple(t.feature for t in log.item_features),
         max_seq_len=max_seq_len,
+        history_item_features=history_item_features,
     )
 
 
@@ -124,7 +128,7 @@ class BatchBuilder:
             lengths=ex.history_length[idx],
             user={"user": user_id[:, None]} | {t.feature.name: t.ids[user_id] for t in log.user_features},
             candidate=candidate,
-            candidate_features={t.feature.name: t.ids[candidate] for t in log.item_features},
+            item_features={t.feature.name: t.ids for t in log.item_features},
             labels=ex.labels[idx],
             weights=np.ones(idx.shape[0], np.float32),
         )
@@ -141,7 +145,7 @@ def assemble_batch(
     lengths: np.ndarray,
     user: dict[str, np.ndarray],
     candidate: np.ndarray,
-    candidate_features: dict[str, np.ndarray],
+    item_features: dict[str, np.ndarray],
     labels: np.ndarray,
     weights: np.ndarray,
 ) -> Batch:
@@ -160,7 +164,8 @@ def assemble_batch(
       lengths: int `[n]` history length of each example (<= target, within its user).
       user: int32 `[n, max_values]` per user feature of `spec`, by name.
       candidate: int32 `[n]` candidate items.
-      candidate_features: int32 `[n, max_values]` per item feature of `spec`, by name.
+      item_features: int32 `[items, max_values]` per item feature of `spec`, by name: each
+        item's ids (row `i` item `i`'s), for the candidates and the history rows.
       labels: float32 `[n, K]`.
       weights: float32 `[n]` loss weights of the real examples (padding examples get 0).
 
@@ -173,11 +178,13 @@ def assemble_batch(
     offsets = padded_offsets(lengths, b)
     total = int(offsets[n])
     rows = np.repeat(target - lengths - offsets[:n], lengths) + np.arange(total)
-    values = np.zeros((total, len(HistoryField)), np.int32)
+    values = np.zeros((total, spec.history_width), np.int32)
     values[:, HistoryField.ITEM] = item[rows]
     values[:, HistoryField.ACTION] = action[rows]
     age = np.repeat(timestamp[target], lengths) - timestamp[rows]
     values[:, HistoryField.TIME_BUCKET] = time_bucket(age, spec.num_time_buckets)
+    for name, columns in spec.history_feature_columns.items():
+        values[:, columns] = item_features[name][values[:, HistoryField.ITEM]]
 
     padded_candidate = np.full(b, PAD_ID, np.int32)
     padded_candidate[:n] = candidate
@@ -189,7 +196,7 @@ def assemble_batch(
         history=Jagged(values, offsets, spec.max_seq_len),
         user={f.name: feature_ids(f, b, user[f.name]) for f in spec.user_features},
         candidate_item=padded_candidate,
-        candidate_features={f.name: feature_ids(f, b, candidate_features[f.name]) for f in spec.item_features},
+        candidate_features={f.name: feature_ids(f, b, item_features[f.name][candidate]) for f in spec.item_features},
         labels=padded_labels,
         weights=padded_weights,
     )

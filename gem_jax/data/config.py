@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gem_jax.checks import check_float, check_int
+from gem_jax.checks import check_bool, check_float, check_int
 from gem_jax.data.bbs import check_shard_split
 from gem_jax.data.rows import OnBadRow
 from gem_jax.jagged import check_bucket_settings
@@ -127,6 +127,12 @@ class DataConfig:
       prefetch_batches: batches built ahead in a background thread (0: none).
       synthetic: shape of the synthetic source.
       bbs: base batch shuffling of the train batches; None: off.
+      history_item_features: each history row also carries its event's item features
+        (the candidate's side features: MovieLens genres, a converted log's
+        `--item-feature` columns), which the model adds to the row's token
+        (`FeatureSpec.history_item_features`). Not taken by `Source.SYNTHETIC`, whose
+        features are not a function of the item. Changes results, so a restarted run
+        keeps its value (`gem_jax.train.run_record`).
     """
 
     source: Source = Source.ML_LATEST_SMALL
@@ -142,6 +148,7 @@ class DataConfig:
     prefetch_batches: int = 2
     synthetic: SyntheticConfig = SyntheticConfig()
     bbs: BBSConfig | None = None
+    history_item_features: bool = False
 
     def __post_init__(self):
         if not isinstance(self.source, Source):
@@ -153,6 +160,12 @@ class DataConfig:
         check_int(self, "seed", minimum=0)
         check_int(self, "num_time_buckets", minimum=2)
         check_int(self, "prefetch_batches", minimum=0)
+        check_bool(self, "history_item_features")
+        if self.history_item_features and self.source is Source.SYNTHETIC:
+            raise ValueError(
+                "DataConfig.history_item_features: Source.SYNTHETIC draws each example's features at random, not from its "
+                "items, so its history rows have none to carry; set it to False, or train on a data set with item features"
+            )
         check_float(self, "eval_fraction")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")

@@ -443,7 +443,10 @@ def _load_file_source(config: DataConfig) -> Dataset:
     evals = source.build_eval(log, split, split.eval_targets, config)
     if not len(train) or not len(evals):
         raise ValueError(f"{log.name}: the split left {len(train)} train and {len(evals)} eval examples; both must be > 0")
-    spec = log_spec(log, tuple(name for name, _ in source.tasks), num_time_buckets=config.num_time_buckets, max_seq_len=config.max_seq_len)
+    spec = log_spec(
+        log, tuple(name for name, _ in source.tasks), num_time_buckets=config.num_time_buckets, max_seq_len=config.max_seq_len,
+        history_item_features=config.history_item_features,
+    )
     info = DatasetInfo(
         name=log.name,
         task_names=spec.tasks,
@@ -482,7 +485,9 @@ def _load_converted(config: DataConfig) -> Dataset:
     path = Path(config.path)
     index = read_converted_index(path)
     train, evals = converted_examples(index, config.max_seq_len)
-    spec = converted_spec(index, num_time_buckets=config.num_time_buckets, max_seq_len=config.max_seq_len)
+    spec = converted_spec(
+        index, num_time_buckets=config.num_time_buckets, max_seq_len=config.max_seq_len, history_item_features=config.history_item_features
+    )
     manifest = index.manifest
     info = DatasetInfo(
         name=path.resolve().name,

@@ -55,6 +55,23 @@ def _pool(feature: CategoricalFeature, module: EmbeddingTable | nnx.Linear, ids:
     return (rows.sum(1) / jnp.maximum(count, 1)[:, None].astype(rows.dtype)).astype(dtype)
 
 
+def _pool_history(feature: CategoricalFeature, module: EmbeddingTable | nnx.Linear, ids: jax.Array, real: jax.Array) -> jax.Array:
+    """int32 `[T, max_values]` item-feature ids of the history rows -> float32 `[T, d]`: each real row's
+    ids pooled as `_pool` pools a candidate's (bool `real` `[T]`), zeros on the other rows.
+
+    MEAN: slack rows are never looked up (a sharded table sends only real ids); a real
+    row without values takes PAD's row, as a candidate's does.
+    """
+    ids = jnp.asarray(ids)
+    if feature.pooling is Pooling.MULTI_HOT:  # a small vocabulary: the `[T, vocabulary]` multi-hot is small
+        return jnp.where(real[:, None], _pool(feature, module, ids, jnp.float32), 0.0)
+    given = (ids != PAD_ID) & real[:, None]
+    count = given.sum(-1)
+    looked_up = given.at[:, 0].set(given[:, 0] | (real & (count == 0)))
+    rows = module(ids, looked_up)  # [T, max_values, d] float32, zeros where not looked up
+    return rows.sum(1) / jnp.maximum(count, 1)[:, None].astype(rows.dtype)
+
+
 class FeatureEmbeddings(nnx.Module):
     """Embedding tables for history events, the candidate item, and the user's and candidate's features.
 
@@ -75,16 +92,23 @@ class FeatureEmbeddings(nnx.Module):
         self.item_features = nnx.Dict({f.name: _feature_module(f, dim, rngs, dtype) for f in spec.item_features})
 
     def history(self, values: jax.Array, real: jax.Array) -> jax.Array:
-        """int32 `[T_cap, 3]` -> `[T_cap, d]` in `dtype`: sum of item, action and time-bucket embeddings.
+        """int32 `[T_cap, spec.history_width]` -> `[T_cap, d]` in `dtype`: the sum of the item, action and
+        time-bucket embeddings, and with `spec.history_item_features` each item feature's pooled
+        embedding, from the candidate's tables (`item_features[name]`).
 
         bool `real` `[T_cap]` marks the real rows; slack rows get zeros and are never
         looked up (a sharded table sends only real ids).
         """
-        return (
+        tokens = (
             self.item(values[:, HistoryField.ITEM], real)
             + self.action(values[:, HistoryField.ACTION], real)
             + self.time_bucket(values[:, HistoryField.TIME_BUCKET], real)
-        ).astype(self.dtype)
+        )
+        columns = self.spec.history_feature_columns
+        for feature in self.spec.item_features:
+            if feature.name in columns:
+                tokens += _pool_history(feature, self.item_features[feature.name], values[:, columns[feature.name]], real)
+        return tokens.astype(self.dtype)
 
     def feature_tokens(self, batch: Batch) -> jax.Array:
         """`[B, spec.num_feature_tokens, d]` in `dtype`: one token per user feature, the candidate item, one per item feature."""

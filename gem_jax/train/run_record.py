@@ -44,11 +44,17 @@ MAY_CHANGE = (
     "model.remat",
 )
 
-# Config leaves added after runs were recorded: a record without the leaf reads as the value
+# Record leaves added after runs were recorded: a record without the leaf reads as the value
 # the run used. Tables' Adagrad kept one accumulator per element before
 # `optim.embedding_accumulator` made "row" the default, and started it at 0.1 before
-# `optim.embedding_initial_accumulator` could change that.
-RECORDED_BEFORE_FIELD = {"optim.embedding_accumulator": "element", "optim.embedding_initial_accumulator": 0.1}
+# `optim.embedding_initial_accumulator` could change that; history rows carried no item
+# features before `data.history_item_features` (and the spec's field of that name).
+RECORDED_BEFORE_FIELD = {
+    "config.optim.embedding_accumulator": "element",
+    "config.optim.embedding_initial_accumulator": 0.1,
+    "config.data.history_item_features": False,
+    "spec.history_item_features": False,
+}
 
 
 class RunMismatchError(ValueError):
@@ -106,10 +112,11 @@ def read_record(workdir: str | Path) -> dict[str, Any] | None:
         raise RunMismatchError(f"{path}: not a gem-jax run record; move the workdir aside or use --force-new")
     for dotted, value in RECORDED_BEFORE_FIELD.items():
         *parents, name = dotted.split(".")
-        tree = record["config"]
+        tree = record
         for key in parents:
-            tree = tree.setdefault(key, {})
-        tree.setdefault(name, value)
+            tree = tree.get(key) if isinstance(tree, dict) else None
+        if isinstance(tree, dict) and not legacy_runs.is_legacy_spec(tree):  # a spec of None or the legacy layout stays as recorded
+            tree.setdefault(name, value)
     return record
 
 

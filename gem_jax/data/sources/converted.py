@@ -213,9 +213,10 @@ def converted_examples(index: ConvertedIndex, max_seq_len: int) -> tuple[Convert
     return train, evals
 
 
-def converted_spec(index: ConvertedIndex, *, num_time_buckets: int, max_seq_len: int) -> FeatureSpec:
+def converted_spec(index: ConvertedIndex, *, num_time_buckets: int, max_seq_len: int, history_item_features: bool = False) -> FeatureSpec:
     """The `FeatureSpec` of the log's batches: the user id (feature "user") and the user and item features
-    of the manifest, in its order; vocabulary sizes are the vocabularies' rows.
+    of the manifest, in its order (with `history_item_features`, the item features in the history rows
+    too); vocabulary sizes are the vocabularies' rows.
 
     Raises:
       DataFormatError: a feature or task name the model cannot take (letters, digits
@@ -234,6 +235,7 @@ def converted_spec(index: ConvertedIndex, *, num_time_buckets: int, max_seq_len:
             + tuple(CategoricalFeature(f["name"], f["vocab_size"], widths["user"][f["name"]]) for f in sides["user"]),
             item_features=tuple(CategoricalFeature(f["name"], f["vocab_size"], widths["item"][f["name"]]) for f in sides["item"]),
             max_seq_len=max_seq_len,
+            history_item_features=history_item_features,
         )
     except ValueError as error:
         raise DataFormatError(
@@ -336,7 +338,7 @@ class ConvertedBatchBuilder:
             lengths=self.examples.history_length[idx],
             user={"user": users["user"][slot][:, None]} | {name: users[f"user_feature/{name}"][slot] for name, _ in index.layout.user_features},
             candidate=candidate,
-            candidate_features={name: table[candidate] for name, table in index.item_features.items()},
+            item_features=index.item_features,
             labels=events["labels"][local],
             weights=events["weight"][local] if weighted else np.ones(idx.shape[0], np.float32),
         )

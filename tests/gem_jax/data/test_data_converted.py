@@ -181,3 +181,24 @@ def test_bad_settings_and_directories_are_refused(converted, tmp_path):
     unnamed = dataclasses.replace(SCHEMA, labels=(LabelRule(name="rating>=4", column="rating", op=">=", threshold=4.0),))  # as older gem-data wrote
     with pytest.raises(ValueError, match=r"names do not fit the model: task name 'rating>=4' must be letters"):
         load_dataset(config(convert_event_log(events, tmp_path / "unnamed", schema=unnamed).out))
+
+
+def test_history_rows_carry_their_items_features(converted):
+    """With `history_item_features` every history row holds its own item's features (category, then the
+    two tags columns) after the three HistoryField columns; without it the values are the three columns."""
+    out, rows, _ = converted
+    names = {name: [None, None] + ConvertedLog(out).vocab(name).ids.to_pylist() for name in ("item", "item_feature.category", "item_feature.tags")}
+    dataset = load_dataset(config(out, history_item_features=True))
+    spec = dataset.spec
+    assert spec.history_item_features and spec.history_feature_columns == {"category": slice(3, 4), "tags": slice(4, 6)}
+    checked = 0
+    for batch in dataset.eval_batches():
+        values = np.asarray(batch.history.values)[: int(batch.history.offsets[-1])]
+        assert values.shape[1] == spec.history_width == 6
+        for item, category, *tags in values[:, [HistoryField.ITEM, 3, 4, 5]]:
+            iid = names["item"][item]
+            assert names["item_feature.category"][category] == CATEGORY[iid]
+            assert sorted(names["item_feature.tags"][t] for t in tags if t) == sorted(filter(None, TAGS[iid].split("|")))
+            checked += 1
+    assert checked > 50
+    assert load_dataset(config(out)).spec.history_width == 3

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gem_jax.batch import PAD_ID, HistoryField, validate_ids
-from gem_jax.data.config import SyntheticConfig
+from gem_jax.data.config import DataConfig, Source, SyntheticConfig
 from gem_jax.data.sources.synthetic import (
     EVAL_STREAM,
     TRAIN_STREAM,
@@ -93,3 +93,8 @@ def test_labels_follow_the_item_table():
         mask = cand == item
         assert mask.sum() > 500
         np.testing.assert_allclose(labels[mask, 0].mean(), table[item, 0], atol=0.06)
+
+
+def test_history_item_features_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="Source.SYNTHETIC draws each example's features at random"):
+        DataConfig(source=Source.SYNTHETIC, history_item_features=True)

@@ -134,3 +134,76 @@ def test_bad_specs_are_refused(kwargs, message):
 def test_bad_features_are_refused(args, message):
     with pytest.raises(ValueError, match=message):
         CategoricalFeature(*args)
+
+
+HISTORY_SPEC = dataclasses.replace(SPEC, history_item_features=True)
+
+
+def test_history_rows_add_their_items_pooled_features_from_the_candidates_tables():
+    """A history token is item + action + time bucket + each item feature pooled as a candidate's (the same
+    tables); slack rows stay zero and their ids, out of every vocabulary, are never looked up."""
+    assert HISTORY_SPEC.history_feature_columns == {"tags": slice(3, 6), "category": slice(6, 8)} and HISTORY_SPEC.history_width == 8
+    with nnx.use_eager_sharding(False):
+        embed = FeatureEmbeddings(HISTORY_SPEC, 8, rngs=nnx.Rngs(2), dtype=jnp.float32)
+    values = np.array([
+        # item, action, bucket, tags x3, category x2
+        [4, 1, 2, 3, PAD_ID, 5, 2, 3],
+        [7, 2, 1, PAD_ID, PAD_ID, PAD_ID, PAD_ID, PAD_ID],  # no values: PAD's row of tags, the bias of category
+        [9, 3, 4, 6, 6, 1, 1, PAD_ID],
+        [-1, 99, 99, 99, -7, 99, 99, 99],  # slack
+    ], np.int32)
+    real = np.array([True, True, True, False])
+    tokens = np.asarray(embed.history(jnp.asarray(values), jnp.asarray(real)))
+    table = {name: np.asarray(getattr(embed, name).embedding[...]) for name in ("item", "action", "time_bucket")}
+    tags = np.asarray(embed.item_features["tags"].embedding[...])
+    layer = embed.item_features["category"]
+    kernel, bias = np.asarray(layer.kernel[...]), np.asarray(layer.bias[...])
+    base = table["item"][values[:3, 0]] + table["action"][values[:3, 1]] + table["time_bucket"][values[:3, 2]]
+    expected = base + np.stack([
+        (tags[3] + tags[5]) / 2 + (kernel[1] + kernel[2]) / 2 + bias,
+        tags[PAD_ID] + bias,
+        (2 * tags[6] + tags[1]) / 3 + kernel[0] + bias,
+    ])
+    np.testing.assert_allclose(tokens[:3], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(tokens[3], 0.0)
+    # The same ids as a candidate's features give the same pooled vectors.
+    batch = random_batch(SPEC, np.random.default_rng(0), [1, 1, 1], capacity=3)
+    batch = dataclasses.replace(batch, candidate_features={"tags": jnp.asarray(values[:3, 3:6]), "category": jnp.asarray(values[:3, 6:8])})
+    candidate = np.asarray(embed.feature_tokens(batch))[:, len(SPEC.user_features) + 1 :]
+    np.testing.assert_allclose(tokens[:3] - base, candidate.sum(1), rtol=1e-5, atol=1e-6)
+
+
+def test_history_features_train_the_candidates_tables_and_skip_slack_rows():
+    """The gradient of a model on a history-feature batch reaches the tags table's rows of the history rows'
+    tags, no row through slack rows (NaN-poisoned values), and the logits are finite."""
+    with nnx.use_eager_sharding(False):
+        model = GEMModel(HISTORY_SPEC, CONFIG, rngs=nnx.Rngs(0))
+    batch = random_batch(HISTORY_SPEC, np.random.default_rng(3), [0, 5, 2], capacity=12, slack_value=-(2**20))
+    validate_ids(batch, HISTORY_SPEC)
+    graphdef, params = nnx.split(model)
+
+    def loss(p, b):
+        return nnx.merge(graphdef, p)(b).sum()
+
+    logits = forward(model, batch)
+    assert logits.shape == (3, 3) and np.isfinite(logits).all()
+    grads = jax.jit(jax.grad(loss))(params, batch)
+    tags_grad = np.asarray(grads["embed"]["item_features"]["tags"]["embedding"][...])
+    assert np.isfinite(tags_grad).all()
+    history_tags = np.asarray(batch.history.values)[:7, 3:6]
+    candidate_tags = np.asarray(batch.candidate_features["tags"])
+    touched = set(np.flatnonzero(np.abs(tags_grad).sum(-1)))
+    used = set(history_tags[history_tags != PAD_ID].tolist()) | set(candidate_tags[candidate_tags != PAD_ID].tolist())
+    assert set(history_tags[history_tags != PAD_ID].tolist()) - set(candidate_tags.ravel().tolist())  # rows only the history uses
+    assert touched <= used | {PAD_ID} and touched >= set(history_tags[history_tags != PAD_ID].tolist())
+
+
+def test_history_feature_columns_are_checked_with_the_row_named():
+    batch = random_batch(HISTORY_SPEC, np.random.default_rng(), [2, 1], capacity=4)
+    with pytest.raises(ValueError, match=r"history.values has shape \(4, 8\), expected \('T', 3\)"):
+        check_layout(batch, SPEC)
+    values = np.asarray(batch.history.values).copy()
+    values[2, 4] = 7  # row 2, the second tags column: tags' vocabulary is [0, 7)
+    bad = dataclasses.replace(batch, history=batch.history.replace_values(jnp.asarray(values)))
+    with pytest.raises(ValueError, match=r"history item feature 'tags' id 7 at history row 2, value 1 is outside the vocabulary \[0, 7\)"):
+        validate_ids(bad, HISTORY_SPEC)

@@ -151,3 +151,16 @@ def test_a_differing_feature_spec_is_a_mismatch():
     old = {"config": {"seed": 0}, "data": {"source": "X"}, "spec": {"tasks": ["like", "love"], "num_items": 5}}
     new = {"config": {"seed": 0}, "data": {"source": "X"}, "spec": {"tasks": ["like"], "num_items": 5}}
     assert run_record.mismatches(old, new) == [("spec.tasks", ["like", "love"], ["like"])]
+
+
+def test_a_record_written_before_history_item_features_reads_as_without(tmp_path):
+    """A run recorded before `data.history_item_features` (config and spec) had none: its record reads as
+    False in both places, so a restart with the default is no mismatch and one with True is."""
+    old = {"config": {"data": {"source": "EVENTS"}, "optim": {}}, "data": {}, "spec": {"tasks": ["click"], "num_items": 5}}
+    (tmp_path / run_record.RUN_FILE).write_text(json.dumps(old))
+    record = run_record.read_record(tmp_path)
+    assert record["config"]["data"]["history_item_features"] is False and record["spec"]["history_item_features"] is False
+    new = json.loads(json.dumps(record))
+    assert run_record.mismatches(record, new) == []
+    new["config"]["data"]["history_item_features"] = new["spec"]["history_item_features"] = True
+    assert {field for field, _, _ in run_record.mismatches(record, new)} == {"config.data.history_item_features", "spec.history_item_features"}
