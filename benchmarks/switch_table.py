@@ -15,10 +15,11 @@ table"). Runs are named `<switch>_seed<k>`.
 (about 30 s), then trains the named runs at once on one GPU through benchmarks/quality_runs.sh
 (`GEM_COMPARE=0`; each process gets `GEM_MEM_FRACTION`, 0.15 unless set; all share the compilation
 cache runs/quality/switch_table_cache unless `GEM_COMPILE_CACHE_DIR` is set), into
-runs/quality/switch_table_<preset>/<run>/. `--export DIR` copies what the table needs (each run's
-metrics.jsonl, run.json and log; the log's oracle.json and planted.json) under DIR at the same
-paths, also when a run failed: on a machine that does not keep runs/ between calls, DIR is the
-call's output folder. `table` runs compare_runs --switch-table on every run of the preset that
+runs/quality/switch_table_<preset>/<run>/. `--export DIR` writes what the table needs (each run's
+metrics.jsonl, run.json and log; the log's oracle.json and planted.json) into one archive,
+DIR/switch_table_<preset>.tar.gz, at their repository paths, also when a run failed: on a
+machine that does not keep runs/ between calls, DIR is the call's output folder, and `tar xzf`
+of the archive in the checkout puts the files where `table` reads them. `table` runs compare_runs --switch-table on every run of the preset that
 holds a metrics.jsonl, writes benchmarks/results/switch_table_<preset>.json and
 benchmarks/figures/switch_table_<preset>.png, and prints the `train` commands for the seeds the
 table still wants (switches within two spreads of the reference with fewer than 3 seeds).
@@ -26,12 +27,12 @@ table still wants (switches within two spreads of the reference with fewer than 
 `plan` groups runs into calls of at most `--per-call` (5) runs: the first pass is the reference
 with seeds 0, 1, 2 and every switch with seed 0, per preset (20 runs, 4 calls); a second pass
 names its switches and seeds (`plan --presets short-range --switches fp8_32 --seeds 1 2
---reference-seeds`). A call of five runs is estimated (configs/planted_sharded.py: ~2.5 minutes
-alone, under a minute of it GPU time) at 6-8 minutes: planting and converting ~30 s on a fresh
-machine, 1-2 minutes of start-up (five processes compiling at once on the host), then five runs'
-train steps and evals sharing the GPU, ~4-5 minutes (5 x 27 s of steps and 5 x 16 s of evals
-if the GPU time adds up, plus the processes' host work between steps). Estimates, not
-measured: the first call says what the rest take.
+--reference-seeds`). A call of five bf16 runs of configs/planted_sharded.py took 5.6 minutes on
+one H200 (2026-12-04, five recipe variants of the reference: 15 s planting and converting on a
+fresh machine, then 324 s until the last run ended, each run 14 s lowering and 112 s compiling
+with the five processes compiling at once, 132 s in train steps and 33 s in two evals sharing
+the GPU; benchmarks/results/planted_sharded_recipe_sweep_long_range_h200_20261204.json). FP8
+runs compile more programs; not yet measured.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from benchmarks.compare_runs import SEEDS_WHEN_CLOSE, SWITCH_RUN
@@ -116,16 +118,24 @@ def _prepare(preset: str) -> None:
         ], check=True)
 
 
-def export(preset: str, names: list[str], out: Path) -> None:
-    """Copies what the table needs of `names` and of the preset's log under `out`, at their paths."""
+def export(preset: str, names: list[str], out: Path) -> Path:
+    """Writes what the table needs of `names` and of the preset's log into one archive under `out`.
+
+    `out/switch_table_<preset>.tar.gz` holds the files at their repository paths (a device
+    call's output folder returns a few files, not a tree of them); `tar xzf` in a checkout
+    puts them where `table` reads them. Returns the archive's path.
+    """
     where = paths(preset)
     files = [where["log"] / "oracle.json", where["log"] / "planted.json"]
     for name in names:
         files += [where["runs"] / name / "metrics.jsonl", where["runs"] / name / "run.json", where["runs"] / f"{name}.log"]
-    for file in files:
-        if file.is_file():
-            (out / file.parent).mkdir(parents=True, exist_ok=True)
-            shutil.copy2(file, out / file)
+    out.mkdir(parents=True, exist_ok=True)
+    archive = out / f"switch_table_{_slug(preset)}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for file in files:
+            if file.is_file():
+                tar.add(file, arcname=str(file))
+    return archive
 
 
 def train(preset: str, names: list[str], export_to: Path | None) -> int:
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     t = commands.add_parser("train", help="train the named runs at once on one GPU")
     t.add_argument("--preset", choices=PRESETS, required=True)
     t.add_argument("runs", nargs="+", help="<switch>_seed<k>")
-    t.add_argument("--export", type=Path, help="copy the table's inputs here (a device call's output folder)")
+    t.add_argument("--export", type=Path, help="write the table's inputs into one archive in this folder (a device call's output folder)")
     b = commands.add_parser("table", help="tabulate every finished run of a preset")
     b.add_argument("--preset", choices=PRESETS, required=True)
     args = parser.parse_args(argv)

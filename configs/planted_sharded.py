@@ -37,22 +37,26 @@ The recipe (configs/planted_gem.py's structure, scaled to the width), and why:
   usual inverse-width rule gives 1.2e-3), linear warm-up over 120 steps (10%), cosine decay
   to 10% of the peak over the other 1080; gradient-norm clip 1.0 (the default).
 - weight decay 0.01 on dense weights (planted_gem's; exp(-1200 * 1e-3 * 0.01) = 0.988).
-- embedding tables: Adagrad at 1.0 (planted_gem's; CPU runs on planted logs favoured rates of
-  1-10 over the demo's 0.05, benchmarks/quality.md). The rows start at sd d^-0.5 = 0.0625.
-  Not tuned for this width: the table compares switches at one recipe, it does not rank recipes.
+- history rows carry their items' category (`data.history_item_features`; configs/planted_gem.py
+  gives the reason).
+- embedding tables: row-wise Adagrad from an accumulator of 0 at 0.1, the best of a sweep of
+  this model on the default log (H200, 2026-12-04, 1200 steps, eval AUC: 0.621 at 0.1, 0.619
+  at 0.3, 0.617 at 1.0 from 0, and 0.570 at 1.0 from optax's 0.1, the item-mean baseline
+  0.608; benchmarks/results/planted_sharded_recipe_sweep_long_range_h200_20261204.json), made
+  before history rows carried item features. The rows start at sd d^-0.5 = 0.0625. Not
+  tuned further: the table compares switches at one recipe, it does not rank recipes.
 - float32 AdamW moments (the default): no moments' rounding on top of the switch under test.
 - one checkpoint, at the end (a quality run is not resumed; `max_to_keep` 1).
 - `compile_in_background`: training starts once the largest train program is built.
 
-Estimated per run on one H200, alone (estimates, not measured on this log): ~22 ms a train
-step (gem_sharded's model measured 20.4 ms at 164,652 rows, benchmarks/step.md; half the steps
-here run at 195,712), ~27 s of train steps; an eval ~8 s (188 forward batches of 4.8x a train
-batch's rows, a forward about a third of a step), 16 s for two; start-up 1-2 minutes on the
-host (jax import, the data set, compiling three programs, more with FP8), so ~2.5 minutes
-wall and under a minute of GPU time. Memory: parameters 404 MB and AdamW moments 762 MB
-(`--dry-run`: 101M float32 parameters), activations of a 196k-row step a
-few GB (gem_sharded's model peaked at 12.5 GB with its 1M-row synthetic tables,
-benchmarks/step.md); `GEM_MEM_FRACTION` 0.15 (21 GB a process) leaves room for five runs at once.
+Measured on one H200 (2026-12-04, five bf16 runs of this model at once, each with
+`GEM_MEM_FRACTION` 0.15, 21 GB; benchmarks/switch_table.py gives the call): 308 s a run from
+start to exit, 14 s lowering and 112 s compiling (five processes compiling at once), 132 s in
+1200 train steps sharing the GPU (36k examples/s at the end, when the others had finished), 33 s
+in the two evals, 4 s in the final checkpoint. Memory: parameters 404 MB and AdamW moments
+762 MB (`--dry-run`: 101M float32 parameters), activations of a 196k-row step a few GB
+(gem_sharded's model peaked at 12.5 GB with its 1M-row synthetic tables, benchmarks/step.md):
+five runs at 0.15 each fit.
 """
 
 import dataclasses
@@ -74,11 +78,12 @@ def get_config() -> TrainConfig:
     return TrainConfig(
         data=DataConfig(
             source=Source.EVENTS, path="data/planted-converted", max_seq_len=1024, batch_size=1024, seed=0,
-            capacity_step=1.2,
+            capacity_step=1.2, history_item_features=True,
         ),
         model=dataclasses.replace(sharded.model, compute_dtype="bfloat16"),
         optim=OptimConfig(
-            learning_rate=1e-3, warmup_steps=WARMUP_STEPS, decay_steps=NUM_STEPS - WARMUP_STEPS, weight_decay=0.01, embedding_learning_rate=1.0
+            learning_rate=1e-3, warmup_steps=WARMUP_STEPS, decay_steps=NUM_STEPS - WARMUP_STEPS, weight_decay=0.01, embedding_learning_rate=0.1,
+            embedding_initial_accumulator=0.0,
         ),
         checkpoint=CheckpointConfig(every_steps=NUM_STEPS, max_to_keep=1),
         loop=LoopConfig(num_steps=NUM_STEPS, log_every=50, eval_every=NUM_STEPS // 2, seed=0, compile_in_background=True),
