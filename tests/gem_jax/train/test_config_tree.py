@@ -11,7 +11,7 @@ from gem_jax.train import config_tree
 from gem_jax.train.config import ConfigFileError, TrainConfig, load_config
 from pallas_kernels import Implementation
 
-CONFIGS = ["movielens.py", "movielens_tiny.py", "movielens_fp8.py", "gem_sharded.py", "gem_sharded_tiny.py", "gem_h200_fp8.py", "gem_h200_wide.py", "events.py", "events_tiny.py"]
+CONFIGS = ["movielens.py", "movielens_tiny.py", "movielens_fp8.py", "gem_sharded.py", "gem_sharded_tiny.py", "gem_h200_fp8.py", "gem_h200_wide.py", "events.py", "events_tiny.py", "movielens_gem.py", "planted_gem.py", "planted_sharded.py", "planted_small.py"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
