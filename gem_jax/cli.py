@@ -7,6 +7,7 @@ import sys
 import time
 
 CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
+OUT_OF_MEMORY_EXIT_CODE = 5  # the device ran out of memory: the checkpoints already written are kept
 
 
 class _ConfigFields(argparse.Action):
@@ -155,9 +156,35 @@ def train_main(argv: list[str] | None = None) -> None:
     except CheckpointWriteError as error:  # the summary of what was saved is printed; restart once the disk has room
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(CHECKPOINT_WRITE_EXIT_CODE)
+    except jax.errors.JaxRuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+        print(f"gem-train: {out_of_memory_message(error)}", file=sys.stderr, flush=True)
+        sys.exit(OUT_OF_MEMORY_EXIT_CODE)
     if not summary["finished"]:  # --stop-after-steps: stopped like a preemption, the run goes on when started again
         print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); run the same command again to resume", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether a jax runtime error is XLA's out-of-memory (status RESOURCE_EXHAUSTED)."""
+    return "RESOURCE_EXHAUSTED" in str(error)
+
+
+def out_of_memory_message(error: BaseException) -> str:
+    """What ran out, what this process may use of the device, and what to change, for an out-of-memory error."""
+    import os
+
+    what = str(error).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ")
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    share = f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}" if fraction else "jax's default share, 75%, as XLA_PYTHON_CLIENT_MEM_FRACTION is unset"
+    return (
+        f"the device ran out of memory ({what}). This process may use {share} of the device's memory; other processes on "
+        "it hold the rest. Lower data.batch_size or data.max_seq_len, give the backward a memory budget "
+        "(--set model.remat.budget_gb=GB: README, Memory), train in bfloat16 (model.compute_dtype: float32 attention takes "
+        "the jnp reference, whose scores are padded), or give the process more of the device. The checkpoints already "
+        "written are kept: the same command resumes from the last."
+    )
+
 
 if __name__ == "__main__":
     train_main()

@@ -1,4 +1,4 @@
-"""`gem-train --help` answers without importing jax or the train stack."""
+"""`gem-train --help` answers without importing jax or the train stack; running out of device memory is a message and exit status 5."""
 
 import os
 import subprocess
@@ -19,3 +19,35 @@ def test_help_imports_neither_jax_nor_the_train_stack(repo_root):
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
     out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, check=True).stdout
     assert out.rsplit("HEAVY", 1)[1].split() == []
+
+
+def test_running_out_of_device_memory_says_what_and_exits_5(repo_root, tmp_path, monkeypatch, capsys):
+    """XLA's RESOURCE_EXHAUSTED from the run is a message naming the allocation, the process's share of the
+    device and what to change, with exit status 5, not a traceback; other runtime errors pass through."""
+    import jax
+    import pytest
+
+    from gem_jax import cli
+    from gem_jax.train import loop
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 27.81GiB with allocator GPU_0_bfc on device 0.\nmore"
+        )
+
+    monkeypatch.setattr(loop, "train_and_evaluate", out_of_memory)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
+    argv = ["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--no-progress"]
+    with pytest.raises(SystemExit) as exited:
+        cli.train_main(argv)
+    assert exited.value.code == cli.OUT_OF_MEMORY_EXIT_CODE == 5
+    err = capsys.readouterr().err
+    assert "gem-train: the device ran out of memory (Out of memory while trying to allocate 27.81GiB" in err
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.3" in err and "model.remat.budget_gb" in err and "more" not in err.split("GPU_0_bfc")[1][:40]
+
+    def other_error(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(loop, "train_and_evaluate", other_error)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
+        cli.train_main(argv)
