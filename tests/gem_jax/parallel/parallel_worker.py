@@ -206,6 +206,33 @@ def with_empty_and_poisoned(batch, spec):
     return dataclasses.replace(batch, history=Jagged(values, offsets, batch.history.max_seq_len))
 
 
+CATEGORY = "category"  # the MEAN item feature `with_history_features` adds (3 values, vocabulary 50)
+
+
+def with_history_features(spec, batch, rng: np.random.Generator):
+    """The spec with a multi-valued MEAN item feature added and `history_item_features` on, and the batch
+    with the candidates' new feature and every history row's item-feature columns (random ids, some rows
+    PAD only); the slack rows' new columns are junk ids outside every vocabulary (never looked up)."""
+    from gem_jax.batch import CategoricalFeature
+
+    spec = dataclasses.replace(spec, item_features=spec.item_features + (CategoricalFeature(CATEGORY, 50, 3),), history_item_features=True)
+    values = np.asarray(batch.history.values)
+    real = int(np.asarray(batch.history.offsets)[-1])
+    columns = [values]
+    for feature in spec.item_features:
+        ids = np.where(rng.random((values.shape[0], feature.max_values)) < 0.6, rng.integers(1, feature.vocab_size, (values.shape[0], feature.max_values)), 0)
+        ids[::5] = 0
+        ids[real:] = 10**6
+        columns.append(ids)
+    candidate = np.where(rng.random((batch.batch_size, 3)) < 0.6, rng.integers(1, 25, (batch.batch_size, 3)), 0)  # ids 25-49: history rows only
+    batch = dataclasses.replace(
+        batch,
+        history=batch.history.replace_values(np.concatenate(columns, axis=1).astype(np.int32)),
+        candidate_features={**batch.candidate_features, CATEGORY: candidate.astype(np.int32)},
+    )
+    return spec, batch
+
+
 def host_params(config, spec):
     """The tiny model's parameters, initialised eagerly on the host (seed 0), and its graphdef."""
     with nnx.use_eager_sharding(False):
@@ -256,11 +283,13 @@ def timed(label, fn, *args):
 def equivalence(out: Path) -> None:
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     config, spec = tiny_setup()
-    batch = with_empty_and_poisoned(global_batch(config, spec, 0), spec)
+    # The model check runs with history item features: its category table's history lookups cross the exchange too.
+    spec, batch = with_history_features(spec, with_empty_and_poisoned(global_batch(config, spec, 0), spec), rng)
+    category = (f"embed/item_features/{CATEGORY}", TableSharding(Generation.GLOBAL, capacity_factor=0.05))
     overflowing = ShardingRules(
         HSDP_RULES.logical,
-        # capacity factor 0.05: 1-2 ids per owner per round, so the item lookups run several rounds
-        tables=(("embed/item", TableSharding(Generation.GLOBAL, capacity_factor=0.05)), ("embed/user/user", TableSharding(Generation.GLOBAL))),
+        # capacity factor 0.05: 1-2 ids per owner per round, so the item and category lookups run several rounds
+        tables=(("embed/item", TableSharding(Generation.GLOBAL, capacity_factor=0.05)), ("embed/user/user", TableSharding(Generation.GLOBAL)), category),
         default_table=TableSharding(Generation.REPLICATED),
     )
     plans = {"2x2x2": config.rules, "1x2x4": overflowing}

@@ -1,5 +1,6 @@
 """8 fake CPU devices, meshes (2,2,2) and (1,2,4): sharded lookups (gen 1/2/3), the expert layer and the
-whole model's forward, loss and gradients equal the single-device results.
+whole model's forward, loss and gradients (with history item features, so a sharded feature table is
+also looked up by history rows) equal the single-device results.
 
 The checks run in one subprocess (`parallel_worker.py equivalence`), since this test
 process already initialised jax with one device.
@@ -61,3 +62,7 @@ def test_the_two_meshes_cover_every_generation_and_an_overflow(report):
     assert tables["embed/item"] == "NODE_SPLIT" and tables["embed/user/user"] == "GROUP" and tables["embed/action"] == "REPLICATED"
     assert report["1x2x4"]["model"]["tables"]["embed/item"] == "GLOBAL"
     assert report["1x2x4"]["model"]["overflow"]["embed/item/overflow"] > 0
+    # history item features: the category table is sharded, and its candidate and history lookups overflow a round
+    assert tables["embed/item_features/category"] != "REPLICATED", tables
+    assert report["1x2x4"]["model"]["tables"]["embed/item_features/category"] == "GLOBAL"
+    assert report["1x2x4"]["model"]["overflow"]["embed/item_features/category/overflow"] > 0
