@@ -20,7 +20,7 @@ from gem_jax.data.pipeline import Dataset, load_dataset
 from gem_jax.jagged import pick_capacity
 from gem_jax.mesh import make_mesh
 from gem_jax.model.flops import Workload, train_workload
-from gem_jax.model.gem import GEMModel, example_tables
+from gem_jax.model.gem import ITEM_FEATURE_TABLES, GEMModel, example_tables
 from gem_jax.nn.embeddings import Generation, describe_exchange
 from gem_jax.parallel.placement import BatchPlacement
 from gem_jax.train.baseline import item_mean_label_auc
@@ -81,15 +81,19 @@ class Training:
         the history's tables are described for that many ids, the tables of the user's and
         the candidate's features for `B/D` times their values per example
         (`gem_jax.model.gem.example_tables`; the item table's candidate lookup, `B/D` ids
-        more, is a lookup of its own).
+        more, is a lookup of its own), except that an item feature's table that the history
+        rows also look up (`FeatureSpec.history_item_features`) is described for theirs,
+        the rows times its values (the candidates' is a lookup of its own).
         """
         per_device = self.per_device_batch
-        per_example = example_tables(self.dataset.spec)
+        spec = self.dataset.spec
         buckets = self.dataset.token_buckets
         rows = pick_capacity(math.ceil(per_device * buckets.mean_length), buckets.capacities(per_device))
+        ids = {name: per_device * values for name, values in example_tables(spec).items()}
+        ids |= {ITEM_FEATURE_TABLES + name: rows * (c.stop - c.start) for name, c in spec.history_feature_columns.items()}
         model = self.config.model
         return [
-            describe_exchange(placement, per_device * per_example.get(placement.name, 0) or rows, model.embed_dim, model.compute_dtype)
+            describe_exchange(placement, ids.get(placement.name, 0) or rows, model.embed_dim, model.compute_dtype)
             for placement in self.state.plan.tables.values()
             if placement.generation is not Generation.REPLICATED
         ]

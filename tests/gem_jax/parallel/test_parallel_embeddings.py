@@ -132,3 +132,34 @@ def test_masked_rows_are_zero_uncounted_and_get_no_gradient():
     np.testing.assert_array_equal(np.asarray(grad), expected)
     with pytest.raises(ValueError, match=r"mask has shape \(4,\), ids \(5,\)"):
         lookup(table, ids, 13, placement(OutOfRange.ERROR), mask=mask[:4])
+
+
+def test_the_exchange_description_counts_history_rows_for_an_item_feature_they_look_up():
+    """`Training.describe_exchanges`: a table of the candidate's features is described for B/D x its values,
+    or, when history rows carry the feature too, for the history's rows x its values."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gem_jax.batch import CategoricalFeature, FeatureSpec
+    from gem_jax.jagged import TokenBuckets
+    from gem_jax.model.config import ModelConfig
+    from gem_jax.train.setup import Training
+
+    rows = padded_table_rows(1000)
+    tables = {name: place_table(name, 1000, rows, TableSharding(Generation.GLOBAL), GEM_SHARDED_AXES) for name in ("embed/item", "embed/item_features/tags")}
+    spec = FeatureSpec(num_items=1000, num_actions=2, num_time_buckets=4, tasks=("click",), item_features=(CategoricalFeature("tags", 1000, 3),), max_seq_len=64)
+    buckets = TokenBuckets(mean_length=20.0, std_length=5.0, max_seq_len=64)
+    model = ModelConfig(embed_dim=16, num_heads=2, num_seq_layers=1, num_dhen_layers=1, head_hidden=16)
+
+    def lines(spec):
+        fake = SimpleNamespace(
+            per_device_batch=32, dataset=SimpleNamespace(spec=spec, token_buckets=buckets),
+            config=SimpleNamespace(model=model), state=SimpleNamespace(plan=SimpleNamespace(tables=tables)),
+        )
+        return Training.describe_exchanges(fake)
+
+    history_rows = int(lines(spec)[0].split("a lookup of ")[1].split(" ids")[0].replace(",", ""))
+    assert history_rows >= 32 * 20
+    assert "a lookup of 96 ids" in lines(spec)[1]  # 32 examples x 3 values
+    with_history = lines(dataclasses.replace(spec, history_item_features=True))
+    assert with_history[0] == lines(spec)[0] and f"a lookup of {history_rows * 3:,} ids" in with_history[1]
