@@ -128,7 +128,12 @@ def test_the_programs_compile_while_the_state_is_initialised_or_restored(config,
     assert sum(buckets.values()) == pytest.approx(summary["wall_s"], rel=1e-6)
     assert summary["programs_before_first_step"] == len(compiles) >= 1 and summary["compiles_after_start"] == 0
     assert summary["programs_compile_s"] >= pause + max(seconds for _, seconds in compiles)
-    assert summary["programs_compile_overlapped_s"] >= pause  # beside the lowering of the next programs and the slowed work
+    # The compiles ran partly beside other start-up work (the next program's lowering, the wait for the slowed
+    # work): that part is `programs_compile_overlapped_s`, the rest the trainer waited for (`startup/compile`).
+    # How the two split depends on the machine's speed (lowering against the pause), so neither is pinned.
+    overlapped = summary["programs_compile_overlapped_s"]
+    assert 0 < overlapped <= summary["programs_compile_s"]
+    assert overlapped + summary["time_startup_compile_s"] >= summary["programs_compile_s"]
     last = max(compiles)[1]
     (thread, began, seconds), = worked
     # In a thread from before the first lowering: the state's bucket (init or restore) and the compile bucket
