@@ -43,10 +43,11 @@ def _parser() -> argparse.ArgumentParser:
             "goodput = train-step time / wall time), tensorboard/, checkpoints/, run.json.\n\n"
             "SIGTERM, SIGINT and SIGUSR1 stop after the current step with a checkpoint (a second signal aborts).\n"
             "exit status: 0 the run is finished (or --dry-run); 2 refused (bad arguments or config, workdir in use or holding another run, "
-            "corrupt checkpoint with --no-fallback, processes holding different data sets, checkpoints that cannot fit on their "
-            "disk); 3 the loss diverged (NaN/Inf); 4 a checkpoint could not be written (e.g. the disk filled up: the last "
-            "good checkpoint stays intact, the summary says what was saved; free space and run the same command again); "
-            "75 stopped before loop.num_steps, by a signal or by --stop-after-steps, with a checkpoint: "
+            "corrupt checkpoint with --no-fallback, processes holding different data sets, a data setting the data set cannot "
+            "take, a remat budget below the smallest that fits, checkpoints that cannot fit on their disk); 3 the loss diverged "
+            "(NaN/Inf); 4 a checkpoint could not be written (e.g. the disk filled up: the last good checkpoint stays intact, "
+            "the summary says what was saved; free space and run the same command again); 5 the device ran out of memory "
+            "(the message says what to change; the checkpoints already written are kept); 75 stopped before loop.num_steps, by a signal or by --stop-after-steps, with a checkpoint: "
             "run the same command again to resume"
         ),
     )
@@ -86,6 +87,7 @@ def train_main(argv: list[str] | None = None) -> None:
 
     import jax
 
+    from gem_jax.data.config import DataConfigError, require_path
     from gem_jax.data.rows import BadRowError, DataFormatError
     from gem_jax.model.config import describe_attention
     from gem_jax.parallel import distributed
@@ -108,7 +110,8 @@ def train_main(argv: list[str] | None = None) -> None:
     setup_began = time.perf_counter()
     try:
         config = config_tree.apply_overrides(load_config(args.config), args.overrides)
-    except (FileNotFoundError, TypeError, ValueError) as error:  # ConfigError and ConfigFileError are ValueErrors
+        require_path(config.data)
+    except (FileNotFoundError, TypeError, ValueError) as error:  # ConfigError, ConfigFileError and DataConfigError are ValueErrors
         parser.error(str(error))
     try:
         cache = compile_cache.enable(compile_cache.cache_dir(args.workdir, args.compile_cache))
@@ -143,8 +146,8 @@ def train_main(argv: list[str] | None = None) -> None:
         print(f"gem-train: {error}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
     except (
-        RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, FileNotFoundError,
-        ProcessMismatchError, RematBudgetError, CheckpointSpaceError,
+        RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, DataConfigError,
+        FileNotFoundError, ProcessMismatchError, RematBudgetError, CheckpointSpaceError,
     ) as error:
         # refused: the run, the workdir, the data set or the memory budget is not usable as given,
         # or the processes hold different data (the message says why)

@@ -94,6 +94,10 @@ class BBSConfig:
             raise TypeError(f"BBSConfig.workload must be a callable from lengths to workloads (e.g. a Workload) or None, got {type(self.workload).__name__}")
 
 
+class DataConfigError(ValueError):
+    """A data setting the data set cannot take (the message names the setting and what to change)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Everything `load_dataset` needs.
@@ -177,3 +181,12 @@ class DataConfig:
                 raise TypeError(f"bbs must be a BBSConfig or None, got {self.bbs!r}")
             if self.bbs.num_shards is not None:
                 check_shard_split(self.batch_size, self.bbs.num_shards, "DataConfig.bbs")
+
+
+def require_path(config: DataConfig) -> None:
+    """Raises `DataConfigError` when `config` names no data to read: `Source.EVENTS` without a path."""
+    if config.source is Source.EVENTS and config.path is None:
+        raise DataConfigError(
+            "Source.EVENTS reads your own event log as gem-data convert wrote it: set DataConfig.path to that "
+            "directory (e.g. --set data.path=data/mylog)"
+        )

@@ -55,7 +55,7 @@ from gem_jax.batch import Batch, BatchShard, FeatureSpec, LocalBatch
 from gem_jax.data.bbs import BalancedBatchOrder, check_shard_split
 from gem_jax.data.collate import BatchBuilder, log_spec
 from gem_jax.jagged import TokenBuckets
-from gem_jax.data.config import BBSConfig, DataConfig, Source, SyntheticConfig
+from gem_jax.data.config import BBSConfig, DataConfig, DataConfigError, Source, SyntheticConfig, require_path
 from gem_jax.data.events import EventLog
 from gem_jax.data.examples import Examples, item_mean_labels, next_item_examples, rating_examples
 from gem_jax.data.sources.movielens_100k import read_ml_100k
@@ -477,11 +477,7 @@ def _load_file_source(config: DataConfig) -> Dataset:
 
 
 def _load_converted(config: DataConfig) -> Dataset:
-    if config.path is None:
-        raise ValueError(
-            "Source.EVENTS reads your own event log as gem-data convert wrote it: set DataConfig.path to that "
-            "directory (e.g. --set data.path=data/mylog)"
-        )
+    require_path(config)
     path = Path(config.path)
     index = read_converted_index(path)
     train, evals = converted_examples(index, config.max_seq_len)
@@ -533,7 +529,18 @@ def _examples_dataset(
     Args:
       train_lengths, eval_lengths: int32 `[E]` history length of each example of the split.
       item_means: float32 `[num_items, K]` the item-mean-label baseline (`Dataset.item_mean_labels`).
+
+    Raises:
+      DataConfigError: `history_item_features` on a data set without item features.
     """
+    if spec.history_item_features:
+        if not spec.item_features:
+            raise DataConfigError(
+                f"{info.name}: data.history_item_features is set, but the data set has no item features for its history "
+                "rows to carry; set it to False, or convert the log with --item-table and --item-feature"
+            )
+        names = ", ".join(f.name for f in spec.item_features)
+        info = dataclasses.replace(info, notes=info.notes + (f"history rows carry each event's item features: {names} (data.history_item_features)",))
     lengths = functools.partial(np.take, train_lengths)
     return Dataset(
         spec=spec,

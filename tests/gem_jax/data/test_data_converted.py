@@ -12,6 +12,7 @@ from event_logs import CATEGORY, COUNTRY, EARLY, LATE, SCHEMA, TAGS, convert_eve
 from gem_jax.batch import HistoryField, Pooling
 from gem_jax.data.ingest.schema import LabelRule
 from gem_jax.data.ingest.shards import ConvertedLog
+from gem_jax.data.config import DataConfigError
 from gem_jax.data.pipeline import DataConfig, Source, load_dataset
 from gem_jax.data.rows import DataFormatError
 from gem_jax.data.sources.converted import converted_fingerprint
@@ -161,7 +162,7 @@ def test_weights_are_optional_and_eval_weighs_one(tmp_path):
 
 def test_bad_settings_and_directories_are_refused(converted, tmp_path):
     out = converted[0]
-    with pytest.raises(ValueError, match="set DataConfig.path to that directory"):
+    with pytest.raises(DataConfigError, match="set DataConfig.path to that directory"):
         load_dataset(dataclasses.replace(config(out), path=None))
     with pytest.raises(FileNotFoundError, match="is not a folder"):
         load_dataset(config(tmp_path / "missing"))
@@ -202,3 +203,15 @@ def test_history_rows_carry_their_items_features(converted):
             checked += 1
     assert checked > 50
     assert load_dataset(config(out)).spec.history_width == 3
+    note = "history rows carry each event's item features: category, tags (data.history_item_features)"
+    assert note in dataset.info.summary() and note not in load_dataset(config(out)).info.summary()
+
+
+def test_history_item_features_without_item_features_are_refused(converted, tmp_path):
+    """A log converted without item features has none for the history rows to carry: the setting is refused
+    with what to change, not ignored; without the setting the same log trains."""
+    events = converted[0].parent / "events"
+    plain = convert_event_log(events, tmp_path / "plain", schema=dataclasses.replace(SCHEMA, features=tuple(f for f in SCHEMA.features if f.name == "country"))).out
+    with pytest.raises(DataConfigError, match=r"plain: data.history_item_features is set, but the data set has no item features .* --item-feature"):
+        load_dataset(config(plain, history_item_features=True))
+    assert load_dataset(config(plain)).spec.item_features == ()

@@ -51,3 +51,15 @@ def test_running_out_of_device_memory_says_what_and_exits_5(repo_root, tmp_path,
     monkeypatch.setattr(loop, "train_and_evaluate", other_error)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
         cli.train_main(argv)
+
+
+def test_an_events_config_without_a_path_is_refused_before_anything_is_written(repo_root, tmp_path, capsys):
+    import pytest
+
+    from gem_jax import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.train_main(["--config", str(repo_root / "configs" / "events_tiny.py"), "--workdir", str(tmp_path / "run"), "--no-progress"])
+    assert exited.value.code == 2
+    assert "set DataConfig.path to that directory (e.g. --set data.path=data/mylog)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
