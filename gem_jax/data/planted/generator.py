@@ -243,8 +243,13 @@ def window_counts(group: np.ndarray, position: np.ndarray, near: int, far: int, 
     return np.where(upper >= 0, right - left, 0)
 
 
-def _recent_affinity(config: PlantedConfig, vectors: np.ndarray, item: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """float64 `[N]`: mean dot product of each event's item vector with the last `recent_window` items' (0 at position 0)."""
+def recent_affinity(config: PlantedConfig, vectors: np.ndarray, item: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """float64 `[N]`: mean dot product of each event's item vector with the last `recent_window` items' (0 at position 0).
+
+    The recent signal before its weight, for any item vectors `[I, latent_dim]` (the catalogue's, or
+    others: `benchmarks/planted_ceilings.py` scores the signal a model could read off the categories).
+    `item` and `position` are int `[N]`: each event's item and its position in its user's sequence.
+    """
     total = np.zeros(item.shape, np.float64)
     for lo in range(0, item.size, _CHUNK):
         index = np.arange(lo, min(lo + _CHUNK, item.size))
@@ -300,7 +305,7 @@ def generate(config: PlantedConfig) -> PlantedLog:
     terms = {
         "user": catalogue.user_effect[user],
         "item": catalogue.item_effect[item],
-        "recent": config.recent_weight * _recent_affinity(config, catalogue.vectors, item, position),
+        "recent": config.recent_weight * recent_affinity(config, catalogue.vectors, item, position),
         "mid": config.mid_weight * mid,
         "long": config.long_weight * (engaged & ~seen_recently).astype(np.float64),
     }
