@@ -37,7 +37,7 @@ RECIPE = (
 )
 
 
-def width_overrides(name: str) -> list[str]:
+def name_overrides(name: str) -> list[str]:
     """The model and seed overrides a run's name asks for (`_d<width>`, `_seed<k>`)."""
     out = []
     if (width := re.search(r"_d(\d+)", name)) is not None:
@@ -61,7 +61,7 @@ def main() -> None:
     results = {}
     for spec in args.run:
         name, _, extra = spec.partition("=")
-        overrides = [f"data.path={root / 'converted'}", *RECIPE, *width_overrides(name), *extra.split()]
+        overrides = [f"data.path={root / 'converted'}", *RECIPE, *name_overrides(name), *extra.split()]
         summary = train_and_evaluate(apply_overrides(base, overrides), root / name, progress=False)
         results[name] = {"overrides": overrides[1:], "auc": summary["auc_click"], "ne": summary["ne_click"]}
         print(name, results[name]["auc"], results[name]["ne"], flush=True)

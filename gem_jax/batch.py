@@ -300,21 +300,22 @@ def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
     """
     check_layout(batch, spec, where=where)
     hist = np.asarray(batch.history.values)[: int(np.asarray(batch.history.offsets)[-1])]
+    row, example = "history row", "example"  # what the first index of a check's ids counts
     checks = [
-        ("history item", hist[:, HistoryField.ITEM], spec.num_items),
-        ("history action", hist[:, HistoryField.ACTION], spec.num_actions),
-        ("history time bucket", hist[:, HistoryField.TIME_BUCKET], spec.num_time_buckets),
-        ("candidate item", np.asarray(batch.candidate_item), spec.num_items),
+        ("history item", hist[:, HistoryField.ITEM], spec.num_items, row),
+        ("history action", hist[:, HistoryField.ACTION], spec.num_actions, row),
+        ("history time bucket", hist[:, HistoryField.TIME_BUCKET], spec.num_time_buckets, row),
+        ("candidate item", np.asarray(batch.candidate_item), spec.num_items, example),
     ]
-    checks += [(f"user feature {f.name!r}", np.asarray(batch.user[f.name]), f.vocab_size) for f in spec.user_features]
-    checks += [(f"candidate feature {f.name!r}", np.asarray(batch.candidate_features[f.name]), f.vocab_size) for f in spec.item_features]
+    checks += [(f"user feature {f.name!r}", np.asarray(batch.user[f.name]), f.vocab_size, example) for f in spec.user_features]
+    checks += [(f"candidate feature {f.name!r}", np.asarray(batch.candidate_features[f.name]), f.vocab_size, example) for f in spec.item_features]
     columns = spec.history_feature_columns
-    checks += [(f"history item feature {f.name!r}", hist[:, columns[f.name]], f.vocab_size) for f in spec.item_features if f.name in columns]
-    for name, ids, size in checks:
+    checks += [(f"history item feature {f.name!r}", hist[:, columns[f.name]], f.vocab_size, row) for f in spec.item_features if f.name in columns]
+    for name, ids, size, counted in checks:
         bad = np.argwhere((ids < 0) | (ids >= size))
         if bad.size:
             at = tuple(int(i) for i in bad[0])
-            place = f"index {at[0]}" if len(at) == 1 else f"{'history row' if name.startswith('history') else 'example'} {at[0]}, value {at[1]}"
+            place = f"index {at[0]}" if len(at) == 1 else f"{counted} {at[0]}, value {at[1]}"
             raise ValueError(f"{where}: {name} id {int(ids[at])} at {place} is outside the vocabulary [0, {size})")
 
 

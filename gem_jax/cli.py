@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -175,8 +176,6 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def out_of_memory_message(error: BaseException) -> str:
     """What ran out, what this process may use of the device, and what to change, for an out-of-memory error."""
-    import os
-
     what = str(error).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ")
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     share = f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}" if fraction else "jax's default share, 75%, as XLA_PYTHON_CLIENT_MEM_FRACTION is unset"

@@ -166,7 +166,7 @@ class DataConfig:
         check_int(self, "prefetch_batches", minimum=0)
         check_bool(self, "history_item_features")
         if self.history_item_features and self.source is Source.SYNTHETIC:
-            raise ValueError(
+            raise DataConfigError(
                 "DataConfig.history_item_features: Source.SYNTHETIC draws each example's features at random, not from its "
                 "items, so its history rows have none to carry; set it to False, or train on a data set with item features"
             )

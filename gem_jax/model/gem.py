@@ -39,37 +39,30 @@ def _feature_module(feature: CategoricalFeature, dim: int, rngs: nnx.Rngs, dtype
     return EmbeddingTable(feature.vocab_size, dim, rngs=rngs)
 
 
-def _pool(feature: CategoricalFeature, module: EmbeddingTable | nnx.Linear, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """int32 `[B, max_values]` ids -> `[B, d]` in `dtype`, as `feature.pooling` says (`gem_jax.batch.Pooling`)."""
-    ids = jnp.asarray(ids)
-    if feature.pooling is Pooling.MULTI_HOT:
-        b = ids.shape[0]
-        hot = jnp.zeros((b, feature.vocab_size), jnp.float32).at[jnp.arange(b)[:, None], ids].set(1.0, mode="drop")[:, 1:]
-        return module(hot / jnp.maximum(hot.sum(-1, keepdims=True), 1.0))
-    if feature.max_values == 1:
-        return module(ids[:, 0]).astype(dtype)
-    real = ids != PAD_ID
-    count = real.sum(-1)
-    looked_up = real.at[:, 0].set(real[:, 0] | (count == 0))  # a row of PAD only takes PAD's row
-    rows = module(ids, looked_up)  # [B, max_values, d] float32, zeros where not looked up
-    return (rows.sum(1) / jnp.maximum(count, 1)[:, None].astype(rows.dtype)).astype(dtype)
+def _pool(
+    feature: CategoricalFeature, module: EmbeddingTable | nnx.Linear, ids: jax.Array, dtype: jnp.dtype, real: jax.Array | None = None
+) -> jax.Array:
+    """int32 `[n, max_values]` ids -> `[n, d]` in `dtype`, as `feature.pooling` says (`gem_jax.batch.Pooling`).
 
-
-def _pool_history(feature: CategoricalFeature, module: EmbeddingTable | nnx.Linear, ids: jax.Array, real: jax.Array) -> jax.Array:
-    """int32 `[T, max_values]` item-feature ids of the history rows -> float32 `[T, d]`: each real row's
-    ids pooled as `_pool` pools a candidate's (bool `real` `[T]`), zeros on the other rows.
-
-    MEAN: slack rows are never looked up (a sharded table sends only real ids); a real
-    row without values takes PAD's row, as a candidate's does.
+    bool `real` `[n]` (history rows: False on slack rows) gives zeros on the other rows; a MEAN
+    table never looks those up (a sharded table sends only real ids). None: every row is real
+    (a candidate's or user's features). A real row without values takes PAD's row (MEAN) or the
+    layer's bias (MULTI_HOT).
     """
     ids = jnp.asarray(ids)
-    if feature.pooling is Pooling.MULTI_HOT:  # a small vocabulary: the `[T, vocabulary]` multi-hot is small
-        return jnp.where(real[:, None], _pool(feature, module, ids, jnp.float32), 0.0)
-    given = (ids != PAD_ID) & real[:, None]
+    if feature.pooling is Pooling.MULTI_HOT:  # a small vocabulary: the `[n, vocabulary]` multi-hot is small
+        b = ids.shape[0]
+        hot = jnp.zeros((b, feature.vocab_size), jnp.float32).at[jnp.arange(b)[:, None], ids].set(1.0, mode="drop")[:, 1:]
+        pooled = module(hot / jnp.maximum(hot.sum(-1, keepdims=True), 1.0))
+        return pooled if real is None else jnp.where(real[:, None], pooled, 0).astype(dtype)
+    if feature.max_values == 1 and real is None:
+        return module(ids[:, 0]).astype(dtype)
+    given = ids != PAD_ID if real is None else (ids != PAD_ID) & real[:, None]
     count = given.sum(-1)
-    looked_up = given.at[:, 0].set(given[:, 0] | (real & (count == 0)))
-    rows = module(ids, looked_up)  # [T, max_values, d] float32, zeros where not looked up
-    return rows.sum(1) / jnp.maximum(count, 1)[:, None].astype(rows.dtype)
+    empty = count == 0 if real is None else real & (count == 0)
+    looked_up = given.at[:, 0].set(given[:, 0] | empty)  # a row of PAD only takes PAD's row
+    rows = module(ids, looked_up)  # [n, max_values, d] float32, zeros where not looked up
+    return (rows.sum(1) / jnp.maximum(count, 1)[:, None].astype(rows.dtype)).astype(dtype)
 
 
 class FeatureEmbeddings(nnx.Module):
@@ -107,7 +100,7 @@ class FeatureEmbeddings(nnx.Module):
         columns = self.spec.history_feature_columns
         for feature in self.spec.item_features:
             if feature.name in columns:
-                tokens += _pool_history(feature, self.item_features[feature.name], values[:, columns[feature.name]], real)
+                tokens += _pool(feature, self.item_features[feature.name], values[:, columns[feature.name]], jnp.float32, real)
         return tokens.astype(self.dtype)
 
     def feature_tokens(self, batch: Batch) -> jax.Array:

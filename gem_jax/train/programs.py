@@ -260,9 +260,9 @@ class Programs:
         if self._compiling is None:
             raise RuntimeError("Programs.finish: nothing was started (make Programs with start_programs) or finish already ran")
         if self._compile_pool is not None:
-            waiting = time.perf_counter()
             try:
-                with self._measure(goodput.COMPILE):
+                with self._measure(goodput.COMPILE):  # the wait, from `waiting` on: the compiles' part not overlapped
+                    waiting = time.perf_counter()
                     done = [(job, *future.result()) for job, future in self._compiling]
             finally:
                 self._compile_pool.shutdown(wait=True)

@@ -26,6 +26,7 @@ _EXPORTS = {
     "Truth": "gem_jax.data.planted.files",
     "convert_command": "gem_jax.data.planted.files",
     "event_schema": "gem_jax.data.planted.files",
+    "log_truth": "gem_jax.data.planted.files",
     "read_truth": "gem_jax.data.planted.files",
     "write_planted": "gem_jax.data.planted.files",
 }

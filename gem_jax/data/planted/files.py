@@ -204,3 +204,17 @@ def read_truth(path: str | os.PathLike) -> Truth:
         logit=table["logit"].to_numpy()[order],
         terms={name: table[f"{name}_term"].to_numpy()[order] for name in TERMS},
     )
+
+
+def log_truth(log: PlantedLog) -> Truth:
+    """The `Truth` of an in-memory log: what `read_truth` reads back from its truth file.
+
+    Users and items keep the generator's numbering (items renumbered densely among those with
+    events), where the file numbers both in order of first appearance: only which events share a
+    user or an item matters. The log's events are already ordered by (user, time).
+    """
+    items, item = np.unique(log.item, return_inverse=True)
+    return Truth(
+        user=log.user, item=item.astype(np.int64), num_items=int(items.size), time=log.time, click=log.click.astype(np.float32),
+        logit=log.logit, terms=dict(log.terms),
+    )
