@@ -9,6 +9,8 @@ import time
 
 CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
 OUT_OF_MEMORY_EXIT_CODE = 5  # the device ran out of memory: the checkpoints already written are kept
+MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEFAULT_MEMORY_FRACTION = "0.9"  # the launch scripts' value too (scripts/xla_flags.py)
 
 
 class _ConfigFields(argparse.Action):
@@ -85,6 +87,7 @@ def train_main(argv: list[str] | None = None) -> None:
         "then exit without compiling or training",
     )
     args = parser.parse_args(argv)
+    claim_device_memory()
 
     import jax
 
@@ -121,6 +124,8 @@ def train_main(argv: list[str] | None = None) -> None:
     layout = distributed.initialize()
     devices = jax.devices()
     where = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
+    if jax.default_backend() == "gpu":
+        where += f"; {MEMORY_FRACTION_VARIABLE}={os.environ[MEMORY_FRACTION_VARIABLE]} of each GPU's memory"
     print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}", flush=True)
     print(f"gem-train: compilation cache {cache or 'off'}", flush=True)
     try:
@@ -169,6 +174,20 @@ def train_main(argv: list[str] | None = None) -> None:
         print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); run the same command again to resume", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
 
+def claim_device_memory() -> None:
+    """Lets this process's jax allocator take 90% of a GPU's memory unless `XLA_PYTHON_CLIENT_MEM_FRACTION` is set.
+
+    jax's own default, 75%, leaves a quarter of the GPU of a training process that is alone on it
+    unused, and XLA's allocator needs each of a step's large temporary buffers in one free piece:
+    the GEM-width model on the planted log (configs/planted_gem.py, one H200) ran out of memory at
+    75% asking for 44.8 GiB while more than that was free in two pieces, and trained at 92%. The
+    variable is read when jax creates the GPU client, so this runs before the first device use.
+    Several processes on one GPU set it each (benchmarks/quality_runs.sh); the launch scripts set
+    the same 90% (scripts/xla_flags.py).
+    """
+    os.environ.setdefault(MEMORY_FRACTION_VARIABLE, DEFAULT_MEMORY_FRACTION)
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether a jax runtime error is XLA's out-of-memory (status RESOURCE_EXHAUSTED)."""
     return "RESOURCE_EXHAUSTED" in str(error)
@@ -177,8 +196,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 def out_of_memory_message(error: BaseException) -> str:
     """What ran out, what this process may use of the device, and what to change, for an out-of-memory error."""
     what = str(error).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ")
-    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    share = f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}" if fraction else "jax's default share, 75%, as XLA_PYTHON_CLIENT_MEM_FRACTION is unset"
+    share = f"{MEMORY_FRACTION_VARIABLE}={os.environ.get(MEMORY_FRACTION_VARIABLE, DEFAULT_MEMORY_FRACTION)}"
     return (
         f"the device ran out of memory ({what}). This process may use {share} of the device's memory; other processes on "
         "it hold the rest. Lower data.batch_size or data.max_seq_len, give the backward a memory budget "

@@ -28,7 +28,8 @@ XLA_FLAGS = (
 )
 
 ENVIRONMENT = {
-    # Leave room for NCCL and the Mosaic GPU kernels' scratch.
+    # Leave room for NCCL and the Mosaic GPU kernels' scratch (gem-train takes the same share when
+    # the variable is unset: gem_jax.cli.claim_device_memory).
     "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",
     # NVLink SHARP multicast stays off: shared hosts.
     "NCCL_NVLS_ENABLE": "0",

@@ -177,9 +177,9 @@ class SpacePlan:
             )
 
     def _remedies(self) -> str:
-        fewer = dataclasses.replace(self, max_to_keep=self.max_to_keep - 1)
+        fewer = dataclasses.replace(self, max_to_keep=self.max_to_keep - 1)  # CheckpointConfig keeps at least 1
         return ", ".join(
-            ([f"checkpoint.max_to_keep={fewer.max_to_keep} ({format_bytes(fewer.needed)} needed)"] if fewer.needed < self.needed else [])
+            ([f"checkpoint.max_to_keep={fewer.max_to_keep} ({format_bytes(fewer.needed)} needed)"] if fewer.max_to_keep >= 1 and fewer.needed < self.needed else [])
             + (["optim.moments_dtype=bfloat16 for a new run (AdamW moments at half size)"] if self.float32_moments else [])
             + [
                 "a --workdir on a filesystem with more free space",

@@ -5,6 +5,7 @@ import errno
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import grain
 import jax
@@ -84,6 +85,15 @@ def test_space_plan_counts_the_copy_being_written_and_the_steps_on_disk():
     assert (plan.peak_copies, plan.needed, plan.headroom) == (4, 40, 2.5)
     assert SpacePlan(10, 3, 2, 100, None).needed == 20  # two copies exist: two more at the peak
     assert SpacePlan(10, 3, 5, 100, None).needed == 10  # more than kept (max_to_keep lowered): deleted after the next save
+
+
+def test_space_plan_never_suggests_keeping_no_checkpoint():
+    """max_to_keep 1 is CheckpointConfig's least: the remedies name what the config takes."""
+    with pytest.raises(CheckpointSpaceError) as refused:
+        SpacePlan(copy_bytes=10, max_to_keep=1, on_disk=0, free=15, path=Path("/ckpt")).check()
+    message = str(refused.value)
+    assert "2 copies of 0.01 kB need 0.02 kB more, 0.015 kB is free" in message and "max_to_keep" not in message, message
+    assert "optim.moments_dtype=bfloat16" in message and "--workdir" in message
 
 
 def test_preflight_refuses_warns_or_passes_by_free_space(tmp_path, monkeypatch):
