@@ -174,10 +174,24 @@ def table(preset: str) -> int:
     done = subprocess.run(command)
     if done.returncode:
         return done.returncode
-    wanted = more_seeds(json.loads(where["table"].read_text()))
+    result = json.loads(where["table"].read_text())
+    result["trained_on"] = {d.name: trained_on(d) for d in runs}  # the table's own "device" is where it was computed
+    where["table"].write_text(json.dumps(result, indent=1) + "\n")
+    wanted = more_seeds(result)
     for i in range(0, len(wanted), RUNS_PER_CALL):
         print(f"more seeds: python3 benchmarks/switch_table.py train --preset {preset} {' '.join(wanted[i:i + RUNS_PER_CALL])}")
     return 0
+
+
+def trained_on(run: Path) -> str:
+    """Where and from which tree a run trained: its log's device line (`gem-train: 1 x NVIDIA H200 (gpu), jax
+    0.11.2`, the log beside the run's folder) and the commit its run.json records; "unknown" for either missing."""
+    log = run.with_name(f"{run.name}.log")
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    device = next((line.removeprefix("gem-train: ") for line in lines if line.startswith("gem-train: ") and " x " in line and ", jax " in line), "unknown")
+    record = run / "run.json"
+    commit = json.loads(record.read_text()).get("version", {}).get("commit", "unknown") if record.is_file() else "unknown"
+    return f"{device}; commit {commit[:12]}"
 
 
 def more_seeds(result: dict) -> list[str]:

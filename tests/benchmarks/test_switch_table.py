@@ -1,5 +1,6 @@
 """benchmarks/switch_table.py: every switch's overrides build configs/planted_sharded.py's config, the call plan, and what `train` runs and exports."""
 
+import json
 import subprocess
 import tarfile
 
@@ -109,3 +110,16 @@ def test_the_second_pass_wants_the_missing_seeds_of_switches_within_two_spreads(
         "needs_more_seeds": ["fp8_32", "fp8_saved"],
     }
     assert switch_table.more_seeds(result) == ["fp8_32_seed1", "fp8_32_seed2", "fp8_saved_seed1"]
+
+
+def test_a_runs_device_and_commit_come_from_its_log_and_run_record(switch_table, tmp_path):
+    run = tmp_path / "bf16_seed0"
+    run.mkdir()
+    (tmp_path / "bf16_seed0.log").write_text(
+        "gem-train: compilation cache x\ngem-train: 1 x NVIDIA H200 (gpu), jax 0.11.2; XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 of each GPU's memory\n"
+    )
+    (run / "run.json").write_text(json.dumps({"version": {"commit": "6c37ccd7d218799f0e67e98d5479f81e118c5447", "jax": "0.11.2"}}))
+    assert switch_table.trained_on(run) == "1 x NVIDIA H200 (gpu), jax 0.11.2; XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 of each GPU's memory; commit 6c37ccd7d218"
+    bare = tmp_path / "fp8_32_seed0"
+    bare.mkdir()
+    assert switch_table.trained_on(bare) == "unknown; commit unknown"
