@@ -3,7 +3,7 @@
     gem-train --config configs/planted_small.py --workdir runs/planted_small --set data.path=data/planted-converted
 
 The comparison run for configs/planted_gem.py: the same converted planted log, histories of
-up to 1024 events, 1024 examples a step, 1200 steps, evals at 600 and 1200; the model
+up to 1024 events, 1024 examples a step, 1800 steps, evals at 900 and 1800; the model
 (width 32, 2 sequence layers) and optimizer settings are configs/events.py's (dense AdamW peak
 2e-3 after 50 warm-up steps, weight decay 1e-4, embedding Adagrad 0.05), with the cosine decay
 stretched to the longer run; its data is planted_gem's, history item features included. With
