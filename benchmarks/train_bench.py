@@ -37,9 +37,21 @@ none): run the same command twice with the same DIR for a cold and a warm start;
 `model.remat.budget_gb=80`); each run records its rematerialization plan under
 `remat_plan` (None without one; `gem_jax.train.remat_plan`).
 
+`--fit-batch`: a mode whose step runs out of device memory (XLA's RESOURCE_EXHAUSTED) at
+`--per-device-batch` is run again at the largest per-device batch that should fit, derived
+from the bytes the failed allocation asked (`largest_fitting_batch`), and once more from
+the next message if that also runs out: `MAX_TRIES` tries in all, each a set-up and a
+compile. Each run records the batch it ran (`per_device_batch`) and the tries that failed
+before it (`failed_tries`: batch, bytes asked, the batch derived from them); a mode whose
+tries all fail records them with its error. `examples_per_s_vs_padded_peer` = this mode's
+examples/s / the peer's, each at the batch it ran; `speedup_vs_padded_peer` compares step
+times only where both ran the same batch (None elsewhere).
+
     PYTHONPATH=. python3 benchmarks/train_bench.py --devices 1 2 --out results.json
     PYTHONPATH=. python3 benchmarks/train_bench.py --config configs/gem_h200.py --devices 1 \
         --attention auto padded --profile --compile-cache /tmp/jax_cache --out step.json
+    PYTHONPATH=. python3 benchmarks/train_bench.py --config configs/gem_h200_seq4096.py --devices 1 \
+        --attention auto padded --fit-batch --out seq4096.json
 """
 
 from __future__ import annotations
@@ -50,25 +62,32 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import os
 import platform
+import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from benchmarks import _profile, _timing
+from gem_jax.cli import is_out_of_memory
+from gem_jax.data.bbs import check_shard_split
+from gem_jax.data.config import DataConfig
 from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
 from pallas_kernels import Implementation
 from gem_jax.nn.embeddings import check_lookup_stats
-from gem_jax.train import compile_cache, config_tree, remat_plan
+from gem_jax.train import compile_cache, config_tree, remat_plan, snapshot
 from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.train.run_record import code_version
-from gem_jax.train.setup import setup_training
+from gem_jax.train.setup import Training, setup_training
+from gem_jax.units import format_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,6 +97,19 @@ PEER = "padded"
 
 # jax's persistent-cache events ("/jax/compilation_cache/cache_hits", ".../cache_misses").
 CACHE_EVENTS: collections.Counter = collections.Counter()
+
+# --fit-batch: tries of one mode on one device count (the asked batch, then up to two derived
+# ones; each is a set-up and a compile), and the share of the device's limit a derived batch
+# leaves to what its memory model does not count (`largest_fitting_batch`).
+MAX_TRIES = 3
+HEADROOM = 0.05
+
+# The size in XLA's out-of-memory message on the GPU (jaxlib 0.11): the device allocator's
+# "Out of memory while trying to allocate 27.81GiB with allocator GPU_0_bfc on device 0." or,
+# from other allocation paths, "... allocate 4770354232 bytes.". Binary units as tsl's
+# HumanReadableNumBytes writes them (B; KiB with one decimal; MiB to EiB with two).
+_ASKED = re.compile(r"Out of memory while trying to allocate (\d+(?:\.\d+)?) ?(bytes|B|KiB|MiB|GiB|TiB|PiB|EiB)\b")
+_BYTES_PER_UNIT = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50, "EiB": 2**60}
 
 
 def _count_cache_event(event: str, **_) -> None:
@@ -124,7 +156,12 @@ def profile_step(train_step, state, batch) -> tuple:
 
 
 def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int, warmup: int, num_batches: int, profile: bool) -> dict:
-    """Trains `warmup` + `steps` steps on the first `num_devices` devices; returns the measurements."""
+    """Trains `warmup` + `steps` steps on the first `num_devices` devices; returns the measurements.
+
+    Raises:
+      StepOutOfMemory: the device ran out of memory once the state was built (placing the
+        batches, compiling, stepping).
+    """
     topology = topology_for(num_devices, config.topology.experts_per_node)
     batch_size = per_device_batch * num_devices
     config = dataclasses.replace(config, topology=topology, data=dataclasses.replace(config.data, batch_size=batch_size))
@@ -134,6 +171,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t_setup
     mesh, placement, train_step, workload, setup = training.mesh, training.placement, training.train_step, training.workload, training.state
+    device_mem = device_memory(training)
     build = training.dataset.train_batch
 
     host = [build(range(i * batch_size, (i + 1) * batch_size)) for i in range(num_batches)]
@@ -144,41 +182,46 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         flops.append(workload.total(lengths))
         examples.append(int(real.sum()))
         tokens.append(int(lengths.sum()))
-    batches = [placement.put(b) for b in host]
-    local_capacities = sorted({int(b.history.values.shape[1]) for b in batches})
-    rows = [int(np.prod(b.history.values.shape[:2])) for b in batches]  # token rows over all devices
-    slack = [1.0 - t / r for t, r in zip(tokens, rows)]
+    try:
+        batches = [placement.put(b) for b in host]
+        local_capacities = sorted({int(b.history.values.shape[1]) for b in batches})
+        rows = [int(np.prod(b.history.values.shape[:2])) for b in batches]  # token rows over all devices
+        slack = [1.0 - t / r for t, r in zip(tokens, rows)]
 
-    t_first = time.perf_counter()
-    lowered = train_step.lower(state, batches[0])  # trace + lower (Python; Mosaic GPU kernels lower here)
-    lower_end = time.perf_counter()
-    compiled = lowered.compile()  # XLA compile, or a load from the persistent cache
-    compile_end = time.perf_counter()
-    memory = compiled_memory(compiled)
-    print(f"  compiled step memory (bytes per device): {memory}", flush=True)
-    state, metrics = train_step(state, batches[0])  # same program: cached trace, cached executable
-    jax.block_until_ready(state)
-    first_step_end = time.perf_counter()
-    process_age = process_age_s()
-    for i in range(1, max(warmup, num_batches)):  # every batch once: each capacity compiles before the timing
-        state, metrics = train_step(state, batches[i % num_batches])
-    jax.block_until_ready(state)
-    warmup_s = time.perf_counter() - t_first
-    check_lookup_stats(jax.device_get(metrics), setup.plan.tables, where="warm-up")
+        t_first = time.perf_counter()
+        lowered = train_step.lower(state, batches[0])  # trace + lower (Python; Mosaic GPU kernels lower here)
+        lower_end = time.perf_counter()
+        compiled = lowered.compile()  # XLA compile, or a load from the persistent cache
+        compile_end = time.perf_counter()
+        memory = compiled_memory(compiled)
+        print(f"  compiled step memory (bytes per device): {memory}", flush=True)
+        state, metrics = train_step(state, batches[0])  # same program: cached trace, cached executable
+        jax.block_until_ready(state)
+        first_step_end = time.perf_counter()
+        process_age = process_age_s()
+        for i in range(1, max(warmup, num_batches)):  # every batch once: each capacity compiles before the timing
+            state, metrics = train_step(state, batches[i % num_batches])
+        jax.block_until_ready(state)
+        warmup_s = time.perf_counter() - t_first
+        check_lookup_stats(jax.device_get(metrics), setup.plan.tables, where="warm-up")
 
-    times, losses = [], []
-    for i in range(steps):
-        batch = batches[i % num_batches]
-        t0 = time.perf_counter()
-        state, metrics = train_step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(metrics["loss"]))
-    fetched = jax.device_get(metrics)
-    check_lookup_stats(fetched, setup.plan.tables, where="timed steps")
-    breakdown = None
-    if profile:
-        state, breakdown = profile_step(train_step, state, batches[steps % num_batches])
+        times, losses = [], []
+        for i in range(steps):
+            batch = batches[i % num_batches]
+            t0 = time.perf_counter()
+            state, metrics = train_step(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(metrics["loss"]))
+        fetched = jax.device_get(metrics)
+        check_lookup_stats(fetched, setup.plan.tables, where="timed steps")
+        breakdown = None
+        if profile:
+            state, breakdown = profile_step(train_step, state, batches[steps % num_batches])
+    except jax.errors.JaxRuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+        raise StepOutOfMemory(per_device_batch, str(error), device_mem) from error
     order = [i % num_batches for i in range(steps)]
     step_flops = float(np.mean([flops[i] for i in order]))
     step_examples = float(np.mean([examples[i] for i in order]))
@@ -188,6 +231,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "num_devices": num_devices,
         "topology": dataclasses.asdict(topology),
         "mesh_shape": dict(mesh.shape),
+        "per_device_batch": per_device_batch,
         "global_batch": batch_size,
         "mean_tokens_per_step": float(np.mean(tokens)),
         "local_capacities": local_capacities,
@@ -206,6 +250,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "step_times_s": times,
         "median_step_s": median,
         "examples_per_s": step_examples / median,
+        "history_tokens_per_s": float(np.mean([tokens[i] for i in order])) / median,
         "model_tflops_per_step": step_flops / 1e12,
         "tflops_per_s_per_device": step_flops / median / num_devices / 1e12,
         "mfu_per_device": (step_flops / median / num_devices / peak) if peak else None,
@@ -216,6 +261,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
     stats = mesh.devices.flat[0].memory_stats() or {}
     result["peak_bytes_in_use_device0"] = stats.get("peak_bytes_in_use")
     result["compiled_memory_bytes"] = memory
+    result["device_memory_bytes"] = dataclasses.asdict(device_mem)
     result["remat_plan"] = remat_plan.record(training.remat_plan)
     if profile:
         result["profile"] = breakdown
@@ -242,11 +288,211 @@ def compiled_memory(compiled) -> dict[str, int] | None:
     return sizes
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes of the mesh's first device, as `largest_fitting_batch` counts them.
+
+    Attributes:
+      limit: what this process may allocate there (`memory_stats()["bytes_limit"]`: the
+        device's memory times XLA_PYTHON_CLIENT_MEM_FRACTION); None where the device reports
+        no statistics (the CPU).
+      resident: what it holds once the train state is built, before any step
+        (`memory_stats()["bytes_in_use"]`): the state's shard (parameters, optimizer state)
+        and whatever else the process keeps there; None where unreported.
+      gradients: the gradients' shard (from shapes: `gem_jax.train.remat_plan.state_bytes`
+        less the state's), among the step's temporaries whatever its batch.
+    """
+
+    limit: int | None
+    resident: int | None
+    gradients: int
+
+
+def device_memory(training: Training) -> DeviceMemory:
+    """`DeviceMemory` of `training`'s first device; call it once the state is built and nothing else runs."""
+    device = training.mesh.devices.flat[0]
+    state = snapshot.device_bytes(training.state.abstract)[device]
+    with_gradients = remat_plan.state_bytes(training.state, row_wise_tables=training.config.optim.sparse_embedding_updates)
+    stats = device.memory_stats() or {}
+    return DeviceMemory(limit=stats.get("bytes_limit"), resident=stats.get("bytes_in_use"), gradients=with_gradients - state)
+
+
+class StepOutOfMemory(RuntimeError):
+    """A run's device ran out of memory (XLA's RESOURCE_EXHAUSTED) at `per_device_batch` examples.
+
+    Attributes:
+      per_device_batch: the try's examples per device.
+      message: XLA's message.
+      memory: the device's bytes before the step (`DeviceMemory`).
+    """
+
+    def __init__(self, per_device_batch: int, message: str, memory: DeviceMemory):
+        super().__init__(f"out of device memory at a per-device batch of {per_device_batch}: {message}")
+        self.per_device_batch, self.message, self.memory = per_device_batch, message, memory
+
+
+class BatchFitError(RuntimeError):
+    """Every try of a run ran out of device memory (one try without `--fit-batch`), or no batch was derived for the next.
+
+    Attributes:
+      failed_tries: the tries' records (`failed_try`), in order.
+    """
+
+    def __init__(self, failed_tries: list[dict]):
+        tries = ", ".join(
+            f"{t['per_device_batch']} (asked {'?' if t['asked_bytes'] is None else format_bytes(t['asked_bytes'])})" for t in failed_tries
+        )
+        last = failed_tries[-1]
+        why = f"; no batch derived from the last: {last['no_derived_batch']}" if "no_derived_batch" in last else ""
+        super().__init__(f"the step ran out of device memory at every per-device batch tried: {tries}{why}")
+        self.failed_tries = failed_tries
+
+
+def asked_bytes(message: str) -> int:
+    """Bytes of the allocation that XLA's out-of-memory `message` says failed (the first one it names).
+
+    Reads "Out of memory while trying to allocate SIZE", SIZE in bytes ("4770354232 bytes")
+    or in a binary unit ("27.81GiB", "896.00MiB", "512.0KiB"; XLA rounds these to two
+    decimals, one for KiB: 27.81GiB reads as 29,860,760,125 bytes, within 0.005 GiB of the
+    request).
+
+    Raises:
+      ValueError: the message names no allocation in that form (quoted in the error), e.g. the
+        autotuner's "Allocating N bytes exceeds the memory limit of M bytes.", whose limit is
+        its scratch allowance (`--xla_gpu_redzone_scratch_max_megabytes`), not the device.
+    """
+    found = _ASKED.search(message)
+    if found is None:
+        raise ValueError(f"no allocation size in this out-of-memory message: {message[:500]!r}")
+    number, unit = found.groups()
+    return round(float(number) * _BYTES_PER_UNIT[unit])
+
+
+def largest_fitting_batch(per_device_batch: int, asked: int, memory: DeviceMemory, headroom: float = HEADROOM) -> int:
+    """The largest per-device batch whose train step should fit, from a try at `per_device_batch` that ran out.
+
+    The model, in bytes of one device: a step of b examples needs
+
+        need(b) = resident + gradients + b * per_example
+
+    `resident` (the state, measured before the step) and `gradients` (temporaries of every
+    step) do not depend on b; everything else the step allocates grows with it (activations
+    kept for the backward, workspaces, and for the padded peer its `[B, N, H, D]` layouts).
+    On the GPU XLA allocates a step's temporaries as one buffer, so the allocation that
+    failed, `asked`, is `gradients + per_device_batch * per_example`:
+
+        per_example = (asked - gradients) / per_device_batch
+        batch = floor(((1 - headroom) * limit - resident - gradients) / per_example)
+
+    `headroom` (a share of `limit`) is left to what the model does not count: allocator
+    fragmentation, the placed batches, compiled programs. Counting all the gradients as
+    fixed errs towards a smaller batch: if fewer of them are live at the step's peak, the
+    batch needs less than the model says. An allocation that was not the step's
+    temporaries but a smaller one (made while compiling, say) makes the batch too large;
+    the next try's message corrects it.
+
+    Raises:
+      ValueError: the device reports no limit or no resident bytes; the allocation is no
+        larger than the gradients, or it and `resident` fit the limit (the model does not
+        explain the failure, so nothing follows from it); or no batch of 1 fits.
+    """
+    if memory.limit is None or memory.resident is None:
+        raise ValueError(f"the device reports no memory limit or bytes in use ({memory}): no batch to derive")
+    per_example = (asked - memory.gradients) / per_device_batch
+    if per_example <= 0 or memory.resident + asked <= memory.limit:
+        raise ValueError(
+            f"an allocation of {format_bytes(asked)} at {per_device_batch} examples does not explain running out: "
+            f"gradients {format_bytes(memory.gradients)}, {format_bytes(memory.resident)} resident, limit {format_bytes(memory.limit)}"
+        )
+    batch = math.floor(((1 - headroom) * memory.limit - memory.resident - memory.gradients) / per_example)
+    if batch < 1:
+        raise ValueError(
+            f"no batch fits: {format_bytes(memory.resident)} resident and {format_bytes(memory.gradients)} of gradients leave "
+            f"less than one example's {format_bytes(per_example)} of {1 - headroom:.0%} of the limit {format_bytes(memory.limit)}"
+        )
+    return batch
+
+
+def valid_batch_at_most(per_device_batch: int, num_devices: int, data: DataConfig) -> int:
+    """The largest per-device batch <= `per_device_batch` whose global batch the job accepts.
+
+    The checks are the job's own: `DataConfig`'s and, with BBS on, `check_shard_split`'s
+    (which `Dataset.resolve_bbs` applies on the mesh: an even batch per device when there
+    are several).
+
+    Raises:
+      ValueError: no batch from `per_device_batch` down to 1 passes them.
+    """
+    for batch in range(per_device_batch, 0, -1):
+        try:
+            checked = dataclasses.replace(data, batch_size=batch * num_devices)
+            if checked.bbs is not None:
+                check_shard_split(checked.batch_size, num_devices, "DataConfig.bbs")
+        except ValueError:
+            continue
+        return batch
+    raise ValueError(f"no per-device batch from {per_device_batch} down to 1 gives {num_devices} device(s) a global batch the data config accepts")
+
+
+def failed_try(oom: StepOutOfMemory, num_devices: int, data: DataConfig) -> dict:
+    """The record of a try that ran out of memory, with the batch derived from its message.
+
+    Returns:
+      `{per_device_batch, message, asked_bytes, device_memory_bytes, derived_per_device_batch}`
+      (the derived batch: `largest_fitting_batch` rounded down by `valid_batch_at_most`, the
+      next try's with `--fit-batch`). Where none follows (one of `asked_bytes`,
+      `largest_fitting_batch` and `valid_batch_at_most` refuses), `derived_per_device_batch`
+      is None and `no_derived_batch` says why (`asked_bytes` too is None when the message
+      gives no size).
+    """
+    record = {
+        "per_device_batch": oom.per_device_batch,
+        "message": oom.message[:2000],
+        "asked_bytes": None,
+        "device_memory_bytes": dataclasses.asdict(oom.memory),
+        "derived_per_device_batch": None,
+    }
+    try:
+        record["asked_bytes"] = asked_bytes(oom.message)
+        fitting = largest_fitting_batch(oom.per_device_batch, record["asked_bytes"], oom.memory)
+        record["derived_per_device_batch"] = valid_batch_at_most(fitting, num_devices, data)
+    except ValueError as error:
+        record["no_derived_batch"] = str(error)
+    return record
+
+
+def run_fitting_batch(config: TrainConfig, num_devices: int, args) -> dict:
+    """`run` at `--per-device-batch`; with `--fit-batch`, a try that runs out of device memory is
+    followed by one at the batch `failed_try` derives, up to `MAX_TRIES` tries in all.
+
+    Returns:
+      the run's measurements, with `failed_tries` (`failed_try` records, [] when the first try ran).
+
+    Raises:
+      BatchFitError: every try ran out of memory, or no next batch could be derived.
+    """
+    batch, failed = args.per_device_batch, []
+    tries = MAX_TRIES if args.fit_batch else 1
+    while True:
+        try:
+            result = run(config, num_devices, batch, args.steps, args.warmup, args.num_batches, args.profile)
+        except StepOutOfMemory as oom:
+            failed.append(failed_try(oom, num_devices, config.data))
+        else:
+            result["failed_tries"] = failed
+            return result
+        gc.collect()  # the failed try's arrays, held by the error's traceback until now
+        batch = failed[-1]["derived_per_device_batch"]
+        if batch is None or len(failed) == tries:
+            raise BatchFitError(failed)
+        print(f"  out of device memory at a per-device batch of {failed[-1]['per_device_batch']}: trying {batch}", flush=True)
+
+
 def run_mode(base: TrainConfig, mode: str, args) -> dict:
     """Every device count of one `--attention` mode: `{attention, attention_implementation, model, runs, errors}`.
 
-    A failed or non-finite implementation is recorded under `errors` (with its runs) and
-    the mode's next implementation is tried.
+    A failed or non-finite implementation is recorded under `errors` (with its runs and, when
+    it ran out of device memory, its `failed_tries`) and the mode's next implementation is tried.
     """
     section = {"attention": mode, "attention_implementation": None, "model": None, "runs": [], "errors": []}
     for impl in MODES[mode]:
@@ -255,31 +501,42 @@ def run_mode(base: TrainConfig, mode: str, args) -> dict:
         try:
             for n in args.devices:
                 print(f"--- {n} device(s), attention {mode} ({impl or 'auto'})", flush=True)
-                result = run(config, n, args.per_device_batch, args.steps, args.warmup, args.num_batches, args.profile)
+                result = run_fitting_batch(config, n, args)
                 print(json.dumps({k: v for k, v in result.items() if k not in ("step_times_s", "profile")}), flush=True)
                 section["runs"].append(result)
                 if not all(np.isfinite(result["loss_first_last"])):
                     raise FloatingPointError(f"non-finite loss on {n} device(s): {result['loss_first_last']}")
             break
         except Exception as exc:  # a kernel that does not compile or run: try the next implementation
-            section["errors"].append({"attention_implementation": impl, "error": repr(exc)[:2000], "runs": section["runs"]})
+            failed = exc.failed_tries if isinstance(exc, BatchFitError) else []
+            section["errors"].append({"attention_implementation": impl, "error": repr(exc)[:2000], "runs": section["runs"], "failed_tries": failed})
             section["runs"] = []
             traceback.print_exc()
             gc.collect()
     return section
 
 
-def speedups(ours: list[dict], peer: list[dict]) -> dict[str, float]:
-    """`{num_devices: peer median step / our median step}` for the device counts both ran."""
+def by_device_count(ours: list[dict], peer: list[dict], ratio: Callable[[dict, dict], float | None]) -> dict[str, float | None]:
+    """`{num_devices: ratio(our run, the peer's run)}` for the device counts both ran."""
     peer_by_n = {r["num_devices"]: r for r in peer}
-    return {str(r["num_devices"]): peer_by_n[r["num_devices"]]["median_step_s"] / r["median_step_s"] for r in ours if r["num_devices"] in peer_by_n}
+    return {str(r["num_devices"]): ratio(r, peer_by_n[r["num_devices"]]) for r in ours if r["num_devices"] in peer_by_n}
+
+
+def speedups(ours: list[dict], peer: list[dict]) -> dict[str, float | None]:
+    """`{num_devices: peer median step / our median step}`; None where the two ran different batches."""
+    return by_device_count(ours, peer, lambda o, p: p["median_step_s"] / o["median_step_s"] if o["global_batch"] == p["global_batch"] else None)
+
+
+def throughput_ratios(ours: list[dict], peer: list[dict]) -> dict[str, float]:
+    """`{num_devices: our examples/s / the peer's}`, each at the batch it ran."""
+    return by_device_count(ours, peer, lambda o, p: o["examples_per_s"] / p["examples_per_s"])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "gem_sharded.py"))
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--per-device-batch", type=int, default=1024)
+    parser.add_argument("--per-device-batch", type=int, default=1024, help="examples per device (with --fit-batch, the first try's)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="override the config's history bound")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1, and at least one per built batch; the first one compiles)")
@@ -290,6 +547,12 @@ def main(argv: list[str] | None = None) -> None:
         "(auto: pallas on Hopper, falls back to xla if it fails; padded: cuDNN softmax + jnp GELU attention)",
     )
     parser.add_argument("--profile", action="store_true", help="CUPTI kernel breakdown of one warm step per run (GPU only)")
+    parser.add_argument(
+        "--fit-batch", action="store_true",
+        help="a mode whose step runs out of device memory at --per-device-batch runs again at the largest batch that "
+        f"should fit, derived from the bytes XLA's message says it asked ({MAX_TRIES} tries at most, each a compile); "
+        "the JSON records each run's batch, the failed tries and examples_per_s_vs_padded_peer",
+    )
     parser.add_argument(
         "--compile-cache", default=None, metavar="DIR|off",
         help=f"jax's persistent compilation cache (default: ${compile_cache.ENV_VAR}, else off)",
@@ -324,6 +587,7 @@ def main(argv: list[str] | None = None) -> None:
         "compile_cache_dir": str(cache) if cache else None,
         "config": args.config,
         "per_device_batch": args.per_device_batch,
+        "fit_batch": args.fit_batch,
         "max_seq_len": base.data.max_seq_len,
         "overrides": args.overrides,
         "synthetic": dataclasses.asdict(base.data.synthetic),
@@ -345,9 +609,12 @@ def main(argv: list[str] | None = None) -> None:
     for mode in others:
         record["peers"][mode] = run_mode(base, mode, args)
         if mode == PEER and ours != PEER:
-            record["speedup_vs_padded_peer"] = speedups(runs, record["peers"][PEER]["runs"])
+            peer_runs = record["peers"][PEER]["runs"]
+            record["speedup_vs_padded_peer"] = speedups(runs, peer_runs)
+            record["examples_per_s_vs_padded_peer"] = throughput_ratios(runs, peer_runs)
             for r in runs:
-                r["speedup_vs_padded_peer"] = record["speedup_vs_padded_peer"].get(str(r["num_devices"]))
+                for key in ("speedup_vs_padded_peer", "examples_per_s_vs_padded_peer"):
+                    r[key] = record[key].get(str(r["num_devices"]))
         out.write_text(json.dumps(record, indent=2))
     print(json.dumps({k: v for k, v in record.items() if k not in ("runs", "model", "synthetic", "peers")}, indent=2))
     if not runs:
