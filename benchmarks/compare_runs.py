@@ -24,7 +24,9 @@ placed between its item-mean baseline and its oracle: `--planted DIR` (the plant
 its `oracle.json` is the report for the split the log was converted with) adds, per run and
 eval record, the AUC and NE of the reference's first task and their lift fractions, e.g.
 `(AUC - AUC_item_mean) / (AUC_oracle - AUC_item_mean)` (0: the baseline, 1: the oracle; NE
-alike, falling), to the summary (`planted`) and prints them as a Markdown table.
+alike, falling), to the summary (`planted`) and prints them as a Markdown table, under the
+reference predictors the report holds (item-mean, no history, no long-range term, oracle:
+`planted_levels`), whose eval NE the figure draws as horizontal lines.
 
 `--switch-table` (with `--planted`) tabulates numerics switches against a reference trained
 with several seeds (benchmarks/quality.md, "The switch table"; `benchmarks/switch_table.py`
@@ -94,7 +96,9 @@ def final_eval(run: dict[str, list[dict]]) -> dict | None:
 
 def lift_fraction(value: float, baseline: float, oracle: float) -> float:
     """Where `value` sits from `baseline` (0) to `oracle` (1); NaN when they are equal."""
-    return (value - baseline) / (oracle - baseline) if oracle != baseline else float("nan")
+    if oracle == baseline:
+        return float("nan")
+    return (value - baseline) / (oracle - baseline) + 0.0  # + 0.0: the baseline of a falling metric reads 0, not -0
 
 
 def planted_rows(oracle: dict, evals: dict[str, list[dict]], task: dict[str, str]) -> list[dict]:
@@ -113,10 +117,30 @@ def planted_rows(oracle: dict, evals: dict[str, list[dict]], task: dict[str, str
     return rows
 
 
+# The reference predictors of an oracle.json, worst first: the item-mean baseline, the optimum
+# without history and without the long-range term (`gem_jax.train.oracle.oracle_report`; reports
+# without them skip their rows), the oracle.
+PLANTED_LEVELS = (("item-mean", "item_mean"), ("no history", "no_history"), ("no long-range", "no_long_range"), ("oracle", "oracle"))
+
+
+def planted_levels(oracle: dict) -> list[dict]:
+    """`{name, auc, ne, auc_lift_fraction, ne_lift_fraction}` of each of `PLANTED_LEVELS` that `oracle` holds."""
+    base, best = oracle["item_mean"], oracle["oracle"]
+    return [
+        {
+            "name": name, "auc": oracle[key]["auc"], "ne": oracle[key]["ne"],
+            "auc_lift_fraction": lift_fraction(oracle[key]["auc"], base["auc"], best["auc"]),
+            "ne_lift_fraction": lift_fraction(oracle[key]["ne"], base["ne"], best["ne"]),
+        }
+        for name, key in PLANTED_LEVELS
+        if key in oracle
+    ]
+
+
 def planted_table(oracle: dict, rows: list[dict]) -> str:
-    """`planted_rows` as a Markdown table, under the item-mean and oracle rows."""
+    """`planted_rows` as a Markdown table, under the rows of `planted_levels`."""
     lines = [f"split {oracle['split']}, {oracle['eval_events']} eval events", "", "| run | step | AUC | NE | AUC lift fraction | NE lift fraction |", "|---|---|---|---|---|---|"]
-    lines += [f"| {name} | | {oracle[key]['auc']:.4f} | {oracle[key]['ne']:.4f} | {lift:g} | {lift:g} |" for name, key, lift in (("item-mean", "item_mean", 0), ("oracle", "oracle", 1))]
+    lines += [f"| {v['name']} | | {v['auc']:.4f} | {v['ne']:.4f} | {v['auc_lift_fraction']:.3g} | {v['ne_lift_fraction']:.3g} |" for v in planted_levels(oracle)]
     lines += [f"| {r['run']} | {r['step']} | {r['auc']:.4f} | {r['ne']:.4f} | {r['auc_lift_fraction']:.3f} | {r['ne_lift_fraction']:.3f} |" for r in rows]
     return "\n".join(lines)
 
@@ -373,6 +397,9 @@ def main() -> None:
         print(planted_table(oracle, rows))
     args.out.write_text(json.dumps(summary, indent=1))
     fig, ax = plt.subplots(figsize=(7, 4))
+    if args.planted is not None:  # the reference predictors' eval NE, for the eval points to sit between
+        for level, style in zip(planted_levels(oracle), (":", "-.", "--", "-")):
+            ax.axhline(level["ne"], color="grey", linestyle=style, linewidth=1, label=f"{level['name']} eval NE")
     for name, run in runs.items():
         key = f"ne_{names[name][tasks[0]]}"
         line = ax.plot([r["step"] for r in run["train"]], [r[key] for r in run["train"]], label=f"{name} train NE")[0]

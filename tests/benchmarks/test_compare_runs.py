@@ -7,8 +7,13 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def compare_main(load_benchmark):
-    return load_benchmark("compare_runs").main
+def compare_runs(load_benchmark):
+    return load_benchmark("compare_runs")
+
+
+@pytest.fixture(scope="module")
+def compare_main(compare_runs):
+    return compare_runs.main
 
 
 def _write_run(directory, losses, ne_primary, eval_ne=None, eval_step=None):
@@ -102,10 +107,13 @@ def test_tasks_are_compared_by_position_across_task_names(compare_main, monkeypa
         _compare(compare_main, monkeypatch, tmp_path, [("named", named), ("ref", reference)])  # the reference's second task, "love"
 
 
-def test_planted_runs_are_placed_between_the_item_mean_baseline_and_the_oracle(compare_main, monkeypatch, tmp_path, capsys):
+def test_planted_runs_are_placed_between_the_item_mean_baseline_and_the_oracle(compare_runs, compare_main, monkeypatch, tmp_path, capsys):
     planted = tmp_path / "planted"
     planted.mkdir()
-    oracle = {"split": "time quantile 0.9", "eval_events": 100, "oracle": {"auc": 0.8, "ne": 0.8}, "item_mean": {"auc": 0.6, "ne": 1.0}}
+    oracle = {
+        "split": "time quantile 0.9", "eval_events": 100, "oracle": {"auc": 0.8, "ne": 0.8}, "item_mean": {"auc": 0.6, "ne": 1.0},
+        "no_history": {"auc": 0.62, "ne": 0.99},
+    }
     (planted / "oracle.json").write_text(json.dumps(oracle))
     runs = []
     for name, auc, ne in (("small", 0.65, 0.95), ("gem", 0.75, 0.85)):
@@ -124,6 +132,9 @@ def test_planted_runs_are_placed_between_the_item_mean_baseline_and_the_oracle(c
     assert [r["ne_lift_fraction"] for r in rows] == [pytest.approx(0.25), pytest.approx(0.75)]
     printed = capsys.readouterr().out
     assert "| gem | 20 | 0.7500 | 0.8500 | 0.750 | 0.750 |" in printed and "| oracle | | 0.8000 | 0.8000 | 1 | 1 |" in printed
+    # the reference predictors the report holds, in order (no long-range row: this report has none)
+    assert [v["name"] for v in compare_runs.planted_levels(oracle)] == ["item-mean", "no history", "oracle"]
+    assert "| no history | | 0.6200 | 0.9900 | 0.1 | 0.05 |" in printed
 
     (planted / "oracle.json").unlink()
     with pytest.raises(SystemExit, match="holds no oracle.json"):
