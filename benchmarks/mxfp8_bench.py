@@ -41,7 +41,8 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch in the same process
+if not (os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")):
+    os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.5"  # leave room for torch in the same process
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

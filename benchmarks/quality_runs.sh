@@ -18,7 +18,8 @@ out_name=$1 config=$2 common=$3
 shift 3
 root=runs/quality/$out_name
 mkdir -p "$root"
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${GEM_MEM_FRACTION:-0.18}
+unset XLA_PYTHON_CLIENT_MEM_FRACTION  # the deprecated name: jaxlib refuses it beside XLA_CLIENT_MEM_FRACTION
+export XLA_CLIENT_MEM_FRACTION=${GEM_MEM_FRACTION:-0.18}
 pids=() runs=()
 for variant in "$@"; do
   name=${variant%%=*} overrides=${variant#*=}

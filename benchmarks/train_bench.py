@@ -76,7 +76,7 @@ import jax
 import numpy as np
 
 from benchmarks import _profile, _timing
-from gem_jax.cli import is_out_of_memory
+from gem_jax.cli import MEMORY_FRACTION_VARIABLES, claim_device_memory, is_out_of_memory
 from gem_jax.data.bbs import check_shard_split
 from gem_jax.data.config import DataConfig
 from gem_jax.mesh import Topology
@@ -294,7 +294,7 @@ class DeviceMemory:
 
     Attributes:
       limit: what this process may allocate there (`memory_stats()["bytes_limit"]`: the
-        device's memory times XLA_PYTHON_CLIENT_MEM_FRACTION); None where the device reports
+        device's memory times XLA_CLIENT_MEM_FRACTION); None where the device reports
         no statistics (the CPU).
       resident: what it holds once the train state is built, before any step
         (`memory_stats()["bytes_in_use"]`): the state's shard (parameters, optimizer state)
@@ -568,6 +568,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(set(args.attention)) != len(args.attention):
         parser.error(f"--attention names a mode twice: {args.attention}")
 
+    claim_device_memory()  # gem-train's share of a GPU (90%) unless the environment gives one; before any device use
     cache = compile_cache.enable(compile_cache.cache_dir(None, args.compile_cache or os.environ.get(compile_cache.ENV_VAR) or compile_cache.OFF))
     jax.monitoring.register_event_listener(_count_cache_event)
     base = config_tree.apply_overrides(load_config(args.config), args.overrides)
@@ -583,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
         "num_visible_devices": jax.device_count(),
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "environment": {k: os.environ[k] for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "NCCL_NVLS_ENABLE") if k in os.environ},
+        "environment": {k: os.environ[k] for k in (*MEMORY_FRACTION_VARIABLES, "NCCL_NVLS_ENABLE") if k in os.environ},
         "compile_cache_dir": str(cache) if cache else None,
         "config": args.config,
         "per_device_batch": args.per_device_batch,

@@ -21,8 +21,8 @@ The recipe is configs/planted_gem.py's, and why:
 - `data.capacity_step` 1.2 and `compile_in_background`: fewer token capacities to compile at
   this width (the demo's 1.04 plans 9), training from the first one built.
 - one checkpoint, at the end: 28.7 GB with its AdamW moments (`gem-train --dry-run`: 9.6 GB of
-  parameters, 19.1 GB of optimizer state); the preflight counts two copies, 57.4 GB, at the peak,
-  which a clean 64 GiB disk holds.
+  parameters, 19.1 GB of optimizer state); the preflight counts two copies, 57.4 GB, at the peak:
+  an H200 host's disk with 68.5 GB free holds them (1.19x; gem-train warns below 2x).
 """
 
 import dataclasses

@@ -13,11 +13,11 @@ baseline, 65% of its NE lift; the target, 90% and NE within 2% of the oracle's, 
 0.7156 / 0.8941 at step 900. The history-blind optimum is 0.627 / 0.973 and the optimum without
 the long-range term 0.708 / 0.907, so the model uses signal from 256 or more events back. The
 job: 508 s from start to exit (59 s lowering and compiling, 1800 steps in 340 s, two evals 73 s,
-the final checkpoint 27 s), plus 18 s of planting and converting on a fresh machine: one
-10-minute call. It ran with XLA_PYTHON_CLIENT_MEM_FRACTION=0.92; at jax's default 75% it ran out
-of memory (a 44.8 GiB buffer asked for with more than that free in two pieces); gem-train now
-takes 90% unless told otherwise, not yet measured on this run. Train NE falls slowly until about
-step 650 and then by 0.07 in 150 steps, in both runs of the same seed (1200 and 1800 steps).
+the final checkpoint 27 s), plus 18 s of planting and converting the log: a 10-minute job. It
+ran with XLA_PYTHON_CLIENT_MEM_FRACTION=0.92; at jax's default 75% it ran out of memory (a
+44.8 GiB buffer asked for with more than that free in two pieces); gem-train now takes 90%
+unless told otherwise, not yet measured on this run. Train NE falls slowly until about step 650
+(0.97) and then fast, to 0.90 at step 850, in both runs of the same seed (1200 and 1800 steps).
 
 Data: every train event of the converted log, histories of up to 1024 events (the long-range
 signal sits 256-1000 events back, so a shorter window cannot reach the oracle), 1024 examples a

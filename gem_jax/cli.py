@@ -9,7 +9,9 @@ import time
 
 CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
 OUT_OF_MEMORY_EXIT_CODE = 5  # the device ran out of memory: the checkpoints already written are kept
-MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+# The share of a GPU's memory jax's allocator may take: jaxlib's name, then its deprecated one (jaxlib
+# refuses the two together).
+MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 DEFAULT_MEMORY_FRACTION = "0.9"  # the launch scripts' value too (scripts/xla_flags.py)
 
 
@@ -125,7 +127,7 @@ def train_main(argv: list[str] | None = None) -> None:
     devices = jax.devices()
     where = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
     if jax.default_backend() == "gpu":
-        where += f"; {MEMORY_FRACTION_VARIABLE}={os.environ[MEMORY_FRACTION_VARIABLE]} of each GPU's memory"
+        where += f"; {device_memory_share()} of each GPU's memory"
     print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}", flush=True)
     print(f"gem-train: compilation cache {cache or 'off'}", flush=True)
     try:
@@ -174,18 +176,27 @@ def train_main(argv: list[str] | None = None) -> None:
         print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); run the same command again to resume", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
 
+
 def claim_device_memory() -> None:
-    """Lets this process's jax allocator take 90% of a GPU's memory unless `XLA_PYTHON_CLIENT_MEM_FRACTION` is set.
+    """Lets this process's jax allocator take 90% of a GPU's memory (`XLA_CLIENT_MEM_FRACTION=0.9`) unless
+    `XLA_CLIENT_MEM_FRACTION` or its deprecated name `XLA_PYTHON_CLIENT_MEM_FRACTION` is set.
 
     jax's own default, 75%, leaves a quarter of the GPU of a training process that is alone on it
     unused, and XLA's allocator needs each of a step's large temporary buffers in one free piece:
     the GEM-width model on the planted log (configs/planted_gem.py, one H200) ran out of memory at
     75% asking for 44.8 GiB while more than that was free in two pieces, and trained at 92%. The
     variable is read when jax creates the GPU client, so this runs before the first device use.
-    Several processes on one GPU set it each (benchmarks/quality_runs.sh); the launch scripts set
-    the same 90% (scripts/xla_flags.py).
+    Several processes on one GPU set a smaller share each (benchmarks/quality_runs.sh); the launch
+    scripts set the same 90% (scripts/xla_flags.py).
     """
-    os.environ.setdefault(MEMORY_FRACTION_VARIABLE, DEFAULT_MEMORY_FRACTION)
+    if not any(os.environ.get(name) for name in MEMORY_FRACTION_VARIABLES):
+        os.environ[MEMORY_FRACTION_VARIABLES[0]] = DEFAULT_MEMORY_FRACTION
+
+
+def device_memory_share() -> str:
+    """`NAME=value` of the memory-fraction variable in force (`MEMORY_FRACTION_VARIABLES`), or jax's default, 75%."""
+    name = next((name for name in MEMORY_FRACTION_VARIABLES if os.environ.get(name)), None)
+    return f"{name}={os.environ[name]}" if name else "jax's default share, 75%,"
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -196,10 +207,9 @@ def is_out_of_memory(error: BaseException) -> bool:
 def out_of_memory_message(error: BaseException) -> str:
     """What ran out, what this process may use of the device, and what to change, for an out-of-memory error."""
     what = str(error).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ")
-    share = f"{MEMORY_FRACTION_VARIABLE}={os.environ.get(MEMORY_FRACTION_VARIABLE, DEFAULT_MEMORY_FRACTION)}"
     return (
-        f"the device ran out of memory ({what}). This process may use {share} of the device's memory; other processes on "
-        "it hold the rest. Lower data.batch_size or data.max_seq_len, give the backward a memory budget "
+        f"the device ran out of memory ({what}). This process's allocator may take {device_memory_share()} of the device's "
+        "memory. Lower data.batch_size or data.max_seq_len, give the backward a memory budget "
         "(--set model.remat.budget_gb=GB: README, Memory), train in bfloat16 (model.compute_dtype: float32 attention takes "
         "the jnp reference, whose scores are padded), or give the process more of the device. The checkpoints already "
         "written are kept: the same command resumes from the last."

@@ -29,8 +29,8 @@ XLA_FLAGS = (
 
 ENVIRONMENT = {
     # Leave room for NCCL and the Mosaic GPU kernels' scratch (gem-train takes the same share when
-    # the variable is unset: gem_jax.cli.claim_device_memory).
-    "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",
+    # neither this variable nor its deprecated name is set: gem_jax.cli.claim_device_memory).
+    "XLA_CLIENT_MEM_FRACTION": "0.9",
     # NVLink SHARP multicast stays off: shared hosts.
     "NCCL_NVLS_ENABLE": "0",
 }
@@ -47,6 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.env:
         print(f'export XLA_FLAGS="{xla_flags()} ${{XLA_FLAGS:-}}"')
+        print("unset XLA_PYTHON_CLIENT_MEM_FRACTION  # the deprecated name: jaxlib refuses it beside XLA_CLIENT_MEM_FRACTION")
         for key, value in ENVIRONMENT.items():
             print(f"export {key}={value}")
     else:

@@ -126,9 +126,10 @@ class CheckpointWriteError(RuntimeError):
       free_bytes: bytes free on its filesystem after the partial files were removed.
       disk_full: whether a full disk or quota caused it (`disk_space.is_disk_full`).
       last_good_step: the newest finished step, intact and restorable (None: none).
+      max_to_keep: the run's `CheckpointConfig.max_to_keep` (lowering it is suggested only above 1).
     """
 
-    def __init__(self, step: int, path: Path, free_bytes: int, disk_full: bool, last_good_step: int | None, cause: str):
+    def __init__(self, step: int, path: Path, free_bytes: int, disk_full: bool, last_good_step: int | None, cause: str, max_to_keep: int):
         self.step, self.path, self.free_bytes = step, path, free_bytes
         self.disk_full, self.last_good_step = disk_full, last_good_step
         what = f"the disk is full ({format_bytes(free_bytes)} free on the filesystem of {path})" if disk_full else cause
@@ -137,7 +138,8 @@ class CheckpointWriteError(RuntimeError):
             if last_good_step is not None
             else "no earlier checkpoint was finished"
         )
-        todo = "; free space, lower checkpoint.max_to_keep or use another --workdir, then restart" if disk_full else ""
+        fewer = f", lower checkpoint.max_to_keep (now {max_to_keep})" if max_to_keep > 1 else ""
+        todo = f"; free space{fewer} or use another --workdir, then restart" if disk_full else ""
         super().__init__(f"checkpoint step {step} could not be written: {what}; {good}{todo}")
 
 
@@ -647,7 +649,8 @@ class Checkpointer:
         good = [s for s in self.all_steps() if s != step or committed]
         cause = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if str(error) else type(error).__name__
         return CheckpointWriteError(
-            step, self.directory, disk_space.free_bytes(self.directory), disk_space.is_disk_full(error), max(good, default=None), cause
+            step, self.directory, disk_space.free_bytes(self.directory), disk_space.is_disk_full(error), max(good, default=None), cause,
+            self.config.max_to_keep,
         )
 
     def _quarantine(self, step: int, quarantine_dir: Path) -> Path:

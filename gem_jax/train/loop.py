@@ -119,7 +119,10 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
     checkpoint_dir = workdir / "checkpoints"
     has_checkpoints = checkpoint_dir.is_dir() and any(checkpoint_dir.iterdir())
     primary = jax.process_index() == 0  # writes the run record and the metrics of the shared workdir
-    run_record.check_run(workdir, run_record.make_record(config, identity, dataset.spec), has_checkpoints=has_checkpoints, write=primary)
+    record = run_record.make_record(config, identity, dataset.spec)
+    # Checked now, written once the checkpoint preflight passes: a run refused there leaves no record
+    # that would refuse the same workdir's next start with the changed settings it asked for.
+    run_record.check_run(workdir, record, has_checkpoints=has_checkpoints, write=False)
     checkpointer = Checkpointer(checkpoint_dir, config.checkpoint)
     logger, progress_bar, write_error, programs = None, None, None, None
     try:
@@ -132,6 +135,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
         _describe(training)
         for line in checkpointer.preflight(training.state.abstract):  # refuses a run whose checkpoints cannot fit
             print(f"gem-train: {line}", flush=True)
+        run_record.check_run(workdir, record, has_checkpoints=has_checkpoints, write=primary)
         dataset = training.dataset
         train_iter = dataset.local_train_iterator(training.placement.shard)
 

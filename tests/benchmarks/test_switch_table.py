@@ -116,10 +116,12 @@ def test_a_runs_device_and_commit_come_from_its_log_and_run_record(switch_table,
     run = tmp_path / "bf16_seed0"
     run.mkdir()
     (tmp_path / "bf16_seed0.log").write_text(
-        "gem-train: compilation cache x\ngem-train: 1 x NVIDIA H200 (gpu), jax 0.11.2; XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 of each GPU's memory\n"
+        "gem-train: compilation cache x\ngem-train: 1 x NVIDIA H200 (gpu), jax 0.11.2; XLA_CLIENT_MEM_FRACTION=0.15 of each GPU's memory\n"
     )
     (run / "run.json").write_text(json.dumps({"version": {"commit": "6c37ccd7d218799f0e67e98d5479f81e118c5447", "jax": "0.11.2"}}))
-    assert switch_table.trained_on(run) == "1 x NVIDIA H200 (gpu), jax 0.11.2; XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 of each GPU's memory; commit 6c37ccd7d218"
+    assert switch_table.trained_on(run) == "1 x NVIDIA H200 (gpu), jax 0.11.2; XLA_CLIENT_MEM_FRACTION=0.15 of each GPU's memory; commit 6c37ccd7d218"
+    (run / "run.json").write_text(json.dumps({"version": {"commit": "6c37ccd7d218799f0e67e98d5479f81e118c5447+modified"}}))
+    assert switch_table.trained_on(run).endswith("; commit 6c37ccd7d218+modified")
     bare = tmp_path / "fp8_32_seed0"
     bare.mkdir()
     assert switch_table.trained_on(bare) == "unknown; commit unknown"

@@ -96,6 +96,16 @@ def test_space_plan_never_suggests_keeping_no_checkpoint():
     assert "optim.moments_dtype=bfloat16" in message and "--workdir" in message
 
 
+def test_a_full_disk_names_only_remedies_the_config_takes():
+    def message(max_to_keep):
+        return str(CheckpointWriteError(7, Path("/ckpt"), 1000, True, 5, "OSError: [Errno 28]", max_to_keep))
+
+    assert message(3).endswith("; free space, lower checkpoint.max_to_keep (now 3) or use another --workdir, then restart")
+    assert message(1).endswith("; free space or use another --workdir, then restart")
+    assert "the last good checkpoint is step 5 (/ckpt/5), intact" in message(1)
+    assert str(CheckpointWriteError(7, Path("/ckpt"), 1000, False, None, "OSError: boom", 3)).endswith(": OSError: boom; no earlier checkpoint was finished")
+
+
 def test_preflight_refuses_warns_or_passes_by_free_space(tmp_path, monkeypatch):
     checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(max_to_keep=2))
     state = _state()

@@ -36,6 +36,7 @@ def test_running_out_of_device_memory_says_what_and_exits_5(repo_root, tmp_path,
         )
 
     monkeypatch.setattr(loop, "train_and_evaluate", out_of_memory)
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
     argv = ["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--no-progress"]
     with pytest.raises(SystemExit) as exited:
@@ -54,27 +55,35 @@ def test_running_out_of_device_memory_says_what_and_exits_5(repo_root, tmp_path,
 
 
 def test_gem_train_takes_90_percent_of_the_gpu_unless_told_otherwise(repo_root, tmp_path, monkeypatch, capsys):
-    """Unset, XLA_PYTHON_CLIENT_MEM_FRACTION becomes 0.9 before jax's client starts (jax's own 75% left the
-    GEM-width planted run out of memory); a value set is kept; the out-of-memory message names the share."""
+    """Unset under both names, XLA_CLIENT_MEM_FRACTION becomes 0.9 before jax's client starts (jax's own 75% left
+    the GEM-width planted run out of memory); a value set under either name is kept, and the other name stays
+    unset (jaxlib refuses the two together); the out-of-memory message names the share in force."""
     import jax
     import pytest
 
     from gem_jax import cli
     from gem_jax.train import loop
 
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.25")
-    cli.claim_device_memory()
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.25"
+    new, deprecated = cli.MEMORY_FRACTION_VARIABLES
+    assert (new, deprecated) == ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    for name, other in ((new, deprecated), (deprecated, new)):
+        monkeypatch.setenv(name, "0.25")
+        monkeypatch.delenv(other, raising=False)
+        cli.claim_device_memory()
+        assert os.environ[name] == "0.25" and other not in os.environ
+        assert cli.device_memory_share() == f"{name}=0.25"
 
     def out_of_memory(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
 
     monkeypatch.setattr(loop, "train_and_evaluate", out_of_memory)
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.delenv(new, raising=False)
+    monkeypatch.delenv(deprecated, raising=False)
+    assert cli.device_memory_share() == "jax's default share, 75%,"
     with pytest.raises(SystemExit):
         cli.train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--no-progress"])
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
-    assert "This process may use XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 of the device's memory" in capsys.readouterr().err
+    assert os.environ[new] == "0.9" and deprecated not in os.environ
+    assert "This process's allocator may take XLA_CLIENT_MEM_FRACTION=0.9 of the device's memory" in capsys.readouterr().err
 
 
 def test_an_events_config_without_a_path_is_refused_before_anything_is_written(repo_root, tmp_path, capsys):

@@ -9,8 +9,9 @@ import pytest
 from orbax.checkpoint._src.serialization import serialization
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from gem_jax.train import config_tree, integrity, load_params
+from gem_jax.train import config_tree, disk_space, integrity, load_params
 from gem_jax.train.checkpoint import Checkpointer, CheckpointWriteError
+from gem_jax.train.disk_space import CheckpointSpaceError
 from gem_jax.train.config import load_config
 from gem_jax.train.divergence import NonFiniteLossError
 from gem_jax.train.loop import train_and_evaluate
@@ -50,6 +51,20 @@ def test_divergence_names_the_step_and_no_later_checkpoint_is_written(tiny_confi
     params = load_params(tmp_path).params
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(params))
     assert not (tmp_path / ".lock.0").exists()
+
+
+def test_a_start_refused_for_disk_space_leaves_no_run_record_to_refuse_its_remedy(tiny_config, tmp_path, monkeypatch):
+    """The preflight refuses before run.json is written: the same workdir then takes the changed setting the
+    refusal named (bf16 moments) instead of refusing it as another run's config."""
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 1000)
+    with pytest.raises(CheckpointSpaceError, match="the checkpoints cannot fit"):
+        train_and_evaluate(tiny_config, tmp_path)
+    assert not (tmp_path / "run.json").exists()
+    monkeypatch.undo()
+    config = config_tree.apply_overrides(tiny_config, ["optim.moments_dtype=bfloat16", "checkpoint.every_steps=1"])
+    train_and_evaluate(config, tmp_path, stop_after_steps=1)
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["optim"]["moments_dtype"] == "bfloat16"
+    assert _steps(tmp_path) == [1]
 
 
 def test_corrupt_latest_step_falls_back_to_the_newest_intact_one(tiny_config, tmp_path, capsys):
