@@ -623,16 +623,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def add_scaling(record: dict) -> None:
-    """Local MFU (1 device), scaling ratio and E2E MFU (N devices) of the top-level runs."""
+    """Local MFU (1 device), scaling ratio and E2E MFU (N devices) of the top-level runs; the ratio and
+    E2E MFU are None where `--fit-batch` ran N devices at another per-device batch than one device."""
     by_n = {r["num_devices"]: r for r in record["runs"]}
     if 1 in by_n:
-        record["local_mfu"] = by_n[1]["mfu_per_device"]
+        one = by_n[1]
+        record["local_mfu"] = one["mfu_per_device"]
         for n, r in by_n.items():
             if n > 1:
-                ratio = r["examples_per_s"] / (n * by_n[1]["examples_per_s"])
+                same_batch = r["per_device_batch"] == one["per_device_batch"]
+                ratio = r["examples_per_s"] / (n * one["examples_per_s"]) if same_batch else None
                 record[f"scaling_ratio_{n}"] = ratio
-                if by_n[1]["mfu_per_device"] is not None:
-                    record[f"e2e_mfu_{n}"] = by_n[1]["mfu_per_device"] * ratio
+                if one["mfu_per_device"] is not None:
+                    record[f"e2e_mfu_{n}"] = None if ratio is None else one["mfu_per_device"] * ratio
 
 
 if __name__ == "__main__":

@@ -260,3 +260,14 @@ def test_the_record_compares_each_mode_at_the_batch_it_ran(train_bench, repo_roo
     assert record["examples_per_s_vs_padded_peer"] == {"1": pytest.approx(2048 / 790)}
     assert our_run["examples_per_s_vs_padded_peer"] == pytest.approx(2048 / 790)
     assert record["speedup_vs_padded_peer"] == {"1": None} and our_run["speedup_vs_padded_peer"] is None
+
+
+def test_scaling_compares_device_counts_only_at_the_same_per_device_batch(train_bench):
+    def run(n, batch, examples_per_s):
+        return {"num_devices": n, "per_device_batch": batch, "examples_per_s": examples_per_s, "mfu_per_device": 0.4}
+
+    record = {"runs": [run(1, 1024, 1000.0), run(2, 1024, 1800.0), run(4, 512, 3000.0)]}
+    train_bench.add_scaling(record)
+    assert record["local_mfu"] == 0.4
+    assert record["scaling_ratio_2"] == pytest.approx(0.9) and record["e2e_mfu_2"] == pytest.approx(0.36)
+    assert record["scaling_ratio_4"] is None and record["e2e_mfu_4"] is None
