@@ -57,6 +57,12 @@ in the two evals, 4 s in the final checkpoint. Memory: parameters 404 MB and Ada
 762 MB (`--dry-run`: 101M float32 parameters), activations of a 196k-row step a few GB
 (gem_sharded's model peaked at 12.5 GB with its 1M-row synthetic tables, benchmarks/step.md):
 five runs at 0.15 each fit.
+
+With history item features (this config; H200, 2026-12-04, four runs at once): eval AUC 0.7261 /
+0.7183 / 0.7013 and NE 0.8830 / 0.8928 / 0.9133 at step 1200 for seeds 0 / 1 / 2, a seed spread
+of 3.4% of NE: each seed starts using the history at a different step (step-600 AUCs 0.680,
+0.658, 0.603), so at 1200 steps the switch table separates only switches that cost a few
+percent (benchmarks/quality.md, "First numbers").
 """
 
 import dataclasses
