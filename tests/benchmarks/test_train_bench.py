@@ -66,6 +66,14 @@ def train_bench(repo_root, monkeypatch):
     return train_bench
 
 
+@pytest.fixture
+def fit_batch(repo_root, monkeypatch):
+    monkeypatch.syspath_prepend(str(repo_root))
+    from benchmarks import _fit_batch
+
+    return _fit_batch
+
+
 @pytest.mark.parametrize(
     "message, expected",
     [
@@ -87,8 +95,8 @@ def train_bench(repo_root, monkeypatch):
         ),
     ],
 )
-def test_asked_bytes_reads_the_allocation_xla_names(train_bench, message, expected):
-    assert train_bench.asked_bytes(message) == expected
+def test_asked_bytes_reads_the_allocation_xla_names(train_bench, message, expected, fit_batch):
+    assert fit_batch.asked_bytes(message) == expected
 
 
 @pytest.mark.parametrize(
@@ -99,53 +107,53 @@ def test_asked_bytes_reads_the_allocation_xla_names(train_bench, message, expect
         "INTERNAL: Failed to launch CUDA kernel",
     ],
 )
-def test_asked_bytes_refuses_a_message_without_an_allocation_naming_it(train_bench, message):
+def test_asked_bytes_refuses_a_message_without_an_allocation_naming_it(train_bench, message, fit_batch):
     with pytest.raises(ValueError, match="no allocation size in this out-of-memory message") as refused:
-        train_bench.asked_bytes(message)
+        fit_batch.asked_bytes(message)
     assert message[:40] in str(refused.value)
 
 
-def test_largest_fitting_batch_by_hand(train_bench):
-    memory = train_bench.DeviceMemory(limit=1000, resident=300, gradients=100)
+def test_largest_fitting_batch_by_hand(train_bench, fit_batch):
+    memory = fit_batch.DeviceMemory(limit=1000, resident=300, gradients=100)
     # per example (900 - 100) / 64 = 12.5; (1000 - 300 - 100) / 12.5 = 48; with 5% headroom (950 - 400) / 12.5 = 44
-    assert train_bench.largest_fitting_batch(64, 900, memory, headroom=0.0) == 48
-    assert train_bench.largest_fitting_batch(64, 900, memory) == 44
+    assert fit_batch.largest_fitting_batch(64, 900, memory, headroom=0.0) == 48
+    assert fit_batch.largest_fitting_batch(64, 900, memory) == 44
     # an H200-sized case: 287 GiB asked at 1024 examples, 45 GB resident, 9 GB of gradients, a 135 GB limit:
     # per example (308,163,231,744 - 9e9) / 1024 = 292,152,249.5; 0.95 * 135e9 - 54e9 = 74.25e9; 74.25e9 / 292,152,249.5 = 254.15
-    h200 = train_bench.DeviceMemory(limit=135 * GB, resident=45 * GB, gradients=9 * GB)
-    assert train_bench.largest_fitting_batch(1024, 287 * 2**30, h200) == 254
+    h200 = fit_batch.DeviceMemory(limit=135 * GB, resident=45 * GB, gradients=9 * GB)
+    assert fit_batch.largest_fitting_batch(1024, 287 * 2**30, h200) == 254
 
 
-def test_largest_fitting_batch_refuses_what_its_model_cannot_explain(train_bench):
-    memory = train_bench.DeviceMemory(limit=1000, resident=300, gradients=100)
+def test_largest_fitting_batch_refuses_what_its_model_cannot_explain(train_bench, fit_batch):
+    memory = fit_batch.DeviceMemory(limit=1000, resident=300, gradients=100)
     with pytest.raises(ValueError, match="no memory limit"):
-        train_bench.largest_fitting_batch(64, 900, train_bench.DeviceMemory(limit=None, resident=None, gradients=100))
+        fit_batch.largest_fitting_batch(64, 900, fit_batch.DeviceMemory(limit=None, resident=None, gradients=100))
     with pytest.raises(ValueError, match="does not explain"):  # no larger than the gradients
-        train_bench.largest_fitting_batch(64, 100, memory)
+        fit_batch.largest_fitting_batch(64, 100, memory)
     with pytest.raises(ValueError, match="does not explain"):  # 300 + 700 fits the limit
-        train_bench.largest_fitting_batch(64, 700, memory)
+        fit_batch.largest_fitting_batch(64, 700, memory)
     with pytest.raises(ValueError, match="no batch fits"):  # 0.95 * 1000 - 900 - 40 = 10 < one example's 15.6
-        train_bench.largest_fitting_batch(64, 1040, train_bench.DeviceMemory(limit=1000, resident=900, gradients=40))
+        fit_batch.largest_fitting_batch(64, 1040, fit_batch.DeviceMemory(limit=1000, resident=900, gradients=40))
 
 
-def test_valid_batch_at_most_takes_the_job_s_own_batch_checks(train_bench):
+def test_valid_batch_at_most_takes_the_job_s_own_batch_checks(train_bench, fit_batch):
     from gem_jax.data.config import BBSConfig, DataConfig
 
     plain, balanced = DataConfig(batch_size=8), DataConfig(batch_size=8, bbs=BBSConfig())
-    assert train_bench.valid_batch_at_most(273, 1, plain) == 273
-    assert train_bench.valid_batch_at_most(273, 2, plain) == 273
-    assert train_bench.valid_batch_at_most(273, 1, balanced) == 273  # one shard: BBS deals no pairs across devices
-    assert train_bench.valid_batch_at_most(273, 2, balanced) == 272  # BBS over 2 devices needs an even batch each
+    assert fit_batch.valid_batch_at_most(273, 1, plain) == 273
+    assert fit_batch.valid_batch_at_most(273, 2, plain) == 273
+    assert fit_batch.valid_batch_at_most(273, 1, balanced) == 273  # one shard: BBS deals no pairs across devices
+    assert fit_batch.valid_batch_at_most(273, 2, balanced) == 272  # BBS over 2 devices needs an even batch each
     with pytest.raises(ValueError, match="no per-device batch from 1 down to 1"):
-        train_bench.valid_batch_at_most(1, 2, balanced)
+        fit_batch.valid_batch_at_most(1, 2, balanced)
 
 
-def _world(train_bench, temp_bytes, step_s=0.5, hidden=0):
+def _world(fit_batch, temp_bytes, step_s=0.5, hidden=0):
     """A fake `run` on a device of 140 GB (45 GB resident, 9 GB of gradients): its step at b examples asks
     `temp_bytes(b)` at once and runs out when resident + that + `hidden` (bytes the model cannot see) pass
     the limit, as XLA's allocator reports it; otherwise it returns a run of `step_s` seconds. `tries` lists
     the batches tried."""
-    memory = train_bench.DeviceMemory(limit=140 * GB, resident=45 * GB, gradients=9 * GB)
+    memory = fit_batch.DeviceMemory(limit=140 * GB, resident=45 * GB, gradients=9 * GB)
     tries = []
 
     def run(config, num_devices, per_device_batch, steps, warmup, num_batches, profile):
@@ -153,7 +161,7 @@ def _world(train_bench, temp_bytes, step_s=0.5, hidden=0):
         asked = temp_bytes(per_device_batch)
         if memory.resident + asked + hidden > memory.limit:
             message = f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate {asked} bytes."
-            raise train_bench.StepOutOfMemory(per_device_batch, message, memory)
+            raise fit_batch.StepOutOfMemory(per_device_batch, message, memory)
         return {
             "num_devices": num_devices, "per_device_batch": per_device_batch, "global_batch": per_device_batch * num_devices,
             "median_step_s": step_s, "examples_per_s": per_device_batch * num_devices / step_s, "mfu_per_device": None,
@@ -175,8 +183,8 @@ def _tiny_config(repo_root):
     return load_config(repo_root / "configs" / "gem_h200_tiny.py")
 
 
-def test_fit_retries_once_at_the_batch_derived_from_the_message(train_bench, repo_root, monkeypatch):
-    run, tries = _world(train_bench, lambda b: 9 * GB + 250_000_000 * b)
+def test_fit_retries_once_at_the_batch_derived_from_the_message(train_bench, repo_root, monkeypatch, fit_batch):
+    run, tries = _world(fit_batch, lambda b: 9 * GB + 250_000_000 * b)
     monkeypatch.setattr(train_bench, "run", run)
     result = train_bench.run_fitting_batch(_tiny_config(repo_root), 1, _args())
     # 1024 asks 9e9 + 256e9 = 265e9 (45e9 + 265e9 > 140e9); per example 256e9 / 1024 = 250e6;
@@ -187,9 +195,9 @@ def test_fit_retries_once_at_the_batch_derived_from_the_message(train_bench, rep
     assert failed["device_memory_bytes"] == {"limit": 140 * GB, "resident": 45 * GB, "gradients": 9 * GB}
 
 
-def test_fit_derives_again_from_the_second_message(train_bench, repo_root, monkeypatch):
+def test_fit_derives_again_from_the_second_message(train_bench, repo_root, monkeypatch, fit_batch):
     # above 250 examples the step takes 30 GB more (a larger token capacity, say): the first estimate misses it
-    run, tries = _world(train_bench, lambda b: 9 * GB + 250_000_000 * b + (30 * GB if b > 250 else 0))
+    run, tries = _world(fit_batch, lambda b: 9 * GB + 250_000_000 * b + (30 * GB if b > 250 else 0))
     monkeypatch.setattr(train_bench, "run", run)
     result = train_bench.run_fitting_batch(_tiny_config(repo_root), 1, _args())
     # 1024 asks 295e9: per example 286e9 / 1024 = 279,296,875, 79e9 / that = 282.9 -> 282;
@@ -200,46 +208,46 @@ def test_fit_derives_again_from_the_second_message(train_bench, repo_root, monke
     ]
 
 
-def test_fit_stops_after_max_tries_or_where_nothing_follows(train_bench, repo_root, monkeypatch):
+def test_fit_stops_after_max_tries_or_where_nothing_follows(train_bench, repo_root, monkeypatch, fit_batch):
     config = _tiny_config(repo_root)
-    run, tries = _world(train_bench, lambda b: 9 * GB + 250_000_000 * b + (30 * GB if b > 250 else 0))
+    run, tries = _world(fit_batch, lambda b: 9 * GB + 250_000_000 * b + (30 * GB if b > 250 else 0))
     monkeypatch.setattr(train_bench, "run", run)
     monkeypatch.setattr(train_bench, "MAX_TRIES", 2)
-    with pytest.raises(train_bench.BatchFitError, match=r"every per-device batch tried: 1024 \(asked 295 GB\), 282 \(asked 110 GB\)") as failed:
+    with pytest.raises(fit_batch.BatchFitError, match=r"every per-device batch tried: 1024 \(asked 295 GB\), 282 \(asked 110 GB\)") as failed:
         train_bench.run_fitting_batch(config, 1, _args())
     assert tries == [1024, 282] and [t["per_device_batch"] for t in failed.value.failed_tries] == [1024, 282]
 
     # without --fit-batch: one try, its derived batch recorded but not run
-    run, tries = _world(train_bench, lambda b: 9 * GB + 250_000_000 * b)
+    run, tries = _world(fit_batch, lambda b: 9 * GB + 250_000_000 * b)
     monkeypatch.setattr(train_bench, "run", run)
-    with pytest.raises(train_bench.BatchFitError) as failed:
+    with pytest.raises(fit_batch.BatchFitError) as failed:
         train_bench.run_fitting_batch(config, 1, _args(fit_batch=False))
     assert tries == [1024] and failed.value.failed_tries[0]["derived_per_device_batch"] == 316
 
     # 10 GB the model cannot see: 316 asks 88e9, and 45e9 + 88e9 fits the limit, so the message explains nothing
-    run, tries = _world(train_bench, lambda b: 9 * GB + 250_000_000 * b, hidden=10 * GB)
+    run, tries = _world(fit_batch, lambda b: 9 * GB + 250_000_000 * b, hidden=10 * GB)
     monkeypatch.setattr(train_bench, "run", run)
-    with pytest.raises(train_bench.BatchFitError, match="does not explain running out") as failed:
+    with pytest.raises(fit_batch.BatchFitError, match="does not explain running out") as failed:
         train_bench.run_fitting_batch(config, 1, _args())
     assert tries == [1024, 316] and failed.value.failed_tries[-1]["derived_per_device_batch"] is None
 
     # a message without a size: recorded, nothing derived
     def unreadable(config, num_devices, per_device_batch, *rest):
         message = "RESOURCE_EXHAUSTED: Allocating 308153679872 bytes exceeds the memory limit of 4294967296 bytes."
-        raise train_bench.StepOutOfMemory(per_device_batch, message, train_bench.DeviceMemory(140 * GB, 45 * GB, 9 * GB))
+        raise fit_batch.StepOutOfMemory(per_device_batch, message, fit_batch.DeviceMemory(140 * GB, 45 * GB, 9 * GB))
 
     monkeypatch.setattr(train_bench, "run", unreadable)
-    with pytest.raises(train_bench.BatchFitError, match="no allocation size in this out-of-memory message") as failed:
+    with pytest.raises(fit_batch.BatchFitError, match="no allocation size in this out-of-memory message") as failed:
         train_bench.run_fitting_batch(config, 1, _args())
     (record,) = failed.value.failed_tries
     assert record["asked_bytes"] is None and record["derived_per_device_batch"] is None and "Allocating 308153679872" in record["no_derived_batch"]
 
 
-def test_the_record_compares_each_mode_at_the_batch_it_ran(train_bench, repo_root, tmp_path, monkeypatch):
+def test_the_record_compares_each_mode_at_the_batch_it_ran(train_bench, repo_root, tmp_path, monkeypatch, fit_batch):
     from pallas_kernels import Implementation
 
-    ours, _ = _world(train_bench, lambda b: 9 * GB + 50_000_000 * b, step_s=0.5)  # 1024 asks 60.2e9: fits
-    peer, peer_tries = _world(train_bench, lambda b: 9 * GB + 250_000_000 * b, step_s=0.4)  # fits at 316 (above)
+    ours, _ = _world(fit_batch, lambda b: 9 * GB + 50_000_000 * b, step_s=0.5)  # 1024 asks 60.2e9: fits
+    peer, peer_tries = _world(fit_batch, lambda b: 9 * GB + 250_000_000 * b, step_s=0.4)  # fits at 316 (above)
 
     def run(config, *args):
         return (peer if config.model.attention_implementation == Implementation.CUDNN else ours)(config, *args)
