@@ -34,15 +34,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
 import statistics
 import sys
 import time
 import traceback
 
-if not (os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")):
-    os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.5"  # leave room for torch in the same process
+from gem_jax.device_memory import claim_device_memory
+
+claim_device_memory("0.5")  # leave room for torch in the same process
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -75,7 +75,7 @@ import numpy as np
 
 from benchmarks import _profile, _timing
 from benchmarks._fit_batch import MAX_TRIES, BatchFitError, StepOutOfMemory, device_memory, failed_try
-from gem_jax.cli import MEMORY_FRACTION_VARIABLES, claim_device_memory, is_out_of_memory
+from gem_jax.device_memory import MEMORY_FRACTION_VARIABLES, claim_device_memory, is_out_of_memory
 from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
 from pallas_kernels import Implementation

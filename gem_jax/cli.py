@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
+from gem_jax.device_memory import claim_device_memory, device_memory_share, is_out_of_memory
+
 CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
 OUT_OF_MEMORY_EXIT_CODE = 5  # the device ran out of memory: the checkpoints already written are kept
-# The share of a GPU's memory jax's allocator may take: jaxlib's name, then its deprecated one (jaxlib
-# refuses the two together).
-MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
-DEFAULT_MEMORY_FRACTION = "0.9"  # the launch scripts' value too (scripts/xla_flags.py)
 
 
 class _ConfigFields(argparse.Action):
@@ -89,7 +86,7 @@ def train_main(argv: list[str] | None = None) -> None:
         "then exit without compiling or training",
     )
     args = parser.parse_args(argv)
-    claim_device_memory()
+    claim_device_memory()  # 90% of each GPU unless the environment says otherwise, before jax's client starts
 
     import jax
 
@@ -176,32 +173,6 @@ def train_main(argv: list[str] | None = None) -> None:
         print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); run the same command again to resume", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
 
-
-def claim_device_memory() -> None:
-    """Lets this process's jax allocator take 90% of a GPU's memory (`XLA_CLIENT_MEM_FRACTION=0.9`) unless
-    `XLA_CLIENT_MEM_FRACTION` or its deprecated name `XLA_PYTHON_CLIENT_MEM_FRACTION` is set.
-
-    jax's own default, 75%, leaves a quarter of the GPU of a training process that is alone on it
-    unused, and XLA's allocator needs each of a step's large temporary buffers in one free piece:
-    the GEM-width model on the planted log (configs/planted_gem.py, one H200) ran out of memory at
-    75% asking for 44.8 GiB while more than that was free in two pieces, and trained at 92%. The
-    variable is read when jax creates the GPU client, so this runs before the first device use.
-    Several processes on one GPU set a smaller share each (benchmarks/quality_runs.sh); the launch
-    scripts set the same 90% (scripts/xla_flags.py).
-    """
-    if not any(os.environ.get(name) for name in MEMORY_FRACTION_VARIABLES):
-        os.environ[MEMORY_FRACTION_VARIABLES[0]] = DEFAULT_MEMORY_FRACTION
-
-
-def device_memory_share() -> str:
-    """`NAME=value` of the memory-fraction variable in force (`MEMORY_FRACTION_VARIABLES`), or jax's default, 75%."""
-    name = next((name for name in MEMORY_FRACTION_VARIABLES if os.environ.get(name)), None)
-    return f"{name}={os.environ[name]}" if name else "jax's default share, 75%,"
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether a jax runtime error is XLA's out-of-memory (status RESOURCE_EXHAUSTED)."""
-    return "RESOURCE_EXHAUSTED" in str(error)
 
 
 def out_of_memory_message(error: BaseException) -> str:

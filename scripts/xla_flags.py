@@ -29,7 +29,7 @@ XLA_FLAGS = (
 
 ENVIRONMENT = {
     # Leave room for NCCL and the Mosaic GPU kernels' scratch (gem-train takes the same share when
-    # neither this variable nor its deprecated name is set: gem_jax.cli.claim_device_memory).
+    # neither this variable nor its deprecated name is set: gem_jax.device_memory.claim_device_memory).
     "XLA_CLIENT_MEM_FRACTION": "0.9",
     # NVLink SHARP multicast stays off: shared hosts.
     "NCCL_NVLS_ENABLE": "0",

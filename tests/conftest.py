@@ -39,3 +39,18 @@ jax.config.update("jax_compilation_cache_dir", str(Path(os.environ.get("GEM_TEST
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # gem-train run in-process by the tests leaves the suite's cache settings alone.
 os.environ.setdefault("GEM_COMPILE_CACHE_DIR", "off")
+
+
+@pytest.fixture(autouse=True)
+def _restore_device_memory_share():
+    """gem-train sets the process's GPU memory share when none is set (`gem_jax.device_memory`); a test that runs
+    it in-process leaves the variables as they were, so no later test sees a share it did not set."""
+    from gem_jax.device_memory import MEMORY_FRACTION_VARIABLES
+
+    saved = {name: os.environ.get(name) for name in MEMORY_FRACTION_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

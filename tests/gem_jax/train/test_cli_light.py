@@ -61,17 +61,17 @@ def test_gem_train_takes_90_percent_of_the_gpu_unless_told_otherwise(repo_root, 
     import jax
     import pytest
 
-    from gem_jax import cli
+    from gem_jax import cli, device_memory
     from gem_jax.train import loop
 
-    new, deprecated = cli.MEMORY_FRACTION_VARIABLES
+    new, deprecated = device_memory.MEMORY_FRACTION_VARIABLES
     assert (new, deprecated) == ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
     for name, other in ((new, deprecated), (deprecated, new)):
         monkeypatch.setenv(name, "0.25")
         monkeypatch.delenv(other, raising=False)
-        cli.claim_device_memory()
+        device_memory.claim_device_memory()
         assert os.environ[name] == "0.25" and other not in os.environ
-        assert cli.device_memory_share() == f"{name}=0.25"
+        assert device_memory.device_memory_share() == f"{name}=0.25"
 
     def out_of_memory(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
@@ -79,7 +79,7 @@ def test_gem_train_takes_90_percent_of_the_gpu_unless_told_otherwise(repo_root, 
     monkeypatch.setattr(loop, "train_and_evaluate", out_of_memory)
     monkeypatch.delenv(new, raising=False)
     monkeypatch.delenv(deprecated, raising=False)
-    assert cli.device_memory_share() == "jax's default share, 75%,"
+    assert device_memory.device_memory_share() == "jax's default share, 75%,"
     with pytest.raises(SystemExit):
         cli.train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--no-progress"])
     assert os.environ[new] == "0.9" and deprecated not in os.environ
