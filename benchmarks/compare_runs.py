@@ -101,20 +101,24 @@ def lift_fraction(value: float, baseline: float, oracle: float) -> float:
     return (value - baseline) / (oracle - baseline) + 0.0  # + 0.0: the baseline of a falling metric reads 0, not -0
 
 
-def planted_rows(oracle: dict, evals: dict[str, list[dict]], task: dict[str, str]) -> list[dict]:
-    """Per run and eval record: step, AUC and NE of the run's `task[name]`, and their lift fractions
-    between `oracle`'s (an `oracle.json`: `oracle_report(...).to_json()`) item-mean baseline and oracle."""
+def placed(auc: float, ne: float, oracle: dict) -> dict:
+    """`{auc, ne, auc_lift_fraction, ne_lift_fraction}`: an eval's AUC and NE with their lift fractions between
+    `oracle`'s (an `oracle.json`: `oracle_report(...).to_json()`) item-mean baseline and oracle."""
     base, best = oracle["item_mean"], oracle["oracle"]
-    rows = []
-    for name, records in evals.items():
-        for record in records:
-            auc, ne = record[f"auc_{task[name]}"], record[f"ne_{task[name]}"]
-            rows.append({
-                "run": name, "step": record["step"], "auc": auc, "ne": ne,
-                "auc_lift_fraction": lift_fraction(auc, base["auc"], best["auc"]),
-                "ne_lift_fraction": lift_fraction(ne, base["ne"], best["ne"]),
-            })
-    return rows
+    return {
+        "auc": auc, "ne": ne,
+        "auc_lift_fraction": lift_fraction(auc, base["auc"], best["auc"]),
+        "ne_lift_fraction": lift_fraction(ne, base["ne"], best["ne"]),
+    }
+
+
+def planted_rows(oracle: dict, evals: dict[str, list[dict]], task: dict[str, str]) -> list[dict]:
+    """Per run and eval record: run, step, and `placed` of the run's `task[name]` AUC and NE."""
+    return [
+        {"run": name, "step": record["step"], **placed(record[f"auc_{task[name]}"], record[f"ne_{task[name]}"], oracle)}
+        for name, records in evals.items()
+        for record in records
+    ]
 
 
 # The reference predictors of an oracle.json, worst first: the item-mean baseline, the optimum
@@ -125,16 +129,7 @@ PLANTED_LEVELS = (("item-mean", "item_mean"), ("no history", "no_history"), ("no
 
 def planted_levels(oracle: dict) -> list[dict]:
     """`{name, auc, ne, auc_lift_fraction, ne_lift_fraction}` of each of `PLANTED_LEVELS` that `oracle` holds."""
-    base, best = oracle["item_mean"], oracle["oracle"]
-    return [
-        {
-            "name": name, "auc": oracle[key]["auc"], "ne": oracle[key]["ne"],
-            "auc_lift_fraction": lift_fraction(oracle[key]["auc"], base["auc"], best["auc"]),
-            "ne_lift_fraction": lift_fraction(oracle[key]["ne"], base["ne"], best["ne"]),
-        }
-        for name, key in PLANTED_LEVELS
-        if key in oracle
-    ]
+    return [{"name": name, **placed(oracle[key]["auc"], oracle[key]["ne"], oracle)} for name, key in PLANTED_LEVELS if key in oracle]
 
 
 def planted_table(oracle: dict, rows: list[dict]) -> str:
