@@ -16,8 +16,9 @@ job: 508 s from start to exit (59 s lowering and compiling, 1800 steps in 340 s,
 the final checkpoint 27 s), plus 18 s of planting and converting the log: a 10-minute job. It
 ran with XLA_PYTHON_CLIENT_MEM_FRACTION=0.92; at jax's default 75% it ran out of memory (a
 44.8 GiB buffer asked for with more than that free in two pieces); gem-train now takes 90%
-unless told otherwise, not yet measured on this run. Train NE falls slowly until about step 650
-(0.97) and then fast, to 0.90 at step 850, in both runs of the same seed (1200 and 1800 steps).
+unless told otherwise, which the warm-up run below trained at. Train NE falls slowly until about
+step 650 (0.97) and then fast, to 0.90 at step 850, in both runs of the same seed (1200 and 1800
+steps).
 
 Data: every train event of the converted log, histories of up to 1024 events (the long-range
 signal sits 256-1000 events back, so a shorter window cannot reach the oracle), 1024 examples a
@@ -38,7 +39,12 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
   trained at 1e-4 to 5e-4 with batches of this size.
 - linear warm-up over 120 steps (7% of the run), then cosine decay to 10% of the peak at the
   last step (`decay_steps` = 1680): a 1-2k-step warm-up would leave no decay in this budget;
-  Adam's early moments are noisy, and the clip below caps what they can do.
+  Adam's early moments are noisy, and the clip below caps what they can do. A warm-up of 360
+  steps (20%; it had made small models on the CPU and the d = 256 model leave the plateau more
+  alike across seeds) ended at 0.7311 / 0.8776, the same as 120 within one run's noise, its turn
+  about 100 steps later (train NE 0.968 at step 800 against 0.913; H200, 2026-12-04, 539 s from
+  start to exit at gem-train's 90% memory share;
+  benchmarks/results/planted_gem_warmup360_long_range_h200_20261204.json).
 - gradient-norm clip 1.0 on the dense group (the default).
 - weight decay 0.01 on dense weights (decoupled, times the learning rate; 100x the default's
   1e-4, still far below what changes 1800 steps: exp(-1800 * 3e-4 * 0.01) = 0.995).

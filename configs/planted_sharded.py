@@ -34,8 +34,13 @@ The recipe (configs/planted_gem.py's structure, scaled to the width), and why:
   two widths compare at equal data; short enough that five runs share one GPU within a
   10-minute job (below).
 - dense AdamW peak 1e-3 (gem_sharded's own; planted_gem's 3e-4 at d = 1024 scaled by the
-  usual inverse-width rule gives 1.2e-3), linear warm-up over 120 steps (10%), cosine decay
-  to 10% of the peak over the other 1080; gradient-norm clip 1.0 (the default).
+  usual inverse-width rule gives 1.2e-3), linear warm-up over 240 steps (20%), cosine decay
+  to 10% of the peak over the other 960; gradient-norm clip 1.0 (the default). The warm-up
+  was 120 steps (10%) before: its three seeds ended 3.4% of NE apart, each starting to use the
+  history at a different step; with 240 they end 1.1% apart, at a mean NE 0.35% lower
+  (H200, 2026-12-04; benchmarks/results/planted_sharded_warmup_long_range_h200_20261204.json),
+  as the longer warm-up had done for small models on the CPU (benchmarks/quality.md, "The turn
+  on the CPU").
 - weight decay 0.01 on dense weights (planted_gem's; exp(-1200 * 1e-3 * 0.01) = 0.988).
 - history rows carry their items' category (`data.history_item_features`; configs/planted_gem.py
   gives the reason).
@@ -58,11 +63,11 @@ in the two evals, 4 s in the final checkpoint. Memory: parameters 404 MB and Ada
 (gem_sharded's model peaked at 12.5 GB with its 1M-row synthetic tables, benchmarks/step.md):
 five runs at 0.15 each fit.
 
-With history item features (this config; H200, 2026-12-04, four runs at once): eval AUC 0.7261 /
-0.7183 / 0.7013 and NE 0.8830 / 0.8928 / 0.9133 at step 1200 for seeds 0 / 1 / 2, a seed spread
-of 3.4% of NE: each seed starts using the history at a different step (step-600 AUCs 0.680,
-0.658, 0.603), so at 1200 steps the switch table separates only switches that cost a few
-percent (benchmarks/quality.md, "First numbers").
+With history item features and the 120-step warm-up (H200, 2026-12-04, four runs at once): eval
+AUC 0.7261 / 0.7183 / 0.7013 and NE 0.8830 / 0.8928 / 0.9133 at step 1200 for seeds 0 / 1 / 2, a
+seed spread of 3.4% of NE (step-600 AUCs 0.680, 0.658, 0.603). With this config's 240 (three runs
+at once beside configs/movielens_gem.py): AUC 0.7217 / 0.7205 / 0.7129, NE 0.8895 / 0.8909 /
+0.8994, a spread of 1.1% (benchmarks/quality.md, "The switch table, long-range").
 """
 
 import dataclasses
@@ -76,7 +81,7 @@ from gem_jax.train.config import LoopConfig, TrainConfig, load_config
 from gem_jax.train.optimizer import OptimConfig
 
 NUM_STEPS = 1200
-WARMUP_STEPS = 120
+WARMUP_STEPS = 240
 
 
 def get_config() -> TrainConfig:
