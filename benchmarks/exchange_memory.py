@@ -67,8 +67,8 @@ def measure(config, table: str, real: int, capacity: int) -> dict:
     devices = mesh.devices.size
 
     def body(shard, ids, mask):
-        with context.shard_context(sizes, dtype):
-            rows = lookup(shard, ids[0], placement.num_rows, placement, mask=mask[0])
+        with context.shard_context(sizes):
+            rows = lookup(shard, ids[0], placement.num_rows, placement, mask=mask[0], exchange_dtype=dtype)
         return jax.lax.psum(jnp.sum(rows.astype(jnp.float32)), axes)
 
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec_from_axes(placement.row_axes, 2), P(axes), P(axes)), out_specs=P())

@@ -2,14 +2,14 @@
 
 Model code (embedding tables, FP8 layers, the DHEN expert group) runs unchanged on one
 device and inside the `shard_map` of `gem_jax.parallel.spmd`. Inside, it needs what the
-step decided and the model's own configuration does not hold: the sizes of the named
-mesh axes for its collectives, the dtype embedding rows cross the network in, where
-each FP8 layer's kernel is sharded (`pallas_kernels.mxfp8.Fp8Gather`: quantized on the
+sharding plan decided and the model's own configuration does not hold: the sizes of the
+named mesh axes for its collectives, where each FP8 layer's kernel is sharded (`pallas_kernels.mxfp8.Fp8Gather`: quantized on the
 shard, gathered in 8 bits) and each table's placement, both by module path; and a place
 to report counters (out-of-range ids, buffer overflows, bytes exchanged) that the step
 returns as metrics. A step that updates unsharded tables row by row
 (`gem_jax.train.sparse_tables`) also passes `TableRows` through it. The numerics of a
-layer (its `Fp8Recipe`, its compute dtype) stay with the layer, from `ModelConfig`.
+layer (its `Fp8Recipe`, its compute dtype, the dtype a table's rows are exchanged in)
+stay with the layer, from `ModelConfig`: the context holds placement, not numerics.
 
 `ShardedModel` builds one `ShardContext` per step and makes it the active one for the
 duration of the trace (`shard_context`); layers read it with `active()` and look
@@ -78,8 +78,6 @@ class TableRows:
 class ShardContext:
     """Attributes:
     axis_sizes: size of every mesh axis, outermost first.
-    exchange_dtype: the step's compute dtype, in which embedding rows cross the network;
-      None keeps the table's.
     fp8: by FP8 layer path ("sequence_tower/blocks/0/qkv"), where its kernel shard is
       quantized and gathered (`ShardingPlan.fp8`); a layer not named gets its whole kernel.
     tables: by table path ("embed/item"), its `gem_jax.nn.embeddings.TablePlacement`
@@ -90,7 +88,6 @@ class ShardContext:
     """
 
     axis_sizes: dict[str, int]
-    exchange_dtype: jnp.dtype | None = None
     fp8: Mapping[str, Fp8Gather] = dataclasses.field(default_factory=dict)
     tables: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     stats: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
@@ -109,15 +106,13 @@ _ACTIVE: contextvars.ContextVar[ShardContext | None] = contextvars.ContextVar("g
 @contextlib.contextmanager
 def shard_context(
     axis_sizes: dict[str, int],
-    exchange_dtype=None,
     *,
     fp8: Mapping[str, Fp8Gather] | None = None,
     tables: Mapping[str, Any] | None = None,
     rows: TableRows | None = None,
 ) -> Iterator[ShardContext]:
     """Makes a fresh `ShardContext` (fields as its attributes) the active one inside the `with` block."""
-    dtype = None if exchange_dtype is None else jnp.dtype(exchange_dtype)
-    ctx = ShardContext(dict(axis_sizes), dtype, dict(fp8 or {}), dict(tables or {}), rows=rows)
+    ctx = ShardContext(dict(axis_sizes), dict(fp8 or {}), dict(tables or {}), rows=rows)
     token = _ACTIVE.set(ctx)
     try:
         yield ctx

@@ -36,7 +36,7 @@ def example_tables(spec: FeatureSpec) -> dict[str, int]:
 def _feature_module(feature: CategoricalFeature, dim: int, rngs: nnx.Rngs, dtype: jnp.dtype) -> EmbeddingTable | nnx.Linear:
     if feature.pooling is Pooling.MULTI_HOT:
         return dense(feature.vocab_size - 1, dim, (None, "embed"), rngs=rngs, dtype=dtype)
-    return EmbeddingTable(feature.vocab_size, dim, rngs=rngs)
+    return EmbeddingTable(feature.vocab_size, dim, rngs=rngs, exchange_dtype=dtype)
 
 
 def _pool(
@@ -68,8 +68,9 @@ def _pool(
 class FeatureEmbeddings(nnx.Module):
     """Embedding tables for history events, the candidate item, and the user's and candidate's features.
 
-    Tables are float32 parameters; rows are summed in float32 and the tokens returned in
-    `dtype`, the model's compute dtype. Each feature has its own module, named by the
+    Tables are float32 parameters; rows are summed in float32 (a sharded table's arrive in
+    `dtype`, each table's `exchange_dtype`) and the tokens returned in `dtype`, the model's
+    compute dtype. Each feature has its own module, named by the
     feature: `user[name]` (`embed/user/<name>`) and `item_features[name]`
     (`embed/item_features/<name>`), an `EmbeddingTable` (MEAN pooling) or a dense layer
     (MULTI_HOT).
@@ -78,9 +79,9 @@ class FeatureEmbeddings(nnx.Module):
     def __init__(self, spec: FeatureSpec, dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype):
         self.dtype = dtype
         self.spec = spec
-        self.item = EmbeddingTable(spec.num_items, dim, rngs=rngs)  # shared by history and candidate
-        self.action = EmbeddingTable(spec.num_actions, dim, rngs=rngs)
-        self.time_bucket = EmbeddingTable(spec.num_time_buckets, dim, rngs=rngs)
+        self.item = EmbeddingTable(spec.num_items, dim, rngs=rngs, exchange_dtype=dtype)  # shared by history and candidate
+        self.action = EmbeddingTable(spec.num_actions, dim, rngs=rngs, exchange_dtype=dtype)
+        self.time_bucket = EmbeddingTable(spec.num_time_buckets, dim, rngs=rngs, exchange_dtype=dtype)
         self.user = nnx.Dict({f.name: _feature_module(f, dim, rngs, dtype) for f in spec.user_features})
         self.item_features = nnx.Dict({f.name: _feature_module(f, dim, rngs, dtype) for f in spec.item_features})
 

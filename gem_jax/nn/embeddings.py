@@ -416,6 +416,7 @@ def lookup(
     *,
     mask: jax.Array | None = None,
     name: str = "table",
+    exchange_dtype=None,
 ) -> jax.Array:
     """Embedding rows of `ids`.
 
@@ -437,10 +438,12 @@ def lookup(
       mask: bool, the shape of `ids`: False for rows that are not real (slack rows of
         a jagged batch): zero rows, no gradient, not counted, never sent. None: all real.
       name: counter prefix when `placement` is None.
+      exchange_dtype: the dtype rows cross the network in (the model's compute dtype);
+        None: the table's.
 
     Returns:
-      `[..., d]` in table.dtype, or in the step's exchange dtype when rows cross the
-      network; zero rows for masked ids and for ids the policy rejects.
+      `[..., d]` in table.dtype, or in `exchange_dtype` when rows cross the network;
+      zero rows for masked ids and for ids the policy rejects.
 
     Raises:
       ValueError: `mask` of another shape than `ids`, or a sharded placement used
@@ -461,10 +464,9 @@ def lookup(
         rows = table[flat] if delta is None else jax.lax.stop_gradient(table)[flat] + delta.astype(table.dtype)
         rows = jnp.where(valid[:, None], rows, 0)
         return rows.reshape(*ids.shape, d)
-    ctx = context.active()
-    if ctx is None:
+    if context.active() is None:
         raise ValueError(f"table {name!r} is sharded ({placement.generation.name}); look it up inside the sharded step")
-    dtype = table.dtype if ctx.exchange_dtype is None else ctx.exchange_dtype
+    dtype = table.dtype if exchange_dtype is None else jnp.dtype(exchange_dtype)
     return _exchange(table, flat, valid, placement, dtype).reshape(*ids.shape, d)
 
 

@@ -78,20 +78,26 @@ class EmbeddingTable(nnx.Module):
 
     Attributes:
       num_rows: vocabulary size.
+      exchange_dtype: the dtype rows cross the network in when the table is sharded
+        (the model's compute dtype); None keeps the parameter's (float32).
       path: the table's module path in its model ("embed/item"), set once when the
         model is built (`name_layers`), or None (a local lookup).
     """
 
-    def __init__(self, num_rows: int, dim: int, *, rngs: nnx.Rngs):
+    def __init__(self, num_rows: int, dim: int, *, rngs: nnx.Rngs, exchange_dtype=None):
         self.num_rows = num_rows
+        self.exchange_dtype = None if exchange_dtype is None else jnp.dtype(exchange_dtype)
         self.path: str | None = None
         init = nnx.with_partitioning(nnx.initializers.normal(stddev=dim**-0.5), ("table_rows", "table_dim"))
         setattr(self, EMBEDDING_PARAM, nnx.Param(init(rngs.params(), (embeddings.padded_table_rows(num_rows), dim))))
 
     def __call__(self, ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        """int `[...]` -> `[..., dim]` in the parameter's dtype (float32); zero rows where bool `mask` `[...]` is False."""
+        """int `[...]` -> `[..., dim]`: float32 (the parameter's dtype), or `exchange_dtype` when the rows
+        came through a sharded exchange; zero rows where bool `mask` `[...]` is False."""
         placement = shard_context.table_placement(self.path)
-        return embeddings.lookup(getattr(self, EMBEDDING_PARAM)[...], ids, self.num_rows, placement, mask=mask)
+        return embeddings.lookup(
+            getattr(self, EMBEDDING_PARAM)[...], ids, self.num_rows, placement, mask=mask, exchange_dtype=self.exchange_dtype
+        )
 
 
 def name_layers(model: nnx.Module) -> None:

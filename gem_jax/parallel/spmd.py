@@ -15,10 +15,11 @@ its gradient comes back through the same reduce-scatter and all-reduce. The DHEN
 expert group keeps its `expert` dimension sharded (`gem_jax.nn.experts`) and
 embedding tables stay as shards for the sharded lookup (`gem_jax.nn.embeddings`).
 
-What the layers need of this (axis sizes, the dtype embedding rows are exchanged in,
-each FP8 layer's `Fp8Gather` and each table's placement, by module path) reaches them
-through one `gem_jax.shard_context.ShardContext`, built once per step from the plan
-and the compute dtype; the merged model itself is used as it is.
+What the layers need of this (axis sizes, each FP8 layer's `Fp8Gather` and each
+table's placement, by module path) reaches them through one
+`gem_jax.shard_context.ShardContext`, built once per step from the plan; the merged
+model itself is used as it is, and its numerics (FP8 recipes, the dtype embedding rows
+are exchanged in) are its own, from `ModelConfig`.
 
 The loss is the weighted mean BCE over the *global* batch: each device's weighted sum
 and weight total are summed over all devices before the division, so the loss and its
@@ -118,8 +119,9 @@ class ShardedModel:
       plan: every parameter's sharding (`gem_jax.parallel.rules.plan_sharding`).
       mesh: the device mesh.
       compute_dtype: dense weights are cast to it on their shard before the
-        all-gather, and embedding rows cross the network in it ("float32" keeps
-        them).
+        all-gather ("float32" keeps them); the model's `compute_dtype`. (Embedding
+        rows cross the network in each table's own `exchange_dtype`, the same
+        dtype, set when the model is built.)
     """
 
     graphdef: nnx.GraphDef
@@ -147,7 +149,7 @@ class ShardedModel:
         full = jax.tree_util.tree_map_with_path(
             gather, params, self.plan.specs, self.plan.logical, roles, is_leaf=lambda x: _is_spec(x) or isinstance(x, Role)
         )
-        with context.shard_context(sizes, dtype, fp8=self.plan.fp8, tables=self.plan.tables, rows=rows) as ctx:
+        with context.shard_context(sizes, fp8=self.plan.fp8, tables=self.plan.tables, rows=rows) as ctx:
             logits = nnx.merge(self.graphdef, full)(local)
         return logits, dict(ctx.stats), local
 

@@ -1,7 +1,7 @@
 """The per-step context reaches the layers by their module paths, on 4 fake CPU devices (in a subprocess): an FP8
 layer named in the context's `fp8` quantizes its kernel shard and gathers it in 8 bits (the values of quantizing
-the whole kernel), one not named refuses the shard; a table named in `tables` exchanges its rows in the context's
-dtype, and plan_sharding refuses a model whose layers do not know their paths."""
+the whole kernel), one not named refuses the shard; a table named in `tables` exchanges its rows in its own
+exchange dtype, and plan_sharding refuses a model whose layers do not know their paths."""
 
 import os
 import subprocess
@@ -92,10 +92,12 @@ SCRIPT = textwrap.dedent(
     placement = place_table("table", 60, table.shape[0], TableSharding(Generation.GLOBAL), sizes)
     ids = jnp.arange(4 * 6, dtype=jnp.int32).reshape(4, 6) * 2 + 1
     for dtype in ("bfloat16", "float32"):
+        net.table.exchange_dtype = jnp.dtype(dtype)  # the model's compute dtype, set when it is built
+        table_graphdef = nnx.split(net)[0]
         def lookup(shard, ids):
             q = dict(params, table=dict(embedding=shard))
-            with shard_context.shard_context(sizes, dtype, tables={"table": placement}) as ctx:
-                rows = nnx.merge(graphdef, q).table(ids[0])
+            with shard_context.shard_context(sizes, tables={"table": placement}) as ctx:
+                rows = nnx.merge(table_graphdef, q).table(ids[0])
             return rows[None], ctx.stats["table/sent_bytes"][None]
         rows, sent = jax.jit(jax.shard_map(lookup, mesh=mesh, in_specs=(P("gpu", None), P("gpu")), out_specs=(P("gpu"), P("gpu"))))(table, ids)
         assert rows.dtype == jnp.dtype(dtype), (dtype, rows.dtype)

@@ -13,7 +13,7 @@ from gem_jax.batch import Batch, HistoryField, random_batch
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import Fp8Region, ModelConfig, describe_attention
 from gem_jax.model.gem import GEMModel
-from gem_jax.nn.layers import apply_rope, rope_table
+from gem_jax.nn.layers import EmbeddingTable, apply_rope, rope_table
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.train.config_tree import ConfigError, apply_overrides
 from pallas_kernels.mxfp8 import Fp8Recipe
@@ -299,3 +299,16 @@ def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
     assert rotated.startswith("FP8 dense layers (32-wide blocks, random Hadamard rotation; seq_attention")
     assert lines[3].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
     assert len(describe_attention(CONFIG)) == 2
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_every_table_exchanges_its_rows_in_the_compute_dtype(compute_dtype):
+    """The dtype a sharded table's rows cross the network in is the model's own numerics (each table's
+    `exchange_dtype`, from `ModelConfig.compute_dtype`), not something the sharded step passes in; the
+    exchange itself honours it (tests/gem_jax/test_shard_context.py)."""
+    config = dataclasses.replace(CONFIG, compute_dtype=compute_dtype)
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: GEMModel(SPEC, config, rngs=nnx.Rngs(0)))
+    tables = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, EmbeddingTable)}
+    assert len(tables) >= 3 + len(SPEC.user_features), sorted(tables)  # item, action, time bucket, each MEAN feature
+    assert {node.exchange_dtype for node in tables.values()} == {jnp.dtype(compute_dtype)}
