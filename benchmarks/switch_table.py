@@ -184,15 +184,18 @@ def table(preset: str) -> int:
 
 
 def trained_on(run: Path) -> str:
-    """Where and from which tree a run trained: its log's device line (`gem-train: 1 x NVIDIA H200 (gpu), jax
-    0.11.2`, the log beside the run's folder) and the commit its run.json records, its sha shortened to 12 digits,
-    "+modified" kept; "unknown" for either missing."""
-    log = run.with_name(f"{run.name}.log")
-    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
-    device = next((line.removeprefix("gem-train: ") for line in lines if line.startswith("gem-train: ") and " x " in line and ", jax " in line), "unknown")
+    """Where and from which tree a run trained: the devices and the commit its run.json records (`version`), the
+    sha shortened to 12 digits, "+modified" kept. A run recorded before run.json held its devices takes them from
+    its log's start-up line (`gem-train: 1 x NVIDIA H200 (gpu), jax 0.11.2`, the log beside the run's folder);
+    "unknown" for either missing."""
     record = run / "run.json"
-    commit = json.loads(record.read_text()).get("version", {}).get("commit", "unknown") if record.is_file() else "unknown"
-    sha, plus, modified = commit.partition("+")  # "<sha>+modified": a tree with uncommitted changes (`code_version`)
+    version = json.loads(record.read_text()).get("version", {}) if record.is_file() else {}
+    device = version.get("devices")
+    if device is None:
+        log = run.with_name(f"{run.name}.log")
+        lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+        device = next((line.removeprefix("gem-train: ") for line in lines if line.startswith("gem-train: ") and " x " in line and ", jax " in line), "unknown")
+    sha, plus, modified = version.get("commit", "unknown").partition("+")  # "<sha>+modified": a tree with uncommitted changes (`code_version`)
     return f"{device}; commit {sha[:12]}{plus}{modified}"
 
 

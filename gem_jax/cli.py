@@ -95,7 +95,7 @@ def train_main(argv: list[str] | None = None) -> None:
     from gem_jax.model.config import describe_attention
     from gem_jax.parallel import distributed
     from gem_jax.parallel.distributed import ProcessMismatchError
-    from gem_jax.train import compile_cache, config_tree, goodput
+    from gem_jax.train import compile_cache, config_tree, goodput, run_record
     from gem_jax.train.config import load_config
     from gem_jax.train.checkpoint import CheckpointWriteError
     from gem_jax.train.disk_space import CheckpointSpaceError
@@ -121,11 +121,8 @@ def train_main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as error:
         parser.error(f"--compile-cache: {error}")
     layout = distributed.initialize()
-    devices = jax.devices()
-    where = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
-    if jax.default_backend() == "gpu":
-        where += f"; {device_memory_share()} of each GPU's memory"
-    print(f"gem-train: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{where}", flush=True)
+    process = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
+    print(f"gem-train: {run_record.describe_devices(process)}", flush=True)
     print(f"gem-train: compilation cache {cache or 'off'}", flush=True)
     try:
         for line in describe_attention(config.model):

@@ -1,4 +1,4 @@
-"""What produced a run: its resolved config, data set identity and code version, kept in the workdir.
+"""What produced a run: its resolved config, data set identity, code version and devices, kept in the workdir.
 
 The first start of a run writes `<workdir>/run.json`. A restart compares its own
 config and data set against it and refuses (`RunMismatchError`, naming every
@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from gem_jax.device_memory import device_memory_share
 from gem_jax.train import compile_cache, config_tree, legacy_runs
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.workdir_lock import LOCK_PREFIX
@@ -81,13 +82,23 @@ def code_version() -> dict[str, str]:
     return {"gem_jax": version, "commit": commit, "jax": jax.__version__}
 
 
+def describe_devices(process: str = "") -> str:
+    """This process's devices as `gem-train` names them at start-up: `1 x NVIDIA H200 (gpu), jax 0.11.2`, then
+    `process` (", process 0 of 2 (...)"), then on a GPU the memory share (`; XLA_CLIENT_MEM_FRACTION=0.9 of each
+    GPU's memory`)."""
+    devices = jax.devices()
+    line = f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{process}"
+    return line + (f"; {device_memory_share()} of each GPU's memory" if jax.default_backend() == "gpu" else "")
+
+
 def make_record(config: TrainConfig, data_identity: dict[str, Any], spec: Any) -> dict[str, Any]:
-    """The run record of a start: resolved config, data identity, feature spec, code version, time."""
+    """The run record of a start: resolved config, data identity, feature spec, code version and devices
+    (`version`: a restart with other ones is appended to `resumed_with`, not refused), time."""
     return {
         "config": config_tree.to_tree(config),
         "data": data_identity,
         "spec": config_tree.to_tree(spec),
-        "version": code_version(),
+        "version": {**code_version(), "devices": describe_devices()},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

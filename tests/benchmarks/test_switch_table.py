@@ -112,7 +112,7 @@ def test_the_second_pass_wants_the_missing_seeds_of_switches_within_two_spreads(
     assert switch_table.more_seeds(result) == ["fp8_32_seed1", "fp8_32_seed2", "fp8_saved_seed1"]
 
 
-def test_a_runs_device_and_commit_come_from_its_log_and_run_record(switch_table, tmp_path):
+def test_a_runs_devices_and_commit_come_from_its_run_record_or_its_log(switch_table, tmp_path):
     run = tmp_path / "bf16_seed0"
     run.mkdir()
     (tmp_path / "bf16_seed0.log").write_text(
@@ -122,6 +122,10 @@ def test_a_runs_device_and_commit_come_from_its_log_and_run_record(switch_table,
     assert switch_table.trained_on(run) == "1 x NVIDIA H200 (gpu), jax 0.11.2; XLA_CLIENT_MEM_FRACTION=0.15 of each GPU's memory; commit 6c37ccd7d218"
     (run / "run.json").write_text(json.dumps({"version": {"commit": "6c37ccd7d218799f0e67e98d5479f81e118c5447+modified"}}))
     assert switch_table.trained_on(run).endswith("; commit 6c37ccd7d218+modified")
+    # A run.json that records its devices is read first; the log is only for runs recorded before.
+    recorded = {"commit": "682d161aa2b74175c9efd37f0af49dfd7606dc18", "devices": "2 x NVIDIA H200 (gpu), jax 0.11.2"}
+    (run / "run.json").write_text(json.dumps({"version": recorded}))
+    assert switch_table.trained_on(run) == "2 x NVIDIA H200 (gpu), jax 0.11.2; commit 682d161aa2b7"
     bare = tmp_path / "fp8_32_seed0"
     bare.mkdir()
     assert switch_table.trained_on(bare) == "unknown; commit unknown"

@@ -35,7 +35,8 @@ def test_the_workdir_records_config_data_and_code(finished_run, tiny_config):
     assert record["config"]["data"]["source"] == "ML_LATEST_SMALL"
     assert record["data"]["num_train_examples"] > 0 and len(record["data"]["fingerprint"]) == 64
     assert record["spec"]["num_items"] > 0 and record["spec"]["tasks"] == ["like", "love"]
-    assert set(record["version"]) == {"gem_jax", "commit", "jax"}
+    assert set(record["version"]) == {"gem_jax", "commit", "jax", "devices"}
+    assert record["version"]["devices"] == f"{jax.device_count()} x {jax.devices()[0].device_kind} (cpu), jax {jax.__version__}"
 
 
 @pytest.mark.parametrize(
