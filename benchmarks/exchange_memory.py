@@ -53,6 +53,7 @@ def measure(config, table: str, real: int, capacity: int) -> dict:
     from gem_jax.data.sources.synthetic import synthetic_spec
     from gem_jax import shard_context as context
     from gem_jax.nn.embeddings import describe_exchange, lookup
+    from gem_jax.nn.layers import EmbeddingTable
     from gem_jax.parallel.rules import plan_sharding, spec_from_axes
     from gem_jax.train.run_record import code_version
 
@@ -62,7 +63,9 @@ def measure(config, table: str, real: int, capacity: int) -> dict:
     sizes = dict(mesh.shape)
     abstract = nnx.eval_shape(lambda: GEMModel(spec, config.model, rngs=nnx.Rngs(0)))
     placement = plan_sharding(abstract, sizes, config.rules).tables[table]
-    dim, dtype = config.model.embed_dim, jnp.dtype(config.model.compute_dtype)
+    module = next(node for _, node in nnx.iter_graph(abstract) if isinstance(node, EmbeddingTable) and node.path == table)
+    dim = config.model.embed_dim
+    dtype = jnp.dtype(jnp.float32 if module.exchange_dtype is None else module.exchange_dtype)  # what the model sends
     axes = live_axes(sizes)
     devices = mesh.devices.size
 

@@ -7,7 +7,7 @@ same parameter init and the same batch order for every switch), and compared on 
 NE and AUC (`benchmarks/compare_runs.py --switch-table`; benchmarks/quality.md, "The switch
 table"). Runs are named `<switch>_seed<k>`.
 
-    python3 benchmarks/switch_table.py plan                                  # the first pass's calls
+    python3 benchmarks/switch_table.py plan [--export '$OUT']                # the first pass's calls
     python3 benchmarks/switch_table.py train --preset short-range bf16_seed0 bf16_seed1 ... [--export DIR]
     python3 benchmarks/switch_table.py table --preset short-range            # every finished run of the preset
 
@@ -31,8 +31,10 @@ names its switches and seeds (`plan --presets short-range --switches fp8_32 --se
 one H200 (2026-12-04, five recipe variants of the reference: 15 s planting and converting on a
 fresh machine, then 324 s until the last run ended, each run 14 s lowering and 112 s compiling
 with the five processes compiling at once, 132 s in train steps and 33 s in two evals sharing
-the GPU; benchmarks/results/planted_sharded_recipe_sweep_long_range_h200_20261204.json). FP8
-runs compile more programs; not yet measured.
+the GPU; benchmarks/results/planted_sharded_recipe_sweep_long_range_h200_20261204.json). Five FP8
+runs at once took 311 s (19-31 s lowering and 59-79 s compiling each), two attention variants
+171 s (benchmarks/results/switch_table_long_range_runs_20261204.json). `plan --export '$OUT'`
+prints commands that write their archive into a device call's output folder.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="*", type=int, default=[0], help="seeds of every switch")
     p.add_argument("--reference-seeds", nargs="*", type=int, default=list(REFERENCE_SEEDS), help="seeds of the bf16 reference (none: leave it out)")
     p.add_argument("--per-call", type=int, default=RUNS_PER_CALL, help="runs trained at once in one call (one GPU)")
+    p.add_argument("--export", metavar="DIR", help="add `--export DIR` to each command ('$OUT': a device call's output folder)")
     t = commands.add_parser("train", help="train the named runs at once on one GPU")
     t.add_argument("--preset", choices=PRESETS, required=True)
     t.add_argument("runs", nargs="+", help="<switch>_seed<k>")
@@ -225,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         if args.per_call < 1:
             parser.error(f"--per-call must be >= 1, got {args.per_call}")
+        export = "" if args.export is None else f" --export {args.export}"
         for preset, names in plan(args.presets, args.switches, args.seeds, args.reference_seeds, args.per_call):
-            print(f"python3 benchmarks/switch_table.py train --preset {preset} {' '.join(names)}")
+            print(f"python3 benchmarks/switch_table.py train --preset {preset} {' '.join(names)}{export}")
         return 0
     if args.command == "train":
         try:

@@ -67,7 +67,7 @@ With history item features and the 120-step warm-up (H200, 2026-12-04, four runs
 AUC 0.7261 / 0.7183 / 0.7013 and NE 0.8830 / 0.8928 / 0.9133 at step 1200 for seeds 0 / 1 / 2, a
 seed spread of 3.4% of NE (step-600 AUCs 0.680, 0.658, 0.603). With this config's 240 (three runs
 at once beside configs/movielens_gem.py): AUC 0.7217 / 0.7205 / 0.7129, NE 0.8895 / 0.8909 /
-0.8994, a spread of 1.1% (benchmarks/quality.md, "The switch table, long-range").
+0.8994, a spread of 1.1% (benchmarks/quality.md, "The switch table", "Long-range, first pass").
 """
 
 import dataclasses

@@ -61,16 +61,16 @@ def _pool(
     count = given.sum(-1)
     empty = count == 0 if real is None else real & (count == 0)
     looked_up = given.at[:, 0].set(given[:, 0] | empty)  # a row of PAD only takes PAD's row
-    rows = module(ids, looked_up)  # [n, max_values, d] float32, zeros where not looked up
+    rows = module(ids, looked_up)  # [n, max_values, d] float32 (a sharded table's in its exchange dtype), zeros where not looked up
     return (rows.sum(1) / jnp.maximum(count, 1)[:, None].astype(rows.dtype)).astype(dtype)
 
 
 class FeatureEmbeddings(nnx.Module):
     """Embedding tables for history events, the candidate item, and the user's and candidate's features.
 
-    Tables are float32 parameters; rows are summed in float32 (a sharded table's arrive in
-    `dtype`, each table's `exchange_dtype`) and the tokens returned in `dtype`, the model's
-    compute dtype. Each feature has its own module, named by the
+    Tables are float32 parameters; rows are summed in float32, except a sharded table's, which
+    arrive and are summed in `dtype` (each table's `exchange_dtype`), and the tokens are returned
+    in `dtype`, the model's compute dtype. Each feature has its own module, named by the
     feature: `user[name]` (`embed/user/<name>`) and `item_features[name]`
     (`embed/item_features/<name>`), an `EmbeddingTable` (MEAN pooling) or a dense layer
     (MULTI_HOT).

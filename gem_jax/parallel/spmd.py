@@ -119,9 +119,9 @@ class ShardedModel:
       plan: every parameter's sharding (`gem_jax.parallel.rules.plan_sharding`).
       mesh: the device mesh.
       compute_dtype: dense weights are cast to it on their shard before the
-        all-gather ("float32" keeps them); the model's `compute_dtype`. (Embedding
-        rows cross the network in each table's own `exchange_dtype`, the same
-        dtype, set when the model is built.)
+        all-gather ("float32" keeps them); the trainer passes the model's
+        `compute_dtype`. Embedding rows cross the network in each table's own
+        `exchange_dtype`, which the model set from its config when it was built.
     """
 
     graphdef: nnx.GraphDef

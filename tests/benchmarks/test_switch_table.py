@@ -75,6 +75,11 @@ def test_the_first_pass_is_four_calls_of_five_runs(switch_table):
     ]
 
 
+def test_plan_prints_one_train_command_a_call_with_the_export_folder(switch_table, capsys):
+    assert switch_table.main(["plan", "--presets", "short-range", "--switches", "fp8_32", "--seeds", "1", "2", "--reference-seeds", "--export", "$OUT"]) == 0
+    assert capsys.readouterr().out == "python3 benchmarks/switch_table.py train --preset short-range fp8_32_seed1 fp8_32_seed2 --export $OUT\n"
+
+
 def test_train_runs_quality_runs_and_exports_the_tables_inputs(switch_table, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     where = switch_table.paths("short-range")
