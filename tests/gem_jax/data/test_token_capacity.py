@@ -8,7 +8,6 @@ ml-latest-small (configs/movielens.py).
 import dataclasses
 
 import numpy as np
-import pytest
 
 from gem_jax.data.config import DataConfig, Source, SyntheticConfig
 from gem_jax.data.pipeline import describe_capacities, load_dataset

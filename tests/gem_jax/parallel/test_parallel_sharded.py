@@ -22,16 +22,16 @@ def report(run_worker, tmp_path_factory):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_lookup_of_every_generation_matches_the_gather(report, mesh):
     seen = set()
-    for check in report[mesh]["lookup"]:
-        assert check["effective"] == check["generation"], check
+    for case in report[mesh]["lookup"]:
+        assert case["effective"] == case["generation"], case
         # Rows are gathered, not summed (exact); a table gradient sums <= 8 devices' rows: gamma_8 = 5e-7.
-        assert check["rows_err"] < 1e-6 and check["grad_err"] < 1e-6, check
-        assert check["finite"] and check["out_of_range"] == 3, check
-        if check["capacity_factor"] is None:
-            assert check["overflow"] == 0, check
+        assert case["rows_err"] < 1e-6 and case["grad_err"] < 1e-6, case
+        assert case["finite"] and case["out_of_range"] == 3, case
+        if case["capacity_factor"] is None:
+            assert case["overflow"] == 0, case
         else:
-            assert check["overflow"] > 0, check  # forced overflow, served by further rounds
-        seen.add(check["generation"])
+            assert case["overflow"] > 0, case  # forced overflow, served by further rounds
+        seen.add(case["generation"])
     assert seen == {"GLOBAL", "GROUP", "NODE_SPLIT"}
 
 
