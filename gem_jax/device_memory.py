@@ -1,4 +1,4 @@
-"""How much of a GPU's memory this process's jax allocator may take, and XLA's out-of-memory errors.
+"""How much of a GPU's memory this process's jax allocator may take, how much it took, and XLA's out-of-memory errors.
 
 jaxlib reads the share from `XLA_CLIENT_MEM_FRACTION` (or its deprecated name
 `XLA_PYTHON_CLIENT_MEM_FRACTION`, refused beside it) when it creates the GPU client; its default
@@ -32,6 +32,24 @@ def device_memory_share() -> str:
     """`NAME=value` of the memory-fraction variable in force (`MEMORY_FRACTION_VARIABLES`), or jax's default, 75%."""
     name = next((name for name in MEMORY_FRACTION_VARIABLES if os.environ.get(name)), None)
     return f"{name}={os.environ[name]}" if name else "jax's default share, 75%,"
+
+
+def peak_memory_gb(devices) -> dict[str, float]:
+    """The largest peak of device memory this process reached: `device_peak_gb`, the largest
+    `peak_bytes_in_use` among `devices`' memory statistics (`jax.Device.memory_stats()`), and that
+    device's `device_limit_gb` (`bytes_limit`: what this process's share lets the allocator take),
+    both in GB (1e9 bytes); {} when a device reports no statistics (the CPU).
+    """
+    peaks = []
+    for device in devices:
+        stats = device.memory_stats()
+        if not stats or "peak_bytes_in_use" not in stats or "bytes_limit" not in stats:
+            return {}
+        peaks.append((stats["peak_bytes_in_use"], stats["bytes_limit"]))
+    if not peaks:
+        return {}
+    peak, limit = max(peaks)
+    return {"device_peak_gb": peak / 1e9, "device_limit_gb": limit / 1e9}
 
 
 def is_out_of_memory(error: BaseException) -> bool:

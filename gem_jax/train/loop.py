@@ -20,6 +20,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from gem_jax.batch import validate_ids
+from gem_jax.device_memory import peak_memory_gb
 from gem_jax.data.pipeline import describe_capacities, load_dataset
 from gem_jax.model import flops as flops_lib
 from gem_jax.parallel.distributed import check_processes_agree, wait_at_barrier, wait_for_processes
@@ -73,7 +74,8 @@ def train_and_evaluate(
     Returns:
       The final summary record (eval metrics, baseline AUC, throughput, and where the
       wall time went: `time_<bucket>_s`, `wall_s`, `goodput`, `compiles_after_start`;
-      `gem_jax.train.goodput`). A run stopped by `stop_after_steps` before
+      `gem_jax.train.goodput`; on a GPU the peak of device memory, `device_peak_gb` of
+      `device_limit_gb`). A run stopped by `stop_after_steps` before
       `loop.num_steps` returns it with `finished` False.
 
     In a multi-process run every process calls it with the same arguments; each
@@ -267,6 +269,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
         programs.close()  # compiles still in flight end before the run's time is read
         summary.update(checkpointer.report())
         summary.update(programs.report())
+        summary.update(peak_memory_gb(jax.local_devices()))
         summary.update(chrono.record())
         if trains:
             logger.log(final_step, "summary", summary, not_in_tensorboard=eval_keys)

@@ -96,3 +96,22 @@ def test_an_events_config_without_a_path_is_refused_before_anything_is_written(r
     assert exited.value.code == 2
     assert "set DataConfig.path to that directory (e.g. --set data.path=data/mylog)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_peak_of_device_memory_is_the_largest_devices_with_its_limit():
+    """`peak_memory_gb` reads each device's memory statistics (GB of 1e9 bytes); a device without them (the CPU)
+    gives nothing to report rather than a made-up zero."""
+    from gem_jax.device_memory import peak_memory_gb
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    gpus = [Device({"peak_bytes_in_use": 12_500_000_000, "bytes_limit": 21_000_000_000}),
+            Device({"peak_bytes_in_use": 30_000_000_000, "bytes_limit": 127_000_000_000})]
+    assert peak_memory_gb(gpus) == {"device_peak_gb": 30.0, "device_limit_gb": 127.0}
+    assert peak_memory_gb([*gpus, Device(None)]) == {} and peak_memory_gb([Device({"bytes_in_use": 1})]) == {}
+    assert peak_memory_gb([]) == {}
