@@ -185,14 +185,17 @@ def table(preset: str) -> int:
 
 
 def trained_on(run: Path) -> str:
-    """Where and from which tree a run trained: the devices and the commit its run.json records (`version`), the
-    sha shortened to 12 digits, "+modified" kept. A run recorded before run.json held its devices takes them from
-    its log's start-up line (`gem-train: 1 x NVIDIA H200 (gpu), jax 0.11.2`, the log beside the run's folder);
-    "unknown" for either missing."""
+    """Where and from which tree a run first trained, as `gem-train`'s start-up line says it: the devices, jax and
+    the memory share its run.json records (`version`), and the commit, its sha shortened to 12 digits,
+    "+modified" kept. A run recorded before run.json held its devices takes them from its log's start-up line
+    (`gem-train: 1 x NVIDIA H200 (gpu), jax 0.11.2`, the log beside the run's folder); "unknown" for either missing."""
     record = run / "run.json"
     version = json.loads(record.read_text()).get("version", {}) if record.is_file() else {}
     device = version.get("devices")
-    if device is None:
+    if device is not None:
+        device += f", jax {version.get('jax', 'unknown')}"
+        device += f"; {version['memory_share']} of each GPU's memory" if "memory_share" in version else ""
+    else:
         log = run.with_name(f"{run.name}.log")
         lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
         device = next((line.removeprefix("gem-train: ") for line in lines if line.startswith("gem-train: ") and " x " in line and ", jax " in line), "unknown")
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         if args.per_call < 1:
             parser.error(f"--per-call must be >= 1, got {args.per_call}")
-        export = "" if args.export is None else f" --export {args.export}"
+        export = "" if args.export is None else f' --export "{args.export}"'
         for preset, names in plan(args.presets, args.switches, args.seeds, args.reference_seeds, args.per_call):
             print(f"python3 benchmarks/switch_table.py train --preset {preset} {' '.join(names)}{export}")
         return 0

@@ -122,7 +122,9 @@ def train_main(argv: list[str] | None = None) -> None:
         parser.error(f"--compile-cache: {error}")
     layout = distributed.initialize()
     process = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
-    print(f"gem-train: {run_record.describe_devices(process)}", flush=True)
+    devices = run_record.device_record()
+    share = f"; {devices['memory_share']} of each GPU's memory" if "memory_share" in devices else ""
+    print(f"gem-train: {devices['devices']}, jax {jax.__version__}{process}{share}", flush=True)
     print(f"gem-train: compilation cache {cache or 'off'}", flush=True)
     try:
         for line in describe_attention(config.model):

@@ -3,8 +3,9 @@
 Model code (embedding tables, FP8 layers, the DHEN expert group) runs unchanged on one
 device and inside the `shard_map` of `gem_jax.parallel.spmd`. Inside, it needs what the
 sharding plan decided and the model's own configuration does not hold: the sizes of the
-named mesh axes for its collectives, where each FP8 layer's kernel is sharded (`pallas_kernels.mxfp8.Fp8Gather`: quantized on the
-shard, gathered in 8 bits) and each table's placement, both by module path; and a place
+named mesh axes for its collectives, where each FP8 layer's kernel is sharded
+(`pallas_kernels.mxfp8.Fp8Gather`: quantized on the shard, gathered in 8 bits) and each
+table's placement, both by module path; and a place
 to report counters (out-of-range ids, buffer overflows, bytes exchanged) that the step
 returns as metrics. A step that updates unsharded tables row by row
 (`gem_jax.train.sparse_tables`) also passes `TableRows` through it. The numerics of a

@@ -416,7 +416,7 @@ def lookup(
     *,
     mask: jax.Array | None = None,
     name: str = "table",
-    exchange_dtype=None,
+    exchange_dtype: jnp.dtype | str | None = None,
 ) -> jax.Array:
     """Embedding rows of `ids`.
 

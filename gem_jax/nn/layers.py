@@ -84,7 +84,7 @@ class EmbeddingTable(nnx.Module):
         model is built (`name_layers`), or None (a local lookup).
     """
 
-    def __init__(self, num_rows: int, dim: int, *, rngs: nnx.Rngs, exchange_dtype=None):
+    def __init__(self, num_rows: int, dim: int, *, rngs: nnx.Rngs, exchange_dtype: jnp.dtype | str | None = None):
         self.num_rows = num_rows
         self.exchange_dtype = None if exchange_dtype is None else jnp.dtype(exchange_dtype)
         self.path: str | None = None

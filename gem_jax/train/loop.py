@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
 from gem_jax.batch import validate_ids
-from gem_jax.device_memory import peak_memory_gb
 from gem_jax.data.pipeline import describe_capacities, load_dataset
+from gem_jax.device_memory import peak_memory_gb
 from gem_jax.model import flops as flops_lib
 from gem_jax.parallel.distributed import check_processes_agree, wait_at_barrier, wait_for_processes
 from gem_jax.train import config_tree, disk_space, goodput, run_record
@@ -74,8 +75,8 @@ def train_and_evaluate(
     Returns:
       The final summary record (eval metrics, baseline AUC, throughput, and where the
       wall time went: `time_<bucket>_s`, `wall_s`, `goodput`, `compiles_after_start`;
-      `gem_jax.train.goodput`; on a GPU the peak of device memory, `device_peak_gb` of
-      `device_limit_gb`). A run stopped by `stop_after_steps` before
+      `gem_jax.train.goodput`; on a GPU the peak of device memory of this start on the
+      busiest device of any process, `device_peak_gb` of `device_limit_gb`). A run stopped by `stop_after_steps` before
       `loop.num_steps` returns it with `finished` False.
 
     In a multi-process run every process calls it with the same arguments; each
@@ -269,7 +270,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
         programs.close()  # compiles still in flight end before the run's time is read
         summary.update(checkpointer.report())
         summary.update(programs.report())
-        summary.update(peak_memory_gb(jax.local_devices()))
+        summary.update(peak_device_memory())
         summary.update(chrono.record())
         if trains:
             logger.log(final_step, "summary", summary, not_in_tensorboard=eval_keys)
@@ -380,6 +381,20 @@ def outputs(workdir: Path) -> dict[str, Path]:
         "checkpoints": workdir / "checkpoints",
         "run record": workdir / run_record.RUN_FILE,
     }
+
+
+def peak_device_memory() -> dict[str, float]:
+    """`peak_memory_gb` over every process's devices (each process's own, then the largest, through one
+    all-gather that every process of a multi-process run reaches); {} on the CPU. Memory statistics count from
+    the process's start: a resumed run reports the peak of this start."""
+    local = peak_memory_gb(jax.local_devices())
+    if jax.process_count() == 1 or not local:
+        return local
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.array([local["device_peak_gb"], local["device_limit_gb"]]))
+    peak, limit = max(map(tuple, np.asarray(gathered).reshape(-1, 2).tolist()))
+    return {"device_peak_gb": peak, "device_limit_gb": limit}
 
 
 def print_summary(summary: dict, chrono: goodput.Chrono | None = None, written: dict[str, Path] | None = None) -> None:

@@ -82,13 +82,14 @@ def code_version() -> dict[str, str]:
     return {"gem_jax": version, "commit": commit, "jax": jax.__version__}
 
 
-def describe_devices(process: str = "") -> str:
-    """This process's devices as `gem-train` names them at start-up: `1 x NVIDIA H200 (gpu), jax 0.11.2`, then
-    `process` (", process 0 of 2 (...)"), then on a GPU the memory share (`; XLA_CLIENT_MEM_FRACTION=0.9 of each
-    GPU's memory`)."""
+def device_record() -> dict[str, str]:
+    """The run's devices, `{"devices": "1 x NVIDIA H200 (gpu)"}` (all processes' devices), and on a GPU the
+    allocator's `memory_share` of each device ("XLA_CLIENT_MEM_FRACTION=0.9", `device_memory_share`)."""
     devices = jax.devices()
-    line = f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}{process}"
-    return line + (f"; {device_memory_share()} of each GPU's memory" if jax.default_backend() == "gpu" else "")
+    record = {"devices": f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})"}
+    if jax.default_backend() == "gpu":
+        record["memory_share"] = device_memory_share()
+    return record
 
 
 def make_record(config: TrainConfig, data_identity: dict[str, Any], spec: Any) -> dict[str, Any]:
@@ -98,7 +99,7 @@ def make_record(config: TrainConfig, data_identity: dict[str, Any], spec: Any) -
         "config": config_tree.to_tree(config),
         "data": data_identity,
         "spec": config_tree.to_tree(spec),
-        "version": {**code_version(), "devices": describe_devices()},
+        "version": {**code_version(), **device_record()},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -185,10 +186,18 @@ def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: b
             "Use a new workdir, restore the recorded values, or pass --force-new to start a new run here "
             f"(the old run is moved to {workdir / ARCHIVE_DIR})."
         )
-    if write and old.get("version") != record["version"]:
+    if write and changed_version(old, record["version"]):
         old.setdefault("resumed_with", []).append(record["version"])
         write_record(workdir, old)
     return old
+
+
+def changed_version(old: dict[str, Any], version: dict[str, Any]) -> bool:
+    """Whether `version` differs from the one the run last started with: its newest `resumed_with` entry, else its
+    first `version`. Each change is noted once (a record written before `devices` existed gains one entry, not one
+    a restart)."""
+    latest = (old.get("resumed_with") or [old.get("version") or {}])[-1]
+    return latest != version
 
 
 def check_num_steps(num_steps: int, latest_step: int | None, checkpoint_dir: Path) -> None:

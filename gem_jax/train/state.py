@@ -17,6 +17,7 @@ from flax import nnx
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gem_jax.nn.layers import EmbeddingTable
 from gem_jax.parallel import rules as rules_lib
 from gem_jax.pytree import mirrored_params, mirrors_rows, path_keys
 from gem_jax.parallel.spmd import ShardedModel
@@ -107,9 +108,14 @@ def state_setup(
 
     Enough to restore a checkpoint onto `mesh` (`setup.abstract` is the target) or to
     place existing parameters (`setup.shardings`). Arguments as `create_train_state`.
+
+    Raises:
+      ValueError: an embedding table of the model exchanges its rows in another dtype
+        than `compute_dtype` (the model was built for another compute dtype).
     """
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
+    check_exchange_dtypes(abstract_model, compute_dtype)
     graphdef, _ = nnx.split(abstract_model)
     plan = rules_lib.plan_sharding(abstract_model, dict(mesh.shape), rules)
     param_shardings = plan.shardings(mesh)
@@ -119,6 +125,23 @@ def state_setup(
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype)
+
+
+def check_exchange_dtypes(model: nnx.Module, compute_dtype: str) -> None:
+    """Refuses a model whose tables exchange rows in another dtype than the step's `compute_dtype` (one step,
+    one compute dtype: dense weights gathered in one, rows exchanged in another would be a mixed step).
+
+    Raises:
+      ValueError: naming the first such table (its module path) and both dtypes.
+    """
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, EmbeddingTable) and node.exchange_dtype not in (None, jnp.dtype(compute_dtype)):
+            where = node.path or "/".join(map(str, path))
+            raise ValueError(
+                f"embedding table {where!r} exchanges its rows in {node.exchange_dtype.name}, but the step's compute dtype is "
+                f"{jnp.dtype(compute_dtype).name}: build the model and the train state with the same compute dtype "
+                "(ModelConfig.compute_dtype)"
+            )
 
 
 def create_train_state(
@@ -139,7 +162,8 @@ def create_train_state(
       mesh, rules: where each logical axis goes (`gem_jax.parallel.rules`).
       seed: parameter-init seed; the same seed gives the same parameters on any mesh.
       compute_dtype: the model's compute dtype; dense weights are cast to it on
-        their shard before the FSDP all-gather.
+        their shard before the FSDP all-gather. The model's embedding tables must
+        exchange their rows in it (`EmbeddingTable.exchange_dtype`, or None).
     """
     setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype)
     return init_train_state(model_factory, optimizer, setup, seed), setup

@@ -77,7 +77,7 @@ def test_the_first_pass_is_four_calls_of_five_runs(switch_table):
 
 def test_plan_prints_one_train_command_a_call_with_the_export_folder(switch_table, capsys):
     assert switch_table.main(["plan", "--presets", "short-range", "--switches", "fp8_32", "--seeds", "1", "2", "--reference-seeds", "--export", "$OUT"]) == 0
-    assert capsys.readouterr().out == "python3 benchmarks/switch_table.py train --preset short-range fp8_32_seed1 fp8_32_seed2 --export $OUT\n"
+    assert capsys.readouterr().out == 'python3 benchmarks/switch_table.py train --preset short-range fp8_32_seed1 fp8_32_seed2 --export "$OUT"\n'
 
 
 def test_train_runs_quality_runs_and_exports_the_tables_inputs(switch_table, monkeypatch, tmp_path):
@@ -128,9 +128,10 @@ def test_a_runs_devices_and_commit_come_from_its_run_record_or_its_log(switch_ta
     (run / "run.json").write_text(json.dumps({"version": {"commit": "6c37ccd7d218799f0e67e98d5479f81e118c5447+modified"}}))
     assert switch_table.trained_on(run).endswith("; commit 6c37ccd7d218+modified")
     # A run.json that records its devices is read first; the log is only for runs recorded before.
-    recorded = {"commit": "682d161aa2b74175c9efd37f0af49dfd7606dc18", "devices": "2 x NVIDIA H200 (gpu), jax 0.11.2"}
+    recorded = {"commit": "682d161aa2b74175c9efd37f0af49dfd7606dc18", "jax": "0.11.2", "devices": "2 x NVIDIA H200 (gpu)",
+                "memory_share": "XLA_CLIENT_MEM_FRACTION=0.15"}
     (run / "run.json").write_text(json.dumps({"version": recorded}))
-    assert switch_table.trained_on(run) == "2 x NVIDIA H200 (gpu), jax 0.11.2; commit 682d161aa2b7"
+    assert switch_table.trained_on(run) == "2 x NVIDIA H200 (gpu), jax 0.11.2; XLA_CLIENT_MEM_FRACTION=0.15 of each GPU's memory; commit 682d161aa2b7"
     bare = tmp_path / "fp8_32_seed0"
     bare.mkdir()
     assert switch_table.trained_on(bare) == "unknown; commit unknown"

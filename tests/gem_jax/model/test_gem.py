@@ -16,6 +16,7 @@ from gem_jax.model.gem import GEMModel
 from gem_jax.nn.layers import EmbeddingTable, apply_rope, rope_table
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.train.config_tree import ConfigError, apply_overrides
+from gem_jax.train.state import check_exchange_dtypes
 from pallas_kernels.mxfp8 import Fp8Recipe
 from tolerances import DRAW, E4M3, check, product_rms
 from specs import movielens_spec
@@ -305,10 +306,16 @@ def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
 def test_every_table_exchanges_its_rows_in_the_compute_dtype(compute_dtype):
     """The dtype a sharded table's rows cross the network in is the model's own numerics (each table's
     `exchange_dtype`, from `ModelConfig.compute_dtype`), not something the sharded step passes in; the
-    exchange itself honours it (tests/gem_jax/test_shard_context.py)."""
+    exchange itself honours it (tests/gem_jax/test_shard_context.py); a train state set up for another
+    compute dtype is refused."""
     config = dataclasses.replace(CONFIG, compute_dtype=compute_dtype)
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: GEMModel(SPEC, config, rngs=nnx.Rngs(0)))
     tables = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, EmbeddingTable)}
     assert len(tables) >= 3 + len(SPEC.user_features), sorted(tables)  # item, action, time bucket, each MEAN feature
     assert {node.exchange_dtype for node in tables.values()} == {jnp.dtype(compute_dtype)}
+    # A train state for another compute dtype would gather dense weights in one dtype and exchange rows in the other.
+    check_exchange_dtypes(model, compute_dtype)
+    other = "float32" if compute_dtype == "bfloat16" else "bfloat16"
+    with pytest.raises(ValueError, match=rf"embedding table 'embed/\w+' exchanges its rows in {compute_dtype}, but the step's compute dtype is {other}"):
+        check_exchange_dtypes(model, other)

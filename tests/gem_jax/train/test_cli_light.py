@@ -1,4 +1,5 @@
-"""`gem-train --help` answers without importing jax or the train stack; running out of device memory is a message and exit status 5."""
+"""`gem-train --help` answers without importing jax or the train stack; running out of device memory is a message and exit status 5;
+the device memory share gem-train takes and the peak it reports (gem_jax/device_memory.py)."""
 
 import os
 import subprocess
@@ -115,3 +116,20 @@ def test_the_peak_of_device_memory_is_the_largest_devices_with_its_limit():
     assert peak_memory_gb(gpus) == {"device_peak_gb": 30.0, "device_limit_gb": 127.0}
     assert peak_memory_gb([*gpus, Device(None)]) == {} and peak_memory_gb([Device({"bytes_in_use": 1})]) == {}
     assert peak_memory_gb([]) == {}
+
+
+def test_a_multi_process_run_reports_the_busiest_device_of_any_process(monkeypatch):
+    """Every process gathers the others' peaks (one all-gather) and reports the largest with its device's limit."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from gem_jax.train import loop
+
+    monkeypatch.setattr(loop, "peak_memory_gb", lambda devices: {"device_peak_gb": 30.0, "device_limit_gb": 127.0})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    others = np.array([[30.0, 127.0], [41.5, 127.0]])  # this process's row, then the other's
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: others)
+    assert loop.peak_device_memory() == {"device_peak_gb": 41.5, "device_limit_gb": 127.0}
+    monkeypatch.setattr(loop, "peak_memory_gb", lambda devices: {})  # the CPU: nothing to gather
+    assert loop.peak_device_memory() == {}

@@ -35,8 +35,8 @@ def test_the_workdir_records_config_data_and_code(finished_run, tiny_config):
     assert record["config"]["data"]["source"] == "ML_LATEST_SMALL"
     assert record["data"]["num_train_examples"] > 0 and len(record["data"]["fingerprint"]) == 64
     assert record["spec"]["num_items"] > 0 and record["spec"]["tasks"] == ["like", "love"]
-    assert set(record["version"]) == {"gem_jax", "commit", "jax", "devices"}
-    assert record["version"]["devices"] == f"{jax.device_count()} x {jax.devices()[0].device_kind} (cpu), jax {jax.__version__}"
+    assert set(record["version"]) == {"gem_jax", "commit", "jax", *run_record.device_record()}
+    assert record["version"]["devices"] == f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})"
 
 
 @pytest.mark.parametrize(
@@ -165,3 +165,23 @@ def test_a_record_written_before_history_item_features_reads_as_without(tmp_path
     assert run_record.mismatches(record, new) == []
     new["config"]["data"]["history_item_features"] = new["spec"]["history_item_features"] = True
     assert {field for field, _, _ in run_record.mismatches(record, new)} == {"config.data.history_item_features", "spec.history_item_features"}
+
+
+def test_a_restart_notes_each_change_of_code_or_devices_once(tmp_path):
+    """`resumed_with` gets an entry when a start's version differs from the one the run last started with: a
+    record from before `devices` existed gains one, not one a restart, and a restart at another memory share
+    is noted once, not again by the restarts after it."""
+    config = {"config": {"seed": 0}, "data": {"source": "X"}, "spec": None}
+    first = {"gem_jax": "0.1", "commit": "abc", "jax": "0.11.2"}  # written before the record held the devices
+    (tmp_path / run_record.RUN_FILE).write_text(json.dumps({**config, "version": first}))
+    gpu = {**first, "devices": "1 x NVIDIA H200 (gpu)", "memory_share": "XLA_CLIENT_MEM_FRACTION=0.9"}
+    for _ in range(2):
+        run_record.check_run(tmp_path, {**config, "version": gpu}, has_checkpoints=True)
+    assert run_record.read_record(tmp_path)["resumed_with"] == [gpu]
+    shared = {**gpu, "memory_share": "XLA_CLIENT_MEM_FRACTION=0.15"}
+    for _ in range(2):
+        run_record.check_run(tmp_path, {**config, "version": shared}, has_checkpoints=True)
+    assert run_record.read_record(tmp_path)["resumed_with"] == [gpu, shared]
+    run_record.check_run(tmp_path, {**config, "version": {**shared, "commit": "def"}}, has_checkpoints=True)
+    assert [v["commit"] for v in run_record.read_record(tmp_path)["resumed_with"]] == ["abc", "abc", "def"]
+    assert run_record.read_record(tmp_path)["version"] == first  # the first start's, kept
