@@ -54,7 +54,7 @@ class DeviceMemory:
     gradients: int
 
 
-def device_memory(training: Training) -> DeviceMemory:
+def memory_before_step(training: Training) -> DeviceMemory:
     """`DeviceMemory` of `training`'s first device; call it once the state is built and nothing else runs."""
     device = training.mesh.devices.flat[0]
     state = snapshot.device_bytes(training.state.abstract)[device]

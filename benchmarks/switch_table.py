@@ -48,6 +48,7 @@ import tarfile
 from pathlib import Path
 
 from benchmarks.compare_runs import SEEDS_WHEN_CLOSE, SWITCH_RUN
+from gem_jax.train.run_record import describe_devices
 
 REFERENCE = "bf16"
 SWITCHES = {  # switch -> the `--set` overrides of configs/planted_sharded.py that turn it on
@@ -191,10 +192,8 @@ def trained_on(run: Path) -> str:
     (`gem-train: 1 x NVIDIA H200 (gpu), jax 0.11.2`, the log beside the run's folder); "unknown" for either missing."""
     record = run / "run.json"
     version = json.loads(record.read_text()).get("version", {}) if record.is_file() else {}
-    device = version.get("devices")
-    if device is not None:
-        device += f", jax {version.get('jax', 'unknown')}"
-        device += f"; {version['memory_share']} of each GPU's memory" if "memory_share" in version else ""
+    if "devices" in version:
+        device = describe_devices(version)
     else:
         log = run.with_name(f"{run.name}.log")
         lines = log.read_text(errors="replace").splitlines() if log.is_file() else []

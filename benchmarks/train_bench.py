@@ -74,7 +74,7 @@ import jax
 import numpy as np
 
 from benchmarks import _profile, _timing
-from benchmarks._fit_batch import MAX_TRIES, BatchFitError, StepOutOfMemory, device_memory, failed_try
+from benchmarks._fit_batch import MAX_TRIES, BatchFitError, StepOutOfMemory, failed_try, memory_before_step
 from gem_jax.device_memory import MEMORY_FRACTION_VARIABLES, claim_device_memory, is_out_of_memory
 from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
@@ -154,7 +154,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t_setup
     mesh, placement, train_step, workload, setup = training.mesh, training.placement, training.train_step, training.workload, training.state
-    device_mem = device_memory(training)
+    device_mem = memory_before_step(training)
     build = training.dataset.train_batch
 
     host = [build(range(i * batch_size, (i + 1) * batch_size)) for i in range(num_batches)]

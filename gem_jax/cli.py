@@ -122,9 +122,7 @@ def train_main(argv: list[str] | None = None) -> None:
         parser.error(f"--compile-cache: {error}")
     layout = distributed.initialize()
     process = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
-    devices = run_record.device_record()
-    share = f"; {devices['memory_share']} of each GPU's memory" if "memory_share" in devices else ""
-    print(f"gem-train: {devices['devices']}, jax {jax.__version__}{process}{share}", flush=True)
+    print(f"gem-train: {run_record.describe_devices({**run_record.device_record(), 'jax': jax.__version__}, process)}", flush=True)
     print(f"gem-train: compilation cache {cache or 'off'}", flush=True)
     try:
         for line in describe_attention(config.model):
@@ -171,7 +169,6 @@ def train_main(argv: list[str] | None = None) -> None:
     if not summary["finished"]:  # --stop-after-steps: stopped like a preemption, the run goes on when started again
         print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); run the same command again to resume", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
-
 
 
 def out_of_memory_message(error: BaseException) -> str:

@@ -76,8 +76,8 @@ def train_and_evaluate(
       The final summary record (eval metrics, baseline AUC, throughput, and where the
       wall time went: `time_<bucket>_s`, `wall_s`, `goodput`, `compiles_after_start`;
       `gem_jax.train.goodput`; on a GPU the peak of device memory of this start on the
-      busiest device of any process, `device_peak_gb` of `device_limit_gb`). A run stopped by `stop_after_steps` before
-      `loop.num_steps` returns it with `finished` False.
+      busiest device of any process, `device_peak_gb` of `device_limit_gb`). A run stopped
+      by `stop_after_steps` before `loop.num_steps` returns it with `finished` False.
 
     In a multi-process run every process calls it with the same arguments; each
     builds only its devices' part of every batch (`gem_jax.data.shard`), and process

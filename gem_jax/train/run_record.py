@@ -92,6 +92,14 @@ def device_record() -> dict[str, str]:
     return record
 
 
+def describe_devices(version: dict[str, Any], process: str = "") -> str:
+    """The devices of a `version` record (`code_version` and `device_record`) as `gem-train`'s start-up line names
+    them: `1 x NVIDIA H200 (gpu), jax 0.11.2`, then `process` (", process 0 of 2 (SLURM)"), then on a GPU
+    `; XLA_CLIENT_MEM_FRACTION=0.9 of each GPU's memory`."""
+    share = f"; {version['memory_share']} of each GPU's memory" if "memory_share" in version else ""
+    return f"{version['devices']}, jax {version.get('jax', 'unknown')}{process}{share}"
+
+
 def make_record(config: TrainConfig, data_identity: dict[str, Any], spec: Any) -> dict[str, Any]:
     """The run record of a start: resolved config, data identity, feature spec, code version and devices
     (`version`: a restart with other ones is appended to `resumed_with`, not refused), time."""
