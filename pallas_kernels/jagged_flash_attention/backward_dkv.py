@@ -160,17 +160,20 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                         plgpu.barrier_arrive(ring_free.at[slot])
                         return dk, dv
 
+                    carry = (_mgpu.zeros_tile(WG_ROWS, head_dim), _mgpu.zeros_tile(WG_ROWS, head_dim))
                     head = n if window is not None else (2 if causal else (item.lo > 0).astype(jnp.int32))
                     plain_lo, plain_hi = _mgpu.step_segments(n, head, 1)
-                    carry = (_mgpu.zeros_tile(WG_ROWS, head_dim), _mgpu.zeros_tile(WG_ROWS, head_dim))
                     carry = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), carry)
                     carry = _mgpu.loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
                     dk, dv = _mgpu.loop(plain_hi, n, functools.partial(step, masked=True), carry)
                     plgpu.barrier_arrive(item_free)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
-                    row = item.row0 + wg * WG_ROWS
-                    mgpu_common.store_rows((dk * scale).astype(dtype), dk_staging, wg, dk_ref, row, item.head, lo_w, hi_w)
-                    mgpu_common.store_rows(dv.astype(dtype), dv_staging, wg, dv_ref, row, item.head, lo_w, hi_w)
+                    mgpu_common.store_rows(
+                        (dk * scale).astype(dtype), dk_staging, wg, dk_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w
+                    )
+                    mgpu_common.store_rows(
+                        dv.astype(dtype), dv_staging, wg, dv_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w
+                    )
 
                 @pl.when(hi_w <= lo_w)
                 def _idle():

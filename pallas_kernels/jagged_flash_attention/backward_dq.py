@@ -144,10 +144,9 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                         plgpu.barrier_arrive(k_free.at[slot])
                         return dq
 
-                    tail = 2 if causal else 1
-                    head_masked = n if window is not None else (item.lo > 0).astype(jnp.int32)
-                    plain_lo, plain_hi = _mgpu.step_segments(n, head_masked, tail)
                     dq = _mgpu.zeros_tile(WG_ROWS, head_dim)
+                    head_masked = n if window is not None else (item.lo > 0).astype(jnp.int32)
+                    plain_lo, plain_hi = _mgpu.step_segments(n, head_masked, 2 if causal else 1)
                     dq = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), dq)
                     dq = _mgpu.loop(plain_lo, plain_hi, functools.partial(step, masked=False), dq)
                     dq = _mgpu.loop(plain_hi, n, functools.partial(step, masked=True), dq)
