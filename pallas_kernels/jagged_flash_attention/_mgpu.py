@@ -1,14 +1,20 @@
-"""Mosaic GPU building blocks shared by the JFA forward, dQ and dK/dV kernels.
+"""The persistent, warp-specialised kernel shape of the JFA forward, dQ and dK/dV passes.
 
 All three kernels are persistent: `C` CTAs each walk their share of the sorted
 work list (see `schedule`) with three warpgroups, two computing on 64 rows each
-and one issuing TMA copies.
+and one issuing TMA copies. `run_pass` is that walk, the same for every pass;
+what a pass does with its operands is a `Pass` (its steps, loads and per-step
+math, the shape of GDPA's `engine.EngineSpec`), and `launch` starts the kernel.
+Sources: FlashAttention-3 (Shah et al., 2024) for the warp specialisation and
+the TMA ring; GEM engineering description (Meta, 2025), jagged flash attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +22,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.jagged_flash_attention import schedule
-from pallas_kernels.jagged_flash_attention.config import NUM_COMPUTE_WGS, NUM_STAGES, ROW_ALIGN, TILE_ROWS, WG_ROWS
+from pallas_kernels.jagged_flash_attention.config import (
+    COMPUTE_REGISTERS,
+    MEMORY_REGISTERS,
+    NUM_COMPUTE_WGS,
+    NUM_STAGES,
+    ROW_ALIGN,
+    TILE_ROWS,
+    WG_ROWS,
+)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -310,3 +325,151 @@ def drain(barriers, first, count, num_slots: int) -> None:
 def loop(lo, hi, body, carry):
     """`lax.fori_loop` over a dynamic range (possibly empty)."""
     return lax.fori_loop(lo, jnp.maximum(lo, hi), body, carry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """A compute warpgroup's share of one work item: what `Pass.compute` and `Pass.finish` see.
+
+    item: the item. wg: the warpgroup (0 or 1). gstep: the global ring step of
+    the item's first step. first, n: the first block of the other side the item
+    visits and its ring steps (`Pass.steps`). pos0: the window position of the
+    warpgroup's first row. lo, hi: the warpgroup's rows of the item, `[lo, hi)`
+    within 0..64 (int32 scalars).
+    """
+
+    item: Item
+    wg: jax.Array
+    gstep: jax.Array
+    first: jax.Array
+    n: jax.Array
+    pos0: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+
+    def run_steps(self, step, carry, head_masked, tail_masked):
+        """`carry` through `step(i, carry, masked)` for the item's steps `[0, n)`.
+
+        The first `head_masked` and the last `tail_masked` steps run with the
+        in-register mask (`masked=True`), the steps between without it.
+        """
+        plain_lo, plain_hi = step_segments(self.n, head_masked, tail_masked)
+        carry = loop(0, plain_lo, functools.partial(step, masked=True), carry)
+        carry = loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
+        return loop(plain_hi, self.n, functools.partial(step, masked=True), carry)
+
+    def store(self, value: jax.Array, staging, dst_ref) -> None:
+        """Stores the warpgroup's rows `[lo, hi)` of a `[64, D]` value to its item's rows of `dst_ref`."""
+        mgpu_common.store_rows(value, staging, self.wg, dst_ref, self.item.row0 + self.wg * WG_ROWS, self.item.head,
+                        self.lo, self.hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One JFA kernel pass as an instance of the shared persistent walk (`run_pass`).
+
+    Attributes:
+      steps: `steps(item) -> (first, n)`: the first block of the other side and
+        the ring steps the item visits.
+      load_rows: memory warpgroup, `load_rows(item, w, end_row)`: TMA the item's
+        own rows for compute warpgroup w (run when w has rows and n > 0).
+      stream: memory warpgroup, `stream(item, gstep, n, end_row)`: issue the
+        item's n ring steps from global step gstep.
+      item_ready: barrier arrays `[2]` that `load_rows` signals; a compute
+        warpgroup waits on its entry of each before its first step.
+      ring_ready, ring_free: the ring's barrier arrays `[NUM_STAGES]`, signalled
+        by the memory warpgroup and by the compute warpgroups.
+      item_free: released by the compute warpgroups when an item's own rows may
+        be overwritten. item_go: signalled when an item's loads are issued.
+      compute: `compute(share) -> carry`: the warpgroup's steps of an item.
+      finish: `finish(share, carry)`: its outputs, after `item_free` is released.
+    """
+
+    steps: Callable[[Item], tuple[jax.Array, jax.Array]]
+    load_rows: Callable
+    stream: Callable
+    item_ready: Sequence
+    ring_ready: Sequence
+    ring_free: Sequence
+    item_free: object
+    item_go: object
+    compute: Callable[[Share], object]
+    finish: Callable[[Share, object], None]
+
+
+def run_pass(spec: Pass, table_ref, meta_ref, heads: int, num_ctas: int) -> None:
+    """The kernel body of a pass: the memory warpgroup's and the compute warpgroups' walks.
+
+    Each CTA takes its items of the sorted list in a zigzag (`zigzag_item`). The
+    memory warpgroup (`issue_items`) loads an item's own rows and streams its
+    ring steps. A compute warpgroup with rows in the item runs `spec.compute`,
+    releases `item_free`, then `spec.finish`; one without rows steps the ring
+    along (`skip_steps`) so both warpgroups' barrier phases stay in lockstep.
+    """
+    cta, wg, rounds, end_row = walk_start(meta_ref, heads, num_ctas)
+
+    @pl.when(wg == NUM_COMPUTE_WGS)
+    def _memory_wg():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        steps = issue_items(
+            table_ref, heads, num_ctas, cta, rounds, lambda item: spec.steps(item)[1],
+            lambda item, w: spec.load_rows(item, w, end_row),
+            lambda item, gstep, n: spec.stream(item, gstep, n, end_row),
+            spec.item_free, spec.item_go,
+        )
+        drain_rings(steps, *spec.ring_free)
+
+    @pl.when(wg < NUM_COMPUTE_WGS)
+    def _compute_wg():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+        def item_body(r, gstep):
+            item = Item.read(table_ref, zigzag_item(r, num_ctas, cta), heads)
+            first, n = spec.steps(item)
+            lo_w, hi_w = item.wg_rows(wg)
+            plgpu.barrier_wait(spec.item_go)
+            share = Share(item, wg, gstep, first, n, item.tile * TILE_ROWS + wg * WG_ROWS, lo_w, hi_w)
+
+            @pl.when(hi_w > lo_w)
+            def _work():
+                @pl.when(n > 0)
+                def _():
+                    for barrier in spec.item_ready:
+                        plgpu.barrier_wait(barrier.at[wg])
+
+                carry = spec.compute(share)
+                plgpu.barrier_arrive(spec.item_free)
+                spec.finish(share, carry)
+
+            @pl.when(hi_w <= lo_w)
+            def _idle():
+                skip_steps(gstep, n, spec.ring_ready, spec.ring_free)
+                plgpu.barrier_arrive(spec.item_free)
+
+            return gstep + n
+
+        lax.fori_loop(0, rounds, item_body, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+
+def launch(kernel, scratch: Sequence, out_type, num_ctas: int, *operands):
+    """Runs `kernel(*refs, scratch_refs)` as a persistent kernel of `num_ctas` CTAs of three warpgroups.
+
+    `refs` are the operands' and outputs' GMEM refs, `scratch_refs` those of
+    `scratch` (SMEM buffers and barriers, shared by the warpgroups of a CTA).
+    Returns the outputs of `out_type`.
+    """
+
+    def entry(*refs):
+        pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
+
+    call = plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+    )
+    return manual_axes.call_kernel(call, *operands)

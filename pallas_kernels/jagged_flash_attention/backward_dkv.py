@@ -18,20 +18,16 @@ registers.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._src import manual_axes, mgpu_common
+from pallas_kernels._src import mgpu_common
 from pallas_kernels.jagged_flash_attention import _mgpu, schedule
 from pallas_kernels.jagged_flash_attention.config import (
     BWD_BLOCK,
-    COMPUTE_REGISTERS,
-    MEMORY_REGISTERS,
     NUM_COMPUTE_WGS,
     NUM_STAGES,
     TILE_ROWS,
@@ -75,154 +71,118 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                qt_ref, kt_ref, vt_ref, dot_ref, dk_ref, dv_ref, scratch):
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_staging, dv_staging, stage, bars = scratch
         k_bar, v_bar, item_free, q_bar, do_bar, lse_bar, delta_bar, ring_free, item_go = bars
-        cta, wg, rounds, end_row = _mgpu.walk_start(meta_ref, heads, num_ctas)
 
-        @pl.when(wg == NUM_COMPUTE_WGS)
-        def _memory_wg():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        def load_rows(item, w, end_row):
+            row = item.row0 + w * WG_ROWS
+            _mgpu.copy_rows_in(k_ref, kt_ref, row, WG_ROWS, item.head, end_row, k_smem.at[w], k_bar.at[w])
+            _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
 
-            def load_rows(item, w):
-                row = item.row0 + w * WG_ROWS
-                _mgpu.copy_rows_in(k_ref, kt_ref, row, WG_ROWS, item.head, end_row, k_smem.at[w], k_bar.at[w])
-                _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
+        def stream(item, gstep, n, end_row):
+            first, _ = dkv_steps(item, causal, window)
 
-            def stream(item, gstep, n):
-                first, _ = dkv_steps(item, causal, window)
+            def step(i, carry):
+                g = gstep + i
+                slot = lax.rem(g, NUM_STAGES)
+                block = first + i
+                row = item.base + block * BWD_BLOCK
+                col = item.first * TILE_ROWS + block * BWD_BLOCK
 
-                def step(i, carry):
-                    g = gstep + i
-                    slot = lax.rem(g, NUM_STAGES)
-                    block = first + i
-                    row = item.base + block * BWD_BLOCK
-                    col = item.first * TILE_ROWS + block * BWD_BLOCK
+                @pl.when(g >= NUM_STAGES)
+                def _():
+                    plgpu.barrier_wait(ring_free.at[slot])
 
-                    @pl.when(g >= NUM_STAGES)
-                    def _():
-                        plgpu.barrier_wait(ring_free.at[slot])
+                _mgpu.copy_rows_in(q_ref, qt_ref, row, BWD_BLOCK, item.head, end_row, q_smem.at[slot], q_bar.at[slot])
+                _mgpu.copy_vector_in(lse_ref, item.head, col, BWD_BLOCK, lse_smem.at[slot], lse_bar.at[slot])
+                _mgpu.copy_rows_in(do_ref, dot_ref, row, BWD_BLOCK, item.head, end_row, do_smem.at[slot], do_bar.at[slot])
+                _mgpu.copy_vector_in(delta_ref, item.head, col, BWD_BLOCK, delta_smem.at[slot], delta_bar.at[slot])
+                return carry
 
-                    _mgpu.copy_rows_in(q_ref, qt_ref, row, BWD_BLOCK, item.head, end_row, q_smem.at[slot], q_bar.at[slot])
-                    _mgpu.copy_vector_in(lse_ref, item.head, col, BWD_BLOCK, lse_smem.at[slot], lse_bar.at[slot])
-                    _mgpu.copy_rows_in(do_ref, dot_ref, row, BWD_BLOCK, item.head, end_row, do_smem.at[slot], do_bar.at[slot])
-                    _mgpu.copy_vector_in(delta_ref, item.head, col, BWD_BLOCK, delta_smem.at[slot], delta_bar.at[slot])
-                    return carry
+            lax.fori_loop(0, n, step, None)
 
-                lax.fori_loop(0, n, step, None)
-
-            steps = _mgpu.issue_items(
-                table_ref, heads, num_ctas, cta, rounds, lambda item: dkv_steps(item, causal, window)[1],
-                load_rows, stream, item_free, item_go,
-            )
-            _mgpu.drain_rings(steps, ring_free)
-
-        @pl.when(wg < NUM_COMPUTE_WGS)
-        def _compute_wg():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        def compute(share: _mgpu.Share):
+            item, wg = share.item, share.wg
             a_stage = None if stage is None else stage.at[wg]
 
-            def item_body(r, gstep):
-                item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
-                first, n = dkv_steps(item, causal, window)
-                lo_w, hi_w = item.wg_rows(wg)
-                plgpu.barrier_wait(item_go)
-                k_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
-
-                @pl.when(hi_w > lo_w)
-                def _work():
-                    @pl.when(n > 0)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[wg])
-                        plgpu.barrier_wait(v_bar.at[wg])
-
-                    def step(i, carry, masked: bool):
-                        dk, dv = carry
-                        slot = lax.rem(gstep + i, NUM_STAGES)
-                        shape = (WG_ROWS, BWD_BLOCK)  # key rows x query columns
-                        plgpu.barrier_wait(q_bar.at[slot])
-                        s_t = _mgpu.matmul(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), shape)
-                        plgpu.barrier_wait(lse_bar.at[slot])
-                        lse = _mgpu.load_col_vector(lse_smem.at[slot])
-                        p_t = jnp.exp2(s_t * c2 - lax.broadcast_in_dim(lse, shape, [1]))
-                        if masked:
-                            mask = _mgpu.visible(
-                                (first + i) * BWD_BLOCK + _mgpu.iota(shape, 1), k_pos0 + _mgpu.iota(shape, 0),
-                                item, causal, window, inside="queries",
-                            )
-                            p_t = jnp.where(mask, p_t, 0.0)
-                        plgpu.barrier_wait(do_bar.at[slot])
-                        dv = _mgpu.matmul_acc(dv, p_t.astype(dtype), do_smem.at[slot], a_stage)
-                        dp_t = _mgpu.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), shape)
-                        plgpu.barrier_wait(delta_bar.at[slot])
-                        delta = _mgpu.load_col_vector(delta_smem.at[slot])
-                        ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-                        if masked:
-                            ds_t = jnp.where(mask, ds_t, 0.0)
-                        dk = _mgpu.matmul_acc(dk, ds_t.astype(dtype), q_smem.at[slot], a_stage)
-                        plgpu.barrier_arrive(ring_free.at[slot])
-                        return dk, dv
-
-                    carry = (_mgpu.zeros_tile(WG_ROWS, head_dim), _mgpu.zeros_tile(WG_ROWS, head_dim))
-                    head = n if window is not None else (2 if causal else (item.lo > 0).astype(jnp.int32))
-                    plain_lo, plain_hi = _mgpu.step_segments(n, head, 1)
-                    carry = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), carry)
-                    carry = _mgpu.loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
-                    dk, dv = _mgpu.loop(plain_hi, n, functools.partial(step, masked=True), carry)
-                    plgpu.barrier_arrive(item_free)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
-                    mgpu_common.store_rows(
-                        (dk * scale).astype(dtype), dk_staging, wg, dk_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w
+            def step(i, carry, masked: bool):
+                dk, dv = carry
+                slot = lax.rem(share.gstep + i, NUM_STAGES)
+                shape = (WG_ROWS, BWD_BLOCK)  # key rows x query columns
+                plgpu.barrier_wait(q_bar.at[slot])
+                s_t = _mgpu.matmul(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), shape)
+                plgpu.barrier_wait(lse_bar.at[slot])
+                lse = _mgpu.load_col_vector(lse_smem.at[slot])
+                p_t = jnp.exp2(s_t * c2 - lax.broadcast_in_dim(lse, shape, [1]))
+                if masked:
+                    mask = _mgpu.visible(
+                        (share.first + i) * BWD_BLOCK + _mgpu.iota(shape, 1), share.pos0 + _mgpu.iota(shape, 0),
+                        item, causal, window, inside="queries",
                     )
-                    mgpu_common.store_rows(
-                        dv.astype(dtype), dv_staging, wg, dv_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w
-                    )
+                    p_t = jnp.where(mask, p_t, 0.0)
+                plgpu.barrier_wait(do_bar.at[slot])
+                dv = _mgpu.matmul_acc(dv, p_t.astype(dtype), do_smem.at[slot], a_stage)
+                dp_t = _mgpu.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), shape)
+                plgpu.barrier_wait(delta_bar.at[slot])
+                delta = _mgpu.load_col_vector(delta_smem.at[slot])
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+                if masked:
+                    ds_t = jnp.where(mask, ds_t, 0.0)
+                dk = _mgpu.matmul_acc(dk, ds_t.astype(dtype), q_smem.at[slot], a_stage)
+                plgpu.barrier_arrive(ring_free.at[slot])
+                return dk, dv
 
-                @pl.when(hi_w <= lo_w)
-                def _idle():
-                    _mgpu.skip_steps(gstep, n, (q_bar, lse_bar, do_bar, delta_bar), (ring_free,))
-                    plgpu.barrier_arrive(item_free)
+            carry = (_mgpu.zeros_tile(WG_ROWS, head_dim), _mgpu.zeros_tile(WG_ROWS, head_dim))
+            head = share.n if window is not None else (2 if causal else (item.lo > 0).astype(jnp.int32))
+            return share.run_steps(step, carry, head, 1)
 
-                return gstep + n
+        def finish(share: _mgpu.Share, carry):
+            dk, dv = carry
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
+            share.store((dk * scale).astype(dtype), dk_staging, dk_ref)
+            share.store(dv.astype(dtype), dv_staging, dv_ref)
 
-            lax.fori_loop(0, rounds, item_body, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-
-    def entry(*refs):
-        per_wg_rows = mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype)
-        ring_rows = mgpu_common.swizzled_smem((NUM_STAGES, BWD_BLOCK, head_dim), dtype)
-        ring_vector = plgpu.SMEM((NUM_STAGES, BWD_BLOCK), jnp.float32)
-        item_barrier = plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
-        ring_barrier = plgpu.Barrier(num_barriers=NUM_STAGES)
-        scratch = (
-            per_wg_rows,
-            per_wg_rows,
-            ring_rows,
-            ring_rows,
-            ring_vector,
-            ring_vector,
-            mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
-            mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
-            mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, BWD_BLOCK), dtype) if interpret else None,
-            (
-                item_barrier,
-                item_barrier,
-                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
-                ring_barrier,
-                ring_barrier,
-                ring_barrier,
-                ring_barrier,
-                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
-                plgpu.Barrier(num_arrivals=1),
+        _mgpu.run_pass(
+            _mgpu.Pass(
+                steps=lambda item: dkv_steps(item, causal, window),
+                load_rows=load_rows,
+                stream=stream,
+                item_ready=(k_bar, v_bar),
+                ring_ready=(q_bar, lse_bar, do_bar, delta_bar),
+                ring_free=(ring_free,),
+                item_free=item_free,
+                item_go=item_go,
+                compute=compute,
+                finish=finish,
             ),
+            table_ref, meta_ref, heads, num_ctas,
         )
-        pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
 
-    out_type = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)
-    launch = plgpu.kernel(
-        entry,
-        out_type=(out_type, out_type),
-        grid=(num_ctas,),
-        grid_names=("cta",),
-        num_threads=NUM_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+    per_wg_rows = mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype)
+    ring_rows = mgpu_common.swizzled_smem((NUM_STAGES, BWD_BLOCK, head_dim), dtype)
+    ring_vector = plgpu.SMEM((NUM_STAGES, BWD_BLOCK), jnp.float32)
+    item_barrier = plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
+    ring_barrier = plgpu.Barrier(num_barriers=NUM_STAGES)
+    scratch = (
+        per_wg_rows,
+        per_wg_rows,
+        ring_rows,
+        ring_rows,
+        ring_vector,
+        ring_vector,
+        mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
+        mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
+        mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, BWD_BLOCK), dtype) if interpret else None,
+        (
+            item_barrier,
+            item_barrier,
+            plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+            ring_barrier,
+            ring_barrier,
+            ring_barrier,
+            ring_barrier,
+            plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
+            plgpu.Barrier(num_arrivals=1),
+        ),
     )
-    return manual_axes.call_kernel(launch, plan.kv_table, plan.meta, q, k, v, dout, lse, delta, *tails)
+    out_type = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)
+    operands = (plan.kv_table, plan.meta, q, k, v, dout, lse, delta, *tails)
+    return _mgpu.launch(kernel, scratch, (out_type, out_type), num_ctas, *operands)

@@ -27,20 +27,16 @@ Outputs are written only for the item's own rows (`mgpu_common.store_rows`).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._src import manual_axes, mgpu_common
+from pallas_kernels._src import mgpu_common
 from pallas_kernels.jagged_flash_attention import _mgpu, schedule
 from pallas_kernels.jagged_flash_attention.config import (
-    COMPUTE_REGISTERS,
     FWD_BLOCK_KV,
-    MEMORY_REGISTERS,
     NUM_COMPUTE_WGS,
     NUM_STAGES,
     ROW_ALIGN,
@@ -87,142 +83,109 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
     def kernel(table_ref, meta_ref, q_ref, k_ref, v_ref, qt_ref, kt_ref, vt_ref, out_ref, lse_ref, scratch):
         q_smem, k_smem, v_smem, lse_smem, staging, stage, bars = scratch
         q_bar, q_free, k_bar, v_bar, k_free, v_free, item_go = bars
-        cta, wg, rounds, end_row = _mgpu.walk_start(meta_ref, heads, num_ctas)
 
-        @pl.when(wg == NUM_COMPUTE_WGS)
-        def _memory_wg():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        def load_rows(item, w, end_row):
+            row = item.row0 + w * WG_ROWS
+            _mgpu.copy_rows_in(q_ref, qt_ref, row, WG_ROWS, item.head, end_row, q_smem.at[w], q_bar.at[w])
 
-            def load_rows(item, w):
-                row = item.row0 + w * WG_ROWS
-                _mgpu.copy_rows_in(q_ref, qt_ref, row, WG_ROWS, item.head, end_row, q_smem.at[w], q_bar.at[w])
+        def stream(item, gstep, n, end_row):
+            kv = [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)]
+            first = forward_steps(item, causal, window)[0]
+            base = pl.multiple_of(item.base + first * FWD_BLOCK_KV, ROW_ALIGN)
+            _mgpu.stream_blocks(n, gstep, base, FWD_BLOCK_KV, item.head, end_row, kv, (k_free, v_free))
 
-            def stream(item, gstep, n):
-                kv = [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)]
-                first = forward_steps(item, causal, window)[0]
-                base = pl.multiple_of(item.base + first * FWD_BLOCK_KV, ROW_ALIGN)
-                _mgpu.stream_blocks(n, gstep, base, FWD_BLOCK_KV, item.head, end_row, kv, (k_free, v_free))
-
-            steps = _mgpu.issue_items(
-                table_ref, heads, num_ctas, cta, rounds, lambda item: forward_steps(item, causal, window)[1],
-                load_rows, stream, q_free, item_go,
-            )
-            _mgpu.drain_rings(steps, k_free, v_free)
-
-        @pl.when(wg < NUM_COMPUTE_WGS)
-        def _compute_wg():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        def compute(share: _mgpu.Share):
+            item, wg = share.item, share.wg
             p_stage = None if stage is None else stage.at[wg]
-            q_ref_wg = q_smem.at[wg]
 
-            def item_body(r, gstep):
-                item = _mgpu.Item.read(table_ref, _mgpu.zigzag_item(r, num_ctas, cta), heads)
-                first, n = forward_steps(item, causal, window)
-                lo_w, hi_w = item.wg_rows(wg)
-                plgpu.barrier_wait(item_go)
-                q_pos0 = item.tile * TILE_ROWS + wg * WG_ROWS
-
-                @pl.when(hi_w > lo_w)
-                def _work():
-                    @pl.when(n > 0)
-                    def _():
-                        plgpu.barrier_wait(q_bar.at[wg])
-
-                    def step(i, carry, masked: bool):
-                        acc, m_i, l_i = carry
-                        slot = lax.rem(gstep + i, NUM_STAGES)
-                        plgpu.barrier_wait(k_bar.at[slot])
-                        s = _mgpu.matmul(q_ref_wg, k_smem.at[slot].transpose((1, 0)), (WG_ROWS, FWD_BLOCK_KV))
-                        plgpu.barrier_arrive(k_free.at[slot])
-                        if masked:
-                            shape = (WG_ROWS, FWD_BLOCK_KV)
-                            mask = _mgpu.visible(
-                                q_pos0 + _mgpu.iota(shape, 0), (first + i) * FWD_BLOCK_KV + _mgpu.iota(shape, 1), item,
-                                causal, window,
-                            )
-                            s = jnp.where(mask, s, -jnp.inf)
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * c2)
-                        # Under a sliding window a row may see no key of its first blocks:
-                        # its max stays -inf, and exp2(-inf - -inf) must not give NaN.
-                        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if window is not None else m_new
-                        alpha = jnp.exp2(m_i - m_use)
-                        p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                        l_i = l_i * alpha + p.sum(axis=1)
-                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                        plgpu.barrier_wait(v_bar.at[slot])
-                        acc = _mgpu.matmul_acc(acc, p.astype(dtype), v_smem.at[slot], p_stage)
-                        plgpu.barrier_arrive(v_free.at[slot])
-                        return acc, m_new, l_i
-
-                    carry = (
-                        _mgpu.zeros_tile(WG_ROWS, head_dim),
-                        _mgpu.row_vector(-jnp.inf, WG_ROWS),
-                        _mgpu.row_vector(0.0, WG_ROWS),
+            def step(i, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(share.gstep + i, NUM_STAGES)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = _mgpu.matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (WG_ROWS, FWD_BLOCK_KV))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    shape = (WG_ROWS, FWD_BLOCK_KV)
+                    mask = _mgpu.visible(
+                        share.pos0 + _mgpu.iota(shape, 0), (share.first + i) * FWD_BLOCK_KV + _mgpu.iota(shape, 1),
+                        item, causal, window,
                     )
-                    # A sliding window masks every step (both band edges can cross any block).
-                    head_masked = n if window is not None else (item.lo > 0).astype(jnp.int32)
-                    plain_lo, plain_hi = _mgpu.step_segments(n, head_masked, 1)
-                    carry = _mgpu.loop(0, plain_lo, functools.partial(step, masked=True), carry)
-                    carry = _mgpu.loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
-                    acc, m_i, l_i = _mgpu.loop(plain_hi, n, functools.partial(step, masked=True), carry)
-                    plgpu.barrier_arrive(q_free)
+                    s = jnp.where(mask, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1) * c2)
+                # Under a sliding window a row may see no key of its first blocks:
+                # its max stays -inf, and exp2(-inf - -inf) must not give NaN.
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if window is not None else m_new
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(v_bar.at[slot])
+                acc = _mgpu.matmul_acc(acc, p.astype(dtype), v_smem.at[slot], p_stage)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
 
-                    has_keys = l_i > 0
-                    inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l_i, 1.0), 0.0)
-                    out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
-                    mgpu_common.store_rows(out, staging, wg, out_ref, item.row0 + wg * WG_ROWS, item.head, lo_w, hi_w)
-                    if save_lse:
-                        lse_smem.at[wg][...] = jnp.where(
-                            has_keys, m_i + jnp.log(jnp.where(has_keys, l_i, 1.0)) * (1.0 / _mgpu.LN2), -jnp.inf
-                        )
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            lse_smem.at[wg], lse_ref.at[item.head, pl.ds(item.canon * TILE_ROWS + wg * WG_ROWS, WG_ROWS)]
-                        )
+            carry = (
+                _mgpu.zeros_tile(WG_ROWS, head_dim),
+                _mgpu.row_vector(-jnp.inf, WG_ROWS),
+                _mgpu.row_vector(0.0, WG_ROWS),
+            )
+            # A sliding window masks every step (both band edges can cross any block).
+            head_masked = share.n if window is not None else (item.lo > 0).astype(jnp.int32)
+            return share.run_steps(step, carry, head_masked, 1)
 
-                @pl.when(hi_w <= lo_w)
-                def _idle():
-                    _mgpu.skip_steps(gstep, n, (k_bar, v_bar), (k_free, v_free))
-                    plgpu.barrier_arrive(q_free)
+        def finish(share: _mgpu.Share, carry):
+            acc, m_i, l_i = carry
+            item, wg = share.item, share.wg
+            has_keys = l_i > 0
+            inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l_i, 1.0), 0.0)
+            out = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
+            share.store(out, staging, out_ref)
+            if save_lse:
+                lse_smem.at[wg][...] = jnp.where(
+                    has_keys, m_i + jnp.log(jnp.where(has_keys, l_i, 1.0)) * (1.0 / _mgpu.LN2), -jnp.inf
+                )
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    lse_smem.at[wg], lse_ref.at[item.head, pl.ds(item.canon * TILE_ROWS + wg * WG_ROWS, WG_ROWS)]
+                )
 
-                return gstep + n
-
-            lax.fori_loop(0, rounds, item_body, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-
-    def entry(*refs):
-        scratch = (
-            mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype),
-            mgpu_common.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
-            mgpu_common.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
-            plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.float32),
-            mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
-            mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, FWD_BLOCK_KV), dtype) if interpret else None,
-            (
-                plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
-                plgpu.Barrier(num_barriers=NUM_STAGES),
-                plgpu.Barrier(num_barriers=NUM_STAGES),
-                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
-                plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
-                plgpu.Barrier(num_arrivals=1),
+        _mgpu.run_pass(
+            _mgpu.Pass(
+                steps=lambda item: forward_steps(item, causal, window),
+                load_rows=load_rows,
+                stream=stream,
+                item_ready=(q_bar,),
+                ring_ready=(k_bar, v_bar),
+                ring_free=(k_free, v_free),
+                item_free=q_free,
+                item_go=item_go,
+                compute=compute,
+                finish=finish,
             ),
+            table_ref, meta_ref, heads, num_ctas,
         )
-        pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
 
+    scratch = (
+        mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, head_dim), dtype),
+        mgpu_common.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
+        mgpu_common.swizzled_smem((NUM_STAGES, FWD_BLOCK_KV, head_dim), dtype),
+        plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.float32),
+        mgpu_common.staging_smem(NUM_COMPUTE_WGS, head_dim, dtype),
+        mgpu_common.swizzled_smem((NUM_COMPUTE_WGS, WG_ROWS, FWD_BLOCK_KV), dtype) if interpret else None,
+        (
+            plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=NUM_STAGES),
+            plgpu.Barrier(num_barriers=NUM_STAGES),
+            plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
+            plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=NUM_STAGES),
+            plgpu.Barrier(num_arrivals=1),
+        ),
+    )
     out_type = (
         jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype),
         jax.ShapeDtypeStruct((heads, slots * TILE_ROWS), jnp.float32),
     )
-    launch = plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=(num_ctas,),
-        grid_names=("cta",),
-        num_threads=NUM_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-    )
-    out, lse = manual_axes.call_kernel(launch, plan.q_table, plan.meta, q, k, v, *tails)
+    out, lse = _mgpu.launch(kernel, scratch, out_type, num_ctas, plan.q_table, plan.meta, q, k, v, *tails)
     return out, (lse if save_lse else None)
