@@ -31,6 +31,7 @@ from jax import export
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from pallas_kernels import block_local_attention, gdpa, jagged_flash_attention
+from pallas_kernels.mxfp8 import mxfp8_matmul
 from pallas_kernels._src import dispatch
 
 T, H = 640, 2  # packed rows and heads of every case
@@ -77,6 +78,19 @@ def _block_local(d: int) -> tuple[Callable, tuple]:
     return _with_grads(op), (_rows(d), _rows(d), _rows(d), _offsets())
 
 
+def _mxfp8_matmul(m: int, n: int, k: int) -> tuple[Callable, tuple]:
+    """The 128-wide-K variant: activation tiles 1x128, weight tiles 128x128 (forward only: the op has no VJP)."""
+    op = lambda a, a_scales, b, b_scales: mxfp8_matmul(a, a_scales, b, b_scales, implementation="pallas")
+    fp8, e8m0 = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+    args = (
+        jax.ShapeDtypeStruct((m, k), fp8),
+        jax.ShapeDtypeStruct((m, k // 128), e8m0),
+        jax.ShapeDtypeStruct((n, k), fp8),
+        jax.ShapeDtypeStruct((n // 128, k // 128), e8m0),
+    )
+    return op, args
+
+
 CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "jfa_d128": lambda: _jfa(128),
     "jfa_d64": lambda: _jfa(64),
@@ -87,6 +101,7 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "gdpa_silu_causal_d128": lambda: _gdpa(128, activation="silu", causal=True),
     "gdpa_gelu_d64": lambda: _gdpa(64),
     "block_local_rope_d128": lambda: _block_local(128),
+    "mxfp8_matmul_k128": lambda: _mxfp8_matmul(256, 384, 512),
 }
 
 
