@@ -1,18 +1,29 @@
-"""Digests of the Mosaic GPU kernels a fixed set of kernel calls lowers to, on any machine.
+"""Digests of the GPU programs a fixed set of kernel calls lowers to, on any machine.
 
-Each case below calls one public op with `implementation="pallas"` (forward and gradients)
-and lowers it for CUDA through `jax.export` with `platforms=["cuda"]`: no GPU is needed.
-Every Mosaic GPU kernel in the lowered program is printed without debug information (no
-source locations) and hashed. Two source trees that print the same digests hand the GPU
-the same kernels, op for op, so a change that only restructures the Python (moves code,
-renames, shares helpers) can be checked on a CPU. A different digest means the GPU code
-changed: run the kernels' GPU correctness checks.
+Each case below calls one public op with `implementation="pallas"` (forward, or forward and
+gradients) and lowers it for CUDA (`lowering_platforms=("cuda",)`): no GPU is needed, and the
+persistent kernels' grids are sized for an H100/H200's 132 SMs whatever runs the script. Two
+digests per case:
+
+- one per Mosaic GPU kernel: its module (grid, cluster, shared memory, every op of its body)
+  printed without debug information (source locations) or dump name, and hashed;
+- `program`: the whole lowered program printed likewise, each kernel's serialised module and
+  hash blanked (they are the kernel digests): which array feeds which kernel operand, the kernel
+  calls' flags and aliases, and the XLA code around them (work lists, padding, reductions).
+
+Two source trees that print the same digests hand the GPU the same program, op for op, so a
+change that only restructures the Python (moves code, renames, shares helpers) can be checked
+on a CPU. A different digest means the GPU code changed: run the op's GPU correctness check.
+Not covered: what XLA's GPU compiler makes of the program (a jax or XLA upgrade), kernels that
+are not Mosaic GPU (the Triton quantize kernel's call is in `program`, its body is compiled
+later), and ops outside the cases.
 
     PYTHONPATH=. python3 scripts/kernel_fingerprints.py --out before.json
     (change the code)
     PYTHONPATH=. python3 scripts/kernel_fingerprints.py --compare before.json
 
-Exit status: 0, or 1 with `--compare` when a digest differs (each case is named).
+Exit status: 0; with `--compare`, 1 when a case differs or is missing from the file, and 2 when
+the file was written under another jax version (its digests are not comparable).
 """
 
 from __future__ import annotations
@@ -27,18 +38,19 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-from jax import export
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from pallas_kernels import block_local_attention, gdpa, jagged_flash_attention
-from pallas_kernels.mxfp8 import mxfp8_matmul
-from pallas_kernels._src import dispatch
+from pallas_kernels._src import dispatch, mgpu_common
+from pallas_kernels.mxfp8 import kernel_matmul, mxfp8_matmul
 
 T, H = 640, 2  # packed rows and heads of every case
 OFFSETS = (0, 1, 200, 200, 457, 600)  # a length-1, a zero-length and non-multiple-of-block sequences
 MAX_LEN = 257
 # The name Mosaic GPU gives a kernel's dump files counts the kernels lowered in this process.
 DUMP_NAME = re.compile(r'mosaic_gpu\.dump_basename = "[^"]*"')
+# A kernel call's serialised module and its hash, inside the program's text.
+KERNEL_BYTES = re.compile(r'(kernel_hash|module) = "(?:[^"\\]|\\.)*"')
 
 
 def _rows(d: int, t: int = T) -> jax.ShapeDtypeStruct:
@@ -47,6 +59,10 @@ def _rows(d: int, t: int = T) -> jax.ShapeDtypeStruct:
 
 def _offsets() -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((len(OFFSETS),), jnp.int32)
+
+
+def _forward(op: Callable) -> Callable:
+    return op
 
 
 def _with_grads(op: Callable) -> Callable:
@@ -59,9 +75,10 @@ def _with_grads(op: Callable) -> Callable:
     return run
 
 
-def _jfa(d: int, **kwargs) -> tuple[Callable, tuple]:
+def _jfa(d: int, *, dtype=jnp.bfloat16, grads: bool = True, **kwargs) -> tuple[Callable, tuple]:
     op = lambda q, k, v, o: jagged_flash_attention(q, k, v, o, max_seq_len=MAX_LEN, implementation="pallas", **kwargs)
-    return _with_grads(op), (_rows(d), _rows(d), _rows(d), _offsets())
+    rows = jax.ShapeDtypeStruct((T, H, d), dtype)
+    return (_with_grads if grads else _forward)(op), (rows, rows, rows, _offsets())
 
 
 def _gdpa(d: int, **kwargs) -> tuple[Callable, tuple]:
@@ -78,15 +95,15 @@ def _block_local(d: int) -> tuple[Callable, tuple]:
     return _with_grads(op), (_rows(d), _rows(d), _rows(d), _offsets())
 
 
-def _mxfp8_matmul(m: int, n: int, k: int) -> tuple[Callable, tuple]:
-    """The 128-wide-K variant: activation tiles 1x128, weight tiles 128x128 (forward only: the op has no VJP)."""
+def _mxfp8_matmul(m: int, n: int, k: int, a_block: tuple[int, int], b_block: tuple[int, int]) -> tuple[Callable, tuple]:
+    """`a [m, k] @ b [n, k].T` from pre-quantized operands with scale tiles `a_block` and `b_block` (no VJP)."""
     op = lambda a, a_scales, b, b_scales: mxfp8_matmul(a, a_scales, b, b_scales, implementation="pallas")
     fp8, e8m0 = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
     args = (
         jax.ShapeDtypeStruct((m, k), fp8),
-        jax.ShapeDtypeStruct((m, k // 128), e8m0),
+        jax.ShapeDtypeStruct((m // a_block[0], k // a_block[1]), e8m0),
         jax.ShapeDtypeStruct((n, k), fp8),
-        jax.ShapeDtypeStruct((n // 128, k // 128), e8m0),
+        jax.ShapeDtypeStruct((n // b_block[0], k // b_block[1]), e8m0),
     )
     return op, args
 
@@ -97,11 +114,14 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "jfa_causal_d128": lambda: _jfa(128, causal=True),
     "jfa_window_d128": lambda: _jfa(128, window=(100, 30)),
     "jfa_causal_window_d64": lambda: _jfa(64, causal=True, window=(64, 0)),
+    "jfa_forward_only_d128": lambda: _jfa(128, grads=False),
+    "jfa_causal_f16_d64": lambda: _jfa(64, dtype=jnp.float16, causal=True),
     "gdpa_silu_d128": lambda: _gdpa(128, activation="silu"),
     "gdpa_silu_causal_d128": lambda: _gdpa(128, activation="silu", causal=True),
     "gdpa_gelu_d64": lambda: _gdpa(64),
     "block_local_rope_d128": lambda: _block_local(128),
-    "mxfp8_matmul_k128": lambda: _mxfp8_matmul(256, 384, 512),
+    "mxfp8_matmul_k128": lambda: _mxfp8_matmul(256, 384, 512, (1, 128), (128, 128)),
+    "mxfp8_matmul_32x32": lambda: _mxfp8_matmul(256, 384, 512, (32, 32), (32, 32)),
 }
 
 
@@ -110,7 +130,8 @@ def _capturing_kernels() -> Iterator[list[str]]:
     """Collects the text of each Mosaic GPU module lowered inside the block, without debug info or dump name.
 
     Mosaic GPU serialises a kernel's module (`_run_serde_pass`) as it lowers it; the
-    module is read there, before serialisation, and the ops jax adds are kept as is.
+    module is read there, before serialisation. Inside the block the ops take the Pallas
+    kernels and size persistent grids for 132 SMs, whatever machine runs this.
     """
     texts: list[str] = []
     serialise = mosaic_gpu_core._run_serde_pass
@@ -120,18 +141,30 @@ def _capturing_kernels() -> Iterator[list[str]]:
             texts.append(DUMP_NAME.sub("", module.operation.get_asm(enable_debug_info=False)))
         return serialise(module, serialize=serialize, **kwargs)
 
-    mosaic_gpu_core._run_serde_pass = reading
-    hopper = dispatch.is_hopper_gpu
-    dispatch.is_hopper_gpu = lambda device=None: True  # lowering for CUDA, whatever runs this process
+    patches = [
+        (mosaic_gpu_core, "_run_serde_pass", reading),
+        (dispatch, "is_hopper_gpu", lambda device=None: True),
+        (mgpu_common, "sm_count", lambda: mgpu_common.H100_H200_SM_COUNT),
+        (kernel_matmul, "_num_sms", lambda: mgpu_common.H100_H200_SM_COUNT),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
     try:
         yield texts
     finally:
-        mosaic_gpu_core._run_serde_pass = serialise
-        dispatch.is_hopper_gpu = hopper
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
-def fingerprint(case: str) -> list[str]:
-    """sha256 digests (hex, 16 characters) of each Mosaic GPU kernel of one case, in lowering order.
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fingerprint(case: str) -> dict:
+    """`{"program": digest, "kernels": [digest per Mosaic GPU kernel, in lowering order]}` of one case.
+
+    Digests are sha256, hex, 16 characters.
 
     Raises:
       KeyError: an unknown case.
@@ -139,10 +172,15 @@ def fingerprint(case: str) -> list[str]:
     """
     fn, args = CASES[case]()
     with _capturing_kernels() as texts:
-        export.export(jax.jit(fn), platforms=["cuda"])(*args)
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     if not texts:
         raise RuntimeError(f"{case}: lowered to no Mosaic GPU kernel")
-    return [hashlib.sha256(text.encode()).hexdigest()[:16] for text in texts]
+    program = KERNEL_BYTES.sub(r'\1 = ""', lowered.compiler_ir().operation.get_asm(enable_debug_info=False))
+    return {"program": _digest(program), "kernels": [_digest(text) for text in texts]}
+
+
+def _line(digests: dict) -> str:
+    return f"program {digests['program']}  kernels {' '.join(digests['kernels'])}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,24 +189,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the digests to this JSON file")
     parser.add_argument("--compare", help="a JSON file of digests from another tree: report every case that differs")
     args = parser.parse_args(argv)
+    if args.compare:
+        with open(args.compare) as f:
+            before = json.load(f)
+        if before["jax"] != jax.__version__:
+            print(f"{args.compare} was written under jax {before['jax']}, this is jax {jax.__version__}: "
+                  "digests of different jax versions are not comparable", file=sys.stderr)
+            return 2
     digests = {case: fingerprint(case) for case in args.cases}
-    for case, kernels in digests.items():
-        print(f"{case:24s} {' '.join(kernels)}")
+    for case, case_digests in digests.items():
+        print(f"{case:24s} {_line(case_digests)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"jax": jax.__version__, "digests": digests}, f, indent=1)
     if not args.compare:
         return 0
-    with open(args.compare) as f:
-        before = json.load(f)["digests"]
-    differ = [case for case in digests if case in before and digests[case] != before[case]]
-    missing = [case for case in digests if case not in before]
+    differ = [case for case in digests if case in before["digests"] and digests[case] != before["digests"][case]]
+    missing = [case for case in digests if case not in before["digests"]]
     for case in differ:
-        print(f"DIFFERS {case}: {' '.join(before[case])} -> {' '.join(digests[case])}")
+        print(f"DIFFERS {case}: {_line(before['digests'][case])} -> {_line(digests[case])}")
     for case in missing:
-        print(f"not in {args.compare}: {case}")
-    print(f"{len(digests) - len(differ) - len(missing)} of {len(digests)} cases lower to the same kernels")
-    return 1 if differ else 0
+        print(f"MISSING {case}: not in {args.compare}")
+    print(f"{len(digests) - len(differ) - len(missing)} of {len(digests)} cases lower to the same program and kernels")
+    return 1 if differ or missing else 0
 
 
 if __name__ == "__main__":

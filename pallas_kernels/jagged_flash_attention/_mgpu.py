@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,13 +111,6 @@ class Item:
         return jnp.clip(self.lo - pos, 0, WG_ROWS), jnp.clip(self.hi - pos, 0, WG_ROWS)
 
 
-def walk_start(meta_ref, heads: int, num_ctas: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`(cta, wg, rounds, end_row)`: this thread's CTA and warpgroup, its CTA's item count, the first slack row."""
-    cta = lax.axis_index("cta")
-    n_items = meta_ref[schedule.META_LIVE_TILES] * heads
-    return cta, lax.axis_index("wg"), zigzag_rounds(n_items, num_ctas, cta), meta_ref[schedule.META_END]
-
-
 def zigzag_rounds(n_items, num_ctas: int, cta) -> jax.Array:
     """How many items CTA `cta` takes from a list of `n_items` dealt in a zigzag."""
     c = jnp.int32(num_ctas)
@@ -201,65 +195,6 @@ def window_steps(item: Item, block: int, causal: bool, window, *, rows: str) -> 
     return first, jnp.maximum((hi + block - 1) // block - first, 0) * item.keys
 
 
-def step_segments(n, head_masked, tail_masked) -> tuple[jax.Array, jax.Array]:
-    """Splits steps `[0, n)` into masked `[0, a)`, plain `[a, b)`, masked `[b, n)`."""
-    a = jnp.minimum(head_masked, n)
-    b = jnp.maximum(a, n - tail_masked)
-    return a, b
-
-
-def skip_steps(gstep, n, ready, free) -> None:
-    """Steps `[0, n)` of a warpgroup with no rows in its item: keeps the ring in step.
-
-    Waits on each slot's `ready` barriers and releases it through `free`, so the
-    barrier phases of both compute warpgroups stay in lockstep.
-    """
-
-    def body(i, carry):
-        slot = lax.rem(gstep + i, NUM_STAGES)
-        for r in ready:
-            plgpu.barrier_wait(r.at[slot])
-        for f in free:
-            plgpu.barrier_arrive(f.at[slot])
-        return carry
-
-    lax.fori_loop(0, n, body, None)
-
-
-def issue_items(table_ref, heads: int, num_ctas: int, cta, rounds, steps, load_rows, stream, item_free, item_go):
-    """The memory warpgroup's walk over its CTA's work items; returns the ring steps issued.
-
-    For round r's item: wait until the compute warpgroups release the previous
-    item's per-warpgroup buffers (`item_free`); `load_rows(item, w)` for each
-    warpgroup w that has rows, when the item has steps; signal `item_go`; then
-    `stream(item, gstep, n)` issues the item's `n = steps(item)` ring steps from
-    global step `gstep`. At the end the last `item_free` release is taken.
-    """
-
-    def item_body(r, gstep):
-        item = Item.read(table_ref, zigzag_item(r, num_ctas, cta), heads)
-        n = steps(item)
-
-        @pl.when(r >= 1)
-        def _():
-            plgpu.barrier_wait(item_free)
-
-        for w in range(NUM_COMPUTE_WGS):
-            lo_w, hi_w = item.wg_rows(w)
-
-            @pl.when((hi_w > lo_w) & (n > 0))
-            def _(w=w):
-                load_rows(item, w)
-
-        plgpu.barrier_arrive(item_go)  # the item's loads are issued
-        stream(item, gstep, n)
-        return gstep + n
-
-    total = lax.fori_loop(0, rounds, item_body, jnp.int32(0))
-    drain(item_free, rounds - 1, rounds, 1)
-    return total
-
-
 def stream_blocks(n, gstep, base, block: int, head, end, operands, freed) -> None:
     """Memory warpgroup: issues the `n` ring steps of one work item.
 
@@ -301,30 +236,12 @@ def load_col_vector(ref) -> jax.Array:
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
 
 
-def drain_rings(steps, *freed) -> None:
-    """Takes the releases of the last `NUM_STAGES` of `steps` ring steps, for each ring in `freed`."""
-    for free in freed:
-        drain(free, steps - NUM_STAGES, steps, NUM_STAGES)
-
-
-def drain(barriers, first, count, num_slots: int) -> None:
-    """Waits for the completions of uses `[first, count)` of a ring of `num_slots` barriers.
-
-    The producer waits for a slot's release only before reusing it; at the end
-    it consumes the releases it never waited for, so every barrier phase is
-    observed before the shared memory goes away.
-    """
-
-    def body(g, carry):
-        plgpu.barrier_wait(barriers if num_slots == 1 else barriers.at[lax.rem(g, num_slots)])
-        return carry
-
-    loop(jnp.maximum(first, 0), count, body, None)
-
-
 def loop(lo, hi, body, carry):
     """`lax.fori_loop` over a dynamic range (possibly empty)."""
     return lax.fori_loop(lo, jnp.maximum(lo, hi), body, carry)
+
+
+# The shared walk: `Pass` is what a kernel plugs in, `run_pass` the kernel body, `launch` the call.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,16 +249,16 @@ class Share:
     """A compute warpgroup's share of one work item: what `Pass.compute` and `Pass.finish` see.
 
     item: the item. wg: the warpgroup (0 or 1). gstep: the global ring step of
-    the item's first step. first, n: the first block of the other side the item
-    visits and its ring steps (`Pass.steps`). pos0: the window position of the
-    warpgroup's first row. lo, hi: the warpgroup's rows of the item, `[lo, hi)`
+    the item's first step. first_block, n: the first block of the other side the
+    item visits and its ring steps (`Pass.steps`). pos0: the window position of
+    the warpgroup's first row. lo, hi: the warpgroup's rows of the item, `[lo, hi)`
     within 0..64 (int32 scalars).
     """
 
     item: Item
     wg: jax.Array
     gstep: jax.Array
-    first: jax.Array
+    first_block: jax.Array
     n: jax.Array
     pos0: jax.Array
     lo: jax.Array
@@ -353,71 +270,76 @@ class Share:
         The first `head_masked` and the last `tail_masked` steps run with the
         in-register mask (`masked=True`), the steps between without it.
         """
-        plain_lo, plain_hi = step_segments(self.n, head_masked, tail_masked)
+        plain_lo, plain_hi = _step_segments(self.n, head_masked, tail_masked)
         carry = loop(0, plain_lo, functools.partial(step, masked=True), carry)
         carry = loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
         return loop(plain_hi, self.n, functools.partial(step, masked=True), carry)
 
     def store(self, value: jax.Array, staging, dst_ref) -> None:
         """Stores the warpgroup's rows `[lo, hi)` of a `[64, D]` value to its item's rows of `dst_ref`."""
-        mgpu_common.store_rows(value, staging, self.wg, dst_ref, self.item.row0 + self.wg * WG_ROWS, self.item.head,
-                        self.lo, self.hi)
+        row = self.item.row0 + self.wg * WG_ROWS
+        mgpu_common.store_rows(value, staging, self.wg, dst_ref, row, self.item.head, self.lo, self.hi)
+
+
+Barriers = Any  # a `plgpu.Barrier` scratch ref: one barrier, or an array of them indexed with `.at[i]`
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
     """One JFA kernel pass as an instance of the shared persistent walk (`run_pass`).
 
+    The memory warpgroup, per item: waits for `item_free` (the previous item's own
+    rows are no longer read), runs `load_rows`, signals `item_go`, runs `stream`.
+    Each compute warpgroup, per item: waits for `item_go` (so it never waits on a
+    row barrier before its load is issued), then, if it has rows, waits for its
+    entry of each `item_ready` barrier (when the item has steps), runs `compute`,
+    releases `item_free` and runs `finish`.
+
     Attributes:
-      steps: `steps(item) -> (first, n)`: the first block of the other side and
-        the ring steps the item visits.
+      steps: `steps(item) -> (first_block, n)`: the first block of the other side
+        and the ring steps the item visits (int32 scalars).
       load_rows: memory warpgroup, `load_rows(item, w, end_row)`: TMA the item's
         own rows for compute warpgroup w (run when w has rows and n > 0).
       stream: memory warpgroup, `stream(item, gstep, n, end_row)`: issue the
-        item's n ring steps from global step gstep.
-      item_ready: barrier arrays `[2]` that `load_rows` signals; a compute
-        warpgroup waits on its entry of each before its first step.
+        item's n ring steps from global ring step gstep.
+      item_ready: barrier arrays `[NUM_COMPUTE_WGS]` that `load_rows` signals.
       ring_ready, ring_free: the ring's barrier arrays `[NUM_STAGES]`, signalled
-        by the memory warpgroup and by the compute warpgroups.
-      item_free: released by the compute warpgroups when an item's own rows may
-        be overwritten. item_go: signalled when an item's loads are issued.
-      compute: `compute(share) -> carry`: the warpgroup's steps of an item.
-      finish: `finish(share, carry)`: its outputs, after `item_free` is released.
+        by the memory warpgroup (a slot loaded) and by the compute warpgroups (a
+        slot read); a warpgroup without rows in an item passes its steps through
+        both, so the barrier phases stay in lockstep.
+      item_free: one barrier, `NUM_COMPUTE_WGS` arrivals per item.
+      item_go: one barrier, signalled once per item.
+      compute: `compute(share) -> carry`: the warpgroup's ring steps of an item
+        (`Share.run_steps`); reads the item's own rows.
+      finish: `finish(share, carry)`: the warpgroup's outputs. It runs after
+        `item_free` is released, so it must not read the item's own rows' SMEM.
     """
 
     steps: Callable[[Item], tuple[jax.Array, jax.Array]]
-    load_rows: Callable
-    stream: Callable
-    item_ready: Sequence
-    ring_ready: Sequence
-    ring_free: Sequence
-    item_free: object
-    item_go: object
-    compute: Callable[[Share], object]
-    finish: Callable[[Share, object], None]
+    load_rows: Callable[[Item, int, jax.Array], None]
+    stream: Callable[[Item, jax.Array, jax.Array, jax.Array], None]
+    item_ready: Sequence[Barriers]
+    ring_ready: Sequence[Barriers]
+    ring_free: Sequence[Barriers]
+    item_free: Barriers
+    item_go: Barriers
+    compute: Callable[[Share], Any]
+    finish: Callable[[Share, Any], None]
 
 
 def run_pass(spec: Pass, table_ref, meta_ref, heads: int, num_ctas: int) -> None:
     """The kernel body of a pass: the memory warpgroup's and the compute warpgroups' walks.
 
-    Each CTA takes its items of the sorted list in a zigzag (`zigzag_item`). The
-    memory warpgroup (`issue_items`) loads an item's own rows and streams its
-    ring steps. A compute warpgroup with rows in the item runs `spec.compute`,
-    releases `item_free`, then `spec.finish`; one without rows steps the ring
-    along (`skip_steps`) so both warpgroups' barrier phases stay in lockstep.
+    Each CTA takes its items of the sorted list in a zigzag (`zigzag_item`); the
+    order of waits and signals is `Pass`'s.
     """
-    cta, wg, rounds, end_row = walk_start(meta_ref, heads, num_ctas)
+    cta, wg, rounds, end_row = _walk_start(meta_ref, heads, num_ctas)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory_wg():
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        steps = issue_items(
-            table_ref, heads, num_ctas, cta, rounds, lambda item: spec.steps(item)[1],
-            lambda item, w: spec.load_rows(item, w, end_row),
-            lambda item, gstep, n: spec.stream(item, gstep, n, end_row),
-            spec.item_free, spec.item_go,
-        )
-        drain_rings(steps, *spec.ring_free)
+        steps = _issue_items(spec, table_ref, heads, num_ctas, cta, rounds, end_row)
+        _drain_rings(steps, *spec.ring_free)
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute_wg():
@@ -425,10 +347,10 @@ def run_pass(spec: Pass, table_ref, meta_ref, heads: int, num_ctas: int) -> None
 
         def item_body(r, gstep):
             item = Item.read(table_ref, zigzag_item(r, num_ctas, cta), heads)
-            first, n = spec.steps(item)
+            first_block, n = spec.steps(item)
             lo_w, hi_w = item.wg_rows(wg)
             plgpu.barrier_wait(spec.item_go)
-            share = Share(item, wg, gstep, first, n, item.tile * TILE_ROWS + wg * WG_ROWS, lo_w, hi_w)
+            share = Share(item, wg, gstep, first_block, n, item.tile * TILE_ROWS + wg * WG_ROWS, lo_w, hi_w)
 
             @pl.when(hi_w > lo_w)
             def _work():
@@ -443,7 +365,7 @@ def run_pass(spec: Pass, table_ref, meta_ref, heads: int, num_ctas: int) -> None
 
             @pl.when(hi_w <= lo_w)
             def _idle():
-                skip_steps(gstep, n, spec.ring_ready, spec.ring_free)
+                _skip_steps(gstep, n, spec.ring_ready, spec.ring_free)
                 plgpu.barrier_arrive(spec.item_free)
 
             return gstep + n
@@ -473,3 +395,90 @@ def launch(kernel, scratch: Sequence, out_type, num_ctas: int, *operands):
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
     return manual_axes.call_kernel(call, *operands)
+
+
+def _walk_start(meta_ref, heads: int, num_ctas: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`(cta, wg, rounds, end_row)`: this thread's CTA and warpgroup, its CTA's item count, the first slack row."""
+    cta = lax.axis_index("cta")
+    n_items = meta_ref[schedule.META_LIVE_TILES] * heads
+    return cta, lax.axis_index("wg"), zigzag_rounds(n_items, num_ctas, cta), meta_ref[schedule.META_END]
+
+
+def _step_segments(n, head_masked, tail_masked) -> tuple[jax.Array, jax.Array]:
+    """Splits steps `[0, n)` into masked `[0, a)`, plain `[a, b)`, masked `[b, n)`."""
+    a = jnp.minimum(head_masked, n)
+    b = jnp.maximum(a, n - tail_masked)
+    return a, b
+
+
+def _skip_steps(gstep, n, ready, free) -> None:
+    """Steps `[0, n)` of a warpgroup with no rows in its item: keeps the ring in step.
+
+    Waits on each slot's `ready` barriers and releases it through `free`, so the
+    barrier phases of both compute warpgroups stay in lockstep.
+    """
+
+    def body(i, carry):
+        slot = lax.rem(gstep + i, NUM_STAGES)
+        for r in ready:
+            plgpu.barrier_wait(r.at[slot])
+        for f in free:
+            plgpu.barrier_arrive(f.at[slot])
+        return carry
+
+    lax.fori_loop(0, n, body, None)
+
+
+def _issue_items(spec: Pass, table_ref, heads: int, num_ctas: int, cta, rounds, end_row):
+    """The memory warpgroup's walk over its CTA's work items; returns the ring steps issued.
+
+    For round r's item: wait until the compute warpgroups release the previous
+    item's own rows (`spec.item_free`); `spec.load_rows` for each warpgroup that
+    has rows, when the item has steps; signal `spec.item_go`; then `spec.stream`
+    issues the item's n ring steps from global step `gstep`. At the end the last
+    `item_free` release is taken.
+    """
+
+    def item_body(r, gstep):
+        item = Item.read(table_ref, zigzag_item(r, num_ctas, cta), heads)
+        n = spec.steps(item)[1]
+
+        @pl.when(r >= 1)
+        def _():
+            plgpu.barrier_wait(spec.item_free)
+
+        for w in range(NUM_COMPUTE_WGS):
+            lo_w, hi_w = item.wg_rows(w)
+
+            @pl.when((hi_w > lo_w) & (n > 0))
+            def _(w=w):
+                spec.load_rows(item, w, end_row)
+
+        plgpu.barrier_arrive(spec.item_go)  # the item's loads are issued
+        spec.stream(item, gstep, n, end_row)
+        return gstep + n
+
+    total = lax.fori_loop(0, rounds, item_body, jnp.int32(0))
+    _drain(spec.item_free, rounds - 1, rounds, 1)
+    return total
+
+
+def _drain_rings(steps, *freed) -> None:
+    """Takes the releases of the last `NUM_STAGES` of `steps` ring steps, for each ring in `freed`."""
+    for free in freed:
+        _drain(free, steps - NUM_STAGES, steps, NUM_STAGES)
+
+
+def _drain(barriers, first, count, num_slots: int) -> None:
+    """Waits for the completions of uses `[first, count)` of a ring of `num_slots` barriers.
+
+    The producer waits for a slot's release only before reusing it; at the end
+    it consumes the releases it never waited for, so every barrier phase is
+    observed before the shared memory goes away.
+    """
+
+    def body(g, carry):
+        plgpu.barrier_wait(barriers if num_slots == 1 else barriers.at[lax.rem(g, num_slots)])
+        return carry
+
+    loop(jnp.maximum(first, 0), count, body, None)

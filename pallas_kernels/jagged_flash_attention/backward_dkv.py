@@ -78,6 +78,8 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
             _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
 
         def stream(item, gstep, n, end_row):
+            # Not `_mgpu.stream_blocks`: four operands share one slot release (`ring_free`), and lse
+            # and delta are float32 vectors read at tile-space columns (`copy_vector_in`).
             first, _ = dkv_steps(item, causal, window)
 
             def step(i, carry):
@@ -114,7 +116,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                 p_t = jnp.exp2(s_t * c2 - lax.broadcast_in_dim(lse, shape, [1]))
                 if masked:
                     mask = _mgpu.visible(
-                        (share.first + i) * BWD_BLOCK + _mgpu.iota(shape, 1), share.pos0 + _mgpu.iota(shape, 0),
+                        (share.first_block + i) * BWD_BLOCK + _mgpu.iota(shape, 1), share.pos0 + _mgpu.iota(shape, 0),
                         item, causal, window, inside="queries",
                     )
                     p_t = jnp.where(mask, p_t, 0.0)

@@ -105,7 +105,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                 ds = p * (dp - lax.broadcast_in_dim(delta_i, shape, [0]))
                 if masked:
                     mask = _mgpu.visible(
-                        share.pos0 + _mgpu.iota(shape, 0), (share.first + i) * BWD_BLOCK + _mgpu.iota(shape, 1), item,
+                        share.pos0 + _mgpu.iota(shape, 0), (share.first_block + i) * BWD_BLOCK + _mgpu.iota(shape, 1), item,
                         causal, window,
                     )
                     ds = jnp.where(mask, ds, 0.0)

@@ -107,7 +107,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                 if masked:
                     shape = (WG_ROWS, FWD_BLOCK_KV)
                     mask = _mgpu.visible(
-                        share.pos0 + _mgpu.iota(shape, 0), (share.first + i) * FWD_BLOCK_KV + _mgpu.iota(shape, 1),
+                        share.pos0 + _mgpu.iota(shape, 0), (share.first_block + i) * FWD_BLOCK_KV + _mgpu.iota(shape, 1),
                         item, causal, window,
                     )
                     s = jnp.where(mask, s, -jnp.inf)
