@@ -195,30 +195,36 @@ def window_steps(item: Item, block: int, causal: bool, window, *, rows: str) -> 
     return first, jnp.maximum((hi + block - 1) // block - first, 0) * item.keys
 
 
-def stream_blocks(n, gstep, base, block: int, head, end, operands, freed) -> None:
-    """Memory warpgroup: issues the `n` ring steps of one work item.
+def block_stream(steps, block: int, operands, freed) -> Callable:
+    """A `Pass.stream` that issues an item's ring steps as `block`-row blocks of each operand.
 
-    Step i is global step `g = gstep + i` and uses ring slot `g % NUM_STAGES`.
-    For each operand `(src_ref, tail_ref, smem, loaded)` in turn it waits for
-    the compute warpgroups to release the slot (`freed[k]`, from the ring's
-    second lap on), then loads rows `[base + i * block, + block)` of one head
-    (`copy_rows_in`) and signals `loaded[slot]`.
+    The item's blocks start at its window row `item.base` plus `steps(item)[0]`
+    blocks. Step i is global step `g = gstep + i` and uses ring slot
+    `g % NUM_STAGES`. For each operand `(src_ref, tail_ref, smem, loaded)` in turn
+    it waits for the compute warpgroups to release the slot (`freed[k]`, from the
+    ring's second lap on), then loads rows `[base + i * block, + block)` of one
+    head (`copy_rows_in`) and signals `loaded[slot]`.
     """
 
-    def step(i, carry):
-        g = gstep + i
-        slot = lax.rem(g, NUM_STAGES)
-        row = base + i * block
-        for (src_ref, tail_ref, smem, loaded), free in zip(operands, freed):
+    def stream(item: Item, gstep, n, end_row) -> None:
+        base = pl.multiple_of(item.base + steps(item)[0] * block, ROW_ALIGN)
 
-            @pl.when(g >= NUM_STAGES)
-            def _(free=free):
-                plgpu.barrier_wait(free.at[slot])
+        def step(i, carry):
+            g = gstep + i
+            slot = lax.rem(g, NUM_STAGES)
+            row = base + i * block
+            for (src_ref, tail_ref, smem, loaded), free in zip(operands, freed):
 
-            copy_rows_in(src_ref, tail_ref, row, block, head, end, smem.at[slot], loaded.at[slot])
-        return carry
+                @pl.when(g >= NUM_STAGES)
+                def _(free=free):
+                    plgpu.barrier_wait(free.at[slot])
 
-    lax.fori_loop(0, n, step, None)
+                copy_rows_in(src_ref, tail_ref, row, block, item.head, end_row, smem.at[slot], loaded.at[slot])
+            return carry
+
+        lax.fori_loop(0, n, step, None)
+
+    return stream
 
 
 def copy_vector_in(src_ref, head, start, size: int, dst, barrier) -> None:

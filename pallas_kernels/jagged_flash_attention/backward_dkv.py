@@ -78,7 +78,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
             _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
 
         def stream(item, gstep, n, end_row):
-            # Not `_mgpu.stream_blocks`: four operands share one slot release (`ring_free`), and lse
+            # Not `_mgpu.block_stream`: four operands share one slot release (`ring_free`), and lse
             # and delta are float32 vectors read at tile-space columns (`copy_vector_in`).
             first, _ = dkv_steps(item, causal, window)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import mgpu_common
@@ -29,7 +28,6 @@ from pallas_kernels.jagged_flash_attention.config import (
     BWD_BLOCK,
     NUM_COMPUTE_WGS,
     NUM_STAGES,
-    ROW_ALIGN,
     TILE_ROWS,
     WG_ROWS,
 )
@@ -79,12 +77,6 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
             _mgpu.copy_vector_in(lse_ref, item.head, col, WG_ROWS, lse_smem.at[w], lse_bar.at[w])
             _mgpu.copy_vector_in(delta_ref, item.head, col, WG_ROWS, delta_smem.at[w], delta_bar.at[w])
 
-        def stream(item, gstep, n, end_row):
-            kv = [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)]
-            first = dq_steps(item, causal, window)[0]
-            base = pl.multiple_of(item.base + first * BWD_BLOCK, ROW_ALIGN)
-            _mgpu.stream_blocks(n, gstep, base, BWD_BLOCK, item.head, end_row, kv, (k_free, v_free))
-
         def compute(share: _mgpu.Share):
             item, wg = share.item, share.wg
             ds_stage = None if stage is None else stage.at[wg]
@@ -125,7 +117,10 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
             _mgpu.Pass(
                 steps=lambda item: dq_steps(item, causal, window),
                 load_rows=load_rows,
-                stream=stream,
+                stream=_mgpu.block_stream(
+                    lambda item: dq_steps(item, causal, window), BWD_BLOCK,
+                    [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)], (k_free, v_free),
+                ),
                 item_ready=(q_bar, do_bar, lse_bar, delta_bar),
                 ring_ready=(k_bar, v_bar),
                 ring_free=(k_free, v_free),

@@ -39,7 +39,6 @@ from pallas_kernels.jagged_flash_attention.config import (
     FWD_BLOCK_KV,
     NUM_COMPUTE_WGS,
     NUM_STAGES,
-    ROW_ALIGN,
     TILE_ROWS,
     WG_ROWS,
 )
@@ -87,12 +86,6 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
         def load_rows(item, w, end_row):
             row = item.row0 + w * WG_ROWS
             _mgpu.copy_rows_in(q_ref, qt_ref, row, WG_ROWS, item.head, end_row, q_smem.at[w], q_bar.at[w])
-
-        def stream(item, gstep, n, end_row):
-            kv = [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)]
-            first = forward_steps(item, causal, window)[0]
-            base = pl.multiple_of(item.base + first * FWD_BLOCK_KV, ROW_ALIGN)
-            _mgpu.stream_blocks(n, gstep, base, FWD_BLOCK_KV, item.head, end_row, kv, (k_free, v_free))
 
         def compute(share: _mgpu.Share):
             item, wg = share.item, share.wg
@@ -154,7 +147,10 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
             _mgpu.Pass(
                 steps=lambda item: forward_steps(item, causal, window),
                 load_rows=load_rows,
-                stream=stream,
+                stream=_mgpu.block_stream(
+                    lambda item: forward_steps(item, causal, window), FWD_BLOCK_KV,
+                    [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)], (k_free, v_free),
+                ),
                 item_ready=(q_bar,),
                 ring_ready=(k_bar, v_bar),
                 ring_free=(k_free, v_free),
