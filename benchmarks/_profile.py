@@ -125,5 +125,7 @@ def format_breakdown(result: dict) -> str:
     lines = [f"device time {result['device_ms']:.2f} ms in {result['num_kernels']} kernels"]
     lines += [f"  {LABELS[g]:<22} {ms:9.2f} ms {100 * ms / total:5.1f}%" for g, ms in result["groups_ms"].items() if ms]
     lines.append("  longest kernels:")
-    lines += [f"    {k['ms']:9.3f} ms x{k['calls']:<4} {k['group']:<14} {k['name'][:100]}" for k in result["top_kernels"]]
+    for k in result["top_kernels"]:
+        lines.append(f"    {k['ms']:9.3f} ms x{k['calls']:<4} {k['group']:<14} {k['name'][:100]}")
+        lines += [f"{'':36}from {source}" for source in k.get("sources", [])[:2]]
     return "\n".join(lines)

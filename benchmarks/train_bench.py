@@ -23,8 +23,8 @@ the jnp reference for the GELU attention (`ModelConfig.attention_implementation=
 `speedup_vs_padded_peer` = the peer's median step time / this mode's, on as many devices.
 
 `--profile` adds the CUPTI kernel breakdown of one warm step (after the timed steps) to
-each run: milliseconds per kernel group and the 20 longest kernels
-(`benchmarks/_profile.py`). It needs a GPU; elsewhere the run says it was skipped.
+each run: milliseconds per kernel group and the 60 longest kernels (`benchmarks/_profile.py`),
+each fusion with the model lines it runs (`benchmarks/_hlo_sources.py`). It needs a GPU; elsewhere the run says it was skipped.
 
 Start-up: `time_to_first_step_s` (top level) runs from the process start to the end of
 the first run's first step; each run has `setup_to_first_step_s` (from building the job)
@@ -73,7 +73,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import _profile, _timing
+from benchmarks import _hlo_sources, _profile, _timing
 from benchmarks._fit_batch import MAX_TRIES, BatchFitError, StepOutOfMemory, failed_try, memory_before_step
 from gem_jax.device_memory import MEMORY_FRACTION_VARIABLES, claim_device_memory, is_out_of_memory
 from gem_jax.mesh import Topology
@@ -116,11 +116,12 @@ def topology_for(num_devices: int, experts_per_node: int) -> Topology:
     return Topology(zones=1, nodes_per_zone=1, gpus_per_node=num_devices, experts_per_node=slots)
 
 
-def profile_step(train_step, state, batch) -> tuple:
+def profile_step(train_step, state, batch, hlo_text: str) -> tuple:
     """One warm step under CUPTI: `(state, kernel breakdown)`.
 
-    The breakdown says why when it is skipped (no GPU, no CUPTI) or failed; the state is
-    then not to be used again (the step may have consumed it).
+    The longest fusion kernels name the source lines they run (`sources`, from the compiled
+    step's optimized HLO `hlo_text`). The breakdown says why when it is skipped (no GPU, no
+    CUPTI) or failed; the state is then not to be used again (the step may have consumed it).
     """
     kind = jax.devices()[0].platform
     if kind != "gpu":
@@ -134,6 +135,7 @@ def profile_step(train_step, state, batch) -> tuple:
     if not kernels:
         return state, {"skipped": "CUPTI reported no kernels (see the message above)"}
     result = _profile.breakdown(kernels, top=60)
+    result["top_kernels"] = _hlo_sources.attribute(result["top_kernels"], hlo_text)
     print(_profile.format_breakdown(result), flush=True)
     return state, result
 
@@ -200,7 +202,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         check_lookup_stats(fetched, setup.plan.tables, where="timed steps")
         breakdown = None
         if profile:
-            state, breakdown = profile_step(train_step, state, batches[steps % num_batches])
+            state, breakdown = profile_step(train_step, state, batches[steps % num_batches], compiled.as_text())
     except jax.errors.JaxRuntimeError as error:
         if not is_out_of_memory(error):
             raise
