@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import mgpu_common
-from pallas_kernels.jagged_flash_attention import _mgpu, schedule
+from pallas_kernels.jagged_flash_attention import _mgpu, schedule, walk
 from pallas_kernels.jagged_flash_attention.config import (
     BWD_BLOCK,
     NUM_COMPUTE_WGS,
@@ -78,7 +78,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
             _mgpu.copy_rows_in(v_ref, vt_ref, row, WG_ROWS, item.head, end_row, v_smem.at[w], v_bar.at[w])
 
         def stream(item, gstep, n, end_row):
-            # Not `_mgpu.block_stream`: four operands share one slot release (`ring_free`), and lse
+            # Not `walk.block_stream`: four operands share one slot release (`ring_free`), and lse
             # and delta are float32 vectors read at tile-space columns (`copy_vector_in`).
             first, _ = dkv_steps(item, causal, window)
 
@@ -101,7 +101,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
 
             lax.fori_loop(0, n, step, None)
 
-        def compute(share: _mgpu.Share):
+        def compute(share: walk.Share):
             item, wg = share.item, share.wg
             a_stage = None if stage is None else stage.at[wg]
 
@@ -136,14 +136,14 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
             head = share.n if window is not None else (2 if causal else (item.lo > 0).astype(jnp.int32))
             return share.run_steps(step, carry, head, 1)
 
-        def finish(share: _mgpu.Share, carry):
+        def finish(share: walk.Share, carry):
             dk, dv = carry
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
             share.store((dk * scale).astype(dtype), dk_staging, dk_ref)
             share.store(dv.astype(dtype), dv_staging, dv_ref)
 
-        _mgpu.run_pass(
-            _mgpu.Pass(
+        walk.run_pass(
+            walk.Pass(
                 steps=lambda item: dkv_steps(item, causal, window),
                 load_rows=load_rows,
                 stream=stream,
@@ -187,4 +187,4 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
     )
     out_type = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)
     operands = (plan.kv_table, plan.meta, q, k, v, dout, lse, delta, *tails)
-    return _mgpu.launch(kernel, scratch, (out_type, out_type), num_ctas, *operands)
+    return walk.launch(kernel, scratch, (out_type, out_type), num_ctas, *operands)

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import mgpu_common
-from pallas_kernels.jagged_flash_attention import _mgpu, schedule
+from pallas_kernels.jagged_flash_attention import _mgpu, schedule, walk
 from pallas_kernels.jagged_flash_attention.config import (
     BWD_BLOCK,
     NUM_COMPUTE_WGS,
@@ -77,7 +77,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
             _mgpu.copy_vector_in(lse_ref, item.head, col, WG_ROWS, lse_smem.at[w], lse_bar.at[w])
             _mgpu.copy_vector_in(delta_ref, item.head, col, WG_ROWS, delta_smem.at[w], delta_bar.at[w])
 
-        def compute(share: _mgpu.Share):
+        def compute(share: walk.Share):
             item, wg = share.item, share.wg
             ds_stage = None if stage is None else stage.at[wg]
             lse_i = _mgpu.load_row_vector(lse_smem.at[wg])
@@ -109,15 +109,15 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
             head_masked = share.n if window is not None else (item.lo > 0).astype(jnp.int32)
             return share.run_steps(step, dq, head_masked, 2 if causal else 1)
 
-        def finish(share: _mgpu.Share, dq):
+        def finish(share: walk.Share, dq):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging free again
             share.store((dq * scale).astype(dtype), staging, dq_ref)
 
-        _mgpu.run_pass(
-            _mgpu.Pass(
+        walk.run_pass(
+            walk.Pass(
                 steps=lambda item: dq_steps(item, causal, window),
                 load_rows=load_rows,
-                stream=_mgpu.block_stream(
+                stream=walk.block_stream(
                     lambda item: dq_steps(item, causal, window), BWD_BLOCK,
                     [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)], (k_free, v_free),
                 ),
@@ -161,4 +161,4 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
         ),
     )
     out_type = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)
-    return _mgpu.launch(kernel, scratch, out_type, num_ctas, plan.q_table, plan.meta, q, k, v, dout, lse, delta, *tails)
+    return walk.launch(kernel, scratch, out_type, num_ctas, plan.q_table, plan.meta, q, k, v, dout, lse, delta, *tails)

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import mgpu_common
-from pallas_kernels.jagged_flash_attention import _mgpu, schedule
+from pallas_kernels.jagged_flash_attention import _mgpu, schedule, walk
 from pallas_kernels.jagged_flash_attention.config import (
     FWD_BLOCK_KV,
     NUM_COMPUTE_WGS,
@@ -87,7 +87,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
             row = item.row0 + w * WG_ROWS
             _mgpu.copy_rows_in(q_ref, qt_ref, row, WG_ROWS, item.head, end_row, q_smem.at[w], q_bar.at[w])
 
-        def compute(share: _mgpu.Share):
+        def compute(share: walk.Share):
             item, wg = share.item, share.wg
             p_stage = None if stage is None else stage.at[wg]
 
@@ -126,7 +126,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
             head_masked = share.n if window is not None else (item.lo > 0).astype(jnp.int32)
             return share.run_steps(step, carry, head_masked, 1)
 
-        def finish(share: _mgpu.Share, carry):
+        def finish(share: walk.Share, carry):
             acc, m_i, l_i = carry
             item, wg = share.item, share.wg
             has_keys = l_i > 0
@@ -143,11 +143,11 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                     lse_smem.at[wg], lse_ref.at[item.head, pl.ds(item.canon * TILE_ROWS + wg * WG_ROWS, WG_ROWS)]
                 )
 
-        _mgpu.run_pass(
-            _mgpu.Pass(
+        walk.run_pass(
+            walk.Pass(
                 steps=lambda item: forward_steps(item, causal, window),
                 load_rows=load_rows,
-                stream=_mgpu.block_stream(
+                stream=walk.block_stream(
                     lambda item: forward_steps(item, causal, window), FWD_BLOCK_KV,
                     [(k_ref, kt_ref, k_smem, k_bar), (v_ref, vt_ref, v_smem, v_bar)], (k_free, v_free),
                 ),
@@ -183,5 +183,5 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
         jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype),
         jax.ShapeDtypeStruct((heads, slots * TILE_ROWS), jnp.float32),
     )
-    out, lse = _mgpu.launch(kernel, scratch, out_type, num_ctas, plan.q_table, plan.meta, q, k, v, *tails)
+    out, lse = walk.launch(kernel, scratch, out_type, num_ctas, plan.q_table, plan.meta, q, k, v, *tails)
     return out, (lse if save_lse else None)
