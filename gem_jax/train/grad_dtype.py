@@ -34,7 +34,7 @@ GRADIENT_DTYPES = ("float32", "bfloat16")
 
 # Primitives whose sub-jaxpr's inputs are the equation's inputs one for one: (param name, ...).
 _PASS_THROUGH = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-                 "shard_map": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}  # fmt: skip
+                 "shard_map": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}  # fmt: skip
 
 
 def _open(jaxpr):
@@ -64,7 +64,15 @@ def _sub_input(eqn, k: int) -> list | None:
             return None  # the branch index
         return [(_open(branch), k - 1) for branch in eqn.params["branches"]]
     if name == "scan":
-        first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+        if "num_consts" in eqn.params:
+            first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+        else:  # JAX 0.11: `ft_in`, a flat tree of one entry per input, grouped (consts, carries, xs)
+            try:
+                consts, carries, xs = eqn.params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+                first_xs = len(list(consts)) + len(list(carries))
+                assert len(list(xs)) == len(eqn.invars) - first_xs
+            except Exception:  # an unknown layout: keep float32 gradients
+                return None
         return [(_open(eqn.params["jaxpr"]), k)] if k >= first_xs else None  # consts and carries: accumulated
     return None
 
