@@ -136,11 +136,16 @@ def train(config_path: Path, overrides: list[str]) -> dict:
         if g.dtype == jnp.bfloat16 and not g.sharding.is_equivalent_to(p.sharding, p.ndim)
     ]
     dense = [(path, p) for path, p in jax.tree_util.tree_leaves_with_path(state.params) if "embedding" not in jax.tree_util.keystr(path)]
-    losses, norms = [], []
-    for batch in batches:
-        state, metrics = training.train_step(state, batch)
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
+    losses, norms, asked = [], [], []
+    mask = grad_dtype.MaskCache.mask
+    grad_dtype.MaskCache.mask = lambda self, *args: asked.append(args[0]) or mask(self, *args)  # the step takes the bf16 path
+    try:
+        for batch in batches:
+            state, metrics = training.train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+            norms.append(float(metrics["grad_norm"]))
+    finally:
+        grad_dtype.MaskCache.mask = mask
     return {
         "losses": losses,
         "norms": norms,
@@ -150,6 +155,7 @@ def train(config_path: Path, overrides: list[str]) -> dict:
         "dense_leaves": len(dense),
         "dense_bytes": sum(p.size * 4 for _, p in dense),
         "mismatched_shardings": mismatched,
+        "step_masks": len(asked),
     }
 
 
@@ -168,6 +174,7 @@ def test_bf16_gradients_train_bit_identically(repo_root, sparse):
     got = train(config, [*base, "optim.gradient_dtype=bfloat16"])
     # Every dense parameter is cast to bf16 on its shard (gem_jax.parallel.spmd.gather_param) and used only so.
     assert got["bf16_leaves"] == got["dense_leaves"] == 76
+    assert got["step_masks"] > 0 and want["step_masks"] == 0
     assert_identical(got, want)
 
 
@@ -182,6 +189,7 @@ def test_bf16_gradients_train_bit_identically_sharded(tmp_path):
     # The expert group's weights and the dense layers: every non-table parameter.
     assert report["got"]["bf16_leaves"] == report["got"]["dense_leaves"] > 0
     assert report["got"]["mismatched_shardings"] == []
+    assert report["got"]["step_masks"] > 0
     assert report["identical"], report
 
 
