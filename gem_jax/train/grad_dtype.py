@@ -15,11 +15,17 @@ input qualifies when it has exactly one use and that use is a
 corresponding input qualifies in the same way. Exactly one use, because a parameter cast
 twice gets the float32 sum of two widened gradients today, and a bfloat16 copy the
 bfloat16 sum: other roundings. Everything else keeps its float32 gradient: a parameter
-used in float32 anywhere (a norm's scale applied in float32, a bias added in float32, an
-FP8 kernel quantized from the master, an embedding table's gather), one passed in float32
+used in float32 anywhere (a norm's scale applied in float32, a bias added in float32, a
+kernel quantized to FP8 from its float32 master, an embedding table's gather), one passed in float32
 to a `custom_jvp`/`custom_vjp` function (its gradient is the custom rule's, which the
 jaxpr does not show), a `scan` constant or carry (their gradients are accumulated over
 the iterations in the parameter's dtype), and any other primitive.
+
+Under `ShardedModel` with a bfloat16 compute dtype, every dense parameter is cast on its
+shard before its all-gather (`gem_jax.parallel.spmd.gather_param`; FP8 kernels too, which
+are quantized from that bfloat16 copy), so every dense parameter qualifies and the tables
+do not: at `configs/gem_h200.py`, 111 of 118 leaves, 2.39 B parameters. Under a float32
+compute dtype none does.
 """
 
 from __future__ import annotations
