@@ -61,10 +61,6 @@ def _offsets() -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((len(OFFSETS),), jnp.int32)
 
 
-def _forward(op: Callable) -> Callable:
-    return op
-
-
 def _with_grads(op: Callable) -> Callable:
     """`(out, d out / d operands)` of `op(q, k, v, offsets...)` against a fixed cotangent."""
 
@@ -78,7 +74,7 @@ def _with_grads(op: Callable) -> Callable:
 def _jfa(d: int, *, dtype=jnp.bfloat16, grads: bool = True, **kwargs) -> tuple[Callable, tuple]:
     op = lambda q, k, v, o: jagged_flash_attention(q, k, v, o, max_seq_len=MAX_LEN, implementation="pallas", **kwargs)
     rows = jax.ShapeDtypeStruct((T, H, d), dtype)
-    return (_with_grads if grads else _forward)(op), (rows, rows, rows, _offsets())
+    return _with_grads(op) if grads else op, (rows, rows, rows, _offsets())
 
 
 def _gdpa(d: int, **kwargs) -> tuple[Callable, tuple]:

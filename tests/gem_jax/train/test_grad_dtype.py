@@ -194,8 +194,6 @@ def test_bf16_gradients_train_bit_identically_sharded(tmp_path):
 
 
 if __name__ == "__main__":
-    jax.config.update("jax_default_matmul_precision", "highest")
-    jax.config.update("jax_disable_most_optimizations", True)
     config = REPO / "configs" / "gem_sharded_tiny.py"
     want = train(config, ["optim.gradient_dtype=float32"])
     got = train(config, ["optim.gradient_dtype=bfloat16"])
