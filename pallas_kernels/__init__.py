@@ -3,7 +3,7 @@
 Standalone: this package never imports `gem_jax`.
 """
 
-from pallas_kernels._src.dispatch import Choice, Implementation, ImplementationUnavailableError
+from pallas_kernels._src.dispatch import Choice, Implementation, ImplementationUnavailableError, compiling_for
 from pallas_kernels.block_local_attention import block_local_attention
 from pallas_kernels.choice import describe_choice, implementations
 from pallas_kernels.gdpa import gdpa
@@ -13,6 +13,7 @@ from pallas_kernels.mxfp8 import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_ma
 __all__ = [
     "block_local_attention",
     "Choice",
+    "compiling_for",
     "Implementation",
     "ImplementationUnavailableError",
     "dequantize_mxfp8",

@@ -7,9 +7,11 @@ what a trainer logs at start-up is what the op runs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -90,9 +92,28 @@ def interpreting() -> bool:
     return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
+_TARGET: contextvars.ContextVar[jax.Device | None] = contextvars.ContextVar("pallas_kernels_target_device", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(device: jax.Device) -> Iterator[None]:
+    """Inside the block, ops decide for `device` (implementation, persistent grid sizes) instead of
+    `jax.devices()[0]`.
+
+    For compiling ahead of time for a device this process does not have, e.g. a compile-only
+    device of `jax.experimental.topologies.get_topology_desc` (`benchmarks/offline_compile.py`).
+    """
+    token = _TARGET.set(device)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def default_device() -> jax.Device:
-    """The device an op decides for when none is given: the first of `jax.devices()`."""
-    return jax.devices()[0]
+    """The device an op decides for when none is given: the `compiling_for` device inside that
+    block, else the first of `jax.devices()`."""
+    return _TARGET.get() or jax.devices()[0]
 
 
 def describe_device(device: jax.Device) -> str:

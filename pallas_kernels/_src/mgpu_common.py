@@ -14,6 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._src.dispatch import default_device
 from pallas_kernels._src.dispatch import interpreting  # noqa: F401  (the kernels read it from here)
 
 H100_H200_SM_COUNT = 132  # SMs of an H100 / H200 SXM: the persistent grid when the device does not say
@@ -22,8 +23,8 @@ ROW_ALIGN = 8  # TMA copies of swizzled SMEM tiles start at multiples of this ma
 
 
 def sm_count() -> int:
-    """SMs of the first device (the persistent kernels' grid size)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or H100_H200_SM_COUNT)
+    """SMs of the device ops decide for (`dispatch.default_device`): the persistent kernels' grid size."""
+    return int(getattr(default_device(), "core_count", 0) or H100_H200_SM_COUNT)
 
 
 def swizzled_smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:

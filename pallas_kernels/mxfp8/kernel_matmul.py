@@ -107,7 +107,7 @@ _CTA_M = _NUM_COMPUTE_WGS * _WG_M
 
 def _num_sms() -> int:
     """Persistent-grid size: the SM count on a GPU; a few simulated SMs in CPU interpret mode."""
-    return mgpu_common.sm_count() if jax.devices()[0].platform == "gpu" else 4
+    return mgpu_common.sm_count() if mgpu_common.default_device().platform == "gpu" else 4
 
 
 def scaled_matmul(

@@ -1,0 +1,136 @@
+"""benchmarks/offline_compile.py reads a GPU compile's kernels: launches from the thunk sequence, bytes and
+kinds from the optimized HLO, measured times joined from a profile, and what changed between two compiles."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels
+from pallas_kernels._src import dispatch
+
+# The shapes of XLA's text, cut down: an entry with a loop fusion, a deduplicated copy of it, a Triton
+# fusion and a cuBLAS GEMM, and the thunk sequence that runs it.
+HLO = """\
+HloModule jit_step, entry_computation_layout={(bf16[1024,512]{1,0}, bf16[512,256]{1,0})->f32[1024,256]{1,0}}
+
+%fused_add (param_0: bf16[1024,256], param_1: f32[256]) -> f32[1024,256] {
+  %param_0 = bf16[1024,256]{1,0} parameter(0)
+  ROOT %add = f32[1024,256]{1,0} add(%param_0, %param_0), metadata={op_name="jit(step)/add" stack_frame_id=1}
+}
+
+%fused_reduce (param_0.1: f32[1024,256]) -> (f32[1024], bf16[1024,256]) {
+  %param_0.1 = f32[1024,256]{1,0} parameter(0)
+  ROOT %tuple = (f32[1024]{0}, bf16[1024,256]{1,0}) tuple(%param_0.1, %param_0.1)
+}
+
+ENTRY %main (x.1: bf16[1024,512], w.1: bf16[512,256]) -> f32[1024,256] {
+  %x.1 = bf16[1024,512]{1,0} parameter(0)
+  %w.1 = bf16[512,256]{1,0} parameter(1)
+  %bias.1 = f32[256]{0} parameter(2)
+  %custom-call.1 = bf16[1024,256]{1,0} custom-call(%x.1, %w.1), custom_call_target="__cublas$lt$matmul", backend_config={"epilogue":"DEFAULT"}
+  %loop_add_fusion.3 = f32[1024,256]{1,0} fusion(%custom-call.1, /*index=1*/%bias.1), kind=kLoop, calls=%fused_add
+  %loop_add_fusion.4 = f32[1024,256]{1,0} fusion(%custom-call.1, %bias.1), kind=kLoop, calls=%fused_add, metadata={deduplicated_name="loop_add_fusion.3"}
+  %input_reduce_fusion = (f32[1024]{0}, bf16[1024,256]{1,0}) fusion(%loop_add_fusion.3), kind=kCustom, calls=%fused_reduce, backend_config={"fusion_backend_config":{"kind":"__triton","block_level_fusion_config":{}}}
+  ROOT %sort.1 = f32[1024,256]{1,0} sort(%loop_add_fusion.4), dimensions={1}
+}
+"""
+
+THUNKS = """\
+001: kCublasLtMatmul [source         | next=002 (1)   ] kCublasLtMatmul
+002: kCustomKernel   [prev=001 (1)   | next=003 (1)   ] loop_add_fusion_3 grid: [512, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+003: kCustomKernel   [prev=002 (1)   | next=004 (1)   ] loop_add_fusion_3 grid: [512, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+004: kCustomKernel   [prev=003 (1)   | sink           ] input_reduce_fusion grid: [1024, 1, 1] threads: [256, 1, 1]  shared_memory: 0 bytes
+005: kCustomCall     [prev=004 (1)   | sink           ] kCustomCall
+"""
+
+MIB = 1 << 20
+ADD_BYTES = MIB // 2 + 1024 + MIB  # bf16 [1024,256] and f32 [256] in, f32 [1024,256] out
+REDUCE_BYTES = MIB + 4096 + MIB // 2  # f32 [1024,256] in; f32 [1024] and bf16 [1024,256] out
+
+
+@pytest.fixture
+def offline(repo_root, monkeypatch):
+    monkeypatch.syspath_prepend(str(repo_root))  # it imports its siblings as `benchmarks.<name>`
+    from benchmarks import offline_compile
+
+    return offline_compile
+
+
+def test_launches_count_every_kernel_launch_and_its_grid(offline):
+    kinds, kernels = offline.launches(THUNKS)
+    assert kinds == {"kCublasLtMatmul": 1, "kCustomKernel": 3, "kCustomCall": 1}
+    assert kernels == {
+        "loop_add_fusion_3": {"launches": 2, "grid": [512, 1, 1], "threads": [128, 1, 1]},
+        "input_reduce_fusion": {"launches": 1, "grid": [1024, 1, 1], "threads": [256, 1, 1]},
+    }
+
+
+def test_fusion_bytes_kinds_and_gemm_types_are_read_from_the_hlo(offline):
+    types, fusions = offline.instructions(HLO)
+    assert types["custom-call.1"] == "bf16[1024,256]"
+    assert fusions["loop_add_fusion_3"] == {"kind": "kLoop", "result": "f32[1024,256]", "bytes": ADD_BYTES}
+    assert fusions["input_reduce_fusion"] == {"kind": "__triton", "result": "(f32[1024], bf16[1024,256])", "bytes": REDUCE_BYTES}
+    assert offline.gemms(HLO, types) == {"bf16 x bf16 -> bf16": 1}
+
+
+def test_kernel_table_orders_kernels_by_bytes_moved_and_joins_a_profile(offline):
+    table = offline.kernel_table(HLO, THUNKS)
+    assert table["sorts"] == 1
+    assert table["fusion_bytes"] == 2 * ADD_BYTES + REDUCE_BYTES
+    assert [k["name"] for k in table["kernels"]] == ["loop_add_fusion_3", "input_reduce_fusion"]
+    profile = {"git_commit": "abc", "runs": [{"profile": {"top_kernels": [
+        {"name": "loop_add_fusion_3", "calls": 2, "ms": 0.002},
+        {"name": "input_reduce_fusion", "calls": 1, "ms": 0.004},
+        {"name": "nvjet_sm90_tst_128x128", "calls": 1, "ms": 1.0},
+    ]}}]}
+    joined = offline.join_profile(table["kernels"], profile)
+    add, reduce = table["kernels"]
+    assert add["tb_per_s"] == pytest.approx(2 * ADD_BYTES / 2e-6 / 1e12)
+    assert reduce["tb_per_s"] == pytest.approx(REDUCE_BYTES / 4e-6 / 1e12)
+    assert joined == {"matched": 2, "median_tb_per_s": pytest.approx((add["tb_per_s"] + reduce["tb_per_s"]) / 2), "measured_ms": pytest.approx(0.006), "profile_commit": "abc"}
+
+
+def test_compare_predicts_the_step_change_from_the_fusion_bytes_that_went(offline):
+    old = {**offline.kernel_table(HLO, THUNKS), "memory": {"peak": 10_000}, "profile": {"median_tb_per_s": 2.0}}
+    fewer = THUNKS.replace("003: kCustomKernel   [prev=002 (1)   | next=004 (1)   ] loop_add_fusion_3", "003: kCopy   [prev=002 (1)   | next=004 (1)   ] kCopy")
+    new = {**offline.kernel_table(HLO, fewer), "memory": {"peak": 9_000}}
+    change = offline.compare(new, old)
+    assert change["fusion_bytes_change"] == -ADD_BYTES
+    assert change["predicted_ms_change"] == pytest.approx(-ADD_BYTES / 2e12 * 1e3)
+    assert change["launches_change"] == {"kCublasLtMatmul": 0, "kCustomKernel": -1, "kCustomCall": 0, "kCopy": 1}
+    assert change["peak_memory_change"] == -1_000
+    assert [c["name"] for c in change["largest_changes"]] == ["loop_add_fusion_3"]
+
+
+def test_ops_decide_for_the_compiling_for_device_inside_the_block():
+    class Hopper:
+        platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
+
+    assert dispatch.default_device() is jax.devices()[0]
+    with pallas_kernels.compiling_for(Hopper()):
+        assert dispatch.default_device().device_kind == "NVIDIA H200"
+        assert dispatch.is_hopper_gpu()
+        from pallas_kernels._src import mgpu_common
+
+        assert mgpu_common.sm_count() == 132
+    assert dispatch.default_device() is jax.devices()[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None, reason="the CUDA PJRT plugin is not installed")
+def test_a_program_compiles_for_the_h200_without_one(offline, tmp_path):
+    device = offline.h200_device()
+    assert (device.platform, device.device_kind, device.core_count) == ("gpu", "NVIDIA H200", 132)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=sharding)
+    compiled = jax.jit(lambda a, b: (a @ b.T + 1.0).astype(jnp.bfloat16)).lower(x, x).compile(
+        compiler_options={"xla_dump_to": str(tmp_path), "xla_gpu_enable_triton_gemm": False}  # as scripts/xla_flags.py sets it
+    )
+    (thunks,) = tmp_path.glob("*thunk_sequence.txt")
+    table = offline.kernel_table(compiled.as_text(), thunks.read_text())
+    assert table["gemms"] == {"bf16 x bf16 -> bf16": 1}
+    assert table["thunks"] == {"kCublasLtMatmul": 1, "kCustomKernel": 1}
+    (add,) = table["kernels"]  # the + 1 and the cast after the GEMM: one pass, bf16 [4096, 4096] in and out
+    assert (add["kind"], add["launches"], add["bytes"]) == ("kLoop", 1, 2 * 4096 * 4096 * 2)
+    assert add["grid"][0] * add["threads"][0] * 4 == 4096 * 4096  # four elements a thread (vectorised)
