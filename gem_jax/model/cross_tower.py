@@ -23,7 +23,7 @@ from flax.nnx.nn.dtypes import promote_dtype
 import pallas_kernels
 from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
-from gem_jax.nn.layers import dense, norm_dense, rms_norm
+from gem_jax.nn.layers import dense, gelu, norm_dense, rms_norm
 from gem_jax.nn.experts import expert_parallel
 
 MLP_EXPERTS = 4  # MLP experts per DHEN layer; expert parallelism needs experts_per_node to divide it
@@ -122,7 +122,7 @@ class MLPExperts(nnx.Module):
         x, up, up_bias, down, down_bias = promote_dtype(
             (x, self.up_kernel[...], self.up_bias[...], self.down_kernel[...], self.down_bias[...]), dtype=self.dtype
         )
-        hidden = jax.nn.gelu(jnp.einsum("bw,kwh->kbh", x, up) + up_bias[:, None, :])
+        hidden = gelu(jnp.einsum("bw,kwh->kbh", x, up) + up_bias[:, None, :])
         return jnp.einsum("kbh,khw->bw", hidden, down) + down_bias.sum(0)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -133,6 +133,18 @@ def norm_dense(norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *
     return dense_fp8_input(layer, norm(x)) if fp8_saved_input else layer(norm(x))
 
 
+def gelu(x: jax.Array) -> jax.Array:
+    """`jax.nn.gelu` (the tanh approximation, Hendrycks & Gimpel 2016), the same values and gradients,
+    with a backward that recomputes the tanh from `x` instead of keeping it.
+
+    Differentiated as written, the tanh is a residual: the forward writes it beside the output
+    and the backward reads it beside `x` and the cotangent, one extra tensor of `x`'s size each
+    way (at `configs/gem_h200.py` 1.4 GB per sequence layer, `benchmarks/step.md`). Under
+    `jax.checkpoint` the only residual is `x`, which the backward reads anyway.
+    """
+    return jax.checkpoint(jax.nn.gelu)(x)
+
+
 class MLP(nnx.Module):
     """`Linear -> GELU -> Linear` with logical axes (`embed` -> `mlp` -> `embed`).
 
@@ -172,7 +184,7 @@ class MLP(nnx.Module):
             h = dense_fp8_input(self.up, x) if saved else self.up(x)
         if isinstance(self.down, Fp8Linear):
             return self.down(h, gelu=True)
-        return gelu_dense_fp8_input(self.down, h) if saved else self.down(jax.nn.gelu(h))
+        return gelu_dense_fp8_input(self.down, h) if saved else self.down(gelu(h))
 
 
 class RopeTable(NamedTuple):

@@ -13,7 +13,8 @@ from gem_jax.batch import Batch, HistoryField, random_batch
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import Fp8Region, ModelConfig, describe_attention
 from gem_jax.model.gem import GEMModel
-from gem_jax.nn.layers import EmbeddingTable, apply_rope, rope_table
+from gem_jax.nn.layers import EmbeddingTable, apply_rope, gelu, rope_table
+from jax._src.ad_checkpoint import saved_residuals
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.train.config_tree import ConfigError, apply_overrides
 from gem_jax.train.state import check_exchange_dtypes
@@ -92,6 +93,21 @@ def test_gradients_finite_and_history_item_gets_gradient(split_model):
     assert np.abs(item_grad[used]).sum() > 0
     unused = np.setdiff1d(np.arange(1, SPEC.num_items), np.concatenate([used, np.asarray(batch.candidate_item)]))
     assert np.abs(item_grad[unused]).sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gelu_is_jax_gelu_bit_for_bit_and_keeps_only_its_input(dtype):
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(scale=3.0, size=(64, 96)), dtype)
+    dy = jnp.asarray(rng.normal(size=(64, 96)), dtype)
+    ours = jax.jit(lambda x: jax.vjp(gelu, x)[1](dy)[0])
+    theirs = jax.jit(lambda x: jax.vjp(jax.nn.gelu, x)[1](dy)[0])
+    np.testing.assert_array_equal(np.asarray(jax.jit(gelu)(x), np.float32), np.asarray(jax.jit(jax.nn.gelu)(x), np.float32))
+    np.testing.assert_array_equal(np.asarray(ours(x), np.float32), np.asarray(theirs(x), np.float32))
+    # the backward's only residual is x itself (jax.nn.gelu also keeps its tanh, and more)
+    kept = [aval for aval, _ in saved_residuals(lambda x: jnp.sum(gelu(x)), x)]
+    assert [(a.shape, a.dtype) for a in kept] == [(x.shape, x.dtype)]
+    assert len(saved_residuals(lambda x: jnp.sum(jax.nn.gelu(x)), x)) > 1
 
 
 def test_rope_preserves_norm_and_relative_positions():
