@@ -25,8 +25,9 @@ compiled memory (80.7 GB against 80.8 GB peak).
 the bandwidth its bytes imply, so a kernel far below the H200's 4.8 TB/s stands out, and the
 model lines of each. `--compare` prints what changed against another run of this script (a
 variant's `--set`, another tree, other XLA options): fusion launches, bytes, memory, and a
-predicted change of the step: the fusion bytes that went or came at the bandwidth the measured
-fusions reach (`--profile`'s median), with the GEMMs and kernels unchanged.
+predicted change of the step: the bytes that went or came (fusions', and the GEMMs' outputs: an
+epilogue that takes over a fusion writes more) at the bandwidth the measured fusions reach
+(`--profile`'s median), with the GEMMs' own time and the kernels unchanged.
 
 Needs the CUDA PJRT plugin of the installed jax, not its CUDA libraries: `pip install -e
 '.[offline-compile]'` (`jax-cuda13-plugin` without its `with-cuda` extra). On a machine without a
@@ -162,17 +163,23 @@ def instructions(hlo_text: str) -> tuple[dict[str, str], dict[str, dict]]:
     return types, table
 
 
-def gemms(hlo_text: str, types: dict[str, str]) -> collections.Counter:
-    """cuBLAS GEMMs by `"<lhs> x <rhs> -> <result>"` element types."""
+def gemms(hlo_text: str, types: dict[str, str]) -> tuple[collections.Counter, int]:
+    """`(cuBLAS GEMMs by "<lhs> x <rhs> -> <result>" element types, the bytes they write)`.
+
+    The bytes are every GEMM's outputs once (an epilogue's extra output, e.g. GELU_AUX's
+    pre-activation, included; the s8 workspace not).
+    """
     counts: collections.Counter = collections.Counter()
+    written = 0
     for line in hlo_text.splitlines():
         if "custom-call(" not in line or "cublas" not in line or not (match := _INSTRUCTION.match(line)):
             continue
         operands = [o.strip().lstrip("%") for o in match.group(4).split(")", 1)[0].split(",")][:2]
         dtypes = [(_ARRAY_DTYPE.findall(types.get(o, "?[")) or ["?"])[0] for o in operands]
-        result = _ARRAY_DTYPE.findall(types[match.group(1)])[0]
-        counts[f"{' x '.join(dtypes)} -> {result}"] += 1
-    return counts
+        result = types[match.group(1)]
+        counts[f"{' x '.join(dtypes)} -> {_ARRAY_DTYPE.findall(result)[0]}"] += 1
+        written += _bytes(re.sub(r"s8\[[\d,]*\]", "", result))
+    return counts, written
 
 
 def kernel_table(hlo_text: str, thunk_text: str) -> dict:
@@ -189,9 +196,11 @@ def kernel_table(hlo_text: str, thunk_text: str) -> dict:
             continue
         kernels.append({"name": name, **launch, **fusion, "sources": sources.get(name, [])})
     kernels.sort(key=lambda k: -k.get("bytes", 0) * k["launches"])
+    gemm_types, gemm_bytes = gemms(hlo_text, types)
     return {
         "thunks": dict(kinds),
-        "gemms": dict(gemms(hlo_text, types)),
+        "gemms": dict(gemm_types),
+        "gemm_output_bytes": gemm_bytes,
         "sorts": sum(1 for line in hlo_text.splitlines() if " sort(" in line),
         "fusion_bytes": sum(k.get("bytes", 0) * k["launches"] for k in kernels),
         "kernels": kernels,
@@ -227,7 +236,7 @@ def compare(new: dict, old: dict) -> dict:
         return {k["name"]: k for k in result["kernels"]}
 
     rate = (old.get("profile") or {}).get("median_tb_per_s") or H200_BANDWIDTH / 1e12
-    delta = new["fusion_bytes"] - old["fusion_bytes"]
+    delta = new["fusion_bytes"] - old["fusion_bytes"] + new["gemm_output_bytes"] - old["gemm_output_bytes"]
     old_kernels, new_kernels = by_name(old), by_name(new)
     changed = []
     for name in sorted(set(old_kernels) | set(new_kernels)):
@@ -237,7 +246,8 @@ def compare(new: dict, old: dict) -> dict:
             changed.append({"name": name, "bytes_before": before, "bytes_after": after, "sources": (b or a).get("sources", [])[:1]})
     changed.sort(key=lambda c: -abs(c["bytes_after"] - c["bytes_before"]))
     return {
-        "fusion_bytes_change": delta,
+        "fusion_bytes_change": new["fusion_bytes"] - old["fusion_bytes"],
+        "gemm_output_bytes_change": new["gemm_output_bytes"] - old["gemm_output_bytes"],
         "predicted_ms_change": delta / (rate * 1e12) * 1e3,
         "at_tb_per_s": rate,
         "launches_change": {kind: new["thunks"].get(kind, 0) - old["thunks"].get(kind, 0) for kind in set(new["thunks"]) | set(old["thunks"])},
@@ -309,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         change = result["compare"]
         print(
             f"against {args.compare}: fusion bytes {change['fusion_bytes_change'] / 1e9:+.2f} GB, "
+            f"GEMM outputs {change['gemm_output_bytes_change'] / 1e9:+.2f} GB, "
             f"predicted {change['predicted_ms_change']:+.2f} ms at {change['at_tb_per_s']:.2f} TB/s; "
             f"launches {change['launches_change']}; peak memory {change['peak_memory_change'] / 1e9:+.2f} GB"
         )

@@ -72,12 +72,12 @@ def test_fusion_bytes_kinds_and_gemm_types_are_read_from_the_hlo(offline):
     assert types["custom-call.1"] == "bf16[1024,256]"
     assert fusions["loop_add_fusion_3"] == {"kind": "kLoop", "result": "f32[1024,256]", "bytes": ADD_BYTES}
     assert fusions["input_reduce_fusion"] == {"kind": "__triton", "result": "(f32[1024], bf16[1024,256])", "bytes": REDUCE_BYTES}
-    assert offline.gemms(HLO, types) == {"bf16 x bf16 -> bf16": 1}
+    assert offline.gemms(HLO, types) == ({"bf16 x bf16 -> bf16": 1}, MIB // 2)
 
 
 def test_kernel_table_orders_kernels_by_bytes_moved_and_joins_a_profile(offline):
     table = offline.kernel_table(HLO, THUNKS)
-    assert table["sorts"] == 1
+    assert (table["sorts"], table["gemm_output_bytes"]) == (1, MIB // 2)
     assert table["fusion_bytes"] == 2 * ADD_BYTES + REDUCE_BYTES
     assert [k["name"] for k in table["kernels"]] == ["loop_add_fusion_3", "input_reduce_fusion"]
     profile = {"git_commit": "abc", "runs": [{"profile": {"top_kernels": [
@@ -96,9 +96,10 @@ def test_compare_predicts_the_step_change_from_the_fusion_bytes_that_went(offlin
     old = {**offline.kernel_table(HLO, THUNKS), "memory": {"peak": 10_000}, "profile": {"median_tb_per_s": 2.0}}
     fewer = THUNKS.replace("003: kCustomKernel   [prev=002 (1)   | next=004 (1)   ] loop_add_fusion_3", "003: kCopy   [prev=002 (1)   | next=004 (1)   ] kCopy")
     new = {**offline.kernel_table(HLO, fewer), "memory": {"peak": 9_000}}
+    new["gemm_output_bytes"] += MIB  # e.g. an epilogue that took the fusion over writes a second output
     change = offline.compare(new, old)
-    assert change["fusion_bytes_change"] == -ADD_BYTES
-    assert change["predicted_ms_change"] == pytest.approx(-ADD_BYTES / 2e12 * 1e3)
+    assert (change["fusion_bytes_change"], change["gemm_output_bytes_change"]) == (-ADD_BYTES, MIB)
+    assert change["predicted_ms_change"] == pytest.approx((MIB - ADD_BYTES) / 2e12 * 1e3)
     assert change["launches_change"] == {"kCublasLtMatmul": 0, "kCustomKernel": -1, "kCustomCall": 0, "kCopy": 1}
     assert change["peak_memory_change"] == -1_000
     assert [c["name"] for c in change["largest_changes"]] == ["loop_add_fusion_3"]
@@ -129,7 +130,7 @@ def test_a_program_compiles_for_the_h200_without_one(offline, tmp_path):
     )
     (thunks,) = tmp_path.glob("*thunk_sequence.txt")
     table = offline.kernel_table(compiled.as_text(), thunks.read_text())
-    assert table["gemms"] == {"bf16 x bf16 -> bf16": 1}
+    assert (table["gemms"], table["gemm_output_bytes"]) == ({"bf16 x bf16 -> bf16": 1}, 4096 * 4096 * 2)
     assert table["thunks"] == {"kCublasLtMatmul": 1, "kCustomKernel": 1}
     (add,) = table["kernels"]  # the + 1 and the cast after the GEMM: one pass, bf16 [4096, 4096] in and out
     assert (add["kind"], add["launches"], add["bytes"]) == ("kLoop", 1, 2 * 4096 * 4096 * 2)
