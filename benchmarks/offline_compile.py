@@ -23,7 +23,7 @@ compiled memory (80.7 GB against 80.8 GB peak).
 
 `--profile` joins a `train_bench.py --profile` result: each measured fusion's milliseconds and
 the bandwidth its bytes imply, so a kernel far below the H200's 4.8 TB/s stands out, and the
-model lines of each. `--compare` prints what changed against another run of this script (a
+measured time summed by the model line each kernel mostly runs. `--compare` prints what changed against another run of this script (a
 variant's `--set`, another tree, other XLA options): fusion launches, bytes, memory, and a
 predicted change of the step: the bytes that went or came (fusions', and the GEMMs' outputs: an
 epilogue that takes over a fusion writes more) at the bandwidth the measured fusions reach
@@ -36,7 +36,7 @@ GPU, jax then still runs on the CPU.
     PYTHONPATH=. python3 benchmarks/offline_compile.py --config configs/gem_h200.py \\
         --profile benchmarks/results/step_h200_gem_h200_682d161.json --out offline.json
     PYTHONPATH=. python3 benchmarks/offline_compile.py --config configs/gem_h200.py \\
-        --set optim.gradient_dtype=bfloat16 --compare offline.json
+        --set optim.moments_dtype=bfloat16 --compare offline.json
 """
 
 from __future__ import annotations
@@ -230,6 +230,23 @@ def join_profile(kernels: list[dict], profile: dict) -> dict:
     }
 
 
+def by_source(kernels: list[dict]) -> list[dict]:
+    """The measured fusion kernels (`join_profile`'s) summed by the source line most of their
+    instructions come from (their first `sources` entry, without its count): `{"source", "ms",
+    "bytes", "launches", "kernels"}`, longest first."""
+    groups: dict[str, dict] = {}
+    for kernel in kernels:
+        if "ms" not in kernel:
+            continue
+        source = re.sub(r" x\d+$", "", (kernel.get("sources") or ["?"])[0])
+        group = groups.setdefault(source, {"source": source, "ms": 0.0, "bytes": 0, "launches": 0, "kernels": []})
+        group["ms"] += kernel["ms"]
+        group["bytes"] += kernel["bytes"] * kernel["launches"]
+        group["launches"] += kernel["launches"]
+        group["kernels"].append(kernel["name"])
+    return sorted(groups.values(), key=lambda g: -g["ms"])
+
+
 def compare(new: dict, old: dict) -> dict:
     """What changed from `old` to `new` (two results of this script), with a predicted step change."""
     def by_name(result):
@@ -269,6 +286,10 @@ def _report(result: dict) -> str:
         measured = f" {k['ms']:6.2f} ms {k['tb_per_s']:4.2f} TB/s" if "ms" in k else ""
         source = (k.get("sources") or ["?"])[0]
         lines.append(f"  {k['name'][:36]:36s} x{k['launches']:<3d} {k.get('bytes', 0) / gb:6.2f} GB{measured}  {source}")
+    if "profile" in result:
+        lines.append(f"  measured fusions by source line ({result['profile']['matched']} kernels, {result['profile']['measured_ms']:.1f} ms):")
+        for g in result["profile"]["by_source"][:12]:
+            lines.append(f"    {g['ms']:6.2f} ms {g['bytes'] / gb:6.2f} GB x{g['launches']:<3d} {g['source']}")
     return "\n".join(lines)
 
 
@@ -313,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.profile:
         result["profile"] = join_profile(result["kernels"], json.loads(Path(args.profile).read_text()))
+        result["profile"]["by_source"] = by_source(result["kernels"])
     print(_report(result), flush=True)
     if args.compare:
         result["compare"] = {"against": args.compare, **compare(result, json.loads(Path(args.compare).read_text()))}

@@ -26,11 +26,6 @@ what is kept between steps is rounded:
   value unbiased, so the decay happens on average (Gupta et al., 2015, "Deep Learning
   with Limited Numerical Precision"; Zamirai et al., 2020, "Revisiting BFloat16
   Training", which shows the same rounding-away of small updates for bf16 weights).
-
-The dense group's gradients may arrive in bfloat16 (`OptimConfig.gradient_dtype`,
-`gem_jax.train.grad_dtype`): the chain widens them to float32 first (`float32_gradients`),
-so the clip's global norm, the moments and the update are computed as from float32
-gradients of the same values.
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ import optax
 from gem_jax.checks import check_bool, check_float, check_int
 from gem_jax.nn.layers import EMBEDDING_PARAM
 from gem_jax.pytree import path_keys
-from gem_jax.train.grad_dtype import GRADIENT_DTYPES, widen
 
 
 MOMENTS_DTYPES = ("float32", "bfloat16")
@@ -92,19 +86,6 @@ class OptimConfig:
         `embedding_learning_rate / sqrt(0.1)` times the gradient (plain SGD), and from 0
         about `embedding_learning_rate` in each coordinate, whatever the gradient's scale
         (`benchmarks/quality.md`).
-      gradient_dtype: "float32" (the default) or "bfloat16": the dtype the step keeps the
-        gradient of each dense parameter that the loss uses only through one cast to
-        bfloat16 (a layer computing in bfloat16 from its float32 master: every dense
-        parameter under `model.compute_dtype="bfloat16"`, which casts them on their shard).
-        Which parameters qualify is read off the loss's jaxpr (`gem_jax.train.grad_dtype`);
-        the others (embedding tables, anything used in float32, a parameter cast twice)
-        keep float32 gradients. Such a gradient is today the exact float32 widening of a
-        bfloat16 product, so the optimizer, widening it on read, computes the same updates
-        bit for bit, and the gradient can be written and read in 2 bytes an element instead
-        of 4 (the clip's norm and AdamW's read) where the float32 step materialises the
-        widened copy (`benchmarks/step.md`: predicted -3 to -5 ms at `configs/gem_h200.py`,
-        not measured yet). Nothing changes under a float32 compute
-        dtype (no parameter qualifies), nor in the optimizer state's structure.
     """
 
     learning_rate: float = 2e-3
@@ -117,7 +98,6 @@ class OptimConfig:
     moments_dtype: str = "float32"
     embedding_accumulator: str = "row"
     embedding_initial_accumulator: float = ADAGRAD_INITIAL_ACCUMULATOR
-    gradient_dtype: str = "float32"
 
     def __post_init__(self):
         check_float(self, "learning_rate", positive=True)
@@ -130,8 +110,6 @@ class OptimConfig:
         check_float(self, "embedding_initial_accumulator", minimum=0.0)
         if self.moments_dtype not in MOMENTS_DTYPES:
             raise ValueError(f"OptimConfig.moments_dtype must be one of {MOMENTS_DTYPES}, got {self.moments_dtype!r}")
-        if self.gradient_dtype not in GRADIENT_DTYPES:
-            raise ValueError(f"OptimConfig.gradient_dtype must be one of {GRADIENT_DTYPES}, got {self.gradient_dtype!r}")
         if self.embedding_accumulator not in EMBEDDING_ACCUMULATORS:
             raise ValueError(
                 f"OptimConfig.embedding_accumulator must be one of {EMBEDDING_ACCUMULATORS}, got {self.embedding_accumulator!r}"
@@ -168,30 +146,14 @@ def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
         ]
     if config.grad_clip_norm:
         dense.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
-    dense = optax.chain(*dense)
-    if config.gradient_dtype == "bfloat16":
-        dense = float32_gradients(dense)
     if config.embedding_accumulator == "row":
         embedding = rowwise_adagrad(config.embedding_learning_rate, config.embedding_initial_accumulator)
     else:
         embedding = optax.adagrad(config.embedding_learning_rate, config.embedding_initial_accumulator, ADAGRAD_EPS)
     return optax.multi_transform(
-        {ParamGroup.DENSE: dense, ParamGroup.EMBEDDING: embedding},
+        {ParamGroup.DENSE: optax.chain(*dense), ParamGroup.EMBEDDING: embedding},
         lambda params: jax.tree_util.tree_map_with_path(lambda path, _: param_group(path), params),
     )
-
-
-def float32_gradients(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`inner` fed every bfloat16 gradient widened to float32 (exact; XLA fuses it into `inner`'s reads).
-
-    A wrapper rather than a link of a chain, so the state is `inner`'s own: checkpoints
-    do not depend on `OptimConfig.gradient_dtype`.
-    """
-
-    def update(updates, state, params=None):
-        return inner.update(widen(updates), state, params)
-
-    return optax.GradientTransformation(inner.init, update)
 
 
 class ScaleByRowRssState(NamedTuple):

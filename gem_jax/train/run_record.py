@@ -43,9 +43,6 @@ MAY_CHANGE = (
     # What the backward recomputes instead of keeping: the same values (up to the rounding of
     # the recomputation), so a run stopped for memory may resume under another budget.
     "model.remat",
-    # Which dtype the gradients of parameters used only through one bf16 cast are kept in: the
-    # same values either way (`gem_jax.train.grad_dtype`), and the same optimizer state.
-    "optim.gradient_dtype",
 )
 
 # Record leaves added after runs were recorded: a record without the leaf reads as the value

@@ -182,13 +182,7 @@ def setup_training(
         state=setup,
         placement=placement,
         workload=workload,
-        train_step=make_train_step(
-            setup,
-            optimizer,
-            placement,
-            sparse_embedding_updates=config.optim.sparse_embedding_updates,
-            gradient_dtype=config.optim.gradient_dtype,
-        ),
+        train_step=make_train_step(setup, optimizer, placement, sparse_embedding_updates=config.optim.sparse_embedding_updates),
         eval_step=make_eval_step(setup, placement),
         remat_plan=plan,
     )

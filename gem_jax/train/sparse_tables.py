@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import optax
 
 from gem_jax.batch import Batch
-from gem_jax.train import grad_dtype
 from gem_jax.nn.layers import EMBEDDING_PARAM
 from gem_jax.parallel.spmd import ShardedModel
 from gem_jax.pytree import mirrored_params, path_keys, path_str
@@ -103,16 +102,13 @@ def row_wise_tables(params: dict, lookup_ids: dict[str, list]) -> dict[int, str]
     return tables
 
 
-def sparse_value_and_grad(model: ShardedModel, params: dict, batch: Batch, bf16_masks: grad_dtype.MaskCache | None = None):
+def sparse_value_and_grad(model: ShardedModel, params: dict, batch: Batch):
     """The loss and its gradients, row-wise for the unsharded tables that qualify (`row_wise_tables`).
 
     Args:
       model: the sharded model (`StateSetup.sharded_model()`).
       params: the parameter tree, as `TrainState.params`.
       batch: a stacked per-device batch (`BatchPlacement.put`).
-      bf16_masks: None: float32 gradients. Else the dense parameters the loss uses only
-        through one cast to bfloat16 (`gem_jax.train.grad_dtype`, decisions cached here)
-        get bfloat16 gradients, the same values unwidened.
 
     Returns:
       `((loss, (bce [K], stats)), SparseGrads)`, loss and metrics as `ShardedModel.loss`.
@@ -128,9 +124,6 @@ def sparse_value_and_grad(model: ShardedModel, params: dict, batch: Batch, bf16_
         loss, (bce, stats, _, ids) = model.loss_with_rows(full, batch, deltas)
         return loss, (bce, stats, ids)
 
-    if bf16_masks is not None:
-        mask = bf16_masks.mask("sparse", lambda dense: loss_fn(dense, deltas)[0], dense)
-        dense = grad_dtype.to_bf16(dense, mask)
     (loss, (bce, stats, ids)), (dense_grads, delta_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(dense, deltas)
     grads, rows = dict(dense_grads), {}
     for i, name in tables.items():

@@ -10,15 +10,12 @@ import optax
 
 from gem_jax.batch import Batch
 from gem_jax.parallel.placement import BatchPlacement
-from gem_jax.train import grad_dtype, metrics, sparse_tables
+from gem_jax.train import metrics, sparse_tables
 from gem_jax.train.state import StateSetup, TrainState
 
 
 def make_train_step(
-    setup: StateSetup, optimizer: optax.GradientTransformation, placement: BatchPlacement,
-    *,
-    sparse_embedding_updates: bool = True,
-    gradient_dtype: str = "float32",
+    setup: StateSetup, optimizer: optax.GradientTransformation, placement: BatchPlacement, *, sparse_embedding_updates: bool = True
 ) -> Callable:
     """`train_step(state, batch) -> (state, metrics)`, jitted with donation of `state`.
 
@@ -32,27 +29,16 @@ def make_train_step(
     With `sparse_embedding_updates`, unsharded tables are updated row by row
     (`gem_jax.train.sparse_tables`: the same update, without a dense table gradient);
     `optimizer` must then be row-wise on the tables (`gem_jax.train.optimizer`'s is).
-
-    With `gradient_dtype="bfloat16"` (`OptimConfig.gradient_dtype`), the dense parameters
-    the loss uses only through one cast to bfloat16 are differentiated as bfloat16 copies
-    (`gem_jax.train.grad_dtype`): their gradients stay bfloat16 up to `optimizer`, which
-    must widen them (`make_optimizer` does); `grad_norm` is computed in float32.
     """
-    if gradient_dtype not in grad_dtype.GRADIENT_DTYPES:
-        raise ValueError(f"gradient_dtype must be one of {grad_dtype.GRADIENT_DTYPES}, got {gradient_dtype!r}")
     model = setup.sharded_model()
-    masks = grad_dtype.MaskCache() if gradient_dtype == "bfloat16" else None
 
     def train_step(state: TrainState, batch: Batch):
         if sparse_embedding_updates:
-            (loss, (bce, stats)), sparse = sparse_tables.sparse_value_and_grad(model, state.params, batch, masks)
+            (loss, (bce, stats)), sparse = sparse_tables.sparse_value_and_grad(model, state.params, batch)
             params, opt_state = sparse_tables.apply_sparse_updates(optimizer, sparse, state.params, state.opt_state)
             grads = sparse.grads
         else:
-            wrt = state.params
-            if masks is not None:
-                wrt = grad_dtype.to_bf16(wrt, masks.mask("dense", lambda p: model.loss(p, batch)[0], wrt))
-            (loss, (bce, stats, _)), grads = jax.value_and_grad(model.loss, has_aux=True)(wrt, batch)
+            (loss, (bce, stats, _)), grads = jax.value_and_grad(model.loss, has_aux=True)(state.params, batch)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         labels, weights = batch.labels.reshape(-1, batch.labels.shape[-1]), batch.weights.reshape(-1)
@@ -61,7 +47,7 @@ def make_train_step(
             "loss": loss,
             "bce": bce,
             "ne": metrics.normalized_entropy(bce, base_rate),
-            "grad_norm": optax.tree.norm(grad_dtype.widen(grads)),
+            "grad_norm": optax.tree.norm(grads),
             **stats,
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), out

@@ -89,6 +89,10 @@ def test_kernel_table_orders_kernels_by_bytes_moved_and_joins_a_profile(offline)
     add, reduce = table["kernels"]
     assert add["tb_per_s"] == pytest.approx(2 * ADD_BYTES / 2e-6 / 1e12)
     assert reduce["tb_per_s"] == pytest.approx(REDUCE_BYTES / 4e-6 / 1e12)
+    groups = offline.by_source(table["kernels"])  # no source locations in this text: one group, "?"
+    assert [(g["ms"], g["bytes"], g["launches"], g["kernels"]) for g in groups] == [
+        (pytest.approx(0.006), 2 * ADD_BYTES + REDUCE_BYTES, 3, ["loop_add_fusion_3", "input_reduce_fusion"])
+    ]
     assert joined == {"matched": 2, "median_tb_per_s": pytest.approx((add["tb_per_s"] + reduce["tb_per_s"]) / 2), "measured_ms": pytest.approx(0.006), "profile_commit": "abc"}
 
 
