@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
-from pallas_kernels import block_local_attention, gdpa, jagged_flash_attention
-from pallas_kernels._src import dispatch, mgpu_common
-from pallas_kernels.mxfp8 import kernel_matmul, mxfp8_matmul
+from pallas_kernels import block_local_attention, compiling_for, gdpa, jagged_flash_attention
+from pallas_kernels._src import mgpu_common
+from pallas_kernels.mxfp8 import mxfp8_matmul
 
 T, H = 640, 2  # packed rows and heads of every case
 OFFSETS = (0, 1, 200, 200, 457, 600)  # a length-1, a zero-length and non-multiple-of-block sequences
@@ -121,6 +121,12 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
 }
 
 
+class _H200:
+    """What the ops read of the device they decide for (`pallas_kernels.compiling_for`): a Hopper GPU of 132 SMs."""
+
+    platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", mgpu_common.H100_H200_SM_COUNT
+
+
 @contextlib.contextmanager
 def _capturing_kernels() -> Iterator[list[str]]:
     """Collects the text of each Mosaic GPU module lowered inside the block, without debug info or dump name.
@@ -137,20 +143,12 @@ def _capturing_kernels() -> Iterator[list[str]]:
             texts.append(DUMP_NAME.sub("", module.operation.get_asm(enable_debug_info=False)))
         return serialise(module, serialize=serialize, **kwargs)
 
-    patches = [
-        (mosaic_gpu_core, "_run_serde_pass", reading),
-        (dispatch, "is_hopper_gpu", lambda device=None: True),
-        (mgpu_common, "sm_count", lambda: mgpu_common.H100_H200_SM_COUNT),
-        (kernel_matmul, "_num_sms", lambda: mgpu_common.H100_H200_SM_COUNT),
-    ]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    for module, name, value in patches:
-        setattr(module, name, value)
+    mosaic_gpu_core._run_serde_pass = reading
     try:
-        yield texts
+        with compiling_for(_H200()):
+            yield texts
     finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
+        mosaic_gpu_core._run_serde_pass = serialise
 
 
 def _digest(text: str) -> str:
