@@ -8,10 +8,11 @@ at 1536 the DHEN grows 2.25x and the tables 1.5x:
 - parameters: 33.8 GB of float32 (8.45B), the optimizer state 21.5 GB with bfloat16 AdamW
   moments (`optim.moments_dtype`, set here) and row-wise Adagrad tables: 55.3 GB of
   arguments, one checkpoint copy (`gem-train --dry-run` on the CPU, from the state's shapes);
-- peak device memory, estimated from configs/gem_h200.py's measured 89.7 GB (45.1 GB of
-  arguments, benchmarks/memory.md): ~22 GB of dense float32 gradients plus ~52 GB of
-  activations (1.5x d = 1024's) on top of the arguments, about 129 GB of the H200's 141 GB,
-  without remat (as configs/gem_h200.py). Not yet measured on the GPU; if it does not fit,
+- peak device memory, from XLA's own H200 compile of the step on a CPU machine
+  (`benchmarks/offline_compile.py`, 2026-12-05, 9aedc53's model: the GELU recomputed in the
+  backward): 116.4 GB (55.3 GB of arguments, 61.1 GB of temporaries) in bf16, and the same
+  with FP8 including the DHEN region, of the 129 GB jax takes of the H200 (90%), without remat
+  (as configs/gem_h200.py). Not yet measured on the GPU; if it does not fit,
   `--set model.remat.budget_gb=...` lets the remat planner choose what to recompute (its
   estimate needs the Pallas kernels: on a CPU it prices the padded reference attention).
 
