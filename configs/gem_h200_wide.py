@@ -9,7 +9,7 @@ at 1536 the DHEN grows 2.25x and the tables 1.5x:
   moments (`optim.moments_dtype`, set here) and row-wise Adagrad tables: 55.3 GB of
   arguments, one checkpoint copy (`gem-train --dry-run` on the CPU, from the state's shapes);
 - peak device memory, from XLA's own H200 compile of the step on a CPU machine
-  (`benchmarks/offline_compile.py`, 2026-12-05, at 0ba1665: the GELU recomputed in the
+  (`benchmarks/offline_compile.py`, 2026-12-05, at 9aedc53: the GELU recomputed in the
   backward): 116.4 GB (55.3 GB of arguments, 61.1 GB of temporaries) in bf16, and the same
   with FP8 including the DHEN region, of the 129 GB jax takes of the H200 (90%), without remat
   (as configs/gem_h200.py). Not yet measured on the GPU; if it does not fit,
