@@ -57,6 +57,12 @@ RECORDED_BEFORE_FIELD = {
     "spec.history_item_features": False,
 }
 
+# Config leaves that no longer exist, dropped from a record on reading (`read_record`): each
+# changed neither the values a run computed nor its state, so a run recorded with it restarts
+# and loads as the one without it. `optim.gradient_dtype`: which dtype the gradients of
+# parameters used only through one bf16 cast were kept in (XLA's GPU compile is the same either way).
+REMOVED_FIELDS = ("config.optim.gradient_dtype",)
+
 
 class RunMismatchError(ValueError):
     """A restart whose config or data set differs from the run recorded in its workdir."""
@@ -116,7 +122,8 @@ def read_record(workdir: str | Path) -> dict[str, Any] | None:
     """The workdir's run record, or None when it has none.
 
     A config leaf of `RECORDED_BEFORE_FIELD` the record lacks (it was written before the
-    leaf existed) is filled in with the value that run used.
+    leaf existed) is filled in with the value that run used; a leaf of `REMOVED_FIELDS` is
+    dropped.
 
     Raises:
       RunMismatchError: `run.json` exists but is not a readable record (path named).
@@ -131,13 +138,23 @@ def read_record(workdir: str | Path) -> dict[str, Any] | None:
     if not isinstance(record, dict) or "config" not in record:
         raise RunMismatchError(f"{path}: not a gem-jax run record; move the workdir aside or use --force-new")
     for dotted, value in RECORDED_BEFORE_FIELD.items():
-        *parents, name = dotted.split(".")
-        tree = record
-        for key in parents:
-            tree = tree.get(key) if isinstance(tree, dict) else None
-        if isinstance(tree, dict) and not legacy_runs.is_legacy_spec(tree):  # a spec of None or the legacy layout stays as recorded
+        tree, name = _parent(record, dotted)
+        if tree is not None and not legacy_runs.is_legacy_spec(tree):  # a spec of None or the legacy layout stays as recorded
             tree.setdefault(name, value)
+    for dotted in REMOVED_FIELDS:
+        tree, name = _parent(record, dotted)
+        if tree is not None:
+            tree.pop(name, None)
     return record
+
+
+def _parent(record: dict, dotted: str) -> tuple[dict | None, str]:
+    """`(the dict holding leaf "a.b.c" of record, "c")`; None when a level is missing or not a dict."""
+    *parents, name = dotted.split(".")
+    tree = record
+    for key in parents:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return (tree if isinstance(tree, dict) else None), name
 
 
 def mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -165,6 +166,22 @@ def test_a_record_written_before_history_item_features_reads_as_without(tmp_path
     assert run_record.mismatches(record, new) == []
     new["config"]["data"]["history_item_features"] = new["spec"]["history_item_features"] = True
     assert {field for field, _, _ in run_record.mismatches(record, new)} == {"config.data.history_item_features", "spec.history_item_features"}
+
+
+@pytest.mark.parametrize("value", ["float32", "bfloat16"])
+def test_a_run_recorded_with_a_removed_option_restarts_and_loads(finished_run, tiny_config, tmp_path, value):
+    """`optim.gradient_dtype` (recorded by earlier versions, either value) is dropped on reading:
+    the same config restarts without a mismatch, and load_params reads the run."""
+    workdir = tmp_path / "run"
+    shutil.copytree(finished_run[0], workdir)
+    record = json.loads((workdir / run_record.RUN_FILE).read_text())
+    record["config"]["optim"]["gradient_dtype"] = value
+    (workdir / run_record.RUN_FILE).write_text(json.dumps(record))
+    read = run_record.read_record(workdir)
+    assert "gradient_dtype" not in read["config"]["optim"]
+    now = run_record.make_record(tiny_config, read["data"], None)
+    assert [row for row in run_record.mismatches(read, now) if row[0].startswith("config.")] == []
+    assert load_params(workdir).step == finished_run[1]["step"]
 
 
 def test_a_restart_notes_each_change_of_code_or_devices_once(tmp_path):
