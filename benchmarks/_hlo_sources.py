@@ -45,14 +45,15 @@ def _tables(lines: list[str]) -> dict[str, dict[int, str]]:
 
 def _frame_sources(tables: dict[str, dict[int, str]], root: str) -> dict[int, str]:
     """`{stack frame id: "path:line (function)"}` of the innermost frame inside `root` (path relative
-    to it), or of the innermost frame when none of the stack is inside `root`."""
+    to it), or of the innermost frame when none of the stack is inside `root`. Installed packages
+    (a `site-packages` folder, e.g. a virtual environment inside `root`) are not inside it."""
     files = {i: name.strip('"') for i, name in tables.get("FileNames", {}).items()}
     functions = {i: name.strip('"') for i, name in tables.get("FunctionNames", {}).items()}
     locations, inside = {}, set()
     for i, row in tables.get("FileLocations", {}).items():
         fields = dict((k, int(v)) for k, v in _FIELDS.findall(row))
         path = files.get(fields.get("file_name_id"), "?")
-        if path.startswith(root + os.sep):
+        if path.startswith(root + os.sep) and f"{os.sep}site-packages{os.sep}" not in path:
             path = path[len(root) + 1 :]
             inside.add(i)
         locations[i] = f"{path}:{fields.get('line', 0)} ({functions.get(fields.get('function_name_id'), '?')})"

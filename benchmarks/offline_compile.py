@@ -8,7 +8,8 @@ cuBLAS GEMM rewriting, scheduling, buffer assignment, thunk emission. The step i
 own (`gem_jax.train.setup.setup_training`, abstract state, the benchmark's first batch); inside
 `pallas_kernels.compiling_for` the ops choose and size their Mosaic GPU kernels for that device.
 
-The result is the step's kernel list as the GPU runs it (XLA's thunk sequence: every launch, in
+It compiles with the XLA flags a training run sets (`scripts/xla_flags.py`), plus any `--xla`
+options. The result is the step's kernel list as the GPU runs it (XLA's thunk sequence: every launch, in
 order), and for each fusion kernel its launches, the bytes its operands and result take per
 launch (an upper bound on its HBM traffic where a fusion reads only part of an operand: slices,
 in-place scatters), its launch grid and the model lines it runs (`benchmarks/_hlo_sources.py`);
@@ -21,17 +22,21 @@ instead of CUB (XLA says so in a warning: the deviceless CUB scratch sizes are m
 with the same launch counts as the CUPTI profile of `train_bench.py --profile`, and the same
 compiled memory (80.7 GB against 80.8 GB peak).
 
-`--profile` joins a `train_bench.py --profile` result: each measured fusion's milliseconds and
-the bandwidth its bytes imply, so a kernel far below the H200's 4.8 TB/s stands out, and the
-measured time summed by the model line each kernel mostly runs. `--compare` prints what changed against another run of this script (a
-variant's `--set`, another tree, other XLA options): fusion launches, bytes, memory, and a
-predicted change of the step: the bytes that went or came (fusions', and the GEMMs' outputs: an
-epilogue that takes over a fusion writes more) at the bandwidth the measured fusions reach
-(`--profile`'s median), with the GEMMs' own time and the kernels unchanged.
+`--profile` joins a `train_bench.py --profile` result of the same config (the program it
+measured: a kernel joins by name and launch count): each measured fusion's milliseconds and the
+bandwidth its bytes imply, so a kernel far below the H200's 4.8 TB/s stands out, and the measured
+time summed by the model line each kernel mostly runs. `--compare` prints what changed against
+another run of this script (a variant's `--set`, another tree, other `--xla` options): fusion
+launches, bytes, memory, and a predicted change of the step: the bytes that went or came
+(fusions', and the GEMMs' outputs: an epilogue that takes over a fusion writes more) at the
+bandwidth the measured fusions reach (the compared run's `--profile` median, else the target's
+peak), with the GEMMs' own time and the kernels unchanged.
 
 Needs the CUDA PJRT plugin of the installed jax, not its CUDA libraries: `pip install -e
 '.[offline-compile]'` (`jax-cuda13-plugin` without its `with-cuda` extra). On a machine without a
-GPU, jax then still runs on the CPU.
+GPU, jax then still runs on the CPU. A missing plugin, a config of more than one device, an
+--xla option XLA does not know and an input file of the wrong kind are refused (exit 2) before
+or instead of compiling.
 
     PYTHONPATH=. python3 benchmarks/offline_compile.py --config configs/gem_h200.py \\
         --profile benchmarks/results/step_h200_gem_h200_682d161.json --out offline.json
@@ -43,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
 import json
 import os
@@ -58,11 +62,24 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the plugin's CU
 
 import jax  # noqa: E402
 
-from benchmarks import _hlo_sources  # noqa: E402
-from benchmarks._lowered import _bytes  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
+
+def _sibling(name: str):
+    """`benchmarks/<name>.py` of this script's own checkout, whatever checkout `PYTHONPATH` puts
+    first (the model compiled may be another tree's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"offline_compile_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_hlo_sources = _sibling("_hlo_sources")
+_bytes = _sibling("_lowered")._bytes
 TARGET = Path(__file__).with_name("h200_target.txtpb")
-H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
+BANDWIDTH = float(re.search(r"memory_bandwidth: (\d+)", TARGET.read_text()).group(1))  # bytes/s, the target's HBM peak
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
 _KIND = re.compile(r"kind=(k\w+)")
@@ -73,6 +90,38 @@ _ARRAY_DTYPE = re.compile(r"([a-z][a-z0-9]*)\[")
 
 class PluginMissing(RuntimeError):
     """The CUDA PJRT plugin that compiles for a GPU without one is not installed."""
+
+
+class BadInput(ValueError):
+    """An argument or input file this script cannot use (what and where named)."""
+
+
+def option_value(text: str) -> bool | int | float | str:
+    """An XLA flag's value as a compile option wants it: `true`/`false` as bools, numbers as numbers."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def project_xla_options() -> dict[str, bool | int | float | str]:
+    """`scripts/xla_flags.py`'s flags (those a training run sets) as compile options: `{name: value}`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("xla_flags", REPO / "scripts" / "xla_flags.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name: option_value(value) for name, value in (flag.removeprefix("--").split("=", 1) for flag in module.XLA_FLAGS)}
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction, from the text after its opcode's `(`."""
+    names = (re.sub(r"^/\*index=\d+\*/", "", o.strip()).lstrip("%") for o in rest.split(")", 1)[0].split(","))
+    return [name for name in names if name]
 
 
 def h200_device() -> jax.Device:
@@ -142,19 +191,17 @@ def instructions(hlo_text: str) -> tuple[dict[str, str], dict[str, dict]]:
     A fusion's `bytes` are its result's and its operands' (an instruction's type without layout).
     """
     types: dict[str, str] = {}
-    fusions: dict[str, tuple[str, str, list[str], str]] = {}
+    fusions: dict[str, tuple[str, str, list[str]]] = {}
     for line in hlo_text.splitlines():
         if not (match := _INSTRUCTION.match(line)):
             continue
         name, result, op, rest = match.groups()
         types[name] = re.sub(r"\{[^}]*\}", "", result)
         if op == "fusion":
-            operands = [o.strip().lstrip("%") for o in rest.split(")", 1)[0].split(",") if o.strip()]
-            operands = [re.sub(r"^/\*index=\d+\*/", "", o).lstrip("%") for o in operands]
             kind = _BACKEND_KIND.search(line) if "kind=kCustom" in line else None
-            fusions[name] = (kind.group(1) if kind else _KIND.search(line).group(1), types[name], operands, line)
+            fusions[name] = (kind.group(1) if kind else _KIND.search(line).group(1), types[name], _operands(rest))
     table = {}
-    for name, (kind, result, operands, _) in fusions.items():
+    for name, (kind, result, operands) in fusions.items():
         table[_hlo_sources.kernel_name(name)] = {
             "kind": kind,
             "result": result,
@@ -174,20 +221,20 @@ def gemms(hlo_text: str, types: dict[str, str]) -> tuple[collections.Counter, in
     for line in hlo_text.splitlines():
         if "custom-call(" not in line or "cublas" not in line or not (match := _INSTRUCTION.match(line)):
             continue
-        operands = [o.strip().lstrip("%") for o in match.group(4).split(")", 1)[0].split(",")][:2]
-        dtypes = [(_ARRAY_DTYPE.findall(types.get(o, "?[")) or ["?"])[0] for o in operands]
+        dtypes = [(_ARRAY_DTYPE.findall(types.get(o, "?[")) or ["?"])[0] for o in _operands(match.group(4))[:2]]
         result = types[match.group(1)]
         counts[f"{' x '.join(dtypes)} -> {_ARRAY_DTYPE.findall(result)[0]}"] += 1
         written += _bytes(re.sub(r"s8\[[\d,]*\]", "", result))
     return counts, written
 
 
-def kernel_table(hlo_text: str, thunk_text: str) -> dict:
+def kernel_table(hlo_text: str, thunk_text: str, root: str | Path = REPO) -> dict:
     """The step as the GPU runs it: launches by kind, GEMM types, sorts, and every fusion kernel
-    (`launches`, `grid`, `threads`, `kind`, `result`, `bytes` per launch, `sources`), most bytes first."""
+    (`launches`, `grid`, `threads`, `kind`, `result`, `bytes` per launch, `sources`: paths relative
+    to `root`, the checkout whose model was compiled), most bytes first."""
     kinds, launched = launches(thunk_text)
     types, fusions = instructions(hlo_text)
-    sources = _hlo_sources.kernel_sources(hlo_text)
+    sources = _hlo_sources.kernel_sources(hlo_text, root=str(root))
     kernels = []
     for name, launch in launched.items():
         fusion = fusions.get(name)
@@ -209,24 +256,38 @@ def kernel_table(hlo_text: str, thunk_text: str) -> dict:
 
 def join_profile(kernels: list[dict], profile: dict) -> dict:
     """Adds each measured fusion's `ms` (all its launches) and implied `tb_per_s` from a
-    `train_bench.py --profile` result; returns `{"matched", "median_tb_per_s", "measured_ms"}`."""
-    run = profile["runs"][0]
-    measured = {k["name"]: k for k in run["profile"]["top_kernels"]}
-    rates, total = [], 0.0
+    `train_bench.py --profile` result of the same program.
+
+    A kernel joins by name only with the same launch count (XLA numbers fusions per program:
+    the same name in another program can be another fusion); one whose implied bandwidth is
+    above the target's peak has fewer bytes than its operands' (a slice, an in-place update) and
+    is marked `bytes_overcounted`, out of the median.
+
+    Returns:
+      `{"matched", "median_tb_per_s" (of the kernels not overcounted), "measured_ms" (matched),
+      "profile_commit", "unmatched" (names measured here with another launch count)}`.
+    """
+    measured = {k["name"]: k for k in profile["runs"][0]["profile"]["top_kernels"]}
+    rates, total, unmatched = [], 0.0, []
     for kernel in kernels:
         if (m := measured.get(kernel["name"])) is None or "bytes" not in kernel:
             continue
         if m["calls"] != kernel["launches"]:
-            kernel["measured_launches"] = m["calls"]
+            unmatched.append(kernel["name"])
+            continue
         kernel["ms"] = m["ms"]
         kernel["tb_per_s"] = kernel["bytes"] * m["calls"] / (m["ms"] * 1e-3) / 1e12
-        rates.append(kernel["tb_per_s"])
         total += m["ms"]
+        if kernel["tb_per_s"] * 1e12 > BANDWIDTH:
+            kernel["bytes_overcounted"] = True
+        else:
+            rates.append(kernel["tb_per_s"])
     return {
-        "matched": len(rates),
+        "matched": sum(1 for k in kernels if "ms" in k),
         "median_tb_per_s": statistics.median(rates) if rates else None,
         "measured_ms": total,
         "profile_commit": profile.get("git_commit"),
+        "unmatched": unmatched,
     }
 
 
@@ -252,7 +313,7 @@ def compare(new: dict, old: dict) -> dict:
     def by_name(result):
         return {k["name"]: k for k in result["kernels"]}
 
-    rate = (old.get("profile") or {}).get("median_tb_per_s") or H200_BANDWIDTH / 1e12
+    rate = (old.get("profile") or {}).get("median_tb_per_s") or BANDWIDTH / 1e12
     delta = new["fusion_bytes"] - old["fusion_bytes"] + new["gemm_output_bytes"] - old["gemm_output_bytes"]
     old_kernels, new_kernels = by_name(old), by_name(new)
     changed = []
@@ -280,10 +341,13 @@ def _report(result: dict) -> str:
         f"{result['config']} {' '.join(result['overrides'])}: capacity {result['capacity']}, lower {result['lower_s']:.1f} s, compile {result['compile_s']:.1f} s",
         f"  memory: arguments {result['memory']['argument'] / gb:.1f} GB, temporaries {result['memory']['temp'] / gb:.1f} GB, peak {result['memory']['peak'] / gb:.1f} GB",
         f"  launches: {result['thunks']}; GEMMs: {result['gemms']}; sorts: {result['sorts']}",
-        f"  fusion bytes: {result['fusion_bytes'] / gb:.1f} GB a step ({result['fusion_bytes'] / H200_BANDWIDTH * 1e3:.1f} ms at 4.8 TB/s)",
+        f"  fusion bytes (operands and results: an upper bound on their traffic): {result['fusion_bytes'] / gb:.1f} GB a step "
+        f"({result['fusion_bytes'] / BANDWIDTH * 1e3:.1f} ms at {BANDWIDTH / 1e12:.1f} TB/s); GEMM outputs {result['gemm_output_bytes'] / gb:.1f} GB",
+        "  kernel                              launches  GB a launch  [measured ms, implied TB/s]  source line",
     ]
     for k in result["kernels"][:25]:
-        measured = f" {k['ms']:6.2f} ms {k['tb_per_s']:4.2f} TB/s" if "ms" in k else ""
+        over = " (bytes overcounted)" if k.get("bytes_overcounted") else ""
+        measured = f" {k['ms']:6.2f} ms {k['tb_per_s']:4.2f} TB/s{over}" if "ms" in k else ""
         source = (k.get("sources") or ["?"])[0]
         lines.append(f"  {k['name'][:36]:36s} x{k['launches']:<3d} {k.get('bytes', 0) / gb:6.2f} GB{measured}  {source}")
     if "profile" in result:
@@ -293,32 +357,84 @@ def _report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _read_json(path: str, what: str, keys: tuple[str, ...]) -> dict:
+    """A JSON input, checked to hold `keys` (a dotted key names a nested one).
+
+    Raises:
+      BadInput: the file is missing, not JSON, or lacks a key (all named).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise BadInput(f"{what} {path}: {error}") from error
+    for key in keys:
+        node = data
+        for part in key.split("."):
+            if isinstance(node, list) and part.isdigit():
+                node = node[int(part)] if int(part) < len(node) else None
+            else:
+                node = node.get(part) if isinstance(node, dict) else None
+        if node is None:
+            raise BadInput(f"{what} {path} has no {key!r}: not a {'train_bench.py --profile result' if what == '--profile' else 'result of this script'} (or one written before the field existed: re-run it)")
+    return data
+
+
+def _inputs(args) -> tuple[dict, dict | None, dict | None]:
+    """`(extra XLA options, --profile JSON, --compare JSON)`, read and checked before anything compiles.
+
+    Raises:
+      BadInput: an --xla option not KEY=VALUE, a JSON input that is not what it should be, or a
+        profile of another config or overrides than this compile's.
+    """
+    bad = [option for option in args.xla if "=" not in option or not option.split("=", 1)[0]]
+    if bad:
+        raise BadInput(f"--xla takes KEY=VALUE options (e.g. xla_gpu_enable_triton_gemm=false), got {bad}")
+    profile = compared = None
+    if args.profile:
+        profile = _read_json(args.profile, "--profile", ("runs.0.profile.top_kernels", "config"))
+        if (Path(profile["config"]).name, profile.get("overrides") or []) != (Path(args.config).name, args.overrides):
+            raise BadInput(
+                f"--profile {args.profile} measured {profile['config']} {profile.get('overrides') or []}, this compile is "
+                f"{args.config} {args.overrides}: kernel names are only comparable within one program"
+            )
+    if args.compare:
+        compared = _read_json(args.compare, "--compare", ("kernels", "thunks", "fusion_bytes", "gemm_output_bytes", "memory.peak"))
+    return {name: option_value(value) for name, value in (option.split("=", 1) for option in args.xla)}, profile, compared
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/gem_h200.py")
     parser.add_argument("--set", nargs="*", default=[], dest="overrides", help="config overrides (gem_jax.train.config_tree)")
-    parser.add_argument("--xla", nargs="*", default=[], help="extra XLA options for this compile, KEY=VALUE (e.g. xla_gpu_enable_triton_gemm=false)")
-    parser.add_argument("--profile", help="a train_bench.py --profile result to join (measured ms per fusion kernel)")
+    parser.add_argument("--xla", nargs="*", default=[], help="XLA options on top of scripts/xla_flags.py's, KEY=VALUE")
+    parser.add_argument("--profile", help="a train_bench.py --profile result of the same config: measured ms per fusion kernel")
     parser.add_argument("--compare", help="another result of this script: print and record what changed")
     parser.add_argument("--dump", help="keep XLA's dumps here (default: a temporary folder)")
     parser.add_argument("--out", help="write the result JSON here")
     args = parser.parse_args(argv)
 
-    from gem_jax.mesh import Topology
+    import gem_jax
     from gem_jax.train import config_tree
     from gem_jax.train.config import load_config
     from gem_jax.train.run_record import code_version
 
     try:
+        extra, profile, compared = _inputs(args)
+        config = config_tree.apply_overrides(load_config(args.config), args.overrides)
+        if config.topology.num_devices != 1:
+            raise BadInput(f"{args.config} runs on {config.topology.num_devices} devices; this compiles one GPU's step: give a one-device config")
         device = h200_device()
-    except PluginMissing as exc:
-        print(exc, file=sys.stderr)
+        xla_options = {**project_xla_options(), **extra}
+        with tempfile.TemporaryDirectory() as scratch:
+            compiled = compile_step(config, device, args.dump or scratch, xla_options)
+    except (PluginMissing, BadInput) as error:
+        print(error, file=sys.stderr)
         return 2
-    config = config_tree.apply_overrides(load_config(args.config), args.overrides)
-    config = dataclasses.replace(config, topology=Topology())  # one GPU
-    xla_options = dict(option.split("=", 1) for option in args.xla)
-    with tempfile.TemporaryDirectory() as scratch:
-        compiled = compile_step(config, device, args.dump or scratch, xla_options)
+    except jax.errors.JaxRuntimeError as error:
+        if "No such compile option" not in str(error):
+            raise
+        print(f"--xla: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
     result = {
         "benchmark": "offline_compile",
         "date": datetime.date.today().isoformat(),
@@ -327,18 +443,19 @@ def main(argv: list[str] | None = None) -> int:
         "code": code_version(),
         "config": args.config,
         "overrides": args.overrides,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "xla_options": xla_options,
         **{key: compiled[key] for key in ("capacity", "lower_s", "compile_s", "memory")},
-        **kernel_table(compiled["hlo"], compiled["thunks"]),
+        **kernel_table(compiled["hlo"], compiled["thunks"], root=Path(gem_jax.__file__).resolve().parents[1]),
     }
-    if args.profile:
-        result["profile"] = join_profile(result["kernels"], json.loads(Path(args.profile).read_text()))
+    if profile is not None:
+        result["profile"] = join_profile(result["kernels"], profile)
         result["profile"]["by_source"] = by_source(result["kernels"])
     print(_report(result), flush=True)
-    if args.compare:
-        result["compare"] = {"against": args.compare, **compare(result, json.loads(Path(args.compare).read_text()))}
+    if compared is not None:
+        result["compare"] = {"against": args.compare, **compare(result, compared)}
         change = result["compare"]
+        if compared.get("xla_options") != xla_options:
+            print(f"note: {args.compare} was compiled with other XLA options: {compared.get('xla_options')}")
         print(
             f"against {args.compare}: fusion bytes {change['fusion_bytes_change'] / 1e9:+.2f} GB, "
             f"GEMM outputs {change['gemm_output_bytes_change'] / 1e9:+.2f} GB, "

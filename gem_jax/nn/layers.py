@@ -134,13 +134,17 @@ def norm_dense(norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *
 
 
 def gelu(x: jax.Array) -> jax.Array:
-    """`jax.nn.gelu` (the tanh approximation, Hendrycks & Gimpel 2016), the same values and gradients,
-    with a backward that recomputes the tanh from `x` instead of keeping it.
+    """`jax.nn.gelu` (the tanh approximation, Hendrycks & Gimpel 2016) whose backward recomputes the
+    tanh from `x` instead of keeping it: any shape and float dtype in, the same shape and dtype out.
 
     Differentiated as written, the tanh is a residual: the forward writes it beside the output
     and the backward reads it beside `x` and the cotangent, one extra tensor of `x`'s size each
-    way (at `configs/gem_h200.py` 1.4 GB per sequence layer, `benchmarks/step.md`). Under
-    `jax.checkpoint` the only residual is `x`, which the backward reads anyway.
+    way (at `configs/gem_h200.py` a `[166528, 4096]` bf16 tensor, 1.4 GB, per sequence layer).
+    Under `jax.checkpoint` the only residual is `x`, which the backward reads anyway; the
+    forward is then a plain GELU after its GEMM, which XLA's GPU compiler moves into the
+    cuBLAS epilogue (`benchmarks/step.md`, "Reading the step without a GPU"). The same values
+    and gradients as `jax.nn.gelu` bit for bit on the CPU; on the GPU the epilogue computes
+    the GELU from the GEMM's float32 accumulator instead of its bf16-rounded output.
     """
     return jax.checkpoint(jax.nn.gelu)(x)
 

@@ -5,8 +5,9 @@
 elementwise and layout operations into their consumers and recomputes them inside the
 backward's fusions rather than storing them (XLA's producer-consumer fusion duplicates
 cheap producers into each consumer), so many residuals JAX names are never
-materialized: the 4096-wide GELU intermediates of an MLP, or the float32 values inside
-an RMSNorm. `residual_bytes` therefore counts, by default, the *materialized* values the
+materialized, e.g. the float32 values inside an RMSNorm. Not always: XLA's H200 compile of
+`jax.nn.gelu` wrote its tanh as a second output of the forward's fusion, one 4096-wide
+tensor per MLP, which is why `gem_jax.nn.layers.gelu` recomputes it (`benchmarks/step.md`). `residual_bytes` therefore counts, by default, the *materialized* values the
 residuals need: each residual, traced back through elementwise and layout operations
 (`FUSED_PRIMITIVES`), to the values XLA writes to memory anyway: outputs of matmuls,
 reductions, gathers, kernels and other non-fusible operations, operands of those, and

@@ -102,6 +102,8 @@ def compiling_for(device: jax.Device) -> Iterator[None]:
 
     For compiling ahead of time for a device this process does not have, e.g. a compile-only
     device of `jax.experimental.topologies.get_topology_desc` (`benchmarks/offline_compile.py`).
+    A kernel call traced before the block, with the same arguments, is reused from the trace
+    cache (`shared_lowering`) as it was decided then: trace inside the block.
     """
     token = _TARGET.set(device)
     try:

@@ -56,3 +56,15 @@ def test_attribute_adds_sources_to_known_fusions_only(hlo_sources, compiled_text
     attributed = hlo_sources.attribute(top, compiled_text)
     assert attributed[0]["sources"] == sources[fusion] and "sources" not in attributed[1]
     assert "sources" not in top[0]  # the input is left as it was
+
+
+def test_installed_packages_inside_the_root_are_not_the_project(hlo_sources):
+    """A frame in a virtual environment under the root (optax's, say) gives way to the project frame that called it."""
+    tables = {
+        "FileNames": {1: '"/repo/.venv/lib/python3.12/site-packages/optax/clip.py"', 2: '"/repo/gem_jax/train/step.py"'},
+        "FunctionNames": {1: '"clip_fn"', 2: '"train_step"'},
+        "FileLocations": {1: "{file_name_id=1 function_name_id=1 line=105}", 2: "{file_name_id=2 function_name_id=2 line=60}"},
+        "StackFrames": {1: "{file_location_id=2 parent_frame_id=0}", 2: "{file_location_id=1 parent_frame_id=1}"},
+    }
+    sources = hlo_sources._frame_sources(tables, "/repo")
+    assert sources == {1: "gem_jax/train/step.py:60 (train_step)", 2: "gem_jax/train/step.py:60 (train_step)"}

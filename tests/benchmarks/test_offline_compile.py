@@ -2,6 +2,7 @@
 kinds from the optimized HLO, measured times joined from a profile, and what changed between two compiles."""
 
 import importlib.util
+import json
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,7 @@ def test_kernel_table_orders_kernels_by_bytes_moved_and_joins_a_profile(offline)
     assert [(g["ms"], g["bytes"], g["launches"], g["kernels"]) for g in groups] == [
         (pytest.approx(0.006), 2 * ADD_BYTES + REDUCE_BYTES, 3, ["loop_add_fusion_3", "input_reduce_fusion"])
     ]
-    assert joined == {"matched": 2, "median_tb_per_s": pytest.approx((add["tb_per_s"] + reduce["tb_per_s"]) / 2), "measured_ms": pytest.approx(0.006), "profile_commit": "abc"}
+    assert joined == {"matched": 2, "median_tb_per_s": pytest.approx((add["tb_per_s"] + reduce["tb_per_s"]) / 2), "measured_ms": pytest.approx(0.006), "profile_commit": "abc", "unmatched": []}
 
 
 def test_compare_predicts_the_step_change_from_the_fusion_bytes_that_went(offline):
@@ -123,7 +124,51 @@ def test_ops_decide_for_the_compiling_for_device_inside_the_block():
     assert dispatch.default_device() is jax.devices()[0]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None, reason="the CUDA PJRT plugin is not installed")
+def _plugin_installed() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+        return False
+
+
+def test_a_profile_joins_only_kernels_of_the_same_launch_count_and_overcounted_bytes_stay_out_of_the_median(offline):
+    kernels = [
+        {"name": "a", "launches": 2, "bytes": 10**9},
+        {"name": "b", "launches": 1, "bytes": 10**9},
+        {"name": "c", "launches": 1, "bytes": 10**10},
+        {"name": "d", "launches": 1, "bytes": 4 * 10**9},
+    ]
+    measured = [{"name": "a", "calls": 2, "ms": 1.0}, {"name": "b", "calls": 3, "ms": 1.0}, {"name": "c", "calls": 1, "ms": 1.0}, {"name": "d", "calls": 1, "ms": 2.0}]
+    joined = offline.join_profile(kernels, {"runs": [{"profile": {"top_kernels": measured}}]})
+    a, b, c, d = kernels
+    assert (a["tb_per_s"], d["tb_per_s"]) == (pytest.approx(2.0), pytest.approx(2.0))
+    assert "ms" not in b and joined["unmatched"] == ["b"]  # another launch count: another fusion of the same name
+    assert c["tb_per_s"] == pytest.approx(10.0) and c["bytes_overcounted"]  # above the 4.8 TB/s peak
+    assert (joined["matched"], joined["median_tb_per_s"], joined["measured_ms"]) == (3, pytest.approx(2.0), pytest.approx(4.0))
+
+
+def test_bad_inputs_are_refused_before_anything_compiles(offline, repo_root, tmp_path, capsys):
+    config = str(repo_root / "configs" / "gem_h200_tiny.py")
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"config": "configs/gem_h200.py", "overrides": [], "runs": [{"profile": {"top_kernels": []}}]}))
+    cases = [
+        (["--xla", "foo"], "KEY=VALUE"),
+        (["--compare", str(tmp_path / "missing.json")], "missing.json"),
+        (["--compare", str(profile)], "has no 'kernels'"),
+        (["--profile", str(profile)], "kernel names are only comparable within one program"),
+        (["--config", str(repo_root / "configs" / "gem_sharded_tiny.py")], "runs on 8 devices"),
+    ]
+    for extra, message in cases:
+        assert offline.main(["--config", config, *extra]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_xla_flag_values_become_typed_compile_options(offline):
+    assert [offline.option_value(v) for v in ("true", "False", "134217728", "0.5", "/tmp/x")] == [True, False, 134217728, 0.5, "/tmp/x"]
+    assert offline.project_xla_options()["xla_gpu_enable_triton_gemm"] is False  # scripts/xla_flags.py's, as training sets them
+
+
+@pytest.mark.skipif(not _plugin_installed(), reason="the CUDA PJRT plugin is not installed")
 def test_a_program_compiles_for_the_h200_without_one(offline, tmp_path):
     device = offline.h200_device()
     assert (device.platform, device.device_kind, device.core_count) == ("gpu", "NVIDIA H200", 132)
