@@ -46,14 +46,20 @@ def _tables(lines: list[str]) -> dict[str, dict[int, str]]:
 def _frame_sources(tables: dict[str, dict[int, str]], root: str) -> dict[int, str]:
     """`{stack frame id: "path:line (function)"}` of the innermost frame inside `root` (path relative
     to it), or of the innermost frame when none of the stack is inside `root`. Installed packages
-    (a `site-packages` folder, e.g. a virtual environment inside `root`) are not inside it."""
+    (a `site-packages` folder, e.g. a virtual environment inside `root`) are not inside it, and are
+    named from their top-level module (`optax/transforms/_clipping.py:105`). jax keeps the
+    innermost 10 frames of each location (`jax_traceback_in_locations_limit`), so a deep
+    library call may show no project frame at all."""
     files = {i: name.strip('"') for i, name in tables.get("FileNames", {}).items()}
     functions = {i: name.strip('"') for i, name in tables.get("FunctionNames", {}).items()}
     locations, inside = {}, set()
     for i, row in tables.get("FileLocations", {}).items():
         fields = dict((k, int(v)) for k, v in _FIELDS.findall(row))
         path = files.get(fields.get("file_name_id"), "?")
-        if path.startswith(root + os.sep) and f"{os.sep}site-packages{os.sep}" not in path:
+        installed = f"{os.sep}site-packages{os.sep}"
+        if installed in path:
+            path = path.split(installed, 1)[1]  # an installed package: named from its top-level module on
+        elif path.startswith(root + os.sep):
             path = path[len(root) + 1 :]
             inside.add(i)
         locations[i] = f"{path}:{fields.get('line', 0)} ({functions.get(fields.get('function_name_id'), '?')})"

@@ -68,3 +68,5 @@ def test_installed_packages_inside_the_root_are_not_the_project(hlo_sources):
     }
     sources = hlo_sources._frame_sources(tables, "/repo")
     assert sources == {1: "gem_jax/train/step.py:60 (train_step)", 2: "gem_jax/train/step.py:60 (train_step)"}
+    del tables["StackFrames"][1]  # no project frame on the stack: the package's own line, named from the package
+    assert hlo_sources._frame_sources(tables, "/repo")[2] == "optax/clip.py:105 (clip_fn)"
