@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._src import shared_lowering
+from pallas_kernels._src import manual_axes, shared_lowering
 from pallas_kernels.mxfp8 import reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent, local_part, quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
@@ -335,7 +335,26 @@ def _fp8_matmul_bwd(recipe, gather, w_dtype, prologue, eps, residuals, dy):
         return _with_sharding_of(dp, xq), None, dw, None
     _, prologue_vjp = jax.vjp(lambda x, s: _apply_prologue(prologue, x, s, eps), x, param)
     dx, dparam = prologue_vjp(dp.astype(jnp.float32))
-    return _with_sharding_of(dx.astype(x.dtype), xq), dparam, dw, None
+    dx = dx.astype(x.dtype)
+    if prologue is Prologue.GELU and param is not None:
+        dparam = _bias_gradient(dx, param)
+    return _with_sharding_of(dx, xq), dparam, dw, None
+
+
+def _bias_gradient(dx: jax.Array, bias: jax.Array) -> jax.Array:
+    """`sum(dx, axis=0)` of the rounded `dx [rows, n]`, float32 accumulation, in `bias`'s dtype.
+
+    The GELU prologue's VJP sums its float32 `dx`, which XLA writes as a second, float32 copy
+    beside the rounded one the layer passes on (`benchmarks/mxfp8.md`). Summing the rounded copy
+    is not enough: XLA's excess-precision simplification folds the rounding and the widening back
+    into that float32 value. Behind an optimization barrier the sum reads the rounded copy. Under
+    `shard_map` the sum over this device's rows is summed across the devices the rows vary over
+    (the transpose of casting `bias` to vary over them).
+    """
+    partial = jnp.sum(jax.lax.optimization_barrier(dx).astype(jnp.float32), axis=0)
+    _, over_rows = jax.vjp(lambda b: manual_axes.to_varying(b, manual_axes.varying_axes(dx)), bias.astype(jnp.float32))
+    (grad,) = over_rows(partial)
+    return grad.astype(bias.dtype)
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -171,6 +171,19 @@ def _prologue_args(prologue, param):
     }[prologue]
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gelu_bias_gradient_is_the_row_sum_of_the_input_gradient_the_layer_returns(dtype):
+    """The GELU prologue's input bias gets the float32 row sum of the `dx` the layer passes on
+    (rounded to `x`'s dtype), the gradient a bias added in that dtype gets."""
+    recipe = Fp8Recipe(block=32, implementation="xla")
+    x, w, g = _data(96, 256, 160, seed=int(np.random.default_rng().integers(1 << 30)))
+    bias = 0.3 * jax.random.normal(jax.random.key(3), (256,))
+    _, vjp = jax.vjp(lambda x, b: fp8_matmul(x, w, None, recipe, w.dtype, prologue="gelu", input_bias=b), x.astype(dtype), bias)
+    dx, dbias = vjp(g.astype(dtype))  # the layer's output is in x's dtype
+    assert dx.dtype == dtype and dbias.dtype == bias.dtype
+    np.testing.assert_allclose(dbias, jnp.sum(dx.astype(jnp.float32), axis=0), rtol=1e-6, atol=1e-6)  # float32 sums of the same values
+
+
 @pytest.mark.parametrize("block", [32, 128])
 @pytest.mark.parametrize(
     "prologue, hadamard", [(p, False) for p in ("rmsnorm", "gelu", "gelu_bias")] + [(p, True) for p in ("none", "rmsnorm", "gelu", "gelu_bias")]
