@@ -7,9 +7,9 @@ backward's fusions rather than storing them (XLA's producer-consumer fusion dupl
 cheap producers into each consumer), so many residuals JAX names are never
 materialized, e.g. the float32 values inside an RMSNorm. Not always: XLA's H200 compile of
 `jax.nn.gelu` wrote its tanh as a second output of the forward's fusion, one 4096-wide
-tensor per MLP, which is why `gem_jax.nn.layers.gelu` recomputes it (`benchmarks/step.md`). `residual_bytes` therefore counts, by default, the *materialized* values the
-residuals need: each residual, traced back through elementwise and layout operations
-(`FUSED_PRIMITIVES`), to the values XLA writes to memory anyway: outputs of matmuls,
+tensor per MLP, which is why `gem_jax.nn.layers.gelu` recomputes it (`benchmarks/step.md`).
+`residual_bytes` therefore counts, by default, the *materialized* values the residuals need:
+each residual, traced back through elementwise and layout operations (`FUSED_PRIMITIVES`), to the values XLA writes to memory anyway: outputs of matmuls,
 reductions, gathers, kernels and other non-fusible operations, operands of those, and
 the function's inputs. This is a model of XLA's fusion, not its memory assignment;
 `fusion=False` counts every residual as JAX names it (an upper bound).

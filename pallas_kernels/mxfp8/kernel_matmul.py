@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._src import manual_axes, mgpu_common
+from pallas_kernels._src import dispatch, manual_axes, mgpu_common
 
 _NUM_COMPUTE_WGS = 2
 
@@ -107,7 +107,7 @@ _CTA_M = _NUM_COMPUTE_WGS * _WG_M
 
 def _num_sms() -> int:
     """Persistent-grid size: the SM count on a GPU; a few simulated SMs in CPU interpret mode."""
-    return mgpu_common.sm_count() if mgpu_common.default_device().platform == "gpu" else 4
+    return mgpu_common.sm_count() if dispatch.default_device().platform == "gpu" else 4
 
 
 def scaled_matmul(

@@ -181,7 +181,9 @@ def test_gelu_bias_gradient_is_the_row_sum_of_the_input_gradient_the_layer_retur
     _, vjp = jax.vjp(lambda x, b: fp8_matmul(x, w, None, recipe, w.dtype, prologue="gelu", input_bias=b), x.astype(dtype), bias)
     dx, dbias = vjp(g.astype(dtype))  # the layer's output is in x's dtype
     assert dx.dtype == dtype and dbias.dtype == bias.dtype
-    np.testing.assert_allclose(dbias, jnp.sum(dx.astype(jnp.float32), axis=0), rtol=1e-6, atol=1e-6)  # float32 sums of the same values
+    # float32 sums of the same values in possibly other orders: gamma_rows of the sum of magnitudes
+    wide = np.asarray(dx, np.float64)
+    check_within("dbias", dbias, wide.sum(0), 2 * sum_worst(wide.shape[0]) * np.abs(wide).sum(0))
 
 
 @pytest.mark.parametrize("block", [32, 128])
