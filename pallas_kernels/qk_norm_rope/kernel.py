@@ -40,14 +40,14 @@ from pallas_kernels._src import manual_axes
 
 ROWS = 32  # tokens per program
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+KERNEL_HEAD_DIMS = tuple(2**i for i in range(1, 11))  # D/2 a power of two: Triton's block shapes
 
 
 def kernel_takes(shape: tuple[int, ...], dtype) -> bool:
-    """Whether the kernels take `qkv [T, 3, H, D]` of `dtype`: bf16 or float32, D/2 a power of two
-    (Triton's block shapes), fewer than 2**31 elements (32-bit offsets)."""
+    """Whether the kernels take `qkv [T, 3, H, D]` of `dtype`: bf16 or float32, D in
+    `KERNEL_HEAD_DIMS`, fewer than 2**31 elements (32-bit offsets)."""
     t, _, h, d = shape
-    half = d // 2
-    return jnp.dtype(dtype) in KERNEL_DTYPES and half >= 1 and half & (half - 1) == 0 and t * 3 * h * d < 2**31
+    return jnp.dtype(dtype) in KERNEL_DTYPES and d in KERNEL_HEAD_DIMS and t * 3 * h * d < 2**31
 
 
 def _tile(t: int):

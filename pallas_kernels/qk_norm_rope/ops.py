@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels._src import dispatch
 from pallas_kernels.qk_norm_rope import kernel, reference
 
-SUPPORT = dispatch.OpSupport("qk_norm_rope", kernel_dtypes=kernel.KERNEL_DTYPES)
+SUPPORT = dispatch.OpSupport("qk_norm_rope", kernel_dtypes=kernel.KERNEL_DTYPES, kernel_head_dims=kernel.KERNEL_HEAD_DIMS)
 
 
 def _check(qkv, q_scale, k_scale, cos, sin) -> tuple[int, int, int]:
@@ -76,7 +76,7 @@ def qk_norm_rope(
       dtype: dtype of q and k (default qkv's).
       heads: H, when `qkv` is `[T, 3*H*D]`.
       implementation: "xla" (the jnp reference), "pallas" or None (pallas on a Hopper GPU). The
-        kernels take bf16 and float32 `qkv` with D/2 a power of two and under 2**31 elements;
+        kernels take bf16 and float32 `qkv` with D a power of two (2 to 1024) and under 2**31 elements;
         other inputs run the reference under either name.
 
     Returns:

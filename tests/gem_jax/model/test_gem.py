@@ -202,12 +202,13 @@ def test_gradient_norms_bounded_at_init_with_empty_features(split_model):
     "setting, softmax, gelu", [(None, None, None), ("pallas", "pallas", "pallas"), ("xla", "xla", "xla"), ("cudnn", "cudnn", "xla")]
 )
 def test_attention_implementation_reaches_each_op(monkeypatch, setting, softmax, gelu):
-    """JFA gets the softmax implementation and every GDPA call the GELU one ("cudnn": cuDNN + GDPA's reference)."""
+    """JFA gets the softmax implementation, every GDPA call and the QK-norm + RoPE the GELU one ("cudnn": cuDNN
+    + the references)."""
     import dataclasses
 
     import pallas_kernels
 
-    seen = {"jfa": set(), "gdpa": set()}
+    seen = {"jfa": set(), "gdpa": set(), "qk_norm_rope": set()}
 
     def recording(name, op):
         def call(*args, implementation=None, **kwargs):
@@ -218,12 +219,13 @@ def test_attention_implementation_reaches_each_op(monkeypatch, setting, softmax,
 
     monkeypatch.setattr(pallas_kernels, "jagged_flash_attention", recording("jfa", pallas_kernels.jagged_flash_attention))
     monkeypatch.setattr(pallas_kernels, "gdpa", recording("gdpa", pallas_kernels.gdpa))
+    monkeypatch.setattr(pallas_kernels, "qk_norm_rope", recording("qk_norm_rope", pallas_kernels.qk_norm_rope))
     config = dataclasses.replace(CONFIG, attention_implementation=setting)
     with nnx.use_eager_sharding(False):
         model = GEMModel(SPEC, config, rngs=nnx.Rngs(0))
     logits = model(make_batch(np.random.default_rng(), [3, 0, 7], capacity=16))
     assert np.isfinite(np.asarray(logits)).all()
-    assert seen == {"jfa": {softmax}, "gdpa": {gelu}}
+    assert seen == {"jfa": {softmax}, "gdpa": {gelu}, "qk_norm_rope": {gelu}}
 
 
 @pytest.mark.parametrize("kind", ["sliding_window", "block_local", "causal_silu"])
@@ -311,11 +313,13 @@ def test_bad_regions_are_refused_and_overrides_parse_names():
 def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
     lines = describe_attention(dataclasses.replace(CONFIG, fp8=True, fp8_block=128, fp8_saved_activations=True))
     assert lines[0].startswith("self-attention (full): xla") and lines[1].startswith("GELU attention (GDPA): xla")
-    assert lines[2].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
-    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[2]
+    assert lines[2].startswith("QK-norm and RoPE: xla")
+    assert lines[3].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
+    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[3]
     assert rotated.startswith("FP8 dense layers (32-wide blocks, random Hadamard rotation; seq_attention")
-    assert lines[3].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
-    assert len(describe_attention(CONFIG)) == 2
+    assert lines[4].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
+    assert len(describe_attention(CONFIG)) == 3
+    assert len(describe_attention(dataclasses.replace(CONFIG, sequence_attention="block_local"))) == 2  # RoPE in its kernel
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
