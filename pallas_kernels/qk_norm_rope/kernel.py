@@ -8,9 +8,10 @@ head in float32, and computes in registers (`scale` the part's RMSNorm scale)::
     y1, y2 = x1 * (inv * scale1), x2 * (inv * scale2)
     out = (y1 cos - y2 sin, y2 cos + y1 sin)             # RoPE, rotate-half (Su et al., 2021)
 
-The backward reads the forward's input `qkv` (not the normalised values: `inv` is recomputed),
-the output cotangents and the same tables, and writes `dqkv [T, 3*H*D]` whole (the v slot is a
-copy of `dv`, so no concatenation pass follows) plus each program's partial scale gradients::
+and copies v's heads to a contiguous `[T, H*D]` output (the attention kernels' operand). The
+backward reads the forward's input `qkv` (not the normalised values: `inv` is recomputed), the
+output cotangents and the same tables, and writes `dqkv [T, 3*H*D]` whole (the v slot is a copy
+of `dv`, so no concatenation pass follows) plus each program's partial scale gradients::
 
     g = (dy1 cos + dy2 sin, dy2 cos - dy1 sin)           # RoPE transposed
     xhat = x * inv;  gw = g * scale
@@ -68,7 +69,14 @@ def _inv_rms(x1, x2, eps: float):
     return lax.rsqrt(ms + eps)[:, None]
 
 
-def _forward(qkv_ref, scale_ref, cos_ref, sin_ref, q_ref, k_ref, *, t: int, heads: int, eps: float):
+def _copy_heads(src_ref, src_head: int, dst_ref, dst_head: int, rows, mask, heads: int, d: int):
+    """Copies `heads` heads of `d` columns of the tile's rows, from head `src_head` on to head `dst_head` on."""
+    for h in range(heads):
+        x = plt.load(src_ref.at[rows, pl.ds((src_head + h) * d, d)], mask=mask, other=0.0)
+        plt.store(dst_ref.at[rows, pl.ds((dst_head + h) * d, d)], x.astype(dst_ref.dtype), mask=mask)
+
+
+def _forward(qkv_ref, scale_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, t: int, heads: int, eps: float):
     half = cos_ref.shape[1]
     rows, mask = _tile(t)
     cos, sin = (plt.load(r.at[rows, :], mask=mask, other=0.0) for r in (cos_ref, sin_ref))
@@ -81,6 +89,7 @@ def _forward(qkv_ref, scale_ref, cos_ref, sin_ref, q_ref, k_ref, *, t: int, head
             col = h * 2 * half
             plt.store(out_ref.at[rows, pl.ds(col, half)], (y1 * cos - y2 * sin).astype(out_ref.dtype), mask=mask)
             plt.store(out_ref.at[rows, pl.ds(col + half, half)], (y2 * cos + y1 * sin).astype(out_ref.dtype), mask=mask)
+    _copy_heads(qkv_ref, 2 * heads, v_ref, 0, rows, mask, heads, 2 * half)
 
 
 def _backward(qkv_ref, scale_ref, cos_ref, sin_ref, dq_ref, dk_ref, dv_ref, dqkv_ref, dscale_ref, *, t: int, heads: int, eps: float):
@@ -105,10 +114,7 @@ def _backward(qkv_ref, scale_ref, cos_ref, sin_ref, dq_ref, dk_ref, dv_ref, dqkv
         i = pl.program_id(0)
         dscale_ref[i, pl.ds(part * 2 * half, half)] = ds1
         dscale_ref[i, pl.ds(part * 2 * half + half, half)] = ds2
-    for h in range(heads):  # v's cotangent into its slot
-        cols = pl.ds(h * 2 * half, 2 * half)
-        dv = plt.load(dv_ref.at[rows, cols], mask=mask, other=0.0)
-        plt.store(dqkv_ref.at[rows, pl.ds((2 * heads + h) * 2 * half, 2 * half)], dv.astype(dqkv_ref.dtype), mask=mask)
+    _copy_heads(dv_ref, 0, dqkv_ref, 2 * heads, rows, mask, heads, 2 * half)  # v's cotangent into its slot
 
 
 def _call(body, name: str, operands, out_shape, t: int, interpret: bool):
@@ -126,16 +132,18 @@ def _call(body, name: str, operands, out_shape, t: int, interpret: bool):
 
 
 def forward(qkv, scales, cos, sin, *, heads: int, eps: float, dtype, interpret: bool = False):
-    """`(q, k)` `[T, H*D]` in `dtype` from `qkv [T, 3*H*D]` (bf16 or float32), `scales` float32
-    `[2, D]` (q's, k's) and `cos`/`sin` float32 `[T, D/2]`; inputs already checked by the op."""
+    """`(q, k, v)` `[T, H*D]` from `qkv [T, 3*H*D]` (bf16 or float32), `scales` float32 `[2, D]`
+    (q's, k's) and `cos`/`sin` float32 `[T, D/2]`: q and k in `dtype`, v (copied in the same pass,
+    a contiguous operand for the attention) in qkv's dtype. Inputs already checked by the op."""
     t, width = qkv.shape
     operands = manual_axes.match_axes(qkv, scales, cos, sin)
     vary = jax.typeof(operands[0]).manual_axis_type
     out = jax.ShapeDtypeStruct((t, width // 3), dtype, manual_axis_type=vary)
+    v = jax.ShapeDtypeStruct((t, width // 3), qkv.dtype, manual_axis_type=vary)
     if t == 0:
-        return jnp.zeros(out.shape, dtype), jnp.zeros(out.shape, dtype)
+        return jnp.zeros(out.shape, dtype), jnp.zeros(out.shape, dtype), jnp.zeros(v.shape, v.dtype)
     body = functools.partial(_forward, t=t, heads=heads, eps=eps)
-    return _call(body, "qk_norm_rope_forward", operands, (out, out), t, interpret)
+    return _call(body, "qk_norm_rope_forward", operands, (out, out, v), t, interpret)
 
 
 def backward(qkv, scales, cos, sin, dq, dk, dv, *, heads: int, eps: float, interpret: bool = False):

@@ -58,7 +58,8 @@ def qk_norm_rope(
 
     The "xla" path is that composition (`reference.py`; values and autodiff gradients those of
     flax's RMSNorm followed by the rotation, bit for bit). The Pallas path (`kernel.py`, Triton
-    lowering) normalises and rotates a tile of tokens, all heads, in one pass, and differentiates
+    lowering) normalises and rotates a tile of tokens, all heads, in one pass (which also copies v
+    out, contiguous for the attention kernels), and differentiates
     in one pass that recomputes the norm from `qkv` and writes the whole `dqkv` (its v slot a copy
     of `dv`); its residuals are `qkv`, the scales and the tables. Its results may differ from the
     reference by an ulp of the output dtype (sums in another order). Each token and head is
@@ -99,15 +100,14 @@ def qk_norm_rope(
     if impl is not dispatch.Implementation.PALLAS or not kernel.kernel_takes(qkv.shape, qkv.dtype):
         return reference.qk_norm_rope(qkv, q_scale, k_scale, cos, sin, eps, dtype)
     scales = jnp.stack([q_scale, k_scale]).astype(jnp.float32)
-    outs = _fused(qkv.reshape(t, -1), scales, cos.reshape(t, -1), sin.reshape(t, -1), h, eps, dtype, dispatch.interpreting())
+    outs = _fused(qkv.reshape(t, 3 * h * d), scales, cos.reshape(t, d // 2), sin.reshape(t, d // 2), h, eps, dtype, dispatch.interpreting())
     return tuple(x.reshape(t, h, d) for x in outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _fused(qkv, scales, cos, sin, heads, eps, dtype, interpret):
-    """`(q, k, v)` `[T, H*D]` of `qkv [T, 3*H*D]`; v inside, so that its cotangent reaches the backward kernel."""
-    q, k = kernel.forward(qkv, scales, cos, sin, heads=heads, eps=eps, dtype=dtype, interpret=interpret)
-    return q, k, qkv[:, 2 * qkv.shape[1] // 3 :]
+    """`(q, k, v)` `[T, H*D]` of `qkv [T, 3*H*D]`; v from the kernel too, and its cotangent into the backward kernel."""
+    return kernel.forward(qkv, scales, cos, sin, heads=heads, eps=eps, dtype=dtype, interpret=interpret)
 
 
 def _fused_fwd(qkv, scales, cos, sin, heads, eps, dtype, interpret):

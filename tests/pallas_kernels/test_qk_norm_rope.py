@@ -1,0 +1,219 @@
+"""The QK-norm + RoPE kernels (Pallas interpreter on the CPU) against the jnp reference: outputs and the
+gradients of qkv and both scales, within one ulp of the output dtype plus the float32 error of summing the
+mean squares in another order (bounds from tests/support/tolerances.py), on fresh random inputs each run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from tolerances import BFLOAT16, FLOAT32, check_within, sum_worst
+
+import pallas_kernels
+from pallas_kernels import ImplementationUnavailableError, describe_choice, qk_norm_rope
+from pallas_kernels.block_local_attention.reference import rope_frequencies
+from pallas_kernels.qk_norm_rope import kernel
+
+EPS = 1e-6
+FORMATS = {jnp.dtype(jnp.bfloat16): BFLOAT16, jnp.dtype(jnp.float32): FLOAT32}
+
+
+def _inputs(t, h, d, dtype, seed):
+    """qkv `[T, 3, H, D]` with token magnitudes spread over orders, scales near 1, the RoPE table of random positions."""
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((t, 3, h, d)) * np.exp(2.0 * rng.standard_normal((t, 1, 1, 1)))
+    scales = [jnp.asarray(1 + 0.2 * rng.standard_normal(d), jnp.float32) for _ in range(2)]
+    angles = jnp.asarray(rng.integers(0, 4096, t), jnp.float32)[:, None, None] * rope_frequencies(d, 10_000.0)
+    return jnp.asarray(qkv, dtype), *scales, jnp.cos(angles), jnp.sin(angles)
+
+
+def _run(implementation, qkv, q_scale, k_scale, cos, sin, cotangents, dtype=None, **kwargs):
+    """`(q, k, v)` and the cotangents of `(qkv, q_scale, k_scale)` for `cotangents` of `(q, k, v)`."""
+
+    def fn(qkv, q_scale, k_scale):
+        return qk_norm_rope(qkv, q_scale, k_scale, cos, sin, eps=EPS, dtype=dtype, implementation=implementation, **kwargs)
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        outs, vjp = jax.vjp(jax.jit(fn), qkv, q_scale, k_scale)
+        return outs, jax.jit(vjp)(cotangents)
+
+
+def _cotangents(outs, seed):
+    rng = np.random.default_rng(seed + 1)
+    return tuple(jnp.asarray(rng.standard_normal(o.shape), o.dtype) for o in outs)
+
+
+def _ulp(fmt, a, b):
+    """One ulp of `fmt` at the larger magnitude of `a` and `b` (float64)."""
+    m = np.maximum(np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64)))
+    return fmt.eps * 2.0 ** np.floor(np.log2(np.maximum(m, np.finfo(np.float32).tiny)))
+
+
+def _magnitudes(qkv, scales, cos, sin, dq, dk):
+    """Float64 sums of |terms| the two paths round differently: of each output, of each qkv gradient (q, k), and
+    of each scale gradient's terms `[2, T, H, D]`."""
+    x = np.asarray(qkv[:, :2], np.float64)  # [T, 2, H, D]
+    w = np.stack([np.asarray(s, np.float64) for s in scales])[None, :, None, :]
+    c, s = (np.asarray(a, np.float64).reshape(len(x), 1, 1, -1) for a in (cos, sin))
+    inv = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS)
+    y1, y2 = np.split(np.abs(x * inv * w), 2, axis=-1)
+    out = np.concatenate([y1 * np.abs(c) + y2 * np.abs(s), y2 * np.abs(c) + y1 * np.abs(s)], axis=-1)
+    dy1, dy2 = np.split(np.abs(np.stack([np.asarray(dq, np.float64), np.asarray(dk, np.float64)], axis=1)), 2, axis=-1)
+    g = np.concatenate([dy1 * np.abs(c) + dy2 * np.abs(s), dy2 * np.abs(c) + dy1 * np.abs(s)], axis=-1)  # |RoPE^T dy| terms
+    xhat = np.abs(x * inv)
+    dx = inv * (g * np.abs(w) + xhat * np.mean(g * np.abs(w) * xhat, axis=-1, keepdims=True))
+    return out, dx, np.moveaxis(g * xhat, 1, 0)
+
+
+def _assert_close(got, want, inputs, cotangents, what=""):
+    """Outputs and gradients within one ulp of their dtype plus twice Higham's gamma of the sums the two paths
+    order differently (the D-term mean squares and `mean(gw * xhat)`; the T*H-term scale gradients) times the
+    magnitude of the terms."""
+    (q, k, v), (dqkv, dqs, dks) = got
+    (rq, rk, rv), (rdqkv, rdqs, rdks) = want
+    qkv, q_scale, k_scale, cos, sin = inputs
+    t, _, h, d = qkv.shape
+    out_mag, dx_mag, ds_terms = _magnitudes(qkv, (q_scale, k_scale), cos, sin, *cotangents[:2])
+    fmt_out, fmt_in = FORMATS[jnp.dtype(q.dtype)], FORMATS[jnp.dtype(qkv.dtype)]
+    rows = 2 * sum_worst(d)
+    for i, (a, b) in enumerate(((q, rq), (k, rk))):
+        check_within(f"{what}{'qk'[i]}", a, b, _ulp(fmt_out, a, b) + rows * out_mag[:, i])
+    np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(rv, np.float32))
+    for i in range(2):
+        a, b = dqkv[:, i], rdqkv[:, i]
+        check_within(f"{what}d{'qk'[i]}", a, b, _ulp(fmt_in, a, b) + rows * dx_mag[:, i])
+    np.testing.assert_array_equal(np.asarray(dqkv[:, 2], np.float32), np.asarray(rdqkv[:, 2], np.float32))  # dv copied
+    for i, (a, b) in enumerate(((dqs, rdqs), (dks, rdks))):
+        terms = ds_terms[i].reshape(-1, d)
+        check_within(f"{what}d{'qk'[i]}_scale", a, b, (2 * sum_worst(max(t * h, 1)) + rows) * terms.sum(0) + _ulp(FLOAT32, a, b))
+
+
+@pytest.mark.parametrize(
+    "t, h, d, dtype, out_dtype",
+    [
+        (70, 2, 32, jnp.bfloat16, jnp.bfloat16),  # T not a multiple of the kernel's 32 rows
+        (70, 2, 32, jnp.float32, jnp.float32),
+        (64, 3, 16, jnp.float32, jnp.bfloat16),  # whole tiles; float32 projection, bf16 q and k
+        (1, 8, 128, jnp.bfloat16, jnp.bfloat16),  # a single token, the GEM head shape
+    ],
+)
+def test_kernel_matches_reference_forward_and_gradients(t, h, d, dtype, out_dtype):
+    seed = int(np.random.default_rng().integers(1 << 31))
+    inputs = _inputs(t, h, d, dtype, seed)
+    outs = jax.jit(lambda *a: qk_norm_rope(*a, eps=EPS, dtype=out_dtype, implementation="xla"))(*inputs)
+    cts = _cotangents(outs, seed)
+    got = _run("pallas", *inputs, cts, dtype=out_dtype)
+    want = _run("xla", *inputs, cts, dtype=out_dtype)
+    assert [o.dtype for o in got[0]] == [jnp.dtype(out_dtype)] * 2 + [jnp.dtype(dtype)]
+    assert all(o.shape == (t, h, d) for o in got[0]) and got[1][0].shape == (t, 3, h, d) and got[1][0].dtype == dtype
+    _assert_close(got, want, inputs, cts, f"seed {seed}: ")
+
+
+def test_flat_projection_and_two_dimensional_table_give_the_same_results():
+    """`qkv [T, 3*H*D]` with `heads`, and `cos`/`sin` `[T, D/2]`: the same call as `[T, 3, H, D]` and `[T, 1, D/2]`."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    qkv, qs, ks, cos, sin = _inputs(40, 2, 32, jnp.bfloat16, seed)
+    outs = qk_norm_rope(qkv, qs, ks, cos, sin, implementation="xla")
+    cts = _cotangents(outs, seed)
+    shaped = _run("pallas", qkv, qs, ks, cos, sin, cts)
+    flat = _run("pallas", qkv.reshape(40, -1), qs, ks, cos[:, 0], sin[:, 0], cts, heads=2)
+    for a, b in zip(jax.tree.leaves(shaped), jax.tree.leaves(flat)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32).reshape(a.shape))
+
+
+def test_no_tokens():
+    qkv, qs, ks, cos, sin = _inputs(0, 2, 32, jnp.bfloat16, 0)
+    cts = tuple(jnp.zeros((0, 2, 32), jnp.bfloat16) for _ in range(3))
+    (q, k, v), (dqkv, dqs, dks) = _run("pallas", qkv, qs, ks, cos, sin, cts)
+    assert q.shape == k.shape == v.shape == (0, 2, 32) and dqkv.shape == (0, 3, 2, 32)
+    np.testing.assert_array_equal(np.asarray(dqs), np.zeros(32))
+    np.testing.assert_array_equal(np.asarray(dks), np.zeros(32))
+
+
+def test_nan_stays_in_its_token_and_head():
+    """A NaN in one token's query head poisons that head's q and dq only, as in the reference; other tokens'
+    outputs and gradients (and that token's other heads and its key) are unchanged; the q scale's gradient
+    sums every token, so it is NaN in both paths, and the k scale's is not."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    qkv, qs, ks, cos, sin = inputs = _inputs(70, 2, 32, jnp.float32, seed)
+    poisoned = [3, 40, 69]  # in the first, second and (masked) last tile
+    qkv = qkv.at[poisoned, 0, 1, 5].set(jnp.nan)
+    outs = qk_norm_rope(qkv, qs, ks, cos, sin, implementation="xla")
+    cts = _cotangents(outs, seed)
+    got, want = _run("pallas", qkv, qs, ks, cos, sin, cts), _run("xla", qkv, qs, ks, cos, sin, cts)
+    for (q, _, _), (dqkv, dqs, dks) in (got, want):
+        bad = np.zeros((70, 3, 2), bool)
+        bad[poisoned, 0, 1] = True
+        assert np.all(np.isnan(np.asarray(q)[poisoned, 1])) and np.all(np.isnan(np.asarray(dqkv)[poisoned, 0, 1]))
+        assert np.isfinite(np.asarray(dqkv)[~bad]).all() and np.isfinite(np.asarray(q)[:, 0]).all()
+        assert np.isnan(np.asarray(dqs)).all() and np.isfinite(np.asarray(dks)).all()
+    clean = np.setdiff1d(np.arange(70), poisoned)
+    pick = lambda r: ((r[0][0][clean], r[0][1][clean], r[0][2][clean]), (r[1][0][clean], r[1][2], r[1][2]))  # noqa: E731
+    cut = (inputs[0][clean], qs, ks, cos[clean], sin[clean])
+    _assert_close(pick(got), pick(want), cut, tuple(c[clean] for c in cts), f"seed {seed}: ")
+
+
+def test_residuals_are_the_inputs():
+    """The backward keeps qkv, the scales and the table: no normalised copy of q or k."""
+    qkv, qs, ks, cos, sin = _inputs(40, 2, 32, jnp.bfloat16, 0)
+    loss = lambda qkv, qs, ks: sum(jnp.sum(o.astype(jnp.float32)) for o in qk_norm_rope(qkv, qs, ks, cos, sin, implementation="pallas"))  # noqa: E731
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        kept = sorted((a.shape, str(a.dtype)) for a, _ in saved_residuals(loss, qkv, qs, ks))
+    assert kept == sorted([((40, 3 * 2 * 32), "bfloat16"), ((2, 32), "float32"), ((40, 16), "float32"), ((40, 16), "float32")])
+
+
+def test_bad_inputs_are_named():
+    qkv, qs, ks, cos, sin = _inputs(8, 2, 32, jnp.bfloat16, 0)
+    cases = [
+        ((qkv[:, :2], qs, ks, cos, sin), {}, r"qkv must be \[T, 3, H, D\].*got \(8, 2, 2, 32\)"),
+        ((qkv[..., :31], qs[:31], ks[:31], cos, sin), {}, "head dim D must be even for RoPE, got 31"),
+        ((qkv.astype(jnp.int32), qs, ks, cos, sin), {}, "qkv must be floating point, got int32"),
+        ((qkv, qs[:16], ks, cos, sin), {}, r"q_scale must be a floating \[32\] \(the head dim\), got \(16,\)"),
+        ((qkv, qs, ks, cos[:4], sin), {}, r"cos must be float32 \[8, 16\] or \[8, 1, 16\], got \(4, 1, 16\)"),
+        ((qkv, qs, ks, cos, sin.astype(jnp.bfloat16)), {}, "sin must be float32.*bfloat16"),
+        ((qkv.reshape(8, -1), qs, ks, cos, sin), {"heads": 5}, r"with heads=5, qkv must be \[T, 3\*H\*D\]"),
+        ((qkv, qs, ks, cos, sin), {"implementation": "bogus"}, "unknown implementation"),
+        ((qkv, qs, ks, cos, sin), {"implementation": "cudnn"}, "qk_norm_rope has no cuDNN implementation"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            qk_norm_rope(*args, **kwargs)
+
+
+def test_dispatch_and_inputs_the_kernel_takes():
+    qkv, qs, ks, cos, sin = _inputs(8, 2, 32, jnp.bfloat16, 0)
+    with pytest.raises(ImplementationUnavailableError, match="qk_norm_rope: .*no Hopper GPU"):
+        qk_norm_rope(qkv, qs, ks, cos, sin, implementation="pallas")
+    for a, b in zip(qk_norm_rope(qkv, qs, ks, cos, sin), qk_norm_rope(qkv, qs, ks, cos, sin, implementation="xla")):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))  # None on the CPU: the reference
+    assert describe_choice("qk_norm_rope", jnp.bfloat16, 128).implementation.value == "xla"
+    assert kernel.kernel_takes((166_528, 3, 8, 128), jnp.bfloat16) and kernel.kernel_takes((5, 3, 1, 2), jnp.float32)
+    for shape, dtype in [((5, 3, 2, 48), jnp.bfloat16), ((5, 3, 2, 64), jnp.float16), ((700_000, 3, 8, 128), jnp.bfloat16)]:
+        assert not kernel.kernel_takes(shape, dtype), (shape, dtype)
+    # Under "pallas" an input the kernel does not take (D = 48) runs the reference.
+    qkv48, qs48, ks48, cos48, sin48 = _inputs(8, 2, 48, jnp.bfloat16, 0)
+    got = _run("pallas", qkv48, qs48, ks48, cos48, sin48, tuple(jnp.ones((8, 2, 48), jnp.bfloat16) for _ in range(3)))
+    want = _run("xla", qkv48, qs48, ks48, cos48, sin48, tuple(jnp.ones((8, 2, 48), jnp.bfloat16) for _ in range(3)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_forward_and_backward_lower_for_cuda_without_a_gpu():
+    """Both kernels lower through Triton for an H200 described to jax (the Triton lowering reads the GPU
+    from the abstract mesh's device: no GPU, no CUDA libraries)."""
+
+    class Hopper:
+        platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
+
+    qkv, qs, ks, cos, sin = _inputs(100, 8, 128, jnp.bfloat16, 0)
+
+    def loss(qkv, qs, ks):
+        q, k, v = qk_norm_rope(qkv, qs, ks, cos, sin, implementation="pallas")
+        return jnp.sum(jnp.sin(q.astype(jnp.float32))) + jnp.sum(jnp.sin(k.astype(jnp.float32))) + jnp.sum(jnp.sin(v.astype(jnp.float32)))
+
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with pallas_kernels.compiling_for(Hopper()), jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(qkv, qs, ks).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
+    assert "qk_norm_rope_forward" in text and "qk_norm_rope_backward" in text
