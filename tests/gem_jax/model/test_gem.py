@@ -122,6 +122,41 @@ def test_rope_preserves_norm_and_relative_positions():
     np.testing.assert_allclose(d1, d2, rtol=1e-5)  # float32 cos/sin of larger angles: ~position x u each, 8 terms
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_qk_norm_rope_reference_is_the_flax_norms_then_apply_rope(dtype):
+    """The sequence tower's QK-norm + RoPE on the "xla" path (`pallas_kernels.qk_norm_rope`) gives the values and
+    gradients of the composition it replaced, flax's RMSNorm modules then `apply_rope`, bit for bit."""
+    import pallas_kernels
+    from gem_jax.nn.layers import rms_norm
+
+    rng = np.random.default_rng()
+    t, h, d = 37, 2, 16
+    qkv = jnp.asarray(rng.normal(size=(t, 3, h, d)) * 3, dtype)
+    table = rope_table(jnp.asarray(rng.integers(0, 500, t)), d, 10_000.0)
+    with nnx.use_eager_sharding(False):
+        norms = [rms_norm(d, rngs=nnx.Rngs(0), dtype=jnp.float32) for _ in range(2)]
+    for norm in norms:
+        norm.scale[...] = jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32)
+    (graphdef, q_state), (_, k_state) = map(nnx.split, norms)
+
+    def before(qkv, q_state, k_state):
+        q_norm, k_norm = nnx.merge(graphdef, q_state), nnx.merge(graphdef, k_state)
+        return apply_rope(q_norm(qkv[:, 0]), table, dtype), apply_rope(k_norm(qkv[:, 1]), table, dtype), qkv[:, 2]
+
+    def after(qkv, q_state, k_state):
+        q_norm, k_norm = nnx.merge(graphdef, q_state), nnx.merge(graphdef, k_state)
+        return pallas_kernels.qk_norm_rope(
+            qkv, q_norm.scale[...], k_norm.scale[...], table.cos, table.sin, eps=q_norm.epsilon, dtype=dtype, implementation="xla"
+        )
+
+    scales = (q_state, k_state)
+    cts = tuple(jnp.asarray(rng.normal(size=(t, h, d)), dtype) for _ in range(3))
+    results = [jax.jit(lambda *a, f=f: (lambda o, vjp: (o, vjp(cts)))(*jax.vjp(f, *a)))(qkv, *scales) for f in (before, after)]
+    for a, b in zip(*map(jax.tree.leaves, results)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
     """`ModelConfig(fp8=True)`: the towers' dense layers become FP8 layers holding the same parameters."""
     from gem_jax.model.sequence_tower import SelfAttentionBlock
