@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._src import dispatch
+from pallas_kernels._src import dispatch, manual_axes
 from pallas_kernels.qk_norm_rope import kernel, reference
 
 SUPPORT = dispatch.OpSupport("qk_norm_rope", kernel_dtypes=kernel.KERNEL_DTYPES, kernel_head_dims=kernel.KERNEL_HEAD_DIMS)
@@ -100,7 +100,10 @@ def qk_norm_rope(
     if impl is not dispatch.Implementation.PALLAS or not kernel.kernel_takes(qkv.shape, qkv.dtype):
         return reference.qk_norm_rope(qkv, q_scale, k_scale, cos, sin, eps, dtype)
     scales = jnp.stack([q_scale, k_scale]).astype(jnp.float32)
-    outs = _fused(qkv.reshape(t, 3 * h * d), scales, cos.reshape(t, d // 2), sin.reshape(t, d // 2), h, eps, dtype, dispatch.interpreting())
+    # Under shard_map every operand varies over the same manual axes before the custom VJP (its cotangents keep
+    # their primals' types; the cast's transpose sums an invariant scale's gradient over the axes).
+    operands = manual_axes.match_axes(qkv.reshape(t, 3 * h * d), scales, cos.reshape(t, d // 2), sin.reshape(t, d // 2))
+    outs = _fused(*operands, h, eps, dtype, dispatch.interpreting())
     return tuple(x.reshape(t, h, d) for x in outs)
 
 

@@ -19,6 +19,12 @@ EPS = 1e-6
 FORMATS = {jnp.dtype(jnp.bfloat16): BFLOAT16, jnp.dtype(jnp.float32): FLOAT32}
 
 
+class _Hopper:
+    """A stand-in H200 for `pallas_kernels.compiling_for`: the ops choose their kernels without a GPU."""
+
+    platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
+
+
 def _inputs(t, h, d, dtype, seed):
     """qkv `[T, 3, H, D]` with token magnitudes spread over orders, scales near 1, the RoPE table of random positions."""
     rng = np.random.default_rng(seed)
@@ -202,10 +208,6 @@ def test_dispatch_and_inputs_the_kernel_takes():
 def test_forward_and_backward_lower_for_cuda_without_a_gpu():
     """Both kernels lower through Triton for an H200 described to jax (the Triton lowering reads the GPU
     from the abstract mesh's device: no GPU, no CUDA libraries)."""
-
-    class Hopper:
-        platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
-
     qkv, qs, ks, cos, sin = _inputs(100, 8, 128, jnp.bfloat16, 0)
 
     def loss(qkv, qs, ks):
@@ -213,7 +215,29 @@ def test_forward_and_backward_lower_for_cuda_without_a_gpu():
         return jnp.sum(jnp.sin(q.astype(jnp.float32))) + jnp.sum(jnp.sin(k.astype(jnp.float32))) + jnp.sum(jnp.sin(v.astype(jnp.float32)))
 
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with pallas_kernels.compiling_for(Hopper()), jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+    with pallas_kernels.compiling_for(_Hopper()), jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
         text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(qkv, qs, ks).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
     assert "qk_norm_rope_forward" in text and "qk_norm_rope_backward" in text
+
+
+def test_gradients_keep_their_primals_types_under_shard_map():
+    """Inside shard_map the replicated scales' gradients are typed like the scales (the kernel's partial sums are
+    summed over the axis by the cast's transpose). Traced only: the interpreter's masked loads do not run there."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("gpu",))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    qkv, qs, ks, cos, sin = _inputs(40, 2, 32, jnp.bfloat16, 0)
+
+    def body(qkv, qs, ks, cos, sin):
+        loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in qk_norm_rope(*a, cos, sin))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(qkv, qs, ks)
+
+    specs = (P("gpu"), P(), P(), P("gpu"), P("gpu"))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs[:3]))
+    with pallas_kernels.compiling_for(_Hopper()):
+        traced = f.trace(*(put(x, spec) for x, spec in zip((qkv, qs, ks, cos, sin), specs)))
+    assert [o.sharding.spec for o in traced.out_info] == [P("gpu", None, None, None), P(None), P(None)]
+    assert str(traced.jaxpr).count("pallas_call") == 2
