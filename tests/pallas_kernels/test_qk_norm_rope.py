@@ -1,6 +1,7 @@
 """The QK-norm + RoPE kernels (Pallas interpreter on the CPU) against the jnp reference: outputs and the
 gradients of qkv and both scales, within one ulp of the output dtype plus the float32 error of summing the
-mean squares in another order (bounds from tests/support/tolerances.py), on fresh random inputs each run."""
+mean squares in another order (bounds in tests/support/qk_norm_rope_bounds.py, shared with
+benchmarks/qk_norm_rope_bench.py), on fresh random inputs each run."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from tolerances import BFLOAT16, FLOAT32, check_within, sum_worst
+from qk_norm_rope_bounds import bound_fractions
+from tolerances import check
 
 import pallas_kernels
 from pallas_kernels import ImplementationUnavailableError, describe_choice, qk_norm_rope
@@ -16,7 +18,6 @@ from pallas_kernels.block_local_attention.reference import rope_frequencies
 from pallas_kernels.qk_norm_rope import kernel
 
 EPS = 1e-6
-FORMATS = {jnp.dtype(jnp.bfloat16): BFLOAT16, jnp.dtype(jnp.float32): FLOAT32}
 
 
 class _Hopper:
@@ -50,49 +51,11 @@ def _cotangents(outs, seed):
     return tuple(jnp.asarray(rng.standard_normal(o.shape), o.dtype) for o in outs)
 
 
-def _ulp(fmt, a, b):
-    """One ulp of `fmt` at the larger magnitude of `a` and `b` (float64)."""
-    m = np.maximum(np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64)))
-    return fmt.eps * 2.0 ** np.floor(np.log2(np.maximum(m, np.finfo(np.float32).tiny)))
-
-
-def _magnitudes(qkv, scales, cos, sin, dq, dk):
-    """Float64 sums of |terms| the two paths round differently: of each output, of each qkv gradient (q, k), and
-    of each scale gradient's terms `[2, T, H, D]`."""
-    x = np.asarray(qkv[:, :2], np.float64)  # [T, 2, H, D]
-    w = np.stack([np.asarray(s, np.float64) for s in scales])[None, :, None, :]
-    c, s = (np.asarray(a, np.float64).reshape(len(x), 1, 1, -1) for a in (cos, sin))
-    inv = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS)
-    y1, y2 = np.split(np.abs(x * inv * w), 2, axis=-1)
-    out = np.concatenate([y1 * np.abs(c) + y2 * np.abs(s), y2 * np.abs(c) + y1 * np.abs(s)], axis=-1)
-    dy1, dy2 = np.split(np.abs(np.stack([np.asarray(dq, np.float64), np.asarray(dk, np.float64)], axis=1)), 2, axis=-1)
-    g = np.concatenate([dy1 * np.abs(c) + dy2 * np.abs(s), dy2 * np.abs(c) + dy1 * np.abs(s)], axis=-1)  # |RoPE^T dy| terms
-    xhat = np.abs(x * inv)
-    dx = inv * (g * np.abs(w) + xhat * np.mean(g * np.abs(w) * xhat, axis=-1, keepdims=True))
-    return out, dx, np.moveaxis(g * xhat, 1, 0)
-
-
 def _assert_close(got, want, inputs, cotangents, what=""):
-    """Outputs and gradients within one ulp of their dtype plus twice Higham's gamma of the sums the two paths
-    order differently (the D-term mean squares and `mean(gw * xhat)`; the T*H-term scale gradients) times the
-    magnitude of the terms."""
-    (q, k, v), (dqkv, dqs, dks) = got
-    (rq, rk, rv), (rdqkv, rdqs, rdks) = want
-    qkv, q_scale, k_scale, cos, sin = inputs
-    t, _, h, d = qkv.shape
-    out_mag, dx_mag, ds_terms = _magnitudes(qkv, (q_scale, k_scale), cos, sin, *cotangents[:2])
-    fmt_out, fmt_in = FORMATS[jnp.dtype(q.dtype)], FORMATS[jnp.dtype(qkv.dtype)]
-    rows = 2 * sum_worst(d)
-    for i, (a, b) in enumerate(((q, rq), (k, rk))):
-        check_within(f"{what}{'qk'[i]}", a, b, _ulp(fmt_out, a, b) + rows * out_mag[:, i])
-    np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(rv, np.float32))
-    for i in range(2):
-        a, b = dqkv[:, i], rdqkv[:, i]
-        check_within(f"{what}d{'qk'[i]}", a, b, _ulp(fmt_in, a, b) + rows * dx_mag[:, i])
-    np.testing.assert_array_equal(np.asarray(dqkv[:, 2], np.float32), np.asarray(rdqkv[:, 2], np.float32))  # dv copied
-    for i, (a, b) in enumerate(((dqs, rdqs), (dks, rdks))):
-        terms = ds_terms[i].reshape(-1, d)
-        check_within(f"{what}d{'qk'[i]}_scale", a, b, (2 * sum_worst(max(t * h, 1)) + rows) * terms.sum(0) + _ulp(FLOAT32, a, b))
+    """Outputs and gradients within their bounds (`qk_norm_rope_bounds`: one ulp of their dtype plus twice
+    Higham's gamma of the sums the two paths order differently times the magnitude of the terms; v and dv exact)."""
+    for name, (_, fraction) in bound_fractions(got, want, inputs, cotangents, EPS).items():
+        check(f"{what}{name}", fraction, 1.0)
 
 
 @pytest.mark.parametrize(
