@@ -10,10 +10,23 @@ import jax.numpy as jnp
 from pallas_kernels._src import dispatch, manual_axes
 from pallas_kernels.qk_norm_rope import kernel, reference
 
-SUPPORT = dispatch.OpSupport("qk_norm_rope", kernel_dtypes=kernel.KERNEL_DTYPES, kernel_head_dims=kernel.KERNEL_HEAD_DIMS)
+SUPPORT = dispatch.OpSupport(
+    "qk_norm_rope",
+    kernel_dtypes=kernel.KERNEL_DTYPES,
+    kernel_head_dims=kernel.KERNEL_HEAD_DIMS,
+    reference_otherwise=True,
+    size_limit="at least one token and under 2**31 elements",
+)
 
 
-def _check(qkv, q_scale, k_scale, cos, sin) -> tuple[int, int, int]:
+def _is_floating_dtype(dtype) -> bool:
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # not a dtype
+        return False
+
+
+def _check(qkv, q_scale, k_scale, cos, sin, dtype) -> tuple[int, int, int]:
     """`(T, H, D)` of valid inputs, else a ValueError naming what is wrong."""
     if qkv.ndim != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qk_norm_rope: qkv must be [T, 3, H, D] (or [T, 3*H*D] with heads=H), got {qkv.shape}")
@@ -22,6 +35,8 @@ def _check(qkv, q_scale, k_scale, cos, sin) -> tuple[int, int, int]:
         raise ValueError(f"qk_norm_rope: the head dim D must be even for RoPE, got {d}")
     if not jnp.issubdtype(qkv.dtype, jnp.floating):
         raise ValueError(f"qk_norm_rope: qkv must be floating point, got {qkv.dtype}")
+    if dtype is not None and not _is_floating_dtype(dtype):
+        raise ValueError(f"qk_norm_rope: dtype must be a floating dtype (or None: qkv's), got {dtype!r}")
     for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
         if jnp.shape(s) != (d,) or not jnp.issubdtype(jnp.result_type(s), jnp.floating):
             raise ValueError(f"qk_norm_rope: {name} must be a floating [{d}] (the head dim), got {jnp.shape(s)} {jnp.result_type(s)}")
@@ -42,6 +57,7 @@ def qk_norm_rope(
     dtype=None,
     heads: int | None = None,
     implementation: str | dispatch.Implementation | None = None,
+    tile: tuple[int, int] = kernel.TILE,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """QK-norm (RMSNorm of each query and key head, Dehghani et al. 2023, "Scaling Vision
     Transformers to 22B") then rotary position embedding (rotate-half, Su et al. 2021, "RoFormer")
@@ -77,50 +93,55 @@ def qk_norm_rope(
       dtype: dtype of q and k (default qkv's).
       heads: H, when `qkv` is `[T, 3*H*D]`.
       implementation: "xla" (the jnp reference), "pallas" or None (pallas on a Hopper GPU). The
-        kernels take bf16 and float32 `qkv` with D a power of two (2 to 1024) and under 2**31 elements;
-        other inputs run the reference under either name.
+        kernels take bf16 and float32 `qkv` with D a power of two from 16 to 256 (`kernel.KERNEL_HEAD_DIMS`,
+        the head dims the tests run), at least one token and under 2**31 elements; other inputs (e.g.
+        D = 8 or 512, or T = 0) run the reference under either name.
+      tile: `(rows, warps)` of a kernel program, tokens and warps, both powers of two (default
+        `kernel.TILE`, 32 tokens and 4 warps); the results do not depend on it beyond the order of the
+        scale gradients' sums.
 
     Returns:
       `(q, k, v)`, each `[T, H, D]`: q and k in `dtype`, v = `qkv[:, 2]` in qkv's dtype.
 
     Raises:
       ValueError: qkv not `[T, 3, H, D]` (or `[T, 3*H*D]` not divisible by `3 * heads`), D odd,
-        a non-floating qkv or scale, scales not `[D]`, `cos`/`sin` not float32 `[T, D/2]` or
-        `[T, 1, D/2]`, or an unknown implementation name.
+        a non-floating qkv, scale or `dtype`, scales not `[D]`, `cos`/`sin` not float32 `[T, D/2]` or
+        `[T, 1, D/2]`, a `tile` not of powers of two, or an unknown implementation name.
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
     """
     if heads is not None:
         if qkv.ndim != 2 or heads < 1 or qkv.shape[1] % (3 * heads):
             raise ValueError(f"qk_norm_rope: with heads={heads}, qkv must be [T, 3*H*D] with H={heads}, got {qkv.shape}")
         qkv = qkv.reshape(qkv.shape[0], 3, heads, qkv.shape[1] // (3 * heads))
-    t, h, d = _check(qkv, q_scale, k_scale, cos, sin)
-    dtype = jnp.dtype(dtype or qkv.dtype)
+    t, h, d = _check(qkv, q_scale, k_scale, cos, sin, dtype)
+    tile = kernel.check_tile(tile)
+    dtype = jnp.dtype(qkv.dtype if dtype is None else dtype)
     cos, sin = cos.reshape(t, 1, d // 2), sin.reshape(t, 1, d // 2)
     impl = dispatch.choose(SUPPORT, implementation, [qkv.dtype], d).implementation
     if impl is not dispatch.Implementation.PALLAS or not kernel.kernel_takes(qkv.shape, qkv.dtype):
         return reference.qk_norm_rope(qkv, q_scale, k_scale, cos, sin, eps, dtype)
     scales = jnp.stack([q_scale, k_scale]).astype(jnp.float32)
-    # Under shard_map every operand varies over the same manual axes before the custom VJP (its cotangents keep
+    # Under shard_map every operand varies over the same manual axes before the custom VJP, cast here only (its cotangents keep
     # their primals' types; the cast's transpose sums an invariant scale's gradient over the axes).
     operands = manual_axes.match_axes(qkv.reshape(t, 3 * h * d), scales, cos.reshape(t, d // 2), sin.reshape(t, d // 2))
-    outs = _fused(*operands, h, eps, dtype, dispatch.interpreting())
+    outs = _fused(*operands, h, eps, dtype, tile, dispatch.interpreting())
     return tuple(x.reshape(t, h, d) for x in outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fused(qkv, scales, cos, sin, heads, eps, dtype, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _fused(qkv, scales, cos, sin, heads, eps, dtype, tile, interpret):
     """`(q, k, v)` `[T, H*D]` of `qkv [T, 3*H*D]`; v from the kernel too, and its cotangent into the backward kernel."""
-    return kernel.forward(qkv, scales, cos, sin, heads=heads, eps=eps, dtype=dtype, interpret=interpret)
+    return kernel.forward(qkv, scales, cos, sin, heads=heads, eps=eps, dtype=dtype, tile=tile, interpret=interpret)
 
 
-def _fused_fwd(qkv, scales, cos, sin, heads, eps, dtype, interpret):
-    return _fused(qkv, scales, cos, sin, heads, eps, dtype, interpret), (qkv, scales, cos, sin)
+def _fused_fwd(qkv, scales, cos, sin, heads, eps, dtype, tile, interpret):
+    return _fused(qkv, scales, cos, sin, heads, eps, dtype, tile, interpret), (qkv, scales, cos, sin)
 
 
-def _fused_bwd(heads, eps, dtype, interpret, residuals, cotangents):
+def _fused_bwd(heads, eps, dtype, tile, interpret, residuals, cotangents):
     qkv, scales, cos, sin = residuals
     dq, dk, dv = cotangents
-    dqkv, dscales = kernel.backward(qkv, scales, cos, sin, dq, dk, dv, heads=heads, eps=eps, interpret=interpret)
+    dqkv, dscales = kernel.backward(qkv, scales, cos, sin, dq, dk, dv, heads=heads, eps=eps, tile=tile, interpret=interpret)
     return dqkv, dscales, jnp.zeros_like(cos), jnp.zeros_like(sin)
 
 
