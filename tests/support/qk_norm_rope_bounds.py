@@ -44,13 +44,18 @@ def _error(a, b, bound) -> tuple[float, float]:
     return float(np.max(diff, initial=0.0)), float(np.max(diff / np.maximum(bound, np.finfo(np.float64).tiny), initial=0.0))
 
 
-def bound_fractions(got, want, inputs, cotangents, eps: float = 1e-6, chunk: int = 16384) -> dict[str, tuple[float, float]]:
+def bound_fractions(
+    got, want, inputs, cotangents, eps: float = 1e-6, chunk: int = 16384, tokens_total: int | None = None
+) -> dict[str, tuple[float, float]]:
     """`{name: (max |got - want|, the largest |got - want| / bound)}` of q, k, v, the qkv gradient's slots (dq, dk,
     dv) and the scale gradients (dq_scale, dk_scale); a fraction above 1 (or NaN) breaks the bound.
 
     `got`, `want`: `((q, k, v), (dqkv, dq_scale, dk_scale))` with q, k, v `[T, H, D]` and dqkv `[T, 3, H, D]`;
     `inputs`: `(qkv [T, 3, H, D], q_scale, k_scale, cos, sin)` (tables `[T, D/2]` or `[T, 1, D/2]`);
     `cotangents`: `(dq, dk, dv)`. Tokens are taken `chunk` at a time (float64 temporaries of `chunk * 2 * H * D`).
+    `tokens_total`: when every array but the scale gradients holds a subsample of T of the tokens the scale
+    gradients sum over, their number: the scale gradients' bound then takes the subsample's sum of |terms|
+    times `tokens_total / T` (an estimate of the whole sum, not a bound of it) and the gamma of `tokens_total * H` terms.
     """
     (q, k, v), (dqkv, dqs, dks) = (np.asarray(a) for a in got[0]), (np.asarray(a) for a in got[1])
     (rq, rk, rv), (rdqkv, rdqs, rdks) = (np.asarray(a) for a in want[0]), (np.asarray(a) for a in want[1])
@@ -70,6 +75,8 @@ def bound_fractions(got, want, inputs, cotangents, eps: float = 1e-6, chunk: int
             err = _error(a[r], b[r], _ulp(fmt, a[r], b[r]) + rows * mag[:, i])
             fractions[name] = tuple(float(x) for x in np.maximum(fractions[name], err))  # NaN stays
     fractions["v"], fractions["dv"] = _error(v, rv, 0.0), _error(dqkv[:, 2], rdqkv[:, 2], 0.0)
+    n = tokens_total or t
+    ds_mag *= n / max(t, 1)
     for i, (name, a, b) in enumerate((("dq_scale", dqs, rdqs), ("dk_scale", dks, rdks))):
-        fractions[name] = _error(a, b, (2 * sum_worst(max(t * h, 1)) + rows) * ds_mag[i] + _ulp(FLOAT32, a, b))
+        fractions[name] = _error(a, b, (2 * sum_worst(max(n * h, 1)) + rows) * ds_mag[i] + _ulp(FLOAT32, a, b))
     return fractions
