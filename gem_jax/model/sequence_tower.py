@@ -63,6 +63,8 @@ class SelfAttentionBlock(nnx.Module):
                 rope_base=cfg.rope_base, max_seq_len=history.max_seq_len, implementation=chosen.block_local,
             )
         else:
+            if self.q_norm.epsilon != self.k_norm.epsilon:  # the op takes one eps for both norms
+                raise ValueError(f"QK-norm: q_norm and k_norm must share epsilon, got {self.q_norm.epsilon} and {self.k_norm.epsilon}")
             q, k, v = pallas_kernels.qk_norm_rope(
                 qkv, self.q_norm.scale[...], self.k_norm.scale[...], rope.cos, rope.sin, eps=self.q_norm.epsilon,
                 dtype=cfg.dtype, implementation=chosen.qk_norm_rope,

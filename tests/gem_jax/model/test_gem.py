@@ -125,7 +125,7 @@ def test_rope_preserves_norm_and_relative_positions():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_qk_norm_rope_reference_is_the_flax_norms_then_apply_rope(dtype):
     """The sequence tower's QK-norm + RoPE on the "xla" path (`pallas_kernels.qk_norm_rope`) gives the values and
-    gradients of the composition it replaced, flax's RMSNorm modules then `apply_rope`, bit for bit."""
+    gradients of flax's RMSNorm modules followed by `apply_rope`, bit for bit."""
     import pallas_kernels
     from gem_jax.nn.layers import rms_norm
 
@@ -155,6 +155,19 @@ def test_qk_norm_rope_reference_is_the_flax_norms_then_apply_rope(dtype):
     for a, b in zip(*map(jax.tree.leaves, results)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_qk_norms_of_different_epsilon_are_refused():
+    """The QK-norm op takes one eps: a k_norm whose epsilon differs from q_norm's is a clear error, not ignored."""
+    from gem_jax.model.sequence_tower import SelfAttentionBlock
+
+    with nnx.use_eager_sharding(False):
+        block = SelfAttentionBlock(CONFIG, rngs=nnx.Rngs(1))
+    block.k_norm.epsilon = 1e-5
+    batch = make_batch(np.random.default_rng(0), [3, 5], capacity=8)
+    rope = rope_table(batch.history.positions(), CONFIG.head_dim, CONFIG.rope_base)
+    with pytest.raises(ValueError, match="q_norm and k_norm must share epsilon, got 1e-06 and 1e-05"):
+        block(jnp.zeros((8, CONFIG.embed_dim)), batch.history, rope)
 
 
 def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
