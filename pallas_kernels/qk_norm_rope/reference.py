@@ -1,8 +1,8 @@
 """Pure-jnp QK-norm + RoPE of a fused QKV projection: the semantic spec and the "xla" path.
 
-The composition the sequence tower ran before the kernel existed, op for op (flax's
-`nnx.RMSNorm` with float32 output, then `rope`), so its values and its autodiff gradients
-are those of that composition bit for bit.
+Flax's `nnx.RMSNorm` with float32 output, then `rope`, op for op, so its values and its
+autodiff gradients are those of that composition bit for bit
+(tests/gem_jax/model/test_gem.py compares them).
 """
 
 from __future__ import annotations
