@@ -54,10 +54,9 @@ def kernel_takes(shape: tuple[int, ...], dtype) -> bool:
 
 def check_tile(tile) -> tuple[int, int]:
     """`(rows, warps)` of `tile`, else a ValueError: both positive powers of two (Triton's block shapes and warps)."""
-    rows, warps = tile
-    if not all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in (rows, warps)):
+    if len(tile) != 2 or not all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in tile):
         raise ValueError(f"qk_norm_rope: tile must be (rows, warps), both powers of two, got {tile}")
-    return rows, warps
+    return tuple(tile)
 
 
 def _tile(t: int, n: int):

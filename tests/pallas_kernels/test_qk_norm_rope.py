@@ -158,6 +158,7 @@ def test_bad_inputs_are_named():
         ((qkv, qs, ks, cos, sin), {"dtype": "bogus"}, "dtype must be a floating dtype.*'bogus'"),
         ((qkv, qs, ks, cos, sin), {"tile": (24, 4)}, r"tile must be \(rows, warps\), both powers of two, got \(24, 4\)"),
         ((qkv, qs, ks, cos, sin), {"tile": (32, 0)}, "both powers of two"),
+        ((qkv, qs, ks, cos, sin), {"tile": (32, 4, 1)}, "both powers of two"),
     ]
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
