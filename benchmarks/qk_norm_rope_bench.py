@@ -5,10 +5,10 @@ Run on the GPU machine from the repository root::
     PYTHONPATH=. python3 benchmarks/qk_norm_rope_bench.py --out benchmarks/results/qk_norm_rope_h200.json
 
 First checks `implementation="pallas"` against `implementation="xla"` (the jnp reference) on the GPU,
-at 70 tokens (a masked last tile of the kernels' 32 rows) and at `--tokens` - 13 (the default 166,528,
-the token capacity of a `configs/gem_h200.py` step, is 5,204 whole tiles: 13 fewer leave a masked last
-one), H=8, D=128, with the default tile (32 rows, 4 warps); then each `--tiles` variant at 70 tokens
-(masked last tiles of 16 and 32 rows). Inputs: bf16 `qkv [T, 3*H*D]` (normal, each token
+at 70 tokens (a masked last tile of the kernels' 16 rows) and at `--tokens` - 13 (the default 166,528,
+the token capacity of a `configs/gem_h200.py` step, is 10,408 whole tiles: 13 fewer leave a masked last
+one), H=8, D=128, with the default tile (16 rows, 4 warps); then each `--tiles` variant at 70 tokens
+(masked last tiles of 32 and 16 rows). Inputs: bf16 `qkv [T, 3*H*D]` (normal, each token
 scaled by exp(2 N(0,1)), so magnitudes span orders), float32 scales `[D]` (1 + 0.2 N(0,1)), the RoPE
 table (`gem_jax.nn.layers.rope_table`, base 10,000) of positions `arange(T) % 1024`, random bf16
 cotangents of q, k, v. Forward (q, k, v) and VJP (dqkv, d q_scale, d k_scale) must lie within the
@@ -58,7 +58,7 @@ from pallas_kernels import qk_norm_rope  # noqa: E402
 from pallas_kernels.qk_norm_rope import kernel  # noqa: E402
 
 IMPLS = ("pallas", "xla")
-TAIL_TOKENS = 70  # two whole 32-row tiles and a masked one
+TAIL_TOKENS = 70  # four whole 16-row tiles and a masked one
 TAIL_OFF = 13  # the large check's tokens: --tokens - 13 (a masked last tile)
 BOUND_TOKENS = 16_384  # tokens whose bounds the host computes (float64)
 ROPE_BASE, MAX_POSITION = 10_000.0, 1024
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128, help="D")
     p.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
     p.add_argument("--seed", type=int, default=0, help="of the checks' random inputs")
-    p.add_argument("--tiles", default="16x4,32x8", help="kernel tiles (rows x warps) checked at 70 tokens and timed besides the default 32x4")
+    p.add_argument("--tiles", default="32x4,16x8", help="kernel tiles (rows x warps) checked at 70 tokens and timed besides the default 16x4")
     p.add_argument("--bound-tokens", type=int, default=BOUND_TOKENS, help="tokens whose error bounds are computed (a random subsample)")
     p.add_argument("--interpret", action="store_true", help="everything in the Pallas interpreter (CPU check of this script)")
     p.add_argument("--out", help="JSON file of the results")

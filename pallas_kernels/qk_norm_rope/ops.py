@@ -97,7 +97,7 @@ def qk_norm_rope(
         the head dims the tests run), at least one token and under 2**31 elements; other inputs (e.g.
         D = 8 or 512, or T = 0) run the reference under either name.
       tile: `(rows, warps)` of a kernel program, tokens and warps, both powers of two (default
-        `kernel.TILE`, 32 tokens and 4 warps); the results do not depend on it beyond the order of the
+        `kernel.TILE`, 16 tokens and 4 warps); the results do not depend on it beyond the order of the
         scale gradients' sums.
 
     Returns:

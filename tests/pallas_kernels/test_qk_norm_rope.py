@@ -61,12 +61,12 @@ def _assert_close(got, want, inputs, cotangents, what=""):
 @pytest.mark.parametrize(
     "t, h, d, dtype, out_dtype, tile",
     [
-        (70, 2, 32, jnp.bfloat16, jnp.bfloat16, kernel.TILE),  # T not a multiple of the kernel's 32 rows
+        (70, 2, 32, jnp.bfloat16, jnp.bfloat16, kernel.TILE),  # T not a multiple of the kernel's 16 rows
         (70, 2, 32, jnp.float32, jnp.float32, kernel.TILE),
         (64, 3, 16, jnp.float32, jnp.bfloat16, kernel.TILE),  # whole tiles; float32 projection, bf16 q and k; the least D
         (1, 8, 128, jnp.bfloat16, jnp.bfloat16, kernel.TILE),  # a single token, the GEM head shape
         (5, 1, 256, jnp.bfloat16, jnp.bfloat16, kernel.TILE),  # the largest D
-        (70, 2, 32, jnp.bfloat16, jnp.bfloat16, (16, 8)),  # 16-row tiles (a masked last one), 8 warps
+        (70, 2, 32, jnp.bfloat16, jnp.bfloat16, (32, 8)),  # 32-row tiles (a masked last one), 8 warps
     ],
 )
 def test_kernel_matches_reference_forward_and_gradients(t, h, d, dtype, out_dtype, tile):
