@@ -9,6 +9,7 @@ from pallas_kernels.choice import describe_choice, implementations
 from pallas_kernels.gdpa import gdpa
 from pallas_kernels.jagged_flash_attention import jagged_flash_attention
 from pallas_kernels.mxfp8 import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
+from pallas_kernels.qk_norm_rope import qk_norm_rope
 
 __all__ = [
     "block_local_attention",
@@ -23,6 +24,7 @@ __all__ = [
     "implementations",
     "jagged_flash_attention",
     "mxfp8_matmul",
+    "qk_norm_rope",
     "quantize_mxfp8",
     "random_hadamard",
     "rmsnorm_quantize_mxfp8",

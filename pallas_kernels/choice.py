@@ -14,8 +14,9 @@ from pallas_kernels.block_local_attention import ops as block_local_ops
 from pallas_kernels.gdpa import ops as gdpa_ops
 from pallas_kernels.jagged_flash_attention import ops as jfa_ops
 from pallas_kernels.mxfp8 import ops as mxfp8_ops
+from pallas_kernels.qk_norm_rope import ops as qk_norm_rope_ops
 
-_OPS = {op.name: op for op in (jfa_ops.SUPPORT, gdpa_ops.SUPPORT, block_local_ops.SUPPORT, mxfp8_ops.SUPPORT, *mxfp8_ops.QUANTIZE_SUPPORTS)}
+_OPS = {op.name: op for op in (jfa_ops.SUPPORT, gdpa_ops.SUPPORT, block_local_ops.SUPPORT, mxfp8_ops.SUPPORT, *mxfp8_ops.QUANTIZE_SUPPORTS, qk_norm_rope_ops.SUPPORT)}
 
 
 def _support(op_name: str) -> dispatch.OpSupport:
@@ -46,7 +47,7 @@ def describe_choice(
 
     Args:
       op_name: "jagged_flash_attention", "gdpa", "block_local_attention", "mxfp8_matmul",
-        "quantize_mxfp8", "rmsnorm_quantize_mxfp8" or "gelu_quantize_mxfp8".
+        "quantize_mxfp8", "rmsnorm_quantize_mxfp8", "gelu_quantize_mxfp8" or "qk_norm_rope".
       dtype: the inputs' dtype (e.g. jnp.bfloat16).
       head_dim: the attention head dim D (None for the mxfp8 ops).
       implementation: the setting the op will get (None: the op chooses).

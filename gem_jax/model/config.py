@@ -182,11 +182,14 @@ class AttentionImplementations(NamedTuple):
       gelu: for every `pallas_kernels.gdpa` call (history/feature cross attention, pooled
         attention, the cross tower's token attention, causal SiLU self-attention).
       block_local: for `pallas_kernels.block_local_attention`.
+      qk_norm_rope: for `pallas_kernels.qk_norm_rope` (the QK-norm and RoPE before the
+        self-attention, except block-local's, which rotates inside its kernel).
     """
 
     softmax: Implementation | str | None
     gelu: Implementation | str | None
     block_local: Implementation | str | None
+    qk_norm_rope: Implementation | str | None
 
 
 def attention_implementations(config: ModelConfig) -> AttentionImplementations:
@@ -196,13 +199,14 @@ def attention_implementations(config: ModelConfig) -> AttentionImplementations:
     attention on the padded layout with sequence lengths
     (`jax.nn.dot_product_attention(..., implementation="cudnn")`, through
     `jagged_flash_attention(implementation="cudnn")`) for the softmax attention and, since
-    cuDNN has no GELU or block-local attention, the jnp references (XLA) for the rest. Any
-    other value (None, "xla", "pallas") goes to every op unchanged.
+    cuDNN has no GELU or block-local attention, the jnp references (XLA) for the rest (the
+    QK-norm and RoPE included). Any other value (None, "xla", "pallas") goes to every op unchanged.
     """
     implementation = config.attention_implementation
     if implementation == Implementation.CUDNN:
-        return AttentionImplementations(softmax=implementation, gelu=Implementation.XLA, block_local=Implementation.XLA)
-    return AttentionImplementations(softmax=implementation, gelu=implementation, block_local=implementation)
+        xla = Implementation.XLA
+        return AttentionImplementations(softmax=implementation, gelu=xla, block_local=xla, qk_norm_rope=xla)
+    return AttentionImplementations(softmax=implementation, gelu=implementation, block_local=implementation, qk_norm_rope=implementation)
 
 
 def describe_attention(config: ModelConfig) -> list[str]:
@@ -222,11 +226,11 @@ def describe_attention(config: ModelConfig) -> list[str]:
         SequenceAttention.BLOCK_LOCAL: ("block_local_attention", chosen.block_local),
         SequenceAttention.CAUSAL_SILU: ("gdpa", chosen.gelu),
     }[config.sequence_attention]
+    ops = [(f"self-attention ({config.sequence_attention.value})", *self_attention), ("GELU attention (GDPA)", "gdpa", chosen.gelu)]
+    if config.sequence_attention is not SequenceAttention.BLOCK_LOCAL:
+        ops.append(("QK-norm and RoPE", "qk_norm_rope", chosen.qk_norm_rope))
     lines = []
-    for label, op, implementation in (
-        (f"self-attention ({config.sequence_attention.value})", *self_attention),
-        ("GELU attention (GDPA)", "gdpa", chosen.gelu),
-    ):
+    for label, op, implementation in ops:
         choice = describe_choice(op, config.compute_dtype, config.head_dim, implementation=implementation)
         lines.append(f"{label}: {choice.implementation.value} ({choice.reason})")
     if config.fp8:

@@ -18,7 +18,7 @@ import pallas_kernels
 from gem_jax.jagged import Jagged
 from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, SequenceAttention, attention_implementations
-from gem_jax.nn.layers import MLP, RopeTable, apply_rope, dense, norm_dense, rms_norm, rope_table
+from gem_jax.nn.layers import MLP, RopeTable, dense, norm_dense, rms_norm, rope_table
 
 
 class SelfAttentionBlock(nnx.Module):
@@ -54,16 +54,21 @@ class SelfAttentionBlock(nnx.Module):
         t = x.shape[0]
         qkv = norm_dense(self.norm_attn, self.qkv, x, fp8_saved_input=cfg.fp8_saved_activations)
         qkv = qkv.reshape(t, 3, cfg.num_heads, cfg.head_dim)
-        q, k, v = self.q_norm(qkv[:, 0]), self.k_norm(qkv[:, 1]), qkv[:, 2]
         kind = cfg.sequence_attention
         chosen = attention_implementations(cfg)
         if kind is SequenceAttention.BLOCK_LOCAL:  # RoPE inside the kernel, at each row's position in its sequence
+            q, k, v = self.q_norm(qkv[:, 0]), self.k_norm(qkv[:, 1]), qkv[:, 2]
             attn = pallas_kernels.block_local_attention(
                 q.astype(cfg.dtype), k.astype(cfg.dtype), v, history.offsets, block_size=cfg.attention_block_size,
                 rope_base=cfg.rope_base, max_seq_len=history.max_seq_len, implementation=chosen.block_local,
             )
         else:
-            q, k = apply_rope(q, rope, cfg.dtype), apply_rope(k, rope, cfg.dtype)
+            if self.q_norm.epsilon != self.k_norm.epsilon:  # the op takes one eps for both norms
+                raise ValueError(f"QK-norm: q_norm and k_norm must share epsilon, got {self.q_norm.epsilon} and {self.k_norm.epsilon}")
+            q, k, v = pallas_kernels.qk_norm_rope(
+                qkv, self.q_norm.scale[...], self.k_norm.scale[...], rope.cos, rope.sin, eps=self.q_norm.epsilon,
+                dtype=cfg.dtype, implementation=chosen.qk_norm_rope,
+            )
             if kind is SequenceAttention.CAUSAL_SILU:
                 attn = pallas_kernels.gdpa(
                     q, k, v, history.offsets, history.offsets, max_seq_len_q=history.max_seq_len,

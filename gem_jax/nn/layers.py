@@ -20,6 +20,7 @@ from gem_jax.quant.dense import Fp8Linear
 from gem_jax.quant.saved_activations import dense_fp8_input, gelu_dense_fp8_input
 from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels.mixed_precision import dot_general_float32
+from pallas_kernels.qk_norm_rope import reference as qk_norm_rope_reference
 
 EMBEDDING_PARAM = "embedding"  # name of every embedding-table parameter (the sparse optimizer's partition key)
 
@@ -219,7 +220,7 @@ def apply_rope(x: jax.Array, table: RopeTable, dtype: jnp.dtype | None = None) -
 
     Computed in float32: give it the float32 output of the QK-norm and the compute
     dtype as `dtype`, and norm and rotation are one elementwise pass with one rounding.
+    The sequence tower runs both through `pallas_kernels.qk_norm_rope` (its reference
+    computes the rotation with this function's formula, `qk_norm_rope.reference.rope`).
     """
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    cos, sin = table
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype or x.dtype)
+    return qk_norm_rope_reference.rope(x, table.cos, table.sin, dtype)

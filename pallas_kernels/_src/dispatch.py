@@ -53,12 +53,18 @@ class OpSupport:
       kernel_dtypes: input dtypes the Mosaic GPU kernels take (None: any the op accepts).
       kernel_head_dims: head dims the kernels take (None: the op has no head dim).
       cudnn: whether the op has a cuDNN path.
+      reference_otherwise: whether inputs the kernels do not take run the jnp reference under
+        "pallas" too (else the kernels refuse them with their own message).
+      size_limit: a condition on the inputs' size the kernels also need, which `choose` (given no
+        shape) cannot check, e.g. "under 2**31 elements"; named in the reason of a Pallas choice.
     """
 
     name: str
     kernel_dtypes: tuple[jnp.dtype, ...] | None = None
     kernel_head_dims: tuple[int, ...] | None = None
     cudnn: bool = False
+    reference_otherwise: bool = False
+    size_limit: str | None = None
 
     @property
     def implementations(self) -> tuple[Implementation, ...]:
@@ -180,7 +186,9 @@ def choose(
     needs a Hopper GPU, or Mosaic GPU interpret mode (the CPU simulator the tests
     force); "cudnn" needs an NVIDIA GPU and inputs cuDNN takes. Whether the
     kernels take the inputs is left to them, so their own messages name the
-    dtype or head dim.
+    dtype or head dim; for an op with `reference_otherwise`, "pallas" with
+    inputs the kernels do not take (dtype, head dim) chooses the reference.
+    A Pallas choice's reason names the op's `size_limit`, if any.
 
     Raises:
       ValueError: an unknown name, "cudnn" for an op without a cuDNN path, or
@@ -192,15 +200,19 @@ def choose(
     where = describe_device(device)
     if requested is Implementation.XLA:
         return Choice(requested, "asked for the jnp reference")
+    limit = f" ({op.size_limit}; else the jnp reference)" if op.size_limit else ""
     if requested is Implementation.PALLAS:
-        if interpreting():
-            return Choice(requested, "asked for the Pallas kernels (Mosaic GPU interpret mode)")
-        if not is_hopper_gpu(device):
+        if not interpreting() and not is_hopper_gpu(device):
             raise ImplementationUnavailableError(
                 f"{op.name}: implementation='pallas' runs Mosaic GPU kernels for Hopper (sm_90): "
                 f"no Hopper GPU: found {where}; use implementation=None or 'xla'"
             )
-        return Choice(requested, f"asked for the Pallas kernels on {where}")
+        kernel_problem = op.kernel_problem(dtypes, head_dim) if op.reference_otherwise else None
+        if kernel_problem is not None:
+            return Choice(Implementation.XLA, f"asked for the Pallas kernels, but {kernel_problem}: the jnp reference")
+        if interpreting():
+            return Choice(requested, f"asked for the Pallas kernels (Mosaic GPU interpret mode){limit}")
+        return Choice(requested, f"asked for the Pallas kernels on {where}{limit}")
     if requested is Implementation.CUDNN:
         if not op.cudnn:
             raise ValueError(
@@ -216,7 +228,7 @@ def choose(
         return Choice(requested, f"asked for cuDNN on {where}")
     kernel_problem = op.kernel_problem(dtypes, head_dim)
     if is_hopper_gpu(device) and kernel_problem is None:
-        return Choice(Implementation.PALLAS, f"Hopper GPU ({where}) and the Pallas kernels take these inputs")
+        return Choice(Implementation.PALLAS, f"Hopper GPU ({where}) and the Pallas kernels take these inputs{limit}")
     if op.cudnn and is_nvidia_gpu(device):
         cudnn_problem = op.cudnn_problem(dtypes, head_dim, device)
         if cudnn_problem is None:

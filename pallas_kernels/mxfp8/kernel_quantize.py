@@ -53,10 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._src import manual_axes
+from pallas_kernels._src.triton_call import triton_call
 from pallas_kernels.mxfp8 import formats, reference
 
 BLOCK = 128  # K extent of one scale (1x128 tiles)
@@ -183,15 +183,12 @@ def quantize_rows(
     )
     rotate = hadamard_signs is not None
     kernel = functools.partial(_quantize_tile, m=m, kind=kind, has_col=has_col, rotate=rotate)
-    # The tests' Mosaic GPU simulator does not run Triton-lowered kernels: they use the generic
-    # interpreter (pallas_call reads the simulator's context when it is built).
-    with plgpu.force_gpu_interpret_mode(None):
-        data, scale_bytes = pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=(pl.cdiv(m, ROWS), k // BLOCK),
-            compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-            interpret=interpret,
-            name=f"mxfp8_quantize_{kind.value}" + ("_hadamard" if rotate else ""),
-        )(*operands)
+    data, scale_bytes = triton_call(
+        kernel,
+        operands,
+        out_shape=out_shape,
+        grid=(pl.cdiv(m, ROWS), k // BLOCK),
+        name=f"mxfp8_quantize_{kind.value}" + ("_hadamard" if rotate else ""),
+        interpret=interpret,
+    )
     return data, lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)

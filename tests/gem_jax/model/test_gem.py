@@ -122,6 +122,54 @@ def test_rope_preserves_norm_and_relative_positions():
     np.testing.assert_allclose(d1, d2, rtol=1e-5)  # float32 cos/sin of larger angles: ~position x u each, 8 terms
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_qk_norm_rope_reference_is_the_flax_norms_then_apply_rope(dtype):
+    """The sequence tower's QK-norm + RoPE on the "xla" path (`pallas_kernels.qk_norm_rope`) gives the values and
+    gradients of flax's RMSNorm modules followed by `apply_rope`, bit for bit."""
+    import pallas_kernels
+    from gem_jax.nn.layers import rms_norm
+
+    rng = np.random.default_rng()
+    t, h, d = 37, 2, 16
+    qkv = jnp.asarray(rng.normal(size=(t, 3, h, d)) * 3, dtype)
+    table = rope_table(jnp.asarray(rng.integers(0, 500, t)), d, 10_000.0)
+    with nnx.use_eager_sharding(False):
+        norms = [rms_norm(d, rngs=nnx.Rngs(0), dtype=jnp.float32) for _ in range(2)]
+    for norm in norms:
+        norm.scale[...] = jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32)
+    (graphdef, q_state), (_, k_state) = map(nnx.split, norms)
+
+    def before(qkv, q_state, k_state):
+        q_norm, k_norm = nnx.merge(graphdef, q_state), nnx.merge(graphdef, k_state)
+        return apply_rope(q_norm(qkv[:, 0]), table, dtype), apply_rope(k_norm(qkv[:, 1]), table, dtype), qkv[:, 2]
+
+    def after(qkv, q_state, k_state):
+        q_norm, k_norm = nnx.merge(graphdef, q_state), nnx.merge(graphdef, k_state)
+        return pallas_kernels.qk_norm_rope(
+            qkv, q_norm.scale[...], k_norm.scale[...], table.cos, table.sin, eps=q_norm.epsilon, dtype=dtype, implementation="xla"
+        )
+
+    scales = (q_state, k_state)
+    cts = tuple(jnp.asarray(rng.normal(size=(t, h, d)), dtype) for _ in range(3))
+    results = [jax.jit(lambda *a, f=f: (lambda o, vjp: (o, vjp(cts)))(*jax.vjp(f, *a)))(qkv, *scales) for f in (before, after)]
+    for a, b in zip(*map(jax.tree.leaves, results)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_qk_norms_of_different_epsilon_are_refused():
+    """The QK-norm op takes one eps: a k_norm whose epsilon differs from q_norm's is a clear error, not ignored."""
+    from gem_jax.model.sequence_tower import SelfAttentionBlock
+
+    with nnx.use_eager_sharding(False):
+        block = SelfAttentionBlock(CONFIG, rngs=nnx.Rngs(1))
+    block.k_norm.epsilon = 1e-5
+    batch = make_batch(np.random.default_rng(0), [3, 5], capacity=8)
+    rope = rope_table(batch.history.positions(), CONFIG.head_dim, CONFIG.rope_base)
+    with pytest.raises(ValueError, match="q_norm and k_norm must share epsilon, got 1e-06 and 1e-05"):
+        block(jnp.zeros((8, CONFIG.embed_dim)), batch.history, rope)
+
+
 def test_fp8_switch_swaps_tower_layers_with_the_same_parameters(split_model):
     """`ModelConfig(fp8=True)`: the towers' dense layers become FP8 layers holding the same parameters."""
     from gem_jax.model.sequence_tower import SelfAttentionBlock
@@ -202,12 +250,13 @@ def test_gradient_norms_bounded_at_init_with_empty_features(split_model):
     "setting, softmax, gelu", [(None, None, None), ("pallas", "pallas", "pallas"), ("xla", "xla", "xla"), ("cudnn", "cudnn", "xla")]
 )
 def test_attention_implementation_reaches_each_op(monkeypatch, setting, softmax, gelu):
-    """JFA gets the softmax implementation and every GDPA call the GELU one ("cudnn": cuDNN + GDPA's reference)."""
+    """JFA gets the softmax implementation, every GDPA call and the QK-norm + RoPE the GELU one ("cudnn": cuDNN
+    + the references)."""
     import dataclasses
 
     import pallas_kernels
 
-    seen = {"jfa": set(), "gdpa": set()}
+    seen = {"jfa": set(), "gdpa": set(), "qk_norm_rope": set()}
 
     def recording(name, op):
         def call(*args, implementation=None, **kwargs):
@@ -218,12 +267,13 @@ def test_attention_implementation_reaches_each_op(monkeypatch, setting, softmax,
 
     monkeypatch.setattr(pallas_kernels, "jagged_flash_attention", recording("jfa", pallas_kernels.jagged_flash_attention))
     monkeypatch.setattr(pallas_kernels, "gdpa", recording("gdpa", pallas_kernels.gdpa))
+    monkeypatch.setattr(pallas_kernels, "qk_norm_rope", recording("qk_norm_rope", pallas_kernels.qk_norm_rope))
     config = dataclasses.replace(CONFIG, attention_implementation=setting)
     with nnx.use_eager_sharding(False):
         model = GEMModel(SPEC, config, rngs=nnx.Rngs(0))
     logits = model(make_batch(np.random.default_rng(), [3, 0, 7], capacity=16))
     assert np.isfinite(np.asarray(logits)).all()
-    assert seen == {"jfa": {softmax}, "gdpa": {gelu}}
+    assert seen == {"jfa": {softmax}, "gdpa": {gelu}, "qk_norm_rope": {gelu}}
 
 
 @pytest.mark.parametrize("kind", ["sliding_window", "block_local", "causal_silu"])
@@ -311,11 +361,13 @@ def test_bad_regions_are_refused_and_overrides_parse_names():
 def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
     lines = describe_attention(dataclasses.replace(CONFIG, fp8=True, fp8_block=128, fp8_saved_activations=True))
     assert lines[0].startswith("self-attention (full): xla") and lines[1].startswith("GELU attention (GDPA): xla")
-    assert lines[2].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
-    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[2]
+    assert lines[2].startswith("QK-norm and RoPE: xla")
+    assert lines[3].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
+    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[3]
     assert rotated.startswith("FP8 dense layers (32-wide blocks, random Hadamard rotation; seq_attention")
-    assert lines[3].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
-    assert len(describe_attention(CONFIG)) == 2
+    assert lines[4].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
+    assert len(describe_attention(CONFIG)) == 3
+    assert len(describe_attention(dataclasses.replace(CONFIG, sequence_attention="block_local"))) == 2  # RoPE in its kernel
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
