@@ -9,7 +9,7 @@ Mosaic GPU give their GPU kernels (the names CUPTI reports, as in Nsight Systems
 - `gemm_f32_tf32`: matrix products with float32 operands, which Hopper runs as TF32
   (`..._f32f32_tf32f32_...`, `sgemm`, `nvjet_s...`): a bf16 step should have none;
 - `pallas`: Pallas kernels: Mosaic GPU (`<name>_mosaic_gpu_kernel`: JFA, GDPA, the MXFP8 GEMM) and
-  Triton-lowered (`mxfp8_quantize_*`, the one-pass quantization);
+  Triton-lowered (`mxfp8_quantize_*`, the one-pass quantization; `qk_norm_rope_forward`/`_backward`);
 - `cudnn`: cuDNN kernels (the padded peer's flash attention, `cudnn_generated_..._sdpa_...`);
 - `collectives`: NCCL (`ncclDevKernel_AllGather_RING_LL`) and XLA's own collective kernels;
 - XLA's generated kernels, by the operation that names them: `gather_scatter`
@@ -51,7 +51,7 @@ LABELS = {
 }
 
 _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]scatter|all[-_]?to[-_]?all|collective[-_]permute")
-_PALLAS = re.compile(r"mosaic|^(gdpa|jfa|jagged_flash|mxfp8)")
+_PALLAS = re.compile(r"mosaic|^(gdpa|jfa|jagged_flash|mxfp8|qk_norm_rope)")
 _CUDNN = re.compile(r"cudnn|sdpa|fmha")
 _GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|^sm\d+_")
 # cuBLAS names its float32 GEMMs `..._tf32...` or `sgemm`; nvjet kernels spell the operand types

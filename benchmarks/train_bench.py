@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "benchmark": "train_scaling",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": version["commit"] if version["commit"] != "unknown" else os.environ.get("GEM_GIT_COMMIT", "unknown"),
+        "git_commit": os.environ.get("GEM_GIT_COMMIT") or version["commit"],  # $GEM_GIT_COMMIT names a copied tree run elsewhere
         "jax_version": jax.__version__,
         "device_kind": jax.devices()[0].device_kind,
         "num_visible_devices": jax.device_count(),

@@ -24,6 +24,8 @@ KERNELS = [
     ("gdpa_bwd_dkv_mosaic_gpu_kernel", "pallas"),
     ("entry_mosaic_gpu_kernel", "pallas"),
     ("mosaic_gpu_kernel", "pallas"),
+    ("qk_norm_rope_forward", "pallas"),  # Triton-lowered Pallas kernels carry the function's name
+    ("qk_norm_rope_backward", "pallas"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "cudnn"),
     ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collectives"),
     ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "collectives"),
