@@ -129,7 +129,8 @@ def _backward(qkv_ref, scale_ref, cos_ref, sin_ref, dq_ref, dk_ref, dv_ref, dqkv
             c = (jnp.sum(gw1 * xh1 + gw2 * xh2, axis=1) / (2 * half))[:, None]
             plt.store(dqkv_ref.at[tile, pl.ds(col, half)], (inv * (gw1 - xh1 * c)).astype(dqkv_ref.dtype), mask=mask)
             plt.store(dqkv_ref.at[tile, pl.ds(col + half, half)], (inv * (gw2 - xh2 * c)).astype(dqkv_ref.dtype), mask=mask)
-            acc1, acc2 = acc1 + g1 * xh1, acc2 + g2 * xh2
+            # Rows past t are read as zeros: their xhat is 0 * rsqrt(eps), NaN for eps = 0, so they are masked out.
+            acc1, acc2 = acc1 + jnp.where(mask, g1 * xh1, 0.0), acc2 + jnp.where(mask, g2 * xh2, 0.0)
         dscale_ref[i, pl.ds(part * 2 * half, half)] = jnp.sum(acc1, axis=0)
         dscale_ref[i, pl.ds(part * 2 * half + half, half)] = jnp.sum(acc2, axis=0)
     _copy_heads(dv_ref, 0, dqkv_ref, 2 * heads, tile, mask, heads, 2 * half)  # v's cotangent into its slot

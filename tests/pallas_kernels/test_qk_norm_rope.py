@@ -35,11 +35,11 @@ def _inputs(t, h, d, dtype, seed):
     return jnp.asarray(qkv, dtype), *scales, jnp.cos(angles), jnp.sin(angles)
 
 
-def _run(implementation, qkv, q_scale, k_scale, cos, sin, cotangents, dtype=None, **kwargs):
+def _run(implementation, qkv, q_scale, k_scale, cos, sin, cotangents, dtype=None, eps=EPS, **kwargs):
     """`(q, k, v)` and the cotangents of `(qkv, q_scale, k_scale)` for `cotangents` of `(q, k, v)`."""
 
     def fn(qkv, q_scale, k_scale):
-        return qk_norm_rope(qkv, q_scale, k_scale, cos, sin, eps=EPS, dtype=dtype, implementation=implementation, **kwargs)
+        return qk_norm_rope(qkv, q_scale, k_scale, cos, sin, eps=eps, dtype=dtype, implementation=implementation, **kwargs)
 
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         outs, vjp = jax.vjp(jax.jit(fn), qkv, q_scale, k_scale)
@@ -79,6 +79,22 @@ def test_kernel_matches_reference_forward_and_gradients(t, h, d, dtype, out_dtyp
     assert [o.dtype for o in got[0]] == [jnp.dtype(out_dtype)] * 2 + [jnp.dtype(dtype)]
     assert all(o.shape == (t, h, d) for o in got[0]) and got[1][0].shape == (t, 3, h, d) and got[1][0].dtype == dtype
     _assert_close(got, want, inputs, cts, f"seed {seed}: ")
+
+
+def test_eps_zero_with_a_masked_last_tile():
+    """eps = 0 (a valid setting) with T not a multiple of the tile: the masked rows, read as zeros, have an
+    infinite rsqrt and must not reach the scale gradients, which match the reference's within their bounds;
+    a real all-zero head is NaN in both paths."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    inputs = _inputs(70, 2, 32, jnp.float32, seed)
+    cts = _cotangents(qk_norm_rope(*inputs, eps=0.0, implementation="xla"), seed)
+    got, want = _run("pallas", *inputs, cts, eps=0.0), _run("xla", *inputs, cts, eps=0.0)
+    for name, (_, fraction) in bound_fractions(got, want, inputs, cts, 0.0).items():
+        check(f"seed {seed}: {name}", fraction, 1.0)
+    qkv = inputs[0].at[5, 1, 0].set(0.0)  # token 5's first key head all zero
+    for path in (_run("pallas", qkv, *inputs[1:], cts, eps=0.0), _run("xla", qkv, *inputs[1:], cts, eps=0.0)):
+        assert np.isnan(np.asarray(path[0][1])[5, 0]).all() and np.isnan(np.asarray(path[1][2])).all()
+        assert np.isfinite(np.asarray(path[1][1])).all()
 
 
 def test_flat_projection_and_two_dimensional_table_give_the_same_results():
