@@ -1,7 +1,7 @@
 """The switch table's runs: configs/planted_sharded.py once per numerics switch and seed, on a planted log.
 
 Every switch that changes the step's numerics (`SWITCHES`: FP8 layouts, FP8 saved activations,
-sliding-window and block-local attention) is trained beside the bf16 full-attention reference on
+sliding-window and block-local attention, AdamW moments stored in bfloat16) is trained beside the bf16 full-attention reference on
 the same converted planted log, from the same seeds (seed k: `loop.seed=k data.seed=k`, the
 same parameter init and the same batch order for every switch), and compared on its final eval
 NE and AUC (`benchmarks/compare_runs.py --switch-table`; benchmarks/quality.md, "The switch
@@ -25,7 +25,7 @@ benchmarks/figures/switch_table_<preset>.png, and prints the `train` commands fo
 table still wants (switches within two spreads of the reference with fewer than 3 seeds).
 
 `plan` groups runs into calls of at most `--per-call` (5) runs: the first pass is the reference
-with seeds 0, 1, 2 and every switch with seed 0, per preset (20 runs, 4 calls); a second pass
+with seeds 0, 1, 2 and every switch with seed 0, per preset (11 runs, 3 calls); a second pass
 names its switches and seeds (`plan --presets short-range --switches fp8_32 --seeds 1 2
 --reference-seeds`). A call of five bf16 runs of configs/planted_sharded.py took 5.6 minutes on
 one H200 (2026-12-04, five recipe variants of the reference: 15 s planting and converting on a
@@ -61,6 +61,8 @@ SWITCHES = {  # switch -> the `--set` overrides of configs/planted_sharded.py th
     "fp8_saved": ("model.fp8_saved_activations=True",),
     "sliding_256": ("model.sequence_attention=SLIDING_WINDOW", "model.attention_window=256"),
     "block_local_64": ("model.sequence_attention=BLOCK_LOCAL", "model.attention_block_size=64"),
+    # the dense group's AdamW moments stored in bfloat16 (the optimizer's numerics, not the model's)
+    "bf16_moments": ("optim.moments_dtype=bfloat16",),
 }
 PRESETS = ("long-range", "short-range")
 CONFIG = "configs/planted_sharded.py"
