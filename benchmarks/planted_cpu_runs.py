@@ -9,7 +9,7 @@ split, then trains `configs/events_tiny.py` once per `--run NAME=OVERRIDES` (spa
 overrides; a name ending in `_d32` or `_d128` takes that width, with 2 sequence layers, 2 pooled queries
 and head MLPs of max(64, d); `_seed<k>` sets `loop.seed` and `data.seed`) under the common recipe: 500
 steps of 128, dense AdamW 1e-2 after 10 warm-up steps, row-wise embedding Adagrad from 0 at 1.0. Writes
-each run's final eval AUC and NE, with the log's item-mean and oracle, to `--out`.
+each run's final eval AUC and NE and its train NE at every log, with the log's item-mean and oracle, to `--out`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ def name_overrides(name: str) -> list[str]:
     return out
 
 
+def _train_ne(metrics: Path) -> dict[int, float]:
+    """step -> train NE of the click task, from a run's metrics.jsonl (each log is the mean since the last)."""
+    records = (json.loads(line) for line in metrics.read_text().splitlines())
+    return {r["step"]: round(r["ne_click"], 4) for r in records if r.get("kind") == "train"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, help="NAME=OVERRIDES (space-separated --set overrides)")
@@ -63,7 +69,8 @@ def main() -> None:
         name, _, extra = spec.partition("=")
         overrides = [f"data.path={root / 'converted'}", *RECIPE, *name_overrides(name), *extra.split()]
         summary = train_and_evaluate(apply_overrides(base, overrides), root / name, progress=False)
-        results[name] = {"overrides": overrides[1:], "auc": summary["auc_click"], "ne": summary["ne_click"]}
+        results[name] = {"overrides": overrides[1:], "auc": summary["auc_click"], "ne": summary["ne_click"],
+                         "train_ne": _train_ne(root / name / "metrics.jsonl")}
         print(name, results[name]["auc"], results[name]["ne"], flush=True)
     args.out.write_text(json.dumps({
         "log": "long-range preset, 300 users, 200 items, 20 categories, seed 0; split " + SPLIT,

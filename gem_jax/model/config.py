@@ -93,6 +93,9 @@ class ModelConfig:
         sequence tower's per-token layers); ignored when `fp8` is off.
       remat: which regions recompute their activations in the backward
         (`gem_jax.model.remat`); default none.
+      tied_qk_init: start every attention's key projection equal to its query projection
+        (mimetic initialisation, `gem_jax.nn.layers.tie_key_to_query`), so a token first
+        attends to the keys that look like it; False: independent random projections.
 
     Raises:
       ValueError: a field out of range, or a `remat` pattern that matches no region
@@ -118,11 +121,13 @@ class ModelConfig:
     fp8_saved_activations: bool = False
     fp8_regions: tuple[Fp8Region, ...] = SEQUENCE_TOWER_FP8
     remat: RematConfig = RematConfig()
+    tied_qk_init: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
-        if not isinstance(self.fp8_hadamard, bool):
-            raise ValueError(f"fp8_hadamard must be a bool, got {self.fp8_hadamard!r}")
+        for flag in ("fp8_hadamard", "tied_qk_init"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         try:
             regions = tuple(Fp8Region(r) for r in self.fp8_regions)
         except (TypeError, ValueError):

@@ -23,7 +23,7 @@ from flax.nnx.nn.dtypes import promote_dtype
 import pallas_kernels
 from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
-from gem_jax.nn.layers import dense, gelu, norm_dense, rms_norm
+from gem_jax.nn.layers import dense, gelu, norm_dense, rms_norm, tie_key_to_query
 from gem_jax.nn.experts import expert_parallel
 
 MLP_EXPERTS = 4  # MLP experts per DHEN layer; expert parallelism needs experts_per_node to divide it
@@ -43,6 +43,8 @@ class TokenAttention(nnx.Module):
         fp8 = config.fp8_for(Fp8Region.CROSS)
         self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
         self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
+        if config.tied_qk_init:
+            tie_key_to_query(self.qkv, self.qkv, width=d, key_column=d)  # columns [q | k | v]
         self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)

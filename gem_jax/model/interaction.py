@@ -17,7 +17,7 @@ import pallas_kernels
 from gem_jax.jagged import segment_ids
 from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
-from gem_jax.nn.layers import dense, norm_dense, rms_norm
+from gem_jax.nn.layers import dense, norm_dense, rms_norm, tie_key_to_query
 
 
 class CrossAttention(nnx.Module):
@@ -40,6 +40,8 @@ class CrossAttention(nnx.Module):
         self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
+        if config.tied_qk_init:
+            tie_key_to_query(self.q, self.kv, width=d, key_column=0)  # kv's first d columns are the keys
 
     def __call__(self, x, x_offsets, max_len_x: int, context, context_offsets, max_len_context: int) -> jax.Array:
         """x `[Tq, d]` with offsets `[B+1]`; context `[Tkv, d]` with offsets `[B+1]` -> `[Tq, d]`."""

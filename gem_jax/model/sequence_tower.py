@@ -18,7 +18,7 @@ import pallas_kernels
 from gem_jax.jagged import Jagged
 from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, SequenceAttention, attention_implementations
-from gem_jax.nn.layers import MLP, RopeTable, dense, norm_dense, rms_norm, rope_table
+from gem_jax.nn.layers import MLP, RopeTable, dense, norm_dense, rms_norm, rope_table, tie_key_to_query
 
 
 class SelfAttentionBlock(nnx.Module):
@@ -34,6 +34,8 @@ class SelfAttentionBlock(nnx.Module):
         fp8 = config.fp8_for(Fp8Region.SEQ_ATTENTION)
         self.norm_attn = rms_norm(d, rngs=rngs, dtype=config.dtype)
         self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
+        if config.tied_qk_init:
+            tie_key_to_query(self.qkv, self.qkv, width=d, key_column=d)  # columns [q | k | v]
         # float32 outputs: RoPE follows in float32, and rounds once to the compute dtype.
         self.q_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
         self.k_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)

@@ -66,6 +66,30 @@ def dense(
     )
 
 
+def tie_key_to_query(query: nnx.Linear | Fp8Linear, key: nnx.Linear | Fp8Linear, *, width: int, query_column: int = 0,
+                     key_column: int) -> None:
+    """Copies the query projection's kernel columns `[query_column, +width)` over the key projection's `[key_column, +width)`.
+
+    With equal query and key projections at initialisation, a token's score against a key
+    whose input shares its direction starts high (each head's `W_q W_k^T` is positive
+    semi-definite) instead of at random: mimetic initialisation (Trockman & Kolter,
+    "Mimetic Initialization of Self-Attention Layers", ICML 2023, arXiv:2305.09828). Call it
+    once, right after the layers are built (`query` and `key` may be one fused layer);
+    training then moves the two apart freely.
+
+    Raises:
+      ValueError: the kernels' input widths differ, or a column range falls outside its kernel.
+    """
+    q, k = query.kernel[...], key.kernel[...]
+    if q.shape[0] != k.shape[0] or min(query_column, key_column) < 0 or query_column + width > q.shape[1] \
+            or key_column + width > k.shape[1]:
+        raise ValueError(
+            f"tie_key_to_query: columns [{query_column}, +{width}) of the query kernel {q.shape} do not fit "
+            f"columns [{key_column}, +{width}) of the key kernel {k.shape}"
+        )
+    key.kernel[...] = k.at[:, key_column:key_column + width].set(q[:, query_column:query_column + width])
+
+
 class EmbeddingTable(nnx.Module):
     """An embedding table for ids `[0, num_rows)` (row 0 is padding).
 

@@ -387,3 +387,45 @@ def test_every_table_exchanges_its_rows_in_the_compute_dtype(compute_dtype):
     other = "float32" if compute_dtype == "bfloat16" else "bfloat16"
     with pytest.raises(ValueError, match=rf"embedding table 'embed/\w+' exchanges its rows in {compute_dtype}, but the step's compute dtype is {other}"):
         check_exchange_dtypes(model, other)
+
+
+def test_tied_qk_init_copies_each_attentions_query_projection_into_its_keys_and_nothing_else():
+    with nnx.use_eager_sharding(False):
+        plain = dict(nnx.to_flat_state(nnx.state(GEMModel(SPEC, CONFIG, rngs=nnx.Rngs(3)), nnx.Param)))
+        tied = dict(nnx.to_flat_state(nnx.state(GEMModel(SPEC, dataclasses.replace(CONFIG, tied_qk_init=True), rngs=nnx.Rngs(3)), nnx.Param)))
+    d = CONFIG.embed_dim
+    value = {path: np.asarray(v[...]) for path, v in tied.items()}
+    keys = {}  # a kernel holding keys -> (the key columns, the query columns they start as)
+    for path in value:
+        if path[-2:] == ("qkv", "kernel"):  # the sequence tower's blocks and the token attention: [q | k | v]
+            keys[path] = (slice(d, 2 * d), value[path][:, :d])
+        elif path[-2:] == ("kv", "kernel") and path[0] in ("history_context", "feature_to_history"):  # [k | v], q apart
+            keys[path] = (slice(0, d), value[path[:-2] + ("q", "kernel")])
+    assert len(keys) == CONFIG.num_seq_layers + 1 + 2, sorted(keys)
+    assert set(plain) == set(tied)
+    for path, b in value.items():
+        a = np.asarray(plain[path][...])
+        if path in keys:
+            columns, query = keys[path]
+            np.testing.assert_array_equal(b[:, columns], query)  # the keys start as the queries
+            assert not np.array_equal(a[:, columns], query)
+            rest = np.ones(b.shape[1], bool)
+            rest[columns] = False
+            np.testing.assert_array_equal(b[:, rest], a[:, rest])  # queries and values as drawn
+        else:
+            np.testing.assert_array_equal(b, a, err_msg=str(path))
+    with pytest.raises(ValueError, match="tied_qk_init must be a bool"):
+        ModelConfig(tied_qk_init=1)
+    assert apply_overrides(CONFIG, ["tied_qk_init=True"]).tied_qk_init is True
+
+
+def test_tie_key_to_query_refuses_columns_outside_the_kernels():
+    from gem_jax.nn.layers import dense, tie_key_to_query
+
+    with nnx.use_eager_sharding(False):
+        q, q3 = dense(4, 4, ("embed", "heads"), rngs=nnx.Rngs(0)), dense(3, 4, ("embed", "heads"), rngs=nnx.Rngs(0))
+        kv = dense(4, 8, ("embed", "heads"), rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match=r"columns \[0, \+4\) of the query kernel \(4, 4\) do not fit columns \[6, \+4\) of the key kernel \(4, 8\)"):
+        tie_key_to_query(q, kv, width=4, key_column=6)
+    with pytest.raises(ValueError, match="do not fit"):
+        tie_key_to_query(q3, kv, width=4, key_column=0)
