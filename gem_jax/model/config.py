@@ -95,7 +95,9 @@ class ModelConfig:
         (`gem_jax.model.remat`); default none.
       tied_qk_init: start every attention's key projection equal to its query projection
         (mimetic initialisation, `gem_jax.nn.layers.tie_key_to_query`), so a token first
-        attends to the keys that look like it; False: independent random projections.
+        attends to the keys that look like it; False: independent random projections. The
+        pooled attention's queries are learned parameters, not a projection: its keys stay
+        independent.
 
     Raises:
       ValueError: a field out of range, or a `remat` pattern that matches no region

@@ -75,17 +75,31 @@ def tie_key_to_query(query: nnx.Linear | Fp8Linear, key: nnx.Linear | Fp8Linear,
     semi-definite) instead of at random: mimetic initialisation (Trockman & Kolter,
     "Mimetic Initialization of Self-Attention Layers", ICML 2023, arXiv:2305.09828). Call it
     once, right after the layers are built (`query` and `key` may be one fused layer);
-    training then moves the two apart freely.
+    training then moves the two apart freely. Draws no random numbers.
+
+    Args:
+      query, key: dense layers with kernels `[in, out_q]` and `[in, out_k]` (the same `in`).
+      width: columns to copy (d: every head's `H * D` query features), >= 1.
+      query_column, key_column: the first query and the first key column.
 
     Raises:
-      ValueError: the kernels' input widths differ, or a column range falls outside its kernel.
+      ValueError: `width` below 1, the kernels' input widths differ, a column range falls
+        outside its kernel, or `query` and `key` are one layer and the two ranges overlap.
     """
     q, k = query.kernel[...], key.kernel[...]
-    if q.shape[0] != k.shape[0] or min(query_column, key_column) < 0 or query_column + width > q.shape[1] \
-            or key_column + width > k.shape[1]:
+    if width < 1:
+        raise ValueError(f"tie_key_to_query: width must be >= 1, got {width}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"tie_key_to_query: the query kernel {q.shape} and the key kernel {k.shape} take different input widths")
+    if min(query_column, key_column) < 0 or query_column + width > q.shape[1] or key_column + width > k.shape[1]:
         raise ValueError(
             f"tie_key_to_query: columns [{query_column}, +{width}) of the query kernel {q.shape} do not fit "
             f"columns [{key_column}, +{width}) of the key kernel {k.shape}"
+        )
+    if query is key and abs(query_column - key_column) < width:
+        raise ValueError(
+            f"tie_key_to_query: query columns [{query_column}, +{width}) and key columns [{key_column}, +{width}) "
+            f"overlap in one kernel {q.shape}"
         )
     key.kernel[...] = k.at[:, key_column:key_column + width].set(q[:, query_column:query_column + width])
 

@@ -419,6 +419,53 @@ def test_tied_qk_init_copies_each_attentions_query_projection_into_its_keys_and_
     assert apply_overrides(CONFIG, ["tied_qk_init=True"]).tied_qk_init is True
 
 
+def test_tied_qk_init_gives_each_attention_keys_equal_to_its_queries_in_fp8_and_in_the_trainers_init(monkeypatch):
+    """The tied columns are the ones each attention op takes as keys: fed the same rows as queries and context, the
+    cross attention, the token attention and a self-attention block (every FP8 region, the Hadamard rotation) pass
+    the op keys equal to their queries (untied: not). The train state the trainer builds (abstract shapes, then a
+    jitted init on a mesh) holds the tie in every attention."""
+    import optax
+    import pallas_kernels
+    from gem_jax.mesh import Topology, make_mesh
+    from gem_jax.model.cross_tower import TokenAttention
+    from gem_jax.model.interaction import CrossAttention
+    from gem_jax.model.sequence_tower import SelfAttentionBlock
+    from gem_jax.parallel import DATA_PARALLEL_RULES
+    from gem_jax.train.state import create_train_state
+
+    config = dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_regions=tuple(Fp8Region), fp8_hadamard=True)
+    seen = []
+    for op in ("gdpa", "jagged_flash_attention"):
+        def capture(q, k, *args, _op=getattr(pallas_kernels, op), **kwargs):
+            seen.append((np.asarray(q), np.asarray(k)))
+            return _op(q, k, *args, **kwargs)
+        monkeypatch.setattr(pallas_kernels, op, capture)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(12, 32)), jnp.float32)
+    offsets = jnp.asarray([0, 5, 12], jnp.int32)
+    history = from_lengths(np.ones(12, np.int32), [5, 7], max_seq_len=SPEC.max_seq_len, capacity=12)
+    rope = rope_table(jnp.zeros(12, jnp.int32), config.head_dim, config.rope_base)  # one position: q and k rotate alike
+    for tied in (True, False):
+        with nnx.use_eager_sharding(False):
+            modules = [m(dataclasses.replace(config, tied_qk_init=tied), rngs=nnx.Rngs(1)) for m in (CrossAttention, TokenAttention, SelfAttentionBlock)]
+        assert all(isinstance(layer, Fp8Linear) for layer in (modules[0].q, modules[0].kv, modules[1].qkv, modules[2].qkv))
+        seen.clear()
+        modules[0](x, offsets, 7, x, offsets, 7)
+        modules[1](x.reshape(3, 4, 32))
+        modules[2].attend(x, history, rope)
+        assert len(seen) == 3
+        for q, k in seen:
+            assert np.array_equal(q, k) == tied
+
+    with nnx.use_eager_sharding(False):
+        state, _ = create_train_state(lambda rngs: GEMModel(SPEC, dataclasses.replace(config, tied_qk_init=True), rngs=rngs),
+                                      optax.sgd(0.1), make_mesh(Topology(), jax.devices()[:1]), DATA_PARALLEL_RULES, 0)
+    p, d = jax.tree.map(np.asarray, state.params), config.embed_dim
+    for qkv in [*(block["qkv"]["kernel"] for block in p["sequence_tower"]["blocks"].values()), p["cross_tower"]["token_attention"]["qkv"]["kernel"]]:
+        np.testing.assert_array_equal(qkv[:, d:2 * d], qkv[:, :d])
+    for name in ("history_context", "feature_to_history"):
+        np.testing.assert_array_equal(p[name]["kv"]["kernel"][:, :d], p[name]["q"]["kernel"])
+
+
 def test_tie_key_to_query_refuses_columns_outside_the_kernels():
     from gem_jax.nn.layers import dense, tie_key_to_query
 
@@ -427,5 +474,13 @@ def test_tie_key_to_query_refuses_columns_outside_the_kernels():
         kv = dense(4, 8, ("embed", "heads"), rngs=nnx.Rngs(1))
     with pytest.raises(ValueError, match=r"columns \[0, \+4\) of the query kernel \(4, 4\) do not fit columns \[6, \+4\) of the key kernel \(4, 8\)"):
         tie_key_to_query(q, kv, width=4, key_column=6)
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match=r"the query kernel \(3, 4\) and the key kernel \(4, 8\) take different input widths"):
         tie_key_to_query(q3, kv, width=4, key_column=0)
+    for width in (0, -1):
+        with pytest.raises(ValueError, match=rf"width must be >= 1, got {width}"):
+            tie_key_to_query(q, kv, width=width, key_column=4)
+    with pytest.raises(ValueError, match=r"query columns \[0, \+4\) and key columns \[2, \+4\) overlap in one kernel \(4, 8\)"):
+        tie_key_to_query(kv, kv, width=4, key_column=2)
+    before = np.asarray(kv.kernel[...])
+    tie_key_to_query(kv, kv, width=4, key_column=4)  # adjacent ranges of one kernel: fine
+    np.testing.assert_array_equal(np.asarray(kv.kernel[...]), np.concatenate([before[:, :4], before[:, :4]], 1))
