@@ -6,7 +6,7 @@
 Plants the long-range preset shrunk to 300 users, 200 items and 20 categories (`gem_jax.data.planted`,
 seed 0; about 48k events, `gem-data plant` has no flags for these sizes), converts it with the `time:0.9`
 split, then trains `configs/events_tiny.py` once per `--run NAME=OVERRIDES` (space-separated `--set`
-overrides; a name ending in `_d32` or `_d128` takes that width, with 2 sequence layers, 2 pooled queries
+overrides; a name holding `_d<width>`, e.g. `_d32` or `_d128`, takes that width, with 2 sequence layers, 2 pooled queries
 and head MLPs of max(64, d); `_seed<k>` sets `loop.seed` and `data.seed`) under the common recipe: 500
 steps of 128, dense AdamW 1e-2 after 10 warm-up steps, row-wise embedding Adagrad from 0 at 1.0. Writes
 each run's final eval AUC and NE and its train NE at every log, with the log's item-mean and oracle, to `--out`.
@@ -21,6 +21,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from benchmarks.compare_runs import read_run
 from gem_jax.data.ingest.convert import ConvertOptions, convert
 from gem_jax.data.ingest.split import SplitRule
 from gem_jax.data.planted import LONG_RANGE, event_schema, generate, read_truth, write_planted
@@ -48,12 +49,6 @@ def name_overrides(name: str) -> list[str]:
     return out
 
 
-def _train_ne(metrics: Path) -> dict[int, float]:
-    """step -> train NE of the click task, from a run's metrics.jsonl (each log is the mean since the last)."""
-    records = (json.loads(line) for line in metrics.read_text().splitlines())
-    return {r["step"]: round(r["ne_click"], 4) for r in records if r.get("kind") == "train"}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, help="NAME=OVERRIDES (space-separated --set overrides)")
@@ -70,7 +65,8 @@ def main() -> None:
         overrides = [f"data.path={root / 'converted'}", *RECIPE, *name_overrides(name), *extra.split()]
         summary = train_and_evaluate(apply_overrides(base, overrides), root / name, progress=False)
         results[name] = {"overrides": overrides[1:], "auc": summary["auc_click"], "ne": summary["ne_click"],
-                         "train_ne": _train_ne(root / name / "metrics.jsonl")}
+                         # step -> train NE (each log the mean since the last)
+                         "train_ne": {r["step"]: round(r["ne_click"], 4) for r in read_run(root / name)["train"]}}
         print(name, results[name]["auc"], results[name]["ne"], flush=True)
     args.out.write_text(json.dumps({
         "log": "long-range preset, 300 users, 200 items, 20 categories, seed 0; split " + SPLIT,

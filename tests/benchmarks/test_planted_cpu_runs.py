@@ -4,7 +4,8 @@ from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
 
 
-def test_a_runs_name_sets_its_width_and_seed_and_the_recipe_builds(load_benchmark, repo_root):
+def test_a_runs_name_sets_its_width_and_seed_and_the_recipe_builds(load_benchmark, repo_root, monkeypatch):
+    monkeypatch.syspath_prepend(str(repo_root))  # the script imports benchmarks.compare_runs
     runs = load_benchmark("planted_cpu_runs")
     assert runs.name_overrides("on_d32_seed2") == [
         "model.embed_dim=32", "model.num_seq_layers=2", "model.num_pooled_queries=2", "model.head_hidden=64", "loop.seed=2", "data.seed=2",

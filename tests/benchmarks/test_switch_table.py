@@ -47,7 +47,7 @@ def test_planted_sharded_is_the_gem_sharded_model_in_bf16(repo_root, planted_sha
 
 
 @pytest.mark.parametrize("switch", sorted(EXPECTED))
-def test_every_switch_parses_and_builds_the_model_config(switch_table, planted_sharded, switch):
+def test_every_switch_parses_and_sets_only_its_model_or_optimizer_fields(switch_table, planted_sharded, switch):
     assert set(switch_table.SWITCHES) == set(EXPECTED)
     config = apply_overrides(planted_sharded, switch_table.run_overrides(f"{switch}_seed2"))
 
