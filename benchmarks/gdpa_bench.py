@@ -278,11 +278,14 @@ def sweep_forward(case: dict) -> dict:
     for name, overrides in FORWARD_VARIANTS.items():
         chosen = []
         config.choose = forward_tiling(overrides, chosen)
+        jax.clear_caches()  # the ops' cached lowering would reuse the last variant's trace
         try:
             fwd = gdpa_fns(case, "pallas")[0]
             got = fwd(*args)
+            if not chosen:
+                raise RuntimeError("the forward was not traced under this tiling (a cached lowering was reused)")
             results[name] = {
-                "tiling": chosen[-1] if chosen else None,
+                "tiling": chosen[-1],
                 "device_ms": _timing.device_ms(fwd, args, DEVICE_ITERS),
                 "wall_ms": _timing.wall_seconds(fwd, *args) * 1e3,
                 "rel_max_err": relative_error(got, want),
@@ -291,6 +294,7 @@ def sweep_forward(case: dict) -> dict:
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
         finally:
             config.choose = real
+            jax.clear_caches()
         print(f"  {case['name']:7s} sweep {name:18s} {results[name]}", flush=True)
     return results
 
