@@ -40,7 +40,14 @@ LIST_TYPES = ("s32", "u32", "s64", "pred")  # what the work list's kernels write
 
 
 def compile_forward(device: jax.Device, batch: int, lq: int, lkv: int, broadcast_q: bool, dump_dir: str) -> dict:
-    """Compiles one GDPA forward for `device`; returns `{"hlo", "thunks"}` (optimized HLO and thunk sequence text)."""
+    """Compiles one GDPA forward for `device`; returns `{"hlo", "thunks"}` (optimized HLO and thunk sequence text).
+
+    Abstract inputs: q bf16 `[batch * lq, 4, 128]` (`[lq, 4, 128]` with `broadcast_q`), k and v bf16
+    `[batch * lkv, 4, 128]`, offsets int32 `[batch + 1]`. XLA's dumps go to `dump_dir`.
+
+    Raises:
+      ValueError: `dump_dir` holds no thunk sequence, or more than one (it must be empty).
+    """
     sharding = jax.sharding.SingleDeviceSharding(device)
     q = jax.ShapeDtypeStruct((lq if broadcast_q else batch * lq, HEADS, DIM), jnp.bfloat16, sharding=sharding)
     kv = jax.ShapeDtypeStruct((batch * lkv, HEADS, DIM), jnp.bfloat16, sharding=sharding)

@@ -73,7 +73,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -94,6 +93,7 @@ if str(REPO) not in sys.path:  # run as a script: `benchmarks` and `pallas_kerne
     sys.path.insert(0, str(REPO))
 
 from benchmarks import _timing  # noqa: E402
+from gem_jax.train.run_record import code_version  # noqa: E402
 from pallas_kernels import gdpa  # noqa: E402
 from pallas_kernels.gdpa import reference  # noqa: E402
 
@@ -456,14 +456,8 @@ def guarded(f):
 
 
 def git_commit() -> str:
-    """$GEM_GIT_COMMIT when set (a copy of the tree run elsewhere), else git's HEAD."""
-    if os.environ.get("GEM_GIT_COMMIT"):
-        return os.environ["GEM_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """$GEM_GIT_COMMIT when set (a copy of the tree run elsewhere), else the tree's own (`code_version`)."""
+    return os.environ.get("GEM_GIT_COMMIT") or code_version()["commit"]
 
 
 def versions() -> dict:
