@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import jagged_layout
+from pallas_kernels._src import work_list
 from pallas_kernels.block_local_attention.config import BLOCK
 
 # Columns of a block record (int32).
@@ -68,11 +68,11 @@ def build_plan(offsets: jax.Array, capacity: int, positions: jax.Array | None) -
     lengths = jnp.concatenate([jnp.maximum(offsets[1:] - offsets[:-1], 0), (capacity - end)[None]])
     has_keys = jnp.arange(starts.shape[0]) < starts.shape[0] - 1
     per_seq = (lengths + BLOCK - 1) // BLOCK
-    last = jnp.cumsum(per_seq)
+    last = work_list.running_total(per_seq)
     first = last - per_seq
     slots = num_block_slots(capacity, offsets.shape[0] - 1)
     t = jnp.arange(slots, dtype=jnp.int32)
-    seq = jagged_layout.segment_ids(first, slots)  # sequence of each slot
+    seq = work_list.segment_ids(first, slots)  # sequence of each slot
     live = t < last[-1]
     j = t - first[seq]
     start = jnp.where(live, starts[seq] + j * BLOCK, 0)

@@ -19,11 +19,19 @@ The list has a static bound, so no host sync is needed under jit:
 
 with T the output rows, R the rows per tile and K the tiles per item. Items are
 sorted by `row tiles x (column steps + 1)` (column steps capped at the static
-bound, work quantized past `MAX_WORK_LEVELS` levels), heaviest first (ties keep sequence
-order), and dealt to the persistent CTAs in a zigzag: round r gives sorted item
-`r C + c` to CTA c when r is even and to CTA `C - 1 - c` when r is odd, so every
-CTA gets one of the heaviest and one of the lightest items of each pair of
-rounds. Unused slots hold an empty item (t0 = t1).
+bound), heaviest first (ties keep sequence order), and dealt to the persistent
+CTAs in a zigzag: round r gives sorted item `r C + c` to CTA c when r is even
+and to CTA `C - 1 - c` when r is odd, so every CTA gets one of the heaviest and
+one of the lightest items of each pair of rounds. Unused slots hold an empty
+item (t0 = t1).
+
+The list is small integer work whose cost on a GPU is its launches: it is built
+from `work_list`'s compare-and-sums over all pairs (the running total of items
+over sequences, each item's sequence, each item's rank) and one scatter into
+the CTAs' slots, seven XLA kernels in all where cumulative sums and a counting
+sort took 8 to 14 (`benchmarks/gdpa_launches.py`). The pairs cost O(n^2) for n
+items per head, a few microseconds at n = 10^4, against the attention's
+O(T L D).
 
 Source: GEM engineering description (Meta, 2025), GDPA tile scheduling; the
 sorted zigzag dealing follows `precompute_for_varline_load_balancing` in
@@ -38,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import jagged_layout
+from pallas_kernels._src import work_list
 from pallas_kernels.gdpa import config
 
 # Columns of a schedule record.
@@ -48,7 +56,6 @@ NUM_FIELDS = 4
 S_ROW_LEN, S_COL_LEN, S_ROW_DELTA, S_COL_DELTA = 0, 1, 2, 3
 S_STARTS = 4
 ALIGN = config.ALIGN
-MAX_WORK_LEVELS = 128  # work values the heaviest-first order tells apart
 
 
 class Plan(NamedTuple):
@@ -119,13 +126,12 @@ def build(
 
     tiles = steps(row_lens, row_delta, rows_per_tile)
     items = -(-tiles // tiles_per_item)
-    last = jnp.cumsum(items)  # inclusive
-    total = last[-1]
+    last = work_list.running_total(items)  # items up to sequence b
     i = jnp.arange(per_head, dtype=jnp.int32)
-    seq = jnp.clip(jagged_layout.counts_at_or_below(last, per_head), 0, n_seq - 1)  # first b with last[b] > i
+    seq = jnp.minimum(work_list.counts_at_or_below(last, per_head), n_seq - 1)  # first b with last[b] > i
     t0 = (i - (last[seq] - items[seq])) * tiles_per_item
     t1 = jnp.minimum(t0 + tiles_per_item, tiles[seq])
-    live = i < total
+    live = i < last[-1]
     t0 = jnp.where(live, t0, 0)
     t1 = jnp.where(live, t1, 0)
     col_steps = jnp.minimum(steps(col_lens[seq], col_delta[seq], block_cols), max_col_steps)
@@ -138,20 +144,17 @@ def build(
         )
     work = jnp.where(live, work, -1)
 
-    # Items of all heads: item (i, h) -> index i * H + h.
+    # Sorted heaviest first, item (i, h) is at position p = rank(i) H + h: the heads of one item
+    # share its work and are adjacent in (i, h) order, as a stable sort keeps them.
+    by_work = work_list.heaviest_first(jnp.stack([seq, t0, t1], axis=1), work)
     n_items = per_head * heads
-    head = jnp.tile(jnp.arange(heads, dtype=jnp.int32), per_head)
-    rep = lambda x: jnp.repeat(x, heads)
-    records = jnp.stack([rep(seq), head, rep(t0), rep(t1)], axis=1)
-    order = heaviest_first(rep(work), tiles_per_item * (max_col_steps + 1))
-
     slots = -(-n_items // num_ctas)
-    r = jnp.arange(slots, dtype=jnp.int32)[None, :]
-    c = jnp.arange(num_ctas, dtype=jnp.int32)[:, None]
-    position = r * num_ctas + jnp.where(r % 2 == 0, c, num_ctas - 1 - c)
-    in_list = position < n_items
-    picked = records[order[jnp.minimum(position, n_items - 1)]]
-    sched = jnp.where(in_list[..., None], picked, 0)
+    rnd = jnp.arange(slots, dtype=jnp.int32)[None, :]
+    cta = jnp.arange(num_ctas, dtype=jnp.int32)[:, None]
+    p = rnd * num_ctas + jnp.where(rnd % 2 == 0, cta, num_ctas - 1 - cta)  # the zigzag deal
+    seq_t0_t1 = by_work[jnp.minimum(p // heads, per_head - 1)]
+    sched = jnp.concatenate([seq_t0_t1[..., :1], (p % heads)[..., None], seq_t0_t1[..., 1:]], axis=-1)
+    sched = jnp.where((p < n_items)[..., None], sched, 0)  # past the last item: the empty item
 
     head_cols = [row_lens, col_lens, row_delta.astype(jnp.int32), col_delta.astype(jnp.int32)]
     seqs = jnp.concatenate([jnp.stack(head_cols, axis=1), columns.astype(jnp.int32)], axis=1)
@@ -180,31 +183,6 @@ def causal_col_steps(causal: str, t, n_col, rows_per_tile: int, block_cols: int)
     if causal == Causal.KEYS_UP_TO_ROW:
         return jnp.minimum(n_col, lax.div(t * rows_per_tile + rows_per_tile - 1, c) + 1)
     return n_col - jnp.minimum(lax.div(t * rows_per_tile, c), n_col)
-
-
-def heaviest_first(work: jax.Array, max_work: int) -> jax.Array:
-    """int32 `[n]`: the indices of `work` ordered heaviest first, ties in index order.
-
-    Equivalent to `jnp.argsort(-work, stable=True)` for int `work` in
-    `[-1, max_work]` (-1: an empty item) when `max_work <= MAX_WORK_LEVELS`;
-    above that, work is first quantized to `MAX_WORK_LEVELS` levels
-    (`work * levels // max_work`), so the order is heaviest first to within
-    one level and the scratch stays `[n, levels + 2]`. A counting sort: on a
-    GPU a handful of small fusions, where XLA's sort of a few thousand keys
-    costs 10-30 us in several launches.
-    """
-    n = work.shape[0]
-    levels = min(max_work, MAX_WORK_LEVELS)
-    work = jnp.clip(work, -1, max_work)
-    if levels < max_work:
-        work = jnp.where(work >= 0, work * levels // max_work, -1)
-    key = levels - work  # 0 (heaviest) .. levels + 1 (empty)
-    one_hot = (key[:, None] == jnp.arange(levels + 2, dtype=jnp.int32)[None, :]).astype(jnp.int32)
-    equal_before = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot  # [n, K]
-    counts = one_hot.sum(axis=0)
-    bucket_start = jnp.cumsum(counts) - counts
-    rank = bucket_start[key] + jnp.take_along_axis(equal_before, key[:, None], axis=1)[:, 0]
-    return jnp.zeros((n,), jnp.int32).at[rank].set(jnp.arange(n, dtype=jnp.int32))
 
 
 def tail_base(end: jax.Array, block: int) -> jax.Array:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import jagged_layout
+from pallas_kernels._src import work_list
 from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN, TAIL_BEFORE, TAIL_ROWS, TILE_ROWS
 
 # Columns of a tile record (int32). Window positions count rows from F_BASE.
@@ -102,13 +102,13 @@ def build_plan(offsets: jax.Array, capacity: int, *, causal: bool) -> Plan:
     lo_seq = starts % ROW_ALIGN
     hi_seq = lo_seq + lengths
     tiles_per_seq = jnp.where(lengths > 0, _cdiv(hi_seq, TILE_ROWS), 0)
-    last_tile = jnp.cumsum(tiles_per_seq)  # inclusive
+    last_tile = work_list.running_total(tiles_per_seq)  # inclusive
     first_tile = last_tile - tiles_per_seq
 
     slots = num_tile_slots(capacity, offsets.shape[0] - 1)
     t = jnp.arange(slots, dtype=jnp.int32)
     # Window of tile t: the last window whose first tile is <= t.
-    seq = jagged_layout.segment_ids(first_tile, slots)
+    seq = work_list.segment_ids(first_tile, slots)
     live = t < last_tile[-1]
     j = t - first_tile[seq]
     base = starts[seq] - lo_seq[seq]
@@ -130,8 +130,7 @@ def build_plan(offsets: jax.Array, capacity: int, *, causal: bool) -> Plan:
 
 
 def _sorted_by_work(records: jax.Array, work: jax.Array, live: jax.Array) -> jax.Array:
-    key = jnp.where(live, work, -1)
-    return records[jnp.argsort(-key, stable=True)]
+    return work_list.heaviest_first(records, jnp.where(live, work, -1))
 
 
 def tail_base(end: jax.Array) -> jax.Array:

@@ -225,16 +225,6 @@ def test_causal_work_list_counts_the_visited_column_steps(causal):
     assert steps == ([1, 2, 3, 4, 5] if causal == schedule.Causal.KEYS_UP_TO_ROW else [5, 4, 3, 2, 1])
 
 
-@pytest.mark.parametrize("max_work", [11, 1000])
-def test_heaviest_first_is_a_stable_descending_argsort(max_work):
-    """Exact up to MAX_WORK_LEVELS values; past that, sorted by the quantized work."""
-    work = np.asarray(jax.random.randint(jax.random.key(5), (500,), -1, max_work + 1))
-    levels = min(max_work, schedule.MAX_WORK_LEVELS)
-    key = np.where(work >= 0, work * levels // max_work, -1)
-    got = schedule.heaviest_first(jnp.asarray(work), max_work)
-    np.testing.assert_array_equal(got, np.argsort(-key, kind="stable"))
-
-
 def test_tail_window_zeroes_rows_past_the_end():
     x = jnp.arange(40, dtype=jnp.float32)[:, None] + 1
     x = x.at[21:].set(jnp.nan)
