@@ -27,11 +27,11 @@ item (t0 = t1).
 
 The list is small integer work whose cost on a GPU is its launches: it is built
 from `work_list`'s compare-and-sums over all pairs (the running total of items
-over sequences, each item's sequence, each item's rank) and one scatter into
-the CTAs' slots, seven XLA kernels in all where cumulative sums and a counting
-sort took 8 to 14 (`benchmarks/gdpa_launches.py`). The pairs cost O(n^2) for n
-items per head, a few microseconds at n = 10^4, against the attention's
-O(T L D).
+over sequences, each item's sequence, each item's rank heaviest first), eight
+XLA kernels on the benchmark's dense shapes where cumulative sums and a
+counting sort took 8 to 14 (`benchmarks/gdpa_launches.py`). Past about 2,000
+items per head the pairs' work would outgrow those launches and `work_list`
+takes the scan and sort forms; such a call's attention runs for milliseconds.
 
 Source: GEM engineering description (Meta, 2025), GDPA tile scheduling; the
 sorted zigzag dealing follows `precompute_for_varline_load_balancing` in

@@ -41,8 +41,8 @@ def test_heaviest_first_is_a_stable_descending_sort(form, n, top):
 
 
 def test_ops_limit_picks_the_form_by_static_size():
-    """Sorts of up to 2140 items (32M integer operations, about 2 us on an H200) take the pairs form."""
-    assert work_list._pairs_fit(2140 * 2140, 7) and not work_list._pairs_fit(2141 * 2141, 7)
+    """Sorts of up to 2189 items (2^25 integer operations, about 2 us on an H200) take the pairs form."""
+    assert work_list._pairs_fit(2189 * 2189, 7) and not work_list._pairs_fit(2190 * 2190, 7)
 
 
 def _gdpa_reference(row_lens, col_lens, row_delta, col_delta, *, out_rows, heads, rows_per_tile, tiles_per_item,
