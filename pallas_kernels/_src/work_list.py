@@ -25,7 +25,8 @@ def _pairs_fit(pairs: int, ops_per_pair: int) -> bool:
 
 
 def running_total(x: jax.Array) -> jax.Array:
-    """int32 `[n]`: `jnp.cumsum(x)` of int `x [n]`."""
+    """int32 `[n]`: `jnp.cumsum(x)` of int `x [n]` (taken as int32)."""
+    x = x.astype(jnp.int32)
     n = x.shape[0]
     if not _pairs_fit(n * n, 3):  # compare, select, add
         return jnp.cumsum(x, dtype=jnp.int32)
@@ -34,7 +35,11 @@ def running_total(x: jax.Array) -> jax.Array:
 
 
 def counts_at_or_below(values: jax.Array, m: int) -> jax.Array:
-    """int32 `[m]`: `c[i]` = how many of the int `values [n]` are <= i (`jagged_layout.counts_at_or_below`)."""
+    """int32 `[m]`: `c[i]` = how many of the int `values [n]` (taken as int32) are <= i.
+
+    `jagged_layout.counts_at_or_below`.
+    """
+    values = values.astype(jnp.int32)
     if not _pairs_fit(values.shape[0] * m, 2):  # compare, add
         return jagged_layout.counts_at_or_below(values, m)
     at = jnp.arange(m, dtype=jnp.int32)
@@ -50,10 +55,12 @@ def segment_ids(starts: jax.Array, n: int) -> jax.Array:
 def heaviest_first(records: jax.Array, work: jax.Array) -> jax.Array:
     """`records [n, ...]` sorted by int `work [n]`, heaviest first, ties in index order.
 
-    `records[jnp.argsort(-work, stable=True)]`. In the pairs form each record is
+    `records[jnp.argsort(-work, stable=True)]` for int32 work above -2^31 (its negation
+    must not wrap; the work lists' are >= -1). In the pairs form each record is
     scattered to its rank, the count of the items heavier than it or as heavy and
     before it.
     """
+    work = work.astype(jnp.int32)
     n = work.shape[0]
     if not _pairs_fit(n * n, 7):  # three compares, and, or, select, add
         return records[jnp.argsort(-work, stable=True)]
