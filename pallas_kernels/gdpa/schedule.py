@@ -139,8 +139,8 @@ def build(
         work = (t1 - t0) * (col_steps + 1)
     else:
         work = sum(
-            jnp.where(t0 + i < t1, causal_col_steps(causal, t0 + i, col_steps, rows_per_tile, block_cols) + 1, 0)
-            for i in range(tiles_per_item)
+            jnp.where(t0 + k < t1, causal_col_steps(causal, t0 + k, col_steps, rows_per_tile, block_cols) + 1, 0)
+            for k in range(tiles_per_item)
         )
     work = jnp.where(live, work, -1)
 

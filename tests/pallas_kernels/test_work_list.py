@@ -1,6 +1,7 @@
 """The work lists' integer helpers (`pallas_kernels/_src/work_list.py`) and the lists they build, in
 both forms: all pairs in one fusion (while their work fits `OPS_LIMIT`) and the scan and sort forms past it."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,9 +41,12 @@ def test_heaviest_first_is_a_stable_descending_sort(form, n, top):
     np.testing.assert_array_equal(got, records[np.argsort(-work, kind="stable")])
 
 
-def test_ops_limit_picks_the_form_by_static_size():
-    """Sorts of up to 2189 items (2^25 integer operations, about 2 us on an H200) take the pairs form."""
-    assert work_list._pairs_fit(2189 * 2189, 7) and not work_list._pairs_fit(2190 * 2190, 7)
+@pytest.mark.parametrize("n, sorts", [(2189, False), (2190, True)])
+def test_ops_limit_picks_the_form_by_static_size(n, sorts):
+    """Up to 2189 items (2189^2 pairs x 7 operations <= 2^25) the sort is one compare-and-sum; past that,
+    XLA's sort. Read from the lowered program, so it is the form that runs."""
+    hlo = jax.jit(work_list.heaviest_first).lower(jnp.zeros((n, 3), jnp.int32), jnp.zeros((n,), jnp.int32)).as_text()
+    assert ("stablehlo.sort" in hlo) == sorts
 
 
 def _gdpa_reference(row_lens, col_lens, row_delta, col_delta, *, out_rows, heads, rows_per_tile, tiles_per_item,
@@ -77,19 +81,24 @@ def _gdpa_reference(row_lens, col_lens, row_delta, col_delta, *, out_rows, heads
 
 @pytest.mark.parametrize("causal", [None, gdpa_schedule.Causal.KEYS_UP_TO_ROW, gdpa_schedule.Causal.QUERIES_FROM_ROW])
 @pytest.mark.parametrize("heads, num_ctas", [(1, 1), (2, 3), (4, 7)])
-def test_gdpa_work_list_matches_its_statement(form, causal, heads, num_ctas):
-    """Fresh random lengths (empty sequences and long ones among them), deltas and slack rows."""
+@pytest.mark.parametrize("block_cols, max_col_steps", [(64, 6), (8, 200)])
+def test_gdpa_work_list_matches_its_statement(form, causal, heads, num_ctas, block_cols, max_col_steps):
+    """Fresh random lengths (empty sequences and long ones among them), deltas and slack rows. 8-column
+    steps give items of up to 2 x 126 steps: the order stays exact past 128 work values."""
     rng = np.random.default_rng()
     batch = 9
     row_lens = rng.choice([0, 1, 5, 64, 127, 128, 129, 300, 700], size=batch)
+    row_lens[0] = 700  # with 8-column steps, items of more than 128 work values
     col_lens = row_lens if causal else rng.choice([0, 1, 40, 200, 1000], size=batch)
+    if not causal:
+        col_lens[0] = 1000
     row_delta = rng.integers(0, 8, size=batch + 1)
     col_delta = row_delta if causal else rng.integers(0, 8, size=batch + 1)
     out_rows = int(row_lens.sum()) + int(rng.integers(0, 150))
     row_lens = np.append(row_lens, out_rows - row_lens.sum())  # the slack pseudo-sequence
     col_lens = np.append(col_lens, 0)
-    geometry = dict(out_rows=out_rows, heads=heads, rows_per_tile=64, tiles_per_item=2, block_cols=64,
-                    max_col_steps=6, num_ctas=num_ctas, causal=causal)
+    geometry = dict(out_rows=out_rows, heads=heads, rows_per_tile=64, tiles_per_item=2, block_cols=block_cols,
+                    max_col_steps=max_col_steps, num_ctas=num_ctas, causal=causal)
     plan = gdpa_schedule.build(
         *(jnp.asarray(x, jnp.int32) for x in (row_lens, col_lens, row_delta, col_delta)),
         jnp.zeros((batch + 1, 1), jnp.int32), **geometry,
