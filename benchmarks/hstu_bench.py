@@ -14,9 +14,9 @@ back, H = 4, D = 128, lengths of `CASES` drawn with numpy seed 0; numpy makes th
 arrays go to ours and CUDA torch tensors to HSTU):
 
   ours   `pallas_kernels.gdpa(q, k, v, offsets, offsets, activation="silu", causal=True,
-         scale=alpha, implementation="pallas")`, then the output times 1/N (a separate
-         elementwise op: silu is not homogeneous, so 1/N cannot go into `scale`);
-         "gdpa_only" is the op alone.
+         scale=alpha, output_scale=1/N, implementation="pallas")` (the 1/N in the kernels'
+         last step: silu is not homogeneous, so 1/N cannot go into `scale`);
+         "gdpa_only" is the op without the 1/N.
   HSTU   `triton_hstu_mha(N, alpha, q, k, v, seq_offsets, sort_by_length=True)` from
          generative_recommenders/ops/triton/triton_hstu_attention.py (sort_by_length as HSTU's STU
          layer and its benchmark set it; `fwd_unsorted` is the API default False), which computes
@@ -190,9 +190,9 @@ def ours_gdpa(q, k, v, offsets, *, n: int, alpha: float, implementation: str):
 
 
 def ours_hstu_semantics(q, k, v, offsets, *, n: int, alpha: float, implementation: str):
-    """HSTU's output from our op: the op with scale=alpha, then times 1/N (HSTU divides silu's output by N)."""
-    out = ours_gdpa(q, k, v, offsets, n=n, alpha=alpha, implementation=implementation)
-    return (out.astype(jnp.float32) * (1.0 / n)).astype(q.dtype)
+    """HSTU's output from our op: scale=alpha and output_scale=1/N (HSTU divides silu's output by N)."""
+    return gdpa(q, k, v, offsets, offsets, max_seq_len_q=n, max_seq_len_kv=n, activation="silu", causal=True,
+                scale=alpha, output_scale=1.0 / n, implementation=implementation)
 
 
 def ours_functions(n: int, alpha: float, implementation: str) -> dict:
@@ -557,7 +557,7 @@ def main(argv=None) -> int:
                  "call": "triton_hstu_mha(N, alpha, q, k, v, seq_offsets int64, sort_by_length=True); "
                          "num_targets=None, max_attn_len=0, contextual_seq_len=0, enable_tma=False"},
         "ours": {"call": f"gdpa(q, k, v, offsets, offsets, activation='silu', causal=True, scale=alpha, "
-                         f"implementation='{impl}') * (1/N); gdpa_only without the 1/N"},
+                         f"output_scale=1/N, implementation='{impl}'); gdpa_only without the 1/N"},
         "settings": {"heads": heads, "dim": dim, "dtype": "bfloat16", "alpha": alpha, "N": "the case's high bound",
                      "iters": args.iters, "backward": args.backward, "check_bound": CHECK_BOUND,
                      "ceiling_tflops": CEILING_TFLOPS, "seed_lengths": SEED, "seed_data": DATA_SEED},

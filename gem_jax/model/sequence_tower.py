@@ -74,8 +74,8 @@ class SelfAttentionBlock(nnx.Module):
             if kind is SequenceAttention.CAUSAL_SILU:
                 attn = pallas_kernels.gdpa(
                     q, k, v, history.offsets, history.offsets, max_seq_len_q=history.max_seq_len,
-                    max_seq_len_kv=history.max_seq_len, activation="silu", causal=True,
-                    scale=cfg.head_dim**-0.5 / max(history.max_seq_len, 1), implementation=chosen.gelu,
+                    max_seq_len_kv=history.max_seq_len, activation="silu", causal=True, scale=cfg.head_dim**-0.5,
+                    output_scale=1.0 / max(history.max_seq_len, 1), implementation=chosen.gelu,
                 )
             else:
                 window = (cfg.attention_window, 0) if kind is SequenceAttention.SLIDING_WINDOW else None

@@ -3,6 +3,10 @@
 Written with the operations Mosaic GPU lowers (mul/add, tanh, exp, erf, max,
 select); with the kernels' `approx_math`, tanh and exp run on the fast
 hardware approximations (about 2^-11 relative error, below bf16 rounding).
+SiLU's sigmoid is taken as `(1 + tanh(x / 2)) / 2`: one `tanh.approx` on the
+special-function units, where `1 / (1 + exp(-x))` costs an exponential and a
+reciprocal, two (the units issue 16 results a clock per SM, so in the
+elementwise-bound GDPA steps they set the pace).
 
 `gelu_poly6` is the degree-6 Maclaurin polynomial of exact (erf) GELU used by
 Meta's GDPA kernels (facebookresearch/ads_model_kernel_library,
@@ -59,7 +63,8 @@ def value(activation: Activation, x: jax.Array) -> jax.Array:
         x2 = x * x
         return 0.5 * x + x2 * (POLY6_C2 + x2 * (POLY6_C4 + x2 * POLY6_C6))
     if activation is Activation.SILU:
-        return x / (1.0 + jnp.exp(-x))
+        half_x = 0.5 * x
+        return half_x + half_x * jnp.tanh(half_x)
     if activation is Activation.RELU:
         return jnp.maximum(x, 0.0)
     if activation is Activation.NONE:
@@ -82,7 +87,7 @@ def value_and_vjp(activation: Activation, x: jax.Array, g: jax.Array) -> tuple[j
         val = 0.5 * x + x2 * (POLY6_C2 + x2 * (POLY6_C4 + x2 * POLY6_C6))
         return val, g * (0.5 + x * (2.0 * POLY6_C2 + x2 * (4.0 * POLY6_C4 + x2 * (6.0 * POLY6_C6))))
     if activation is Activation.SILU:
-        sig = 1.0 / (1.0 + jnp.exp(-x))
+        sig = 0.5 + 0.5 * jnp.tanh(0.5 * x)
         return x * sig, g * (sig * (1.0 + x * (1.0 - sig)))
     if activation is Activation.RELU:
         positive = x > 0.0

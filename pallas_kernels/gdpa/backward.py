@@ -1,9 +1,11 @@
 """GDPA backward passes as tile-engine instances.
 
 With x = (Q K^T) * scale, P = act(x) masked to real (query, key) pairs and
-dS = (dO V^T) * act'(x) masked the same way (equivalent jnp, float32)::
+dS = (dO V^T) * act'(x) masked the same way (equivalent jnp, float32), and the
+forward's output scale c (every gradient is linear in dO, so c is applied once,
+to the accumulators)::
 
-    dV = P^T dO          dK = scale * dS^T Q          dQ = scale * dS K
+    dV = c * P^T dO      dK = c * scale * dS^T Q      dQ = c * scale * dS K
 
 Two passes, each accumulating its outputs in registers without atomics:
 
@@ -24,8 +26,8 @@ from pallas_kernels.gdpa import activations, engine
 from pallas_kernels.gdpa.reference import Activation
 
 
-def dq_spec(activation: Activation, scale: float, dtype) -> engine.EngineSpec:
-    """dQ: per query tile, sum over key tiles j of `scale * dS_j @ K_j`."""
+def dq_spec(activation: Activation, scale: float, dtype, output_scale: float = 1.0) -> engine.EngineSpec:
+    """dQ: per query tile, sum over key tiles j of `output_scale * scale * dS_j @ K_j`."""
 
     def step(ctx: engine.StepContext) -> None:
         q, do = ctx.rows
@@ -43,12 +45,13 @@ def dq_spec(activation: Activation, scale: float, dtype) -> engine.EngineSpec:
         n_accs=1,
         n_lhs=1,
         step=step,
-        finalize=lambda accs: [accs[0] * scale],
+        finalize=lambda accs: [accs[0] * (output_scale * scale)],
     )
 
 
-def dkv_spec(activation: Activation, scale: float, dtype) -> engine.EngineSpec:
-    """dK, dV: per key tile, sums over query tiles i of `scale * dS_i^T @ Q_i` and `P_i^T @ dO_i`."""
+def dkv_spec(activation: Activation, scale: float, dtype, output_scale: float = 1.0) -> engine.EngineSpec:
+    """dK, dV: per key tile, sums over query tiles i of `output_scale * scale * dS_i^T @ Q_i` and
+    `output_scale * P_i^T @ dO_i`."""
 
     def step(ctx: engine.StepContext) -> None:
         k, v = ctx.rows
@@ -69,5 +72,5 @@ def dkv_spec(activation: Activation, scale: float, dtype) -> engine.EngineSpec:
         n_accs=2,
         n_lhs=2,
         step=step,
-        finalize=lambda accs: [accs[0] * scale, accs[1]],
+        finalize=lambda accs: [accs[0] * (output_scale * scale), engine.scaled(accs[1], output_scale)],
     )

@@ -454,6 +454,11 @@ def run(
     return list(manual_axes.call_kernel(kernel, plan.sched, plan.seqs, *rows, *cols, *tails))
 
 
+def scaled(x: jax.Array, factor: float) -> jax.Array:
+    """`x * factor` for a finalize, or `x` itself when the factor is 1 (the kernel then has no multiply)."""
+    return x if factor == 1.0 else x * factor
+
+
 def _read_scalar(ref, *index) -> jax.Array:
     """`ref[index]` as a scalar of the kernel's own arithmetic type.
 

@@ -29,6 +29,7 @@ def gdpa(
     max_seq_len_kv: int | None = None,
     activation: str | Activation = Activation.GELU,
     scale: float | None = None,
+    output_scale: float = 1.0,
     broadcast_q: bool = False,
     causal: bool = False,
     implementation: str | dispatch.Implementation | None = None,
@@ -38,7 +39,7 @@ def gdpa(
     For each sequence b, with Q rows `q_offsets[b]:q_offsets[b+1]` and KV rows
     `kv_offsets[b]:kv_offsets[b+1]`::
 
-        out_b = act((Q_b @ K_b.T) * scale) @ V_b        # per head, float32 inside
+        out_b = act((Q_b @ K_b.T) * scale) @ V_b * output_scale   # per head, float32 inside
 
     No normalisation over keys, so a zero-length KV gives a zero output.
     Sources: GEM engineering description (Meta, 2025), GDPA; HSTU pointwise
@@ -65,10 +66,13 @@ def gdpa(
         "gelu_poly6" (a polynomial that matches GELU only for |scores| <= 1.5;
         see `pallas_kernels.gdpa.activations`).
       scale: applied to the scores before the activation; default `1/sqrt(D)`.
+      output_scale: applied to the float32 output before its cast, inside the
+        kernels' last step (no pass of its own); HSTU's 1/N (Zhai et al., 2024),
+        which cannot go into `scale`, as SiLU is not homogeneous.
       broadcast_q: pooled attention with dense learned queries.
       causal: jagged self-attention where query i of a sequence sees keys
         0..i of the same sequence (HSTU's pointwise causal attention, Zhai et
-        al., 2024; HSTU's division by the max length is the caller's `scale`).
+        al., 2024; its division by the length bound N is `output_scale=1/N`).
         Needs `q_offsets == kv_offsets` (concrete ones are checked; traced ones
         are the caller's guarantee) and no `broadcast_q`. The kernels skip the
         tiles above the diagonal (their work list visits only column steps on
@@ -131,6 +135,7 @@ def gdpa(
         max_seq_len_kv=max_seq_len_kv,
         activation=activation,
         scale=scale,
+        output_scale=output_scale,
         broadcast_q=broadcast_q,
     )
     if impl is dispatch.Implementation.XLA:

@@ -87,6 +87,7 @@ def gdpa(
     max_seq_len_kv: int,
     activation: str | Activation = Activation.GELU,
     scale: float | None = None,
+    output_scale: float = 1.0,
     broadcast_q: bool = False,
     causal: bool = False,
 ):
@@ -99,8 +100,8 @@ def gdpa(
         lq = q.shape[0]
         qp = jnp.broadcast_to(q[None], (batch,) + q.shape)
         out = gdpa_padded(qp, kp, vp, jnp.full((batch,), lq), kv_lengths, activation=activation, scale=scale)
-        return out.reshape((batch * lq,) + q.shape[1:]).astype(q.dtype)
+        return (out * output_scale).reshape((batch * lq,) + q.shape[1:]).astype(q.dtype)
     qp = to_padded(q, q_offsets, max_seq_len_q)
     q_lengths = q_offsets[1:] - q_offsets[:-1]
     out = gdpa_padded(qp, kp, vp, q_lengths, kv_lengths, activation=activation, scale=scale, causal=causal)
-    return from_padded(out, q_offsets, q.shape[0]).astype(q.dtype)
+    return from_padded(out * output_scale, q_offsets, q.shape[0]).astype(q.dtype)

@@ -35,6 +35,7 @@ class Static:
     scale: float
     broadcast_q: bool
     causal: bool = False
+    output_scale: float = 1.0
 
 
 def gdpa(
@@ -48,10 +49,11 @@ def gdpa(
     max_seq_len_kv: int,
     activation: str | Activation = Activation.GELU,
     scale: float | None = None,
+    output_scale: float = 1.0,
     broadcast_q: bool = False,
     causal: bool = False,
 ) -> jax.Array:
-    """`act((Q_b K_b^T) * scale) V_b` per sequence with the Mosaic GPU kernels (differentiable).
+    """`act((Q_b K_b^T) * scale) V_b * output_scale` per sequence with the Mosaic GPU kernels (differentiable).
 
     Same arguments and result as `pallas_kernels.gdpa.ops.gdpa`. Sequence lengths
     must not exceed `max_seq_len_q` / `max_seq_len_kv` (keys past the maximum are
@@ -91,6 +93,7 @@ def gdpa(
         scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
         broadcast_q=bool(broadcast_q),
         causal=bool(causal),
+        output_scale=float(output_scale),
     )
     return _gdpa(q, k, v, q_offsets, kv_offsets, static)
 
@@ -372,7 +375,7 @@ def causal_pass(name: str, static: Static) -> str | None:
 
 
 def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
-    spec = forward.spec(static.activation, static.scale, q.dtype)
+    spec = forward.spec(static.activation, static.scale, q.dtype, static.output_scale)
     args = pass_arguments("fwd", q, k, v, None, q_offsets, kv_offsets, static)
     (out,) = _run(spec, causal=causal_pass("fwd", static), **args)
     if static.broadcast_q:
@@ -381,7 +384,7 @@ def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
 
 
 def _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
-    spec = backward.dq_spec(static.activation, static.scale, q.dtype)
+    spec = backward.dq_spec(static.activation, static.scale, q.dtype, static.output_scale)
     args = pass_arguments("dq", q, k, v, d_out, q_offsets, kv_offsets, static)
     (dq,) = _run(spec, causal=causal_pass("dq", static), **args)
     if static.broadcast_q:
@@ -394,7 +397,7 @@ def _backward_dq(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
 
 
 def _backward_dkv(q, k, v, d_out, q_offsets, kv_offsets, static: Static):
-    spec = backward.dkv_spec(static.activation, static.scale, q.dtype)
+    spec = backward.dkv_spec(static.activation, static.scale, q.dtype, static.output_scale)
     args = pass_arguments("dkv", q, k, v, d_out, q_offsets, kv_offsets, static)
     dk, dv = _run(spec, causal=causal_pass("dkv", static), **args)
     return dk, dv

@@ -77,8 +77,9 @@ ERROR_PER_MAGNITUDE = ROUNDINGS * BF16_U + F32_SLACK
 
 
 def _magnitudes(q, k, v, d_out, q_lens, kv_lens, *, activation="gelu", scale=None, causal=False, broadcast_q=False,
-                **_):
-    """float64 M = sum_j |a_j| |b_j| per element of out, dq, dk, dv (shapes of the results; zero on slack rows)."""
+                output_scale=1.0, **_):
+    """float64 M = sum_j |a_j| |b_j| per element of out, dq, dk, dv (shapes of the results; zero on slack rows),
+    times |output_scale| (every result is linear in it)."""
     q, k, v, d_out = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, d_out))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     act = reference.activation_fn(activation)
@@ -101,7 +102,7 @@ def _magnitudes(q, k, v, d_out, q_lens, kv_lens, *, activation="gelu", scale=Non
             m_dk[rows_kv, h] = scale * ds.T @ np.abs(qb)
         q_start += 0 if broadcast_q else lq
         kv_start += lk
-    return m_out, m_dq, m_dk, m_dv
+    return tuple(abs(output_scale) * m for m in (m_out, m_dq, m_dk, m_dv))
 
 
 def _check(name, got, want, magnitude, real_rows):
@@ -483,6 +484,16 @@ def test_causal_kernels_match_reference(monkeypatch, streamed, short):
     q, k, v, d_out = _batch(21, lens, lens, heads=1, q_slack=5, kv_slack=5)
     _compare(q, k, v, d_out, lens, lens, max_seq_len_q=max(lens), max_seq_len_kv=max(lens), activation="silu",
              causal=True, scale=0.1)
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_output_scale_is_applied_inside_the_kernels(short):
+    """HSTU's semantics, silu(alpha q.k) / N v: the 1/N as `output_scale`, forward and gradients against the
+    reference on fresh random inputs (rows split, and columns split for sequences of at most 64 rows)."""
+    lens = [0, 1, 40, 64, 9] if short else [0, 1, 63, 64, 65, 130]
+    q, k, v, d_out = _batch(int(np.random.default_rng().integers(1 << 30)), lens, lens, heads=1)
+    _compare(q, k, v, d_out, lens, lens, max_seq_len_q=max(lens), max_seq_len_kv=max(lens), activation="silu",
+             causal=True, scale=HEAD_DIM**-0.5, output_scale=1.0 / max(lens))
 
 
 def test_causal_errors_name_the_problem():

@@ -293,6 +293,30 @@ def test_sequence_attention_kinds_run_and_differ_from_full(split_model, kind):
     assert not np.allclose(logits[0], full[0])
 
 
+def test_causal_silu_is_hstus_formula(monkeypatch):
+    """The causal SiLU history attention asks GDPA for SiLU(Q K^T / sqrt(D)) V / N, N the histories' bound."""
+    import dataclasses
+
+    import pallas_kernels
+
+    real_gdpa, calls = pallas_kernels.gdpa, []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real_gdpa(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_kernels, "gdpa", recording)
+    config = dataclasses.replace(CONFIG, sequence_attention="causal_silu")
+    with nnx.use_eager_sharding(False):
+        model = GEMModel(SPEC, config, rngs=nnx.Rngs(0))
+    batch = make_batch(np.random.default_rng(), [12, 0, 3], capacity=20)
+    assert np.isfinite(np.asarray(model(batch))).all()
+    silu = [kw for kw in calls if kw.get("activation") == "silu"]
+    assert silu  # one call per layer, or one for the scanned stack
+    for kw in silu:
+        assert kw["causal"] and kw["scale"] == config.head_dim**-0.5 and kw["output_scale"] == 1.0 / kw["max_seq_len_q"]
+
+
 # The dense layers of the test model (2 sequence blocks, 1 DHEN layer) by region.
 LAYERS = {
     Fp8Region.SEQ_ATTENTION: {f"sequence_tower/blocks/{i}/{n}" for i in (0, 1) for n in ("qkv", "out")},
