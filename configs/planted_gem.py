@@ -1,4 +1,4 @@
-"""The GEM-width model (configs/gem_h200.py's, unchanged) on the converted planted log, one H200.
+"""The GEM-width model (configs/gem_h200.py's, with tied query/key initialisation) on the converted planted log, one H200.
 
     gem-data plant --out data/planted && gem-data convert data/planted/events.parquet --out data/planted-converted ...
     gem-train --config configs/planted_gem.py --workdir runs/planted_gem --set data.path=data/planted-converted
@@ -7,10 +7,13 @@
 planted log's oracle and item-mean baseline on the same `time:0.9` eval events are known
 (default log: AUC 0.773 / 0.608, NE 0.822 / 0.977), so the eval places the model between them.
 
-Measured (one H200, 2026-12-04, benchmarks/results/planted_gem_history_features_long_range_h200_20261204.json):
-eval AUC 0.7320, NE 0.8760 at step 1800 (75% of the oracle's AUC lift over the item-mean
-baseline, 65% of its NE lift; the target, 90% and NE within 2% of the oracle's, is not reached);
-0.7156 / 0.8941 at step 900. The history-blind optimum is 0.627 / 0.973 and the optimum without
+Measured (one H200, 2026-12-05, benchmarks/results/planted_gem_tied_qk_long_range_h200_20261205.json):
+eval AUC 0.7372, NE 0.8701 at step 1800 (78% of the oracle's AUC lift over the item-mean
+baseline, 69% of its NE lift, NE 5.8% above the oracle's; the target, 90% and NE within 2% of
+the oracle's, is not reached); 0.7289 / 0.8797 at step 900. With independent query and key
+projections (2026-12-04, benchmarks/results/planted_gem_history_features_long_range_h200_20261204.json):
+0.7320 / 0.8760 at step 1800 (75% / 65%), 0.7156 / 0.8941 at step 900; one seed each. Tied, the
+job took 516 s from start to exit (train steps 318 s, two evals 74 s, the final checkpoint 33 s). The history-blind optimum is 0.627 / 0.973 and the optimum without
 the long-range term 0.708 / 0.907, so the model uses signal from 256 or more events back. The
 job: 508 s from start to exit (59 s lowering and compiling, 1800 steps in 340 s, two evals 73 s,
 the final checkpoint 27 s), plus 18 s of planting and converting the log: a 10-minute job. It
@@ -66,11 +69,12 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
   init (sd d^-0.5): 0.1 was best at d = 256 (against 0.3 and 1.0 over 1200 steps; 0.03 about as
   good over 4000), so 0.05 here, where
   the rows start half as large (0.626 without history item features). Not swept at this width.
-- independent query and key projections (the default). `--set model.tied_qk_init=True` starts
-  each attention's keys equal to its queries (mimetic initialisation); on a small planted log
-  on the CPU it brought the turn about 100 steps forward in every seed, and with heads of 128,
-  this model's, it took 3 seeds from 0.611 to 0.674 mean AUC (benchmarks/quality.md, "Tied query
-  and key projections"). Not yet run at this width.
+- tied query and key projections at init (`model.tied_qk_init`: each attention's keys start
+  equal to its queries, mimetic initialisation, Trockman & Kolter 2023): on a small planted log
+  on the CPU it brought the turn about 100 steps forward in every seed; here it took step 900
+  from 0.7156 to 0.7289 AUC and step 1800 from 0.7320 to 0.7372 (one seed each), and at d = 256
+  three seeds from 0.7184 to 0.7215 mean AUC, NE 0.8933 to 0.8897, every seed past 0.70 by step
+  600 (benchmarks/quality.md, "Tied query and key projections").
 - float32 AdamW moments (the default): a quality run leaves out bf16 moments' rounding.
 - one checkpoint, at the end (a signal still saves one at any step), one kept: 18.5 GB a copy
   (`gem-train --dry-run`: 6.2 GB of parameters, 1.56B of them, 1.45B in the two DHEN layers;
@@ -94,6 +98,7 @@ def get_config() -> TrainConfig:
     gem = load_config(Path(__file__).with_name("gem_h200.py"))
     return dataclasses.replace(
         gem,
+        model=dataclasses.replace(gem.model, tied_qk_init=True),
         data=DataConfig(
             source=Source.EVENTS, path="data/planted-converted", max_seq_len=1024, batch_size=gem.data.batch_size, seed=0, capacity_step=1.1,
             history_item_features=True,

@@ -58,9 +58,9 @@ def test_a_tiny_model_beats_the_item_mean_baseline_below_the_oracle(run):
 
 
 def test_the_planted_configs_share_their_data_and_reuse_their_models(repo_root):
-    """configs/planted_gem.py is gem_h200's model; configs/planted_small.py the demo's, on the same data and schedule."""
+    """configs/planted_gem.py is gem_h200's model (keys initialised as the queries); configs/planted_small.py the demo's, on the same data and schedule."""
     gem, small = (load_config(repo_root / "configs" / f"planted_{name}.py") for name in ("gem", "small"))
-    assert gem.model == load_config(repo_root / "configs" / "gem_h200.py").model
+    assert gem.model == dataclasses.replace(load_config(repo_root / "configs" / "gem_h200.py").model, tied_qk_init=True)
     assert small.model == load_config(repo_root / "configs" / "events.py").model
     assert gem.data == small.data and gem.loop == small.loop
     assert gem.data.max_seq_len >= PLANTED.long_window[1]  # the long-range signal is within reach
