@@ -12,7 +12,8 @@ in TFLOP/s of real work (forward 4 * sum_b Lq_b Lkv_b * H * D; backward 2.5x, fo
 its five products against the forward's two) and as a fraction of a bf16 GEMM
 (8192^3 jnp.dot) timed in the same run, with each kernel's time for our calls.
 Also checks the kernels against the float32 reference on every shape and on a
-small jagged batch with NaN slack. `--sweep` also times the forward under each
+small jagged batch with NaN slack in each of `CHECK_FORMS` (GELU, GELU with
+`output_scale`, causal SiLU with HSTU's 1/N), forward and gradients. `--sweep` also times the forward under each
 tiling of `FORWARD_VARIANTS`.
 
     PYTHONPATH=. python3 benchmarks/gdpa_bench.py --out benchmarks/results/gdpa_h200.json [--sweep]
@@ -199,26 +200,39 @@ def run_case(case: dict, gemm_tflops: float) -> dict:
     return result
 
 
-def small_jagged_check() -> dict:
-    """Jagged batch with empty sequences, odd lengths, keys past the column ring and NaN slack rows."""
+# The forms the small jagged check runs: each activation path the kernels specialise on, the
+# causal (HSTU) walk, and output_scale in the kernels' last step.
+CHECK_FORMS = {
+    "gelu": dict(activation="gelu"),
+    "gelu_output_scale": dict(activation="gelu", output_scale=0.25),
+    "silu_causal_hstu": dict(activation="silu", causal=True, output_scale=1 / 320),
+}
+
+
+def small_jagged_check(forms=CHECK_FORMS) -> dict:
+    """Forward and gradients of each of `forms` against the float32 reference on a jagged batch
+    with empty sequences (on either side), lengths off the tile sizes, keys past the column ring
+    and NaN slack rows in q, k, v and the cotangent. Per form and output: the max relative error
+    on the real rows, whether the slack rows are zero, and whether any NaN came out."""
     q_lens, kv_lens = [70, 0, 130, 5, 64, 9, 300], [40, 17, 0, 64, 33, 1, 200]
-    keys = jax.random.split(jax.random.key(3), 4)
-    tq, tkv = sum(q_lens), sum(kv_lens)
-    q = jax.random.normal(keys[0], (tq + 5, H, D), DTYPE).at[tq:].set(jnp.nan)
-    k = jax.random.normal(keys[1], (tkv + 3, H, D), DTYPE).at[tkv:].set(jnp.nan)
-    v = jax.random.normal(keys[2], (tkv + 3, H, D), DTYPE).at[tkv:].set(jnp.nan)
-    d_out = jax.random.normal(keys[3], (tq + 5, H, D), DTYPE).at[tq:].set(jnp.nan)
-    qo = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    ko = jnp.asarray(np.concatenate([[0], np.cumsum(kv_lens)]), jnp.int32)
+    keys = jax.random.split(jax.random.key(3), 6)
     results = {}
-    for act in ("gelu",):
+    for name, kw in forms.items():
+        kv_side = q_lens if kw.get("causal") else kv_lens  # causal: self-attention, one set of offsets
+        tq, tkv = sum(q_lens), sum(kv_side)
+        q = jax.random.normal(keys[0], (tq + 5, H, D), DTYPE).at[tq:].set(jnp.nan)
+        k = jax.random.normal(keys[1], (tkv + 3, H, D), DTYPE).at[tkv:].set(jnp.nan)
+        v = jax.random.normal(keys[2], (tkv + 3, H, D), DTYPE).at[tkv:].set(jnp.nan)
+        d_out = jax.random.normal(keys[3], (tq + 5, H, D), DTYPE).at[tq:].set(jnp.nan)
+        qo = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        ko = jnp.asarray(np.concatenate([[0], np.cumsum(kv_side)]), jnp.int32)
         got = {}
         for impl in ("pallas", "xla"):
-            f = lambda q, k, v: ops.gdpa(q, k, v, qo, ko, max_seq_len_q=320, max_seq_len_kv=256, activation=act, implementation=impl)
+            f = lambda q, k, v: ops.gdpa(q, k, v, qo, ko, max_seq_len_q=320, max_seq_len_kv=max(kv_side), implementation=impl, **kw)
             out, vjp = jax.vjp(f, q, k, v)
             got[impl] = (out, *vjp(d_out))
         rows = (tq, tq, tkv, tkv)
-        results[act] = {
+        results[name] = {
             n: {
                 "rel_max_err": relative_error(a[:r], b[:r]),
                 "slack_zero": bool(jnp.all(jnp.asarray(a[r:], jnp.float32) == 0)),
@@ -226,7 +240,7 @@ def small_jagged_check() -> dict:
             }
             for n, a, b, r in zip(("out", "dq", "dk", "dv"), got["pallas"], got["xla"], rows)
         }
-        print(f"  small jagged {act}: {results[act]}", flush=True)
+        print(f"  small jagged {name}: {results[name]}", flush=True)
     return results
 
 
