@@ -107,7 +107,7 @@ def layers(offsets, max_seq_len: int, capacity: int, window: int):
     def silu_pallas(q, k, v):
         q, k = roped(q, k)
         return gdpa(q, k, v, offsets, offsets, max_seq_len_q=max_seq_len, max_seq_len_kv=max_seq_len, activation="silu",
-                    causal=True, scale=q.shape[-1] ** -0.5 / max_seq_len, implementation="pallas")
+                    causal=True, scale=q.shape[-1] ** -0.5, output_scale=1 / max_seq_len, implementation="pallas")
 
     return {
         "block_local_pallas": (block_pallas, ("block", 64)),

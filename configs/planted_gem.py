@@ -12,16 +12,15 @@ eval AUC 0.7372, NE 0.8701 at step 1800 (78% of the oracle's AUC lift over the i
 baseline, 69% of its NE lift, NE 5.8% above the oracle's; the target, 90% and NE within 2% of
 the oracle's, is not reached); 0.7289 / 0.8797 at step 900. With independent query and key
 projections (2026-12-04, benchmarks/results/planted_gem_history_features_long_range_h200_20261204.json):
-0.7320 / 0.8760 at step 1800 (75% / 65%), 0.7156 / 0.8941 at step 900; one seed each. Tied, the
-job took 516 s from start to exit (train steps 318 s, two evals 74 s, the final checkpoint 33 s). The history-blind optimum is 0.627 / 0.973 and the optimum without
-the long-range term 0.708 / 0.907, so the model uses signal from 256 or more events back. The
-job: 508 s from start to exit (59 s lowering and compiling, 1800 steps in 340 s, two evals 73 s,
-the final checkpoint 27 s), plus 18 s of planting and converting the log: a 10-minute job. It
-ran with XLA_PYTHON_CLIENT_MEM_FRACTION=0.92; at jax's default 75% it ran out of memory (a
-44.8 GiB buffer asked for with more than that free in two pieces); gem-train now takes 90%
-unless told otherwise, which the warm-up run below trained at. Train NE falls slowly until about
-step 650 (0.97) and then fast, to 0.90 at step 850, in both runs of the same seed (1200 and 1800
-steps).
+0.7320 / 0.8760 at step 1800 (75% / 65%), 0.7156 / 0.8941 at step 900; one seed each. The
+history-blind optimum is 0.627 / 0.973 and the optimum without the long-range term 0.708 /
+0.907, so the model uses signal from 256 or more events back. The job, tied: 511 s from start to
+exit (lowering 17 s and compiling 52 s, 1800 steps in 318 s, two evals 74 s, the final checkpoint
+33 s), plus under a minute of planting and converting the log: a 10-minute job, at gem-train's
+default 90% of the GPU's memory (at jax's 75% the independent run ran out of memory: a 44.8 GiB
+buffer asked for with more than that free in two pieces). Train NE: tied, 0.93 by step 150 and
+0.90 by step 400; with independent projections it fell slowly until about step 650 (0.97) and
+then fast, to 0.90 at step 850, in both runs of that seed (1200 and 1800 steps).
 
 Data: every train event of the converted log, histories of up to 1024 events (the long-range
 signal sits 256-1000 events back, so a shorter window cannot reach the oracle), 1024 examples a
@@ -36,7 +35,7 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
 1.16, so the defaults of configs/gem_h200.py, a step-time benchmark, are not a training recipe):
 
 - 1800 steps (1.07 epochs of the 1.73M train events): what fits a 10-minute job beside planting,
-  start-up and the two evals, at the 0.19 s a step measured above; 1200 steps reached
+  start-up and the two evals, at the 0.18-0.19 s a step measured above; 1200 steps reached
   0.7223 / 0.8863 (69% of the AUC lift).
 - dense AdamW peak 3e-4, a third of the MovieLens run's: d = 1024 transformer blocks are usually
   trained at 1e-4 to 5e-4 with batches of this size.

@@ -2,8 +2,9 @@
 
 Written with the operations Mosaic GPU lowers (mul/add, tanh, exp, erf, max,
 select); with the kernels' `approx_math`, tanh and exp run on the fast
-hardware approximations (about 2^-11 relative error, below bf16 rounding).
-SiLU's sigmoid is taken as `(1 + tanh(x / 2)) / 2`: one `tanh.approx` on the
+hardware approximations (about 2^-11 error, below bf16 rounding; through
+`1 + tanh` the far negative tail of SiLU keeps only that absolute error, not a
+relative one). SiLU's sigmoid is taken as `(1 + tanh(x / 2)) / 2`: one `tanh.approx` on the
 special-function units, where `1 / (1 + exp(-x))` costs an exponential and a
 reciprocal, two (the units issue 16 results a clock per SM, so in the
 elementwise-bound GDPA steps they set the pace).

@@ -496,6 +496,16 @@ def test_output_scale_is_applied_inside_the_kernels(short):
              causal=True, scale=HEAD_DIM**-0.5, output_scale=1.0 / max(lens))
 
 
+def test_output_scale_with_broadcast_queries():
+    """`output_scale` on pooled attention: the per-sequence partial dQ is scaled in the kernel and then
+    summed over sequences, forward and gradients against the reference on fresh random inputs (a
+    zero-length sequence, lengths off the tile sizes, NaN key slack)."""
+    kv_lens = [0, 33, 70, 5]
+    q, k, v, d_out = _batch(int(np.random.default_rng().integers(1 << 30)), None, kv_lens, heads=1, lq=11)
+    _compare(q, k, v, d_out, None, kv_lens, broadcast_q=True, max_seq_len_q=11, max_seq_len_kv=70, activation="silu",
+             output_scale=0.37)
+
+
 def test_causal_errors_name_the_problem():
     q = jnp.zeros((8, 1, 64), jnp.bfloat16)
     off = _offsets([8])
