@@ -1,8 +1,10 @@
-"""Quality metrics for binary tasks: normalized entropy (NE) and AUC (the BCE loss is `gem_jax.model.loss`).
+"""Quality metrics for binary tasks: normalized entropy (NE), AUC and calibration (the BCE loss is `gem_jax.model.loss`).
 
 NE (He et al., "Practical Lessons from Predicting Clicks on Ads at Facebook", 2014) is
 the average log loss divided by the entropy of the base rate `p`:
 `NE = BCE / -(p log p + (1-p) log(1-p))`; below 1 means better than predicting `p`.
+Calibration (the same paper) is the mean predicted probability over the observed rate:
+1 is calibrated, above 1 over-predicts; NE counts a miscalibration that AUC cannot see.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 
 from gem_jax.model.loss import bce_per_example, weighted_bce
 
-__all__ = ["EvalAccumulator", "auc", "bce_per_example", "binary_entropy", "normalized_entropy", "weighted_bce"]
+__all__ = ["EvalAccumulator", "auc", "bce_per_example", "binary_entropy", "calibration", "normalized_entropy", "weighted_bce"]
 
 
 def binary_entropy(p):
@@ -26,6 +28,14 @@ def binary_entropy(p):
 def normalized_entropy(mean_bce, base_rate):
     """NE from the mean BCE and the label base rate (per task)."""
     return mean_bce / binary_entropy(base_rate)
+
+
+def calibration(logits: np.ndarray, labels: np.ndarray) -> float:
+    """Mean predicted probability over the positive rate, for `[N]` logits and {0, 1} labels; NaN with no positives."""
+    rate = float(np.mean(labels)) if len(labels) else 0.0
+    if rate == 0.0:
+        return float("nan")
+    return float(np.mean(1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))) / rate)
 
 
 def auc(scores: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None) -> float:
@@ -56,7 +66,7 @@ def auc(scores: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = Non
 
 
 class EvalAccumulator:
-    """Collects eval predictions over batches and reports per-task AUC, NE and BCE."""
+    """Collects eval predictions over batches and reports per-task AUC, NE, BCE and calibration."""
 
     def __init__(self, task_names: list[str]):
         self.task_names = task_names
@@ -79,4 +89,5 @@ class EvalAccumulator:
             out[f"auc_{name}"] = auc(logits[:, k], labels[:, k])
             out[f"ne_{name}"] = float(normalized_entropy(bce[:, k].mean(), labels[:, k].mean()))
             out[f"bce_{name}"] = float(bce[:, k].mean())
+            out[f"calibration_{name}"] = calibration(logits[:, k], labels[:, k])
         return out

@@ -40,3 +40,18 @@ def test_weighted_bce_ignores_padding_examples():
     labels = jnp.array([[1.0], [0.0]])
     bce = metrics.weighted_bce(jnp.where(jnp.isnan(logits), 0.0, logits), labels, jnp.array([1.0, 0.0]))
     np.testing.assert_allclose(bce, [np.log1p(np.exp(-2.0))], rtol=1e-6)  # one float32 log1p(exp): a few u
+
+
+def test_calibration_is_mean_prediction_over_the_observed_rate_in_the_eval_record():
+    rng = np.random.default_rng()
+    labels = (rng.random((400, 1)) < 0.25).astype(np.float32)
+    logits = rng.normal(size=(400, 1)).astype(np.float32)
+    acc = metrics.EvalAccumulator(["click"])
+    acc.add(logits[:250], labels[:250], np.ones(250, np.float32))
+    acc.add(np.full((3, 1), 50.0, np.float32), np.zeros((3, 1), np.float32), np.zeros(3, np.float32))  # padding: left out
+    acc.add(logits[250:], labels[250:], np.ones(150, np.float32))
+    want = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).mean() / labels.mean()
+    assert acc.result()["calibration_click"] == pytest.approx(want, rel=1e-12)
+    base = labels.mean()
+    assert metrics.calibration(np.full(400, np.log(base / (1 - base))), labels[:, 0]) == pytest.approx(1.0, rel=1e-6)
+    assert np.isnan(metrics.calibration(logits[:, 0], np.zeros(400)))
