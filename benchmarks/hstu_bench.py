@@ -183,16 +183,15 @@ def make_inputs(lengths, heads: int, dim: int, with_dout: bool, seed: int = DATA
 # --- our side -------------------------------------------------------------------------------
 
 
-def ours_gdpa(q, k, v, offsets, *, n: int, alpha: float, implementation: str):
-    """Our causal SiLU GDPA with HSTU's alpha inside the activation: sum_{j<=i} silu(alpha q_i.k_j) v_j."""
+def ours_gdpa(q, k, v, offsets, *, n: int, alpha: float, implementation: str, output_scale: float = 1.0):
+    """Our causal SiLU GDPA with HSTU's alpha inside the activation: sum_{j<=i} silu(alpha q_i.k_j) v_j * output_scale."""
     return gdpa(q, k, v, offsets, offsets, max_seq_len_q=n, max_seq_len_kv=n, activation="silu", causal=True,
-                scale=alpha, implementation=implementation)
+                scale=alpha, output_scale=output_scale, implementation=implementation)
 
 
 def ours_hstu_semantics(q, k, v, offsets, *, n: int, alpha: float, implementation: str):
     """HSTU's output from our op: scale=alpha and output_scale=1/N (HSTU divides silu's output by N)."""
-    return gdpa(q, k, v, offsets, offsets, max_seq_len_q=n, max_seq_len_kv=n, activation="silu", causal=True,
-                scale=alpha, output_scale=1.0 / n, implementation=implementation)
+    return ours_gdpa(q, k, v, offsets, n=n, alpha=alpha, implementation=implementation, output_scale=1.0 / n)
 
 
 def ours_functions(n: int, alpha: float, implementation: str) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy import special
 
 from gem_jax.model.loss import bce_per_example, weighted_bce
 
@@ -31,11 +32,21 @@ def normalized_entropy(mean_bce, base_rate):
 
 
 def calibration(logits: np.ndarray, labels: np.ndarray) -> float:
-    """Mean predicted probability over the positive rate, for `[N]` logits and {0, 1} labels; NaN with no positives."""
-    rate = float(np.mean(labels)) if len(labels) else 0.0
+    """Calibration (He et al., 2014): mean predicted probability over the observed positive rate.
+
+    Args:
+      logits: `[N]` float, one task's logits (probability = sigmoid(logit)).
+      labels: `[N]` in {0, 1}.
+
+    Returns:
+      A float64 ratio, 1 when calibrated, above 1 when the model over-predicts; NaN when
+      there are no positives (no rate to divide by). Sums in float64.
+    """
+    rate = float(np.mean(labels, dtype=np.float64)) if len(labels) else 0.0
     if rate == 0.0:
         return float("nan")
-    return float(np.mean(1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))) / rate)
+    probabilities = special.expit(np.asarray(logits, np.float64))  # no overflow for large negative logits
+    return float(np.mean(probabilities) / rate)
 
 
 def auc(scores: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None) -> float:

@@ -18,6 +18,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.train.config_tree import ConfigError, apply_overrides
 from gem_jax.train.state import check_exchange_dtypes
+import pallas_kernels
 from pallas_kernels.mxfp8 import Fp8Recipe
 from tolerances import DRAW, E4M3, check, product_rms
 from specs import movielens_spec
@@ -295,10 +296,6 @@ def test_sequence_attention_kinds_run_and_differ_from_full(split_model, kind):
 
 def test_causal_silu_is_hstus_formula(monkeypatch):
     """The causal SiLU history attention asks GDPA for SiLU(Q K^T / sqrt(D)) V / N, N the histories' bound."""
-    import dataclasses
-
-    import pallas_kernels
-
     real_gdpa, calls = pallas_kernels.gdpa, []
 
     def recording(*args, **kwargs):

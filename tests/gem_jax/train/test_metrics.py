@@ -50,8 +50,9 @@ def test_calibration_is_mean_prediction_over_the_observed_rate_in_the_eval_recor
     acc.add(logits[:250], labels[:250], np.ones(250, np.float32))
     acc.add(np.full((3, 1), 50.0, np.float32), np.zeros((3, 1), np.float32), np.zeros(3, np.float32))  # padding: left out
     acc.add(logits[250:], labels[250:], np.ones(150, np.float32))
-    want = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).mean() / labels.mean()
-    assert acc.result()["calibration_click"] == pytest.approx(want, rel=1e-12)
-    base = labels.mean()
-    assert metrics.calibration(np.full(400, np.log(base / (1 - base))), labels[:, 0]) == pytest.approx(1.0, rel=1e-6)
+    want = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).mean() / labels.astype(np.float64).mean()
+    assert acc.result()["calibration_click"] == pytest.approx(want, rel=1e-12)  # float64 sums of 400 terms
+    base = labels.astype(np.float64).mean()
+    assert metrics.calibration(np.full(400, np.log(base / (1 - base))), labels[:, 0]) == pytest.approx(1.0, rel=1e-12)
+    assert metrics.calibration(np.array([-1000.0, 1000.0]), np.array([0.0, 1.0])) == 1.0  # no overflow: mean(0, 1) / 0.5
     assert np.isnan(metrics.calibration(logits[:, 0], np.zeros(400)))
