@@ -285,10 +285,13 @@ def forward_tiling(overrides: dict, chosen: list):
     return choose
 
 
-def sweep_forward(case: dict) -> dict:
-    """Forward device and wall time of each `FORWARD_VARIANTS` tiling, with its error against XLA."""
-    args = (case["q"], case["k"], case["v"])
-    want = gdpa_fns(case, "xla")[0](*args)
+def sweep_tilings(make_forward, args, want, label: str, *, device: bool = True) -> dict:
+    """Forward device and wall time of each `FORWARD_VARIANTS` tiling, with its error against `want`.
+
+    make_forward: `() -> jitted forward of args`, built anew for each tiling (the ops' lowering is
+    cached per trace). `device=False` (the interpreter) leaves out CUPTI's device time. A variant
+    that fails (e.g. does not fit in shared memory) records its error and the sweep goes on.
+    """
     results = {}
     real = config.choose
     for name, overrides in FORWARD_VARIANTS.items():
@@ -296,13 +299,13 @@ def sweep_forward(case: dict) -> dict:
         config.choose = forward_tiling(overrides, chosen)
         jax.clear_caches()  # the ops' cached lowering would reuse the last variant's trace
         try:
-            fwd = gdpa_fns(case, "pallas")[0]
+            fwd = make_forward()
             got = fwd(*args)
             if not chosen:
                 raise RuntimeError("the forward was not traced under this tiling (a cached lowering was reused)")
             results[name] = {
                 "tiling": chosen[-1],
-                "device_ms": _timing.device_ms(fwd, args, DEVICE_ITERS),
+                "device_ms": _timing.device_ms(fwd, args, DEVICE_ITERS) if device else None,
                 "wall_ms": _timing.wall_seconds(fwd, *args) * 1e3,
                 "rel_max_err": relative_error(got, want),
             }
@@ -311,8 +314,15 @@ def sweep_forward(case: dict) -> dict:
         finally:
             config.choose = real
             jax.clear_caches()
-        print(f"  {case['name']:7s} sweep {name:18s} {results[name]}", flush=True)
+        print(f"  {label:7s} sweep {name:18s} {results[name]}", flush=True)
     return results
+
+
+def sweep_forward(case: dict) -> dict:
+    """`sweep_tilings` of the case's forward, against XLA's."""
+    args = (case["q"], case["k"], case["v"])
+    want = gdpa_fns(case, "xla")[0](*args)
+    return sweep_tilings(lambda: gdpa_fns(case, "pallas")[0], args, want, case["name"])
 
 
 def with_smem_fallback(fn):

@@ -58,7 +58,11 @@ printout gives each case's work and its time at CEILING_TFLOPS to check times ag
 Forward only by default. `--backward` also times forward+backward of both (ours: `jax.vjp` of the
 1/N-scaled op; HSTU: `torch.autograd.grad`) and compares the gradients; HSTU's backward runs
 last, one case at a time, its errors caught (a CUDA fault ends the process: the JSON is written
-after every step). No case starts after --budget-s seconds. Writes JSON to --out: GPU, versions,
+after every step). `--sweep` also times our forward under each tiling of
+`gdpa_bench.FORWARD_VARIANTS` (rows in flight, column block and ring, row tiles a work item;
+each against our default tiling's output, in the case's `ours_forward_sweep`), on the causal
+cases (gdpa_bench's sweep runs its dense GELU shapes).
+No case starts after --budget-s seconds. Writes JSON to --out: GPU, versions,
 date, git commit ($GEM_GIT_COMMIT or git), HSTU's source commit (--hstu-commit), cases, times,
 ratios, checks.
 """
@@ -92,7 +96,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: `benchmarks` and `pallas_kernels` from this tree
     sys.path.insert(0, str(REPO))
 
-from benchmarks import _timing  # noqa: E402
+from benchmarks import _timing, gdpa_bench  # noqa: E402
 from gem_jax.train.run_record import code_version  # noqa: E402
 from pallas_kernels import gdpa  # noqa: E402
 from pallas_kernels.gdpa import reference  # noqa: E402
@@ -521,6 +525,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hstu-commit", help="commit of the HSTU source (recorded)")
     parser.add_argument("--cases", default=None, help="comma-separated names of CASES (default: all)")
     parser.add_argument("--backward", action="store_true", help="also time and compare forward+backward")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time our forward under each tiling of gdpa_bench.FORWARD_VARIANTS (ours only)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=400.0, help="start no case after this many seconds")
     parser.add_argument("--cpu-smoke", action="store_true",
@@ -682,6 +688,10 @@ def run_case(name, case, heads, dim, alpha, impl, args, smoke, mha, torch_inputs
     c["capacity"] = data["capacity"]
     offsets = offsets_of(lengths)
     c["ours"], ours_out, ours_grads = run_ours(data, offsets, n, alpha, impl, flops, args.iters, args.backward, smoke)
+    if args.sweep and ours_out is not None:
+        fargs = tuple(jnp.asarray(data[key]) for key in ("q", "k", "v")) + (jnp.asarray(offsets, jnp.int32),)
+        c["ours_forward_sweep"] = guarded(lambda: gdpa_bench.sweep_tilings(
+            lambda: ours_functions(n, alpha, impl)["fwd"], fargs, ours_out, name, device=not smoke))
     hstu_out = None
     if mha is not None:
         def setup():

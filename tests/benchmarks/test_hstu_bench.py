@@ -187,3 +187,21 @@ def test_outputs_that_disagree_are_flagged_loudly_with_their_times_kept(bench, t
     assert len(record["flags"]) == 1 and record["flags"][0].startswith("smoke-b: outputs disagree beyond 2%")
     assert case["hstu"]["fwd"]["do_bench_ms"] == 2.0 and case["ours"]["fwd"]["wall_ms"] > 0
     assert "!!! smoke-b: outputs disagree" in capsys.readouterr().out
+
+
+def test_sweep_times_our_forward_under_each_tiling_against_the_default_output(bench, tmp_path, monkeypatch):
+    """`--sweep` on the CPU: every `gdpa_bench.FORWARD_VARIANTS` tiling is traced (the tiling it ran is recorded) and
+    agrees with our default tiling's output, or records why it did not run; wall time only (no CUPTI)."""
+    from benchmarks import gdpa_bench
+
+    monkeypatch.setattr(gdpa_bench, "FORWARD_VARIANTS", {"default": {}, "items2": {"row_tiles_per_item": 2},
+                                                         "cols64": {"block_cols": 64}, "too_many_slots": {"row_slots": 64}})
+    out = tmp_path / "hstu.json"
+    assert bench.main(["--cpu-smoke", "--sweep", "--cases", "smoke-b", "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())["cases"]["smoke-b"]["ours_forward_sweep"]
+    assert list(sweep) == ["default", "items2", "cols64", "too_many_slots"]
+    for name in ("default", "items2", "cols64"):
+        assert sweep[name]["rel_max_err"] < 1e-2 and sweep[name]["wall_ms"] > 0 and sweep[name]["device_ms"] is None
+    assert sweep["items2"]["tiling"]["row_tiles_per_item"] == 2 and sweep["cols64"]["tiling"]["block_cols"] == 64
+    assert sweep["default"]["tiling"]["row_tiles_per_item"] == 8
+    assert "shared memory" in sweep["too_many_slots"]["error"]
