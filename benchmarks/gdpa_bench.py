@@ -258,6 +258,10 @@ FORWARD_VARIANTS = {
     "items4": {"row_tiles_per_item": 4},
     "cols64_ring4": {"block_cols": 64, "col_slots": 4},
     "cols64_ring5": {"block_cols": 64, "col_slots": 5},
+    # A sequence's items dealt together, heaviest sequence first (`TileConfig.group_sequences`): neighbouring
+    # CTAs stream the same keys at about the same time.
+    "grouped_items1": {"row_tiles_per_item": 1, "group_sequences": True},
+    "grouped_items2": {"row_tiles_per_item": 2, "group_sequences": True},
 }
 
 

@@ -52,6 +52,9 @@ class TileConfig:
       row_tiles_per_item: row tiles grouped into one work item (resident columns
         are loaded once per item).
       num_ctas: persistent CTAs (the GPU's SM count).
+      group_sequences: deal a sequence's work items together, heaviest sequence first
+        (`schedule.build`), instead of heaviest item first: with short items the CTAs side by
+        side then stream the same sequence's columns at about the same time, one copy in L2.
     """
 
     split: Split
@@ -61,6 +64,7 @@ class TileConfig:
     max_col_tiles: int
     row_tiles_per_item: int
     num_ctas: int
+    group_sequences: bool = False
 
     @property
     def rows_per_tile(self) -> int:

@@ -96,6 +96,7 @@ def build(
     max_col_steps: int,
     num_ctas: int,
     causal: str | None = None,
+    group_sequences: bool = False,
 ) -> Plan:
     """Sorted, zigzag-dealt work list.
 
@@ -114,6 +115,10 @@ def build(
       causal: None, or a `Causal` mode: an
         item's work then counts only the column steps each of its row tiles
         visits (`causal_col_steps`).
+      group_sequences: order items by their sequence's work (the sum of its
+        items'), heaviest sequence first, each sequence's items together in row
+        order, instead of by their own work: the items of one sequence and head
+        are then dealt to neighbouring CTAs of one round.
 
     Returns:
       A `Plan`.
@@ -143,6 +148,8 @@ def build(
             for k in range(tiles_per_item)
         )
     work = jnp.where(live, work, -1)
+    if group_sequences:  # items are in sequence order, so a stable sort by their sequence's work keeps each together
+        work = jnp.where(live, jnp.zeros(n_seq, jnp.int32).at[seq].add(jnp.maximum(work, 0))[seq], -1)
 
     # Sorted heaviest first, item (i, h) is at position p = rank(i) H + h: the heads of one item
     # share its work and are adjacent in (i, h) order, as a stable sort keeps them.

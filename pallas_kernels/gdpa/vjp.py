@@ -325,6 +325,7 @@ def build_plan(
         max_col_steps=cfg.max_col_tiles,
         num_ctas=cfg.num_ctas,
         causal=causal,
+        group_sequences=cfg.group_sequences,
     )
     return cfg, plan, padded_out_rows
 

@@ -210,6 +210,29 @@ def test_work_list_is_sorted_dealt_in_a_zigzag_and_complete():
     assert all(r[3] == r[2] for r in dealt[len(live) :])
 
 
+def test_grouped_work_list_deals_each_sequence_together_heaviest_sequence_first():
+    """`group_sequences`: one item per 128-row tile, causal; the deal runs sequence by sequence (their summed
+    work descending, ties in sequence order), each sequence's items in row order with their heads side by side,
+    and every item is there once."""
+    lens = jnp.array([300, 640, 0, 300, 90, 3], jnp.int32)  # last entry: slack rows
+    cols = lens.at[-1].set(0)
+    plan = schedule.build(
+        lens, cols, jnp.zeros(6, jnp.int32), jnp.zeros(6, jnp.int32), jnp.zeros((6, 1), jnp.int32),
+        out_rows=1333, heads=2, rows_per_tile=128, tiles_per_item=1, block_cols=128, max_col_steps=5, num_ctas=4,
+        causal=schedule.Causal.KEYS_UP_TO_ROW, group_sequences=True,
+    )
+    sched = np.asarray(plan.sched)
+    dealt = [tuple(sched[c if r % 2 == 0 else 3 - c, r]) for r in range(sched.shape[1]) for c in range(4)]
+    live = [d for d in dealt if d[3] > d[2]]
+    tiles = {0: 3, 1: 5, 3: 3, 4: 1, 5: 1}  # sequence -> 128-row tiles; the slack (5) has rows and no columns
+    assert sorted(live) == sorted((s, h, t, t + 1) for s, n in tiles.items() for h in (0, 1) for t in range(n))
+    # Work of tile t: t + 1 column steps + 1 (capped at 5 steps); the slack's tiles have none: 1 each.
+    work = {0: 2 + 3 + 4, 1: 2 + 3 + 4 + 5 + 6, 3: 2 + 3 + 4, 4: 2, 5: 1}
+    order = sorted(tiles, key=lambda s: -work[s])  # stable: sequence 0 before 3
+    assert [(s, h, t) for s, h, t, _ in live] == [(s, h, t) for s in order for t in range(tiles[s]) for h in (0, 1)]
+    assert all(d[3] == d[2] for d in dealt[len(live):])
+
+
 @pytest.mark.parametrize("causal", [schedule.Causal.KEYS_UP_TO_ROW, schedule.Causal.QUERIES_FROM_ROW])
 def test_causal_work_list_counts_the_visited_column_steps(causal):
     """One 640-row self-attention sequence, items of one 128-row tile, 128-row column steps:
@@ -472,15 +495,22 @@ def test_causal_reference_matches_per_sequence_silu_loop():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("streamed,short", [(False, False), (True, False), (False, True)])
-def test_causal_kernels_match_reference(monkeypatch, streamed, short):
+@pytest.mark.parametrize("streamed,short,grouped", [(False, False, False), (True, False, False), (False, True, False),
+                                                    (True, False, True)])
+def test_causal_kernels_match_reference(monkeypatch, streamed, short, grouped):
     """Causal SiLU self-attention (HSTU): resident and streamed keys (64-key blocks), so the
     work list skips column steps above the diagonal in both engine modes; sequences of at
-    most 64 rows run with the warpgroups splitting the column steps."""
+    most 64 rows run with the warpgroups splitting the column steps; and the work list
+    dealt sequence by sequence, one row tile an item (`TileConfig.group_sequences`)."""
     lens = [200, 7, 131] if streamed else ([0, 1, 40, 64, 9] if short else [0, 1, 63, 64, 65, 130])
     if streamed:
         real_choose = config.choose
-        monkeypatch.setattr(config, "choose", lambda **kw: real_choose(**{**kw, "block_cols": 64}))
+
+        def choose(**kw):
+            cfg = real_choose(**{**kw, "block_cols": 64})
+            return dataclasses.replace(cfg, group_sequences=True, row_tiles_per_item=1) if grouped else cfg
+
+        monkeypatch.setattr(config, "choose", choose)
     q, k, v, d_out = _batch(21, lens, lens, heads=1, q_slack=5, kv_slack=5)
     _compare(q, k, v, d_out, lens, lens, max_seq_len_q=max(lens), max_seq_len_kv=max(lens), activation="silu",
              causal=True, scale=0.1)
