@@ -59,9 +59,10 @@ Forward only by default. `--backward` also times forward+backward of both (ours:
 1/N-scaled op; HSTU: `torch.autograd.grad`) and compares the gradients; HSTU's backward runs
 last, one case at a time, its errors caught (a CUDA fault ends the process: the JSON is written
 after every step). `--sweep` also times our forward under each tiling of
-`gdpa_bench.FORWARD_VARIANTS` (rows in flight, column block and ring, row tiles a work item;
-each against our default tiling's output, in the case's `ours_forward_sweep`), on the causal
-cases (gdpa_bench's sweep runs its dense GELU shapes).
+`gdpa_bench.FORWARD_VARIANTS` (rows in flight, column block and ring, row tiles a work item, the
+work list grouped by sequence; each against our default tiling's output, in the case's
+`ours_forward_sweep`), on the causal cases (gdpa_bench's sweep runs its dense GELU shapes); a
+case's sweep runs whole once the case has started (about a compile and 10 timed calls a tiling).
 No case starts after --budget-s seconds. Writes JSON to --out: GPU, versions,
 date, git commit ($GEM_GIT_COMMIT or git), HSTU's source commit (--hstu-commit), cases, times,
 ratios, checks.

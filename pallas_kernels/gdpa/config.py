@@ -52,9 +52,10 @@ class TileConfig:
       row_tiles_per_item: row tiles grouped into one work item (resident columns
         are loaded once per item).
       num_ctas: persistent CTAs (the GPU's SM count).
-      group_sequences: deal a sequence's work items together, heaviest sequence first
-        (`schedule.build`), instead of heaviest item first: with short items the CTAs side by
-        side then stream the same sequence's columns at about the same time, one copy in L2.
+      group_sequences: sort the work items by their sequence's work, each sequence's items
+        together (`schedule.build`), instead of by their own work: with short items the CTAs
+        side by side then stream the same sequence's columns at about the same time, one copy
+        in L2. Off by default (not yet timed on a GPU).
     """
 
     split: Split

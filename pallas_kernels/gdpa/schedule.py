@@ -23,7 +23,10 @@ bound), heaviest first (ties keep sequence order), and dealt to the persistent
 CTAs in a zigzag: round r gives sorted item `r C + c` to CTA c when r is even
 and to CTA `C - 1 - c` when r is odd, so every CTA gets one of the heaviest and
 one of the lightest items of each pair of rounds. Unused slots hold an empty
-item (t0 = t1).
+item (t0 = t1). With `group_sequences` the items are sorted by their
+sequence's work instead, each sequence's items together, so the CTAs side by
+side work on one sequence's row tiles and stream its columns at about the same
+time (`benchmarks/gdpa_schedule_stats.py` reads the lists' working sets).
 
 The list is small integer work whose cost on a GPU is its launches: it is built
 from `work_list`'s compare-and-sums over all pairs (the running total of items
@@ -117,8 +120,10 @@ def build(
         visits (`causal_col_steps`).
       group_sequences: order items by their sequence's work (the sum of its
         items'), heaviest sequence first, each sequence's items together in row
-        order, instead of by their own work: the items of one sequence and head
-        are then dealt to neighbouring CTAs of one round.
+        order (an item's H heads side by side), instead of by their own work: a
+        sequence's items then go to neighbouring CTAs of one round, or of two
+        where the round ends (the zigzag turns back along the same CTAs), one
+        sequence and head on every H-th of them.
 
     Returns:
       A `Plan`.
@@ -148,8 +153,13 @@ def build(
             for k in range(tiles_per_item)
         )
     work = jnp.where(live, work, -1)
-    if group_sequences:  # items are in sequence order, so a stable sort by their sequence's work keeps each together
-        work = jnp.where(live, jnp.zeros(n_seq, jnp.int32).at[seq].add(jnp.maximum(work, 0))[seq], -1)
+    if group_sequences:
+        # Each item takes its sequence's summed work (differences of the running total at the sequence's
+        # first and last item); items are in sequence order, so a stable sort keeps each sequence together.
+        total = work_list.running_total(jnp.maximum(work, 0))
+        before = jnp.concatenate([jnp.zeros(1, jnp.int32), total])  # before[j]: the work of items below j
+        seq_work = before[last] - before[last - items]
+        work = jnp.where(live, seq_work[seq], -1)
 
     # Sorted heaviest first, item (i, h) is at position p = rank(i) H + h: the heads of one item
     # share its work and are adjacent in (i, h) order, as a stable sort keeps them.

@@ -195,13 +195,15 @@ def test_sweep_times_our_forward_under_each_tiling_against_the_default_output(be
     from benchmarks import gdpa_bench
 
     monkeypatch.setattr(gdpa_bench, "FORWARD_VARIANTS", {"default": {}, "items2": {"row_tiles_per_item": 2},
+                                                         "grouped_items1": {"row_tiles_per_item": 1, "group_sequences": True},
                                                          "cols64": {"block_cols": 64}, "too_many_slots": {"row_slots": 64}})
     out = tmp_path / "hstu.json"
     assert bench.main(["--cpu-smoke", "--sweep", "--cases", "smoke-b", "--out", str(out)]) == 0
     sweep = json.loads(out.read_text())["cases"]["smoke-b"]["ours_forward_sweep"]
-    assert list(sweep) == ["default", "items2", "cols64", "too_many_slots"]
-    for name in ("default", "items2", "cols64"):
+    assert list(sweep) == ["default", "items2", "grouped_items1", "cols64", "too_many_slots"]
+    for name in ("default", "items2", "grouped_items1", "cols64"):
         assert sweep[name]["rel_max_err"] < 1e-2 and sweep[name]["wall_ms"] > 0 and sweep[name]["device_ms"] is None
     assert sweep["items2"]["tiling"]["row_tiles_per_item"] == 2 and sweep["cols64"]["tiling"]["block_cols"] == 64
+    assert sweep["grouped_items1"]["tiling"]["group_sequences"] and not sweep["default"]["tiling"]["group_sequences"]
     assert sweep["default"]["tiling"]["row_tiles_per_item"] == 8
     assert "shared memory" in sweep["too_many_slots"]["error"]

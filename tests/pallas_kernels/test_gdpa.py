@@ -503,17 +503,22 @@ def test_causal_kernels_match_reference(monkeypatch, streamed, short, grouped):
     most 64 rows run with the warpgroups splitting the column steps; and the work list
     dealt sequence by sequence, one row tile an item (`TileConfig.group_sequences`)."""
     lens = [200, 7, 131] if streamed else ([0, 1, 40, 64, 9] if short else [0, 1, 63, 64, 65, 130])
+    chosen = []
     if streamed:
         real_choose = config.choose
 
         def choose(**kw):
             cfg = real_choose(**{**kw, "block_cols": 64})
-            return dataclasses.replace(cfg, group_sequences=True, row_tiles_per_item=1) if grouped else cfg
+            chosen.append(cfg := dataclasses.replace(cfg, group_sequences=True, row_tiles_per_item=1) if grouped else cfg)
+            return cfg
 
         monkeypatch.setattr(config, "choose", choose)
+        jax.clear_caches()  # a cached lowering of the same shapes would skip `choose`
     q, k, v, d_out = _batch(21, lens, lens, heads=1, q_slack=5, kv_slack=5)
     _compare(q, k, v, d_out, lens, lens, max_seq_len_q=max(lens), max_seq_len_kv=max(lens), activation="silu",
              causal=True, scale=0.1)
+    if streamed:  # the forward, dQ and dK/dV passes each chose their tiling here
+        assert len(chosen) >= 3 and all(c.group_sequences == grouped for c in chosen)
 
 
 @pytest.mark.parametrize("short", [False, True])
