@@ -13,7 +13,8 @@ table"). Runs are named `<switch>_seed<k>`.
 
 `train` plants and converts the preset's log under runs/planted/<preset>/ when it is not there
 (about 30 s), then trains the named runs at once on one GPU through benchmarks/quality_runs.sh
-(`GEM_COMPARE=0`; each process gets `GEM_MEM_FRACTION`, 0.15 unless set; all share the compilation
+(`GEM_COMPARE=0`; each process gets `GEM_MEM_FRACTION`, unless set `mem_fraction`: 0.3 for up to
+three runs, 0.18 for five; all share the compilation
 cache runs/quality/switch_table_cache unless `GEM_COMPILE_CACHE_DIR` is set), into
 runs/quality/switch_table_<preset>/<run>/. `--export DIR` writes what the table needs (each run's
 metrics.jsonl, run.json and log; the log's oracle.json and planted.json) into one archive,
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -67,7 +69,15 @@ SWITCHES = {  # switch -> the `--set` overrides of configs/planted_sharded.py th
 PRESETS = ("long-range", "short-range")
 CONFIG = "configs/planted_sharded.py"
 RUNS_PER_CALL = 5
-MEM_FRACTION = "0.15"
+MAX_MEM_FRACTION = 0.3  # a run of configs/planted_sharded.py fits in 24 GB (an H100's 0.3): more buys nothing
+
+
+def mem_fraction(runs: int) -> str:
+    """Each process's share of the GPU's memory when `GEM_MEM_FRACTION` is not set: 0.9 split over the
+    runs (a tenth left to the driver and the compile cache's readers), at most `MAX_MEM_FRACTION`, two
+    decimals rounded down: 0.3 for up to 3 runs (three fit an 80 GB H100), 0.18 for 5, 0.15 for 6."""
+    return f"{min(MAX_MEM_FRACTION, math.floor(90 / runs) / 100):.2f}"
+
 REFERENCE_SEEDS = (0, 1, 2)
 SPLIT = "time:0.9"
 
@@ -150,7 +160,7 @@ def train(preset: str, names: list[str], export_to: Path | None) -> int:
     """
     variants = [f"{name}={' '.join(run_overrides(name))}" for name in names]
     env = os.environ | {"GEM_COMPARE": "0"}
-    env.setdefault("GEM_MEM_FRACTION", MEM_FRACTION)
+    env.setdefault("GEM_MEM_FRACTION", mem_fraction(len(names)))
     if len(names) * float(env["GEM_MEM_FRACTION"]) > 1:
         raise ValueError(f"{len(names)} runs at GEM_MEM_FRACTION={env['GEM_MEM_FRACTION']} each ask for more than the GPU's memory")
     _prepare(preset)

@@ -104,7 +104,7 @@ def test_train_runs_quality_runs_and_exports_the_tables_inputs(switch_table, mon
         "bash", "benchmarks/quality_runs.sh", "switch_table_short_range", "configs/planted_sharded.py", "data.path=runs/planted/short-range/converted",
         "bf16_seed0=loop.seed=0 data.seed=0", "fp8_32_seed0=model.fp8=True model.fp8_block=32 loop.seed=0 data.seed=0",
     ]
-    assert kw["env"]["GEM_COMPARE"] == "0" and kw["env"]["GEM_MEM_FRACTION"] == "0.15"
+    assert kw["env"]["GEM_COMPARE"] == "0" and kw["env"]["GEM_MEM_FRACTION"] == "0.30"  # two runs: the most a run takes
     with tarfile.open(tmp_path / "out" / "switch_table_short_range.tar.gz") as archive:
         exported = sorted(archive.getnames())
     assert exported == [
@@ -114,6 +114,10 @@ def test_train_runs_quality_runs_and_exports_the_tables_inputs(switch_table, mon
     monkeypatch.setenv("GEM_MEM_FRACTION", "0.3")
     with pytest.raises(ValueError, match=r"4 runs at GEM_MEM_FRACTION=0.3 each ask for more than the GPU's memory"):
         switch_table.train("short-range", ["bf16_seed0", "bf16_seed1", "bf16_seed2", "fp8_32_seed0"], None)
+
+
+def test_the_memory_share_splits_nine_tenths_over_the_runs_at_most_three_tenths_each(switch_table):
+    assert [switch_table.mem_fraction(n) for n in (1, 3, 4, 5, 6, 7)] == ["0.30", "0.30", "0.22", "0.18", "0.15", "0.12"]
 
 
 def test_the_second_pass_wants_the_missing_seeds_of_switches_within_two_spreads(switch_table):
