@@ -65,24 +65,27 @@ def list_stats(lengths, cfg: config.TileConfig, *, heads: int, dim: int, itemsiz
         block_cols=cfg.block_cols, max_col_steps=cfg.max_col_tiles, num_ctas=cfg.num_ctas,
         causal=schedule.Causal.KEYS_UP_TO_ROW, group_sequences=cfg.group_sequences,
     )
-    sched = np.asarray(plan.sched)
-    r, c = cfg.rows_per_tile, cfg.block_cols
-    lens, dlt = np.append(lengths, 0), np.append(delta, 0)
-    working_sets, work = [], np.zeros(cfg.num_ctas)
-    for rnd in range(sched.shape[1]):
-        keys = {}  # (sequence, head) -> keys streamed, the most any item of the round needs
-        for cta in range(cfg.num_ctas):
-            b, h, t0, t1 = (int(x) for x in sched[cta, rnd])
-            if t1 <= t0:
-                continue
-            keys[(b, h)] = max(keys.get((b, h), 0), min(t1 * r - dlt[b], lens[b]))
-            col_steps = -(-(lens[b] + dlt[b]) // c)
-            work[cta] += sum(min(col_steps, (t * r + r - 1) // c + 1) + 1 for t in range(t0, t1))
-        if keys:
-            working_sets.append(sum(keys.values()) * 2 * dim * itemsize / 1e6)
-    ws = np.asarray(working_sets)
+    sched = np.asarray(plan.sched)  # [C, S, 4]: sequence, head, t0, t1
+    b, h, t0, t1 = (sched[..., k] for k in range(4))
+    live = t1 > t0
+    lens, dlt = np.append(lengths, 0)[b], np.append(delta, 0)[b]
+    r = cfg.rows_per_tile
+    # Working set: per round, each (sequence, head)'s keys up to the most any of the round's items sees.
+    keys = np.where(live, np.minimum(t1 * r - dlt, lens), 0)
+    n_pairs = (len(lengths) + 1) * heads
+    most = np.zeros((sched.shape[1], n_pairs), np.int64)
+    np.maximum.at(most, (np.broadcast_to(np.arange(sched.shape[1]), b.shape), b * heads + h), keys)
+    ws = most.sum(axis=1)[live.any(axis=0)] * 2 * dim * itemsize / 1e6  # MB a round with work
+    # Work: the list's own estimate, a row tile's visited column steps + 1 (`schedule.causal_col_steps`).
+    col_steps = np.asarray(schedule.steps(jnp.asarray(lens), jnp.asarray(dlt), cfg.block_cols))
+    work = np.zeros(cfg.num_ctas)
+    for k in range(cfg.row_tiles_per_item):
+        t = t0 + k
+        visited = np.asarray(schedule.causal_col_steps(schedule.Causal.KEYS_UP_TO_ROW, jnp.asarray(t), jnp.asarray(col_steps),
+                                                       r, cfg.block_cols))
+        work += np.where(live & (t < t1), visited + 1, 0).sum(axis=1)
     return {
-        "rounds": len(working_sets),
+        "rounds": len(ws),
         "working_set_mb": {"median": float(np.median(ws)), "p90": float(np.percentile(ws, 90)), "max": float(ws.max())},
         "cta_work_max_over_mean": float(work.max() / work.mean()),
     }

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -66,9 +69,10 @@ def gdpa(
         "gelu_poly6" (a polynomial that matches GELU only for |scores| <= 1.5;
         see `pallas_kernels.gdpa.activations`).
       scale: applied to the scores before the activation; default `1/sqrt(D)`.
-      output_scale: applied to the float32 output before its cast, inside the
-        kernels' last step (no pass of its own); HSTU's 1/N (Zhai et al., 2024),
-        which cannot go into `scale`, as SiLU is not homogeneous.
+      output_scale: a finite Python number, applied to the float32 output before
+        its cast, inside the kernels' last step (no pass of its own); HSTU's 1/N
+        (Zhai et al., 2024), which cannot go into `scale`, as SiLU is not
+        homogeneous.
       broadcast_q: pooled attention with dense learned queries.
       causal: jagged self-attention where query i of a sequence sees keys
         0..i of the same sequence (HSTU's pointwise causal attention, Zhai et
@@ -94,7 +98,9 @@ def gdpa(
     Raises:
       ValueError: mismatched shapes, offsets or bounds missing, offsets that
         disagree, malformed concrete offsets (naming the first bad index), a
-        negative bound, unknown activation or implementation, "cudnn"; with
+        negative bound, unknown activation or implementation, an
+        `output_scale` that is not a finite number (a traced one included),
+        "cudnn"; with
         "pallas", inputs the kernels do not take (dtype, head dim).
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside
         Mosaic GPU interpret mode).
@@ -125,6 +131,8 @@ def gdpa(
     if not broadcast_q:
         jagged_layout.check_offsets(q_offsets, q.shape[0], max_seq_len_q, name="q_offsets")
     reference.activation_fn(activation)  # validates the name
+    if not isinstance(output_scale, numbers.Real) or not math.isfinite(output_scale):
+        raise ValueError(f"output_scale must be a finite Python number (the kernels take it as a constant), got {output_scale!r}")
     if causal and broadcast_q:
         raise ValueError("causal needs jagged queries (self-attention), not broadcast_q")
     if causal:

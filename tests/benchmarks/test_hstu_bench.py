@@ -201,8 +201,10 @@ def test_sweep_times_our_forward_under_each_tiling_against_the_default_output(be
     assert bench.main(["--cpu-smoke", "--sweep", "--cases", "smoke-b", "--out", str(out)]) == 0
     sweep = json.loads(out.read_text())["cases"]["smoke-b"]["ours_forward_sweep"]
     assert list(sweep) == ["default", "items2", "grouped_items1", "cols64", "too_many_slots"]
+    # A tiling changes at most the order of the float32 sums behind a bf16 output element, so an element may round
+    # the other way: one bf16 ulp, at most 2^-7 of the largest output (8 significant bits).
     for name in ("default", "items2", "grouped_items1", "cols64"):
-        assert sweep[name]["rel_max_err"] < 1e-2 and sweep[name]["wall_ms"] > 0 and sweep[name]["device_ms"] is None
+        assert sweep[name]["rel_max_err"] <= 2.0**-7 and sweep[name]["wall_ms"] > 0 and sweep[name]["device_ms"] is None
     assert sweep["items2"]["tiling"]["row_tiles_per_item"] == 2 and sweep["cols64"]["tiling"]["block_cols"] == 64
     assert sweep["grouped_items1"]["tiling"]["group_sequences"] and not sweep["default"]["tiling"]["group_sequences"]
     assert sweep["default"]["tiling"]["row_tiles_per_item"] == 8

@@ -502,7 +502,7 @@ def test_causal_kernels_match_reference(monkeypatch, streamed, short, grouped):
     work list skips column steps above the diagonal in both engine modes; sequences of at
     most 64 rows run with the warpgroups splitting the column steps; and the work list
     dealt sequence by sequence, one row tile an item (`TileConfig.group_sequences`)."""
-    lens = [200, 7, 131] if streamed else ([0, 1, 40, 64, 9] if short else [0, 1, 63, 64, 65, 130])
+    lens = ([200, 0, 7, 131] if grouped else [200, 7, 131]) if streamed else ([0, 1, 40, 64, 9] if short else [0, 1, 63, 64, 65, 130])
     chosen = []
     if streamed:
         real_choose = config.choose
@@ -548,6 +548,14 @@ def test_causal_errors_name_the_problem():
         ops.gdpa(q, q, q, _offsets([3, 5]), _offsets([4, 4]), max_seq_len_q=8, max_seq_len_kv=8, causal=True, implementation="xla")
     with pytest.raises(ValueError, match="broadcast_q"):
         ops.gdpa(q, q, q, None, off, max_seq_len_kv=8, causal=True, broadcast_q=True, implementation="xla")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), jnp.float32(0.5), "0.5"])
+def test_output_scale_must_be_a_finite_number(bad):
+    q = jnp.zeros((8, 1, 64), jnp.bfloat16)
+    off = _offsets([8])
+    with pytest.raises(ValueError, match="output_scale must be a finite Python number"):
+        ops.gdpa(q, q, q, off, off, max_seq_len_q=8, max_seq_len_kv=8, output_scale=bad, implementation="xla")
 
 
 # Short causal self-attention batches of one shape (two sequences in 136 rows, NaN
