@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._src.row_tiles import tile_rows
 from pallas_kernels._src.triton_call import triton_call
 
 # Tokens per program, warps per program. On the H200 at 166,528 tokens (H=8, D=128) the forward takes
@@ -53,20 +54,6 @@ def kernel_takes(shape: tuple[int, ...], dtype) -> bool:
     at least one token and fewer than 2**31 elements (32-bit offsets)."""
     t, _, h, d = shape
     return jnp.dtype(dtype) in KERNEL_DTYPES and d in KERNEL_HEAD_DIMS and 0 < t * 3 * h * d < 2**31
-
-
-def check_tile(tile) -> tuple[int, int]:
-    """`(rows, warps)` of `tile`, else a ValueError: both positive powers of two (Triton's block shapes and warps)."""
-    if len(tile) != 2 or not all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in tile):
-        raise ValueError(f"qk_norm_rope: tile must be (rows, warps), both powers of two, got {tile}")
-    return tuple(tile)
-
-
-def _tile(t: int, n: int):
-    """The program's `n` rows and the mask of those before `t`."""
-    i = pl.program_id(0)
-    valid = i * n + lax.broadcasted_iota(jnp.int32, (n,), 0) < t
-    return pl.ds(i * n, n), valid[:, None]
 
 
 def _halves(ref, rows, mask, col: int, half: int):
@@ -92,7 +79,7 @@ def _forward(qkv_ref, scale_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, t: in
     """One program of the forward: normalises and rotates q's and k's heads of its `rows` tokens into `q_ref` and
     `k_ref` (`[T, H*D]`), and copies v's heads into `v_ref`. Operands as `forward`'s."""
     half = cos_ref.shape[1]
-    tile, mask = _tile(t, rows)
+    tile, mask = tile_rows(t, rows)
     cos, sin = (plt.load(r.at[tile, :], mask=mask, other=0.0) for r in (cos_ref, sin_ref))
     for part, out_ref in enumerate((q_ref, k_ref)):
         s1, s2 = scale_ref[part, pl.ds(0, half)][None, :], scale_ref[part, pl.ds(half, half)][None, :]
@@ -112,7 +99,7 @@ def _backward(qkv_ref, scale_ref, cos_ref, sin_ref, dq_ref, dk_ref, dv_ref, dqkv
     `dscale_ref [programs, 2*D]`. `g * xhat` is accumulated per row over the heads, `[rows, D/2]` a half,
     and summed over the rows once per half. Operands as `backward`'s."""
     half = cos_ref.shape[1]
-    tile, mask = _tile(t, rows)
+    tile, mask = tile_rows(t, rows)
     cos, sin = (plt.load(r.at[tile, :], mask=mask, other=0.0) for r in (cos_ref, sin_ref))
     i = pl.program_id(0)
     for part, dy_ref in enumerate((dq_ref, dk_ref)):

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._src import dispatch, manual_axes
+from pallas_kernels._src import dispatch, manual_axes, row_tiles
 from pallas_kernels.qk_norm_rope import kernel, reference
 
 SUPPORT = dispatch.OpSupport(
@@ -114,7 +114,7 @@ def qk_norm_rope(
             raise ValueError(f"qk_norm_rope: with heads={heads}, qkv must be [T, 3*H*D] with H={heads}, got {qkv.shape}")
         qkv = qkv.reshape(qkv.shape[0], 3, heads, qkv.shape[1] // (3 * heads))
     t, h, d = _check(qkv, q_scale, k_scale, cos, sin, dtype)
-    tile = kernel.check_tile(tile)
+    tile = row_tiles.check_tile("qk_norm_rope", tile)
     dtype = jnp.dtype(qkv.dtype if dtype is None else dtype)
     cos, sin = cos.reshape(t, 1, d // 2), sin.reshape(t, 1, d // 2)
     impl = dispatch.choose(SUPPORT, implementation, [qkv.dtype], d).implementation

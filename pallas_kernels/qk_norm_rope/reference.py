@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+
+from pallas_kernels.rms_norm.reference import rms_norm
 
 
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
@@ -23,19 +24,11 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array, dtype: jnp.dtype | None =
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype or x.dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich, 2019) over the last axis, float32, as flax's `nnx.RMSNorm(dtype=float32)`:
-    `x * (rsqrt(mean(x**2, -1) + eps) * scale)` with `x` and `scale` promoted to float32."""
-    x, scale = x.astype(jnp.float32), scale.astype(jnp.float32)
-    var = jnp.mean(lax.square(x), axis=-1, keepdims=True)
-    return x * (lax.rsqrt(var + eps) * scale)
-
-
 def qk_norm_rope(
     qkv: jax.Array, q_scale: jax.Array, k_scale: jax.Array, cos: jax.Array, sin: jax.Array, eps: float, dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference for `pallas_kernels.qk_norm_rope` on checked inputs: `qkv [T, 3, H, D]`,
     `cos`/`sin` `[T, 1, D/2]`; returns `(q, k)` `[T, H, D]` in `dtype` and `v = qkv[:, 2]`."""
-    q = rope(rms_norm(qkv[:, 0], q_scale, eps), cos, sin, dtype)
-    k = rope(rms_norm(qkv[:, 1], k_scale, eps), cos, sin, dtype)
+    q = rope(rms_norm(qkv[:, 0], q_scale, eps, jnp.float32), cos, sin, dtype)
+    k = rope(rms_norm(qkv[:, 1], k_scale, eps, jnp.float32), cos, sin, dtype)
     return q, k, qkv[:, 2]

@@ -11,15 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from tolerances import BFLOAT16, FLOAT32, sum_worst
+from tolerances import BFLOAT16, FLOAT32, error_and_fraction, sum_worst, ulp_at
 
 FORMATS = {jnp.dtype(jnp.bfloat16): BFLOAT16, jnp.dtype(jnp.float32): FLOAT32}
-
-
-def _ulp(fmt, a, b):
-    """One ulp of `fmt` at the larger magnitude of `a` and `b` (float64)."""
-    m = np.maximum(np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64)))
-    return fmt.eps * 2.0 ** np.floor(np.log2(np.maximum(m, np.finfo(np.float32).tiny)))
 
 
 def _magnitudes(qkv, scales, cos, sin, dq, dk, eps):
@@ -36,12 +30,6 @@ def _magnitudes(qkv, scales, cos, sin, dq, dk, eps):
     xhat = np.abs(x * inv)
     dx = inv * (g * np.abs(w) + xhat * np.mean(g * np.abs(w) * xhat, axis=-1, keepdims=True))
     return out, dx, np.moveaxis(g * xhat, 1, 0)
-
-
-def _error(a, b, bound) -> tuple[float, float]:
-    """`(max |a - b|, max |a - b| / bound)` in float64 (NaN where a NaN differs)."""
-    diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-    return float(np.max(diff, initial=0.0)), float(np.max(diff / np.maximum(bound, np.finfo(np.float64).tiny), initial=0.0))
 
 
 def bound_fractions(
@@ -72,11 +60,11 @@ def bound_fractions(
         ds_mag += ds_terms.reshape(2, -1, d).sum(1)
         for name, (a, b) in pairs.items():
             i, fmt, mag = "qk".index(name[-1]), (fmt_out if len(name) == 1 else fmt_in), (out_mag if len(name) == 1 else dx_mag)
-            err = _error(a[r], b[r], _ulp(fmt, a[r], b[r]) + rows * mag[:, i])
+            err = error_and_fraction(a[r], b[r], ulp_at(fmt, a[r], b[r]) + rows * mag[:, i])
             fractions[name] = tuple(float(x) for x in np.maximum(fractions[name], err))  # NaN stays
-    fractions["v"], fractions["dv"] = _error(v, rv, 0.0), _error(dqkv[:, 2], rdqkv[:, 2], 0.0)
+    fractions["v"], fractions["dv"] = error_and_fraction(v, rv, 0.0), error_and_fraction(dqkv[:, 2], rdqkv[:, 2], 0.0)
     n = tokens_total or t
     ds_mag *= n / max(t, 1)
     for i, (name, a, b) in enumerate((("dq_scale", dqs, rdqs), ("dk_scale", dks, rdks))):
-        fractions[name] = _error(a, b, (2 * sum_worst(max(n * h, 1)) + rows) * ds_mag[i] + _ulp(FLOAT32, a, b))
+        fractions[name] = error_and_fraction(a, b, (2 * sum_worst(max(n * h, 1)) + rows) * ds_mag[i] + ulp_at(FLOAT32, a, b))
     return fractions

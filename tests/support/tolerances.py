@@ -109,6 +109,18 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
 
 
+def ulp_at(fmt: Format, a, b) -> np.ndarray:
+    """One ulp of `fmt` at the larger magnitude of `a` and `b`, elementwise (float64)."""
+    m = np.maximum(np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64)))
+    return fmt.eps * 2.0 ** np.floor(np.log2(np.maximum(m, np.finfo(np.float32).tiny)))
+
+
+def error_and_fraction(a, b, bound) -> tuple[float, float]:
+    """`(max |a - b|, max |a - b| / bound)` in float64, elementwise `bound` (NaN where a NaN differs)."""
+    diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+    return float(np.max(diff, initial=0.0)), float(np.max(diff / np.maximum(bound, np.finfo(np.float64).tiny), initial=0.0))
+
+
 def check(name: str, err: float, bound: float) -> None:
     """Asserts `err <= bound`, naming both; logs them to `$GEM_TOLERANCE_LOG` when set."""
     log = os.environ.get("GEM_TOLERANCE_LOG")

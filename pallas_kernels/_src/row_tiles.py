@@ -1,0 +1,23 @@
+"""Row tiles of the memory-bound Triton row kernels (qk_norm_rope, rms_norm): a program's rows and their mask."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+
+def check_tile(op_name: str, tile) -> tuple[int, int]:
+    """`(rows, warps)` of `tile`, else a ValueError naming `op_name`: both positive powers of two (Triton's block
+    shapes and warps)."""
+    if len(tile) != 2 or not all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in tile):
+        raise ValueError(f"{op_name}: tile must be (rows, warps), both powers of two, got {tile}")
+    return tuple(tile)
+
+
+def tile_rows(t: int, n: int, index=None):
+    """Rows `[index * n, index * n + n)` (default index: the program's id) as a slice, and the mask `[n, 1]` of
+    those before `t` (a tile past the end is all masked)."""
+    i = pl.program_id(0) if index is None else index
+    valid = i * n + lax.broadcasted_iota(jnp.int32, (n,), 0) < t
+    return pl.ds(i * n, n), valid[:, None]

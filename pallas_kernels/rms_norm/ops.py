@@ -1,0 +1,150 @@
+"""Public op: RMSNorm over the last axis, as one kernel pass each way on Hopper."""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._src import dispatch, manual_axes, row_tiles
+from pallas_kernels.rms_norm import kernel, reference
+
+SUPPORT = dispatch.OpSupport(
+    "rms_norm",
+    kernel_dtypes=kernel.KERNEL_DTYPES,
+    kernel_head_dims=kernel.KERNEL_WIDTHS,
+    reference_otherwise=True,
+    size_limit="at least one row and under 2**31 elements",
+)
+
+
+def _is_floating_dtype(dtype) -> bool:
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # not a dtype
+        return False
+
+
+def _check(x, scale, eps, dtype) -> None:
+    """A ValueError naming what is wrong, for invalid inputs."""
+    if jnp.ndim(x) < 1 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise ValueError(f"rms_norm: x must be a floating array [..., d], got {jnp.shape(x)} {jnp.result_type(x)}")
+    d = x.shape[-1]
+    if jnp.shape(scale) != (d,) or not jnp.issubdtype(jnp.result_type(scale), jnp.floating):
+        raise ValueError(f"rms_norm: scale must be a floating [{d}] (x's last axis), got {jnp.shape(scale)} {jnp.result_type(scale)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"rms_norm: eps must be a finite non-negative Python number (the kernels take it as a constant), got {eps!r}")
+    if dtype is not None and not _is_floating_dtype(dtype):
+        raise ValueError(f"rms_norm: dtype must be a floating dtype (or None: x's and scale's promoted dtype), got {dtype!r}")
+
+
+def rms_norm(
+    x: jax.Array,
+    scale: jax.Array,
+    *,
+    eps: float = 1e-6,
+    dtype=None,
+    return_input: bool = False,
+    implementation: str | dispatch.Implementation | None = None,
+    tile: tuple[int, int] = kernel.TILE,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization") over the last axis.
+
+    Equivalent jnp (flax's `nnx.RMSNorm(epsilon=eps, dtype=dtype)` op for op)::
+
+        xf, sf = (a.astype(dtype).astype(float32) for a in (x, scale))    # flax's promote_dtype
+        y = (xf * (rsqrt(mean(xf * xf, axis=-1, keepdims=True) + eps) * sf)).astype(dtype)
+
+    The "xla" path is that composition (`reference.py`; values and autodiff gradients flax's bit for
+    bit). The Pallas path (`kernel.py`, Triton lowering) normalises a tile of rows in one pass (x read
+    once, y written once) and differentiates in one pass that recomputes the statistic from `x` (x
+    and dy read once, dx written once; the scale gradient summed per program, then by XLA): its only
+    residuals are `x` and `scale`. Its results may differ from the reference by an ulp of the output
+    dtype (sums in another order). Each row is normalised on its own, so a NaN or Inf stays in its row,
+    in `y` and in `dx`; the scale gradient sums every row, so it takes it up, as the reference's does.
+
+    `return_input=True` also returns `x` itself, for the residual branch of a pre-norm block
+    (`h = x + f(rms_norm(x))`): the cotangent of that returned `x` enters the norm's backward kernel,
+    which adds it to `dx` in its own pass, where the two cotangents of `x` would otherwise be summed by
+    an XLA pass of its own (reading both, writing the sum). Use it only when the returned `x` is used:
+    an unused one has a zero cotangent, which the backward kernel then reads. When x is not already in
+    `dtype` (it is cast first), the two cotangents are summed by XLA as without it.
+
+    Args:
+      x: floating `[..., d]`.
+      scale: floating `[d]`, the gain (cast to `dtype`, then computed with in float32).
+      eps: added to the mean square; a finite, non-negative Python number.
+      dtype: dtype of the output (default: the promoted dtype of x and scale, as flax's).
+      return_input: return `(y, x)` instead of `y` (above).
+      implementation: "xla" (the jnp reference), "pallas" or None (pallas on a Hopper GPU). The
+        kernels take bf16 and float32 `dtype` with d a power of two from 16 to 4096
+        (`kernel.KERNEL_WIDTHS`), at least one row and under 2**31 elements; other inputs (d = 1536,
+        or no rows) run the reference under either name.
+      tile: `(rows, warps)` of a kernel program, both powers of two (default `kernel.TILE`); the
+        results do not depend on it beyond the order of the scale gradient's sums.
+
+    Returns:
+      `y`, `[..., d]` in `dtype`; with `return_input`, `(y, x)`.
+
+    Raises:
+      ValueError: a non-floating or 0-d x, scale not a floating `[d]`, eps not a finite non-negative
+        number, a non-floating dtype, a `tile` not of powers of two, or an unknown implementation name.
+      ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
+    """
+    _check(x, scale, eps, dtype)
+    tile = row_tiles.check_tile("rms_norm", tile)
+    dtype = jnp.dtype(jnp.result_type(x, scale) if dtype is None else dtype)
+    d = x.shape[-1]
+    impl = dispatch.choose(SUPPORT, implementation, [dtype], d).implementation
+    if impl is not dispatch.Implementation.PALLAS or not kernel.kernel_takes(x.shape, dtype):
+        y = reference.rms_norm(x, scale, eps, dtype)
+        return (y, x) if return_input else y
+    # x and the scale in `dtype` first, as flax's promote_dtype (a bf16 norm uses a bf16-rounded gain, and its
+    # gradient is rounded to bf16 on the way back). Under shard_map both operands vary over the same manual axes
+    # before the custom VJP (the cast's transpose sums an invariant scale's gradient over the axes).
+    rows, scale32 = manual_axes.match_axes(x.astype(dtype).reshape(-1, d), scale.astype(dtype).astype(jnp.float32))
+    if return_input and x.dtype == dtype:
+        y, passed = _fused_with_input(rows, scale32, float(eps), dtype, tile, dispatch.interpreting())
+        return y.reshape(x.shape), passed.reshape(x.shape)
+    y = _fused(rows, scale32, float(eps), dtype, tile, dispatch.interpreting()).reshape(x.shape)
+    return (y, x) if return_input else y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fused(x, scale, eps, dtype, tile, interpret):
+    """`y [N, d]` of `x [N, d]`."""
+    return kernel.forward(x, scale, eps=eps, dtype=dtype, tile=tile, interpret=interpret)
+
+
+def _fused_fwd(x, scale, eps, dtype, tile, interpret):
+    return _fused(x, scale, eps, dtype, tile, interpret), (x, scale)
+
+
+def _fused_bwd(eps, dtype, tile, interpret, residuals, dy):
+    x, scale = residuals
+    return kernel.backward(x, scale, dy, eps=eps, tile=tile, interpret=interpret)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fused_with_input(x, scale, eps, dtype, tile, interpret):
+    """`(y, x)`: `x` passed through unchanged, its cotangent added to `dx` inside the backward kernel."""
+    return kernel.forward(x, scale, eps=eps, dtype=dtype, tile=tile, interpret=interpret), x
+
+
+def _fused_with_input_fwd(x, scale, eps, dtype, tile, interpret):
+    return _fused_with_input(x, scale, eps, dtype, tile, interpret), (x, scale)
+
+
+def _fused_with_input_bwd(eps, dtype, tile, interpret, residuals, cotangents):
+    x, scale = residuals
+    dy, dx_in = cotangents
+    return kernel.backward(x, scale, dy, dx_in, eps=eps, tile=tile, interpret=interpret)
+
+
+_fused_with_input.defvjp(_fused_with_input_fwd, _fused_with_input_bwd)
