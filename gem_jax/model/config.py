@@ -69,6 +69,11 @@ class ModelConfig:
       rope_base: RoPE wavelength base (Su et al., 2021).
       attention_implementation: "xla", "pallas", "cudnn" or None (pallas on Hopper GPUs);
         see `attention_implementations` for what each attention op runs.
+      norm_implementation: what the RMSNorms over the model width run (`gem_jax.nn.layers.RMSNorm`,
+        through `pallas_kernels.rms_norm`): "xla" (default; flax's `nnx.RMSNorm` bit for bit),
+        "pallas" or None (its one-pass kernels on a Hopper GPU, for the widths they take; the
+        sequence tower's pre-norms then also add the residual branch's gradient inside the backward
+        kernel). The QK-norms run in `pallas_kernels.qk_norm_rope` under `attention_implementation`.
       sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).
       attention_window: events before each event that SLIDING_WINDOW attends to (>= 0).
       attention_block_size: events per BLOCK_LOCAL block (>= 1; the kernels take 64).
@@ -113,6 +118,7 @@ class ModelConfig:
     head_hidden: int = 64
     rope_base: float = 10_000.0
     attention_implementation: Implementation | None = None
+    norm_implementation: Implementation | None = Implementation.XLA
     sequence_attention: SequenceAttention = SequenceAttention.FULL
     attention_window: int = 256
     attention_block_size: int = 64
@@ -127,6 +133,14 @@ class ModelConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
+        if self.norm_implementation is not None:
+            try:
+                object.__setattr__(self, "norm_implementation", Implementation(self.norm_implementation))
+            except ValueError:
+                names = ", ".join(repr(i.value) for i in Implementation if i is not Implementation.CUDNN)
+                raise ValueError(f"norm_implementation must be {names} or None, got {self.norm_implementation!r}") from None
+            if self.norm_implementation is Implementation.CUDNN:
+                raise ValueError("norm_implementation must be 'xla', 'pallas' or None: RMSNorm has no cuDNN implementation")
         for flag in ("fp8_hadamard", "tied_qk_init"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -217,10 +231,11 @@ def attention_implementations(config: ModelConfig) -> AttentionImplementations:
 
 
 def describe_attention(config: ModelConfig) -> list[str]:
-    """One line per attention op of the model: the implementation it runs on this machine and why.
+    """One line per attention op of the model, and one for its RMSNorms: the implementation each runs on this
+    machine and why.
 
     Uses `pallas_kernels.describe_choice`, the same decision the ops make for the
-    model's compute dtype and head dim (FP8 layers, when on, are named too).
+    model's compute dtype and head dim (the width for the norms; FP8 layers, when on, are named too).
 
     Raises:
       ImplementationUnavailableError: an implementation this machine cannot run
@@ -233,12 +248,14 @@ def describe_attention(config: ModelConfig) -> list[str]:
         SequenceAttention.BLOCK_LOCAL: ("block_local_attention", chosen.block_local),
         SequenceAttention.CAUSAL_SILU: ("gdpa", chosen.gelu),
     }[config.sequence_attention]
-    ops = [(f"self-attention ({config.sequence_attention.value})", *self_attention), ("GELU attention (GDPA)", "gdpa", chosen.gelu)]
+    d = config.head_dim
+    ops = [(f"self-attention ({config.sequence_attention.value})", *self_attention, d), ("GELU attention (GDPA)", "gdpa", chosen.gelu, d)]
     if config.sequence_attention is not SequenceAttention.BLOCK_LOCAL:
-        ops.append(("QK-norm and RoPE", "qk_norm_rope", chosen.qk_norm_rope))
+        ops.append(("QK-norm and RoPE", "qk_norm_rope", chosen.qk_norm_rope, d))
+    ops.append((f"RMSNorm (width {config.embed_dim})", "rms_norm", config.norm_implementation, config.embed_dim))
     lines = []
-    for label, op, implementation in ops:
-        choice = describe_choice(op, config.compute_dtype, config.head_dim, implementation=implementation)
+    for label, op, implementation, width in ops:
+        choice = describe_choice(op, config.compute_dtype, width, implementation=implementation)
         lines.append(f"{label}: {choice.implementation.value} ({choice.reason})")
     if config.fp8:
         choice = describe_choice("mxfp8_matmul", "float8_e4m3fn")

@@ -41,7 +41,7 @@ class TokenAttention(nnx.Module):
         d = config.embed_dim
         self.config = config
         fp8 = config.fp8_for(Fp8Region.CROSS)
-        self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         if config.tied_qk_init:
             tie_key_to_query(self.qkv, self.qkv, width=d, key_column=d)  # columns [q | k | v]
@@ -138,7 +138,7 @@ class DHENLayer(nnx.Module):
     def __init__(self, num_tokens: int, config: ModelConfig, *, rngs: nnx.Rngs, num_mlp_experts: int = MLP_EXPERTS):
         width = num_tokens * config.embed_dim
         self.num_tokens = num_tokens
-        self.norm = rms_norm(width, rngs=rngs, dtype=config.dtype)
+        self.norm = rms_norm(width, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.mlp_expert = MLPExperts(num_mlp_experts, width, config.mlp_ratio * config.embed_dim, rngs=rngs, dtype=config.dtype)
         self.cross_expert = CrossExpert(width, rngs=rngs, dtype=config.dtype)
         self.dot_expert = DotCompressionExpert(num_tokens, config.embed_dim, rngs=rngs, dtype=config.dtype)

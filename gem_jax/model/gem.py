@@ -146,7 +146,7 @@ class GEMModel(nnx.Module):
         self.sequence_tower = SequenceTower(config, rngs=rngs)
         self.feature_to_history = CrossAttention(config, rngs=rngs)
         self.cross_tower = CrossFeatureTower(self.num_tokens, config, rngs=rngs)
-        self.head_norm = rms_norm(self.num_tokens * d, rngs=rngs, dtype=config.dtype)
+        self.head_norm = rms_norm(self.num_tokens * d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.heads = nnx.List(
             [MLP(self.num_tokens * d, config.head_hidden, 1, rngs=rngs, dtype=config.dtype, float32_output=True) for _ in spec.tasks]
         )

@@ -33,8 +33,8 @@ class CrossAttention(nnx.Module):
         d = config.embed_dim
         self.config = config
         fp8 = config.fp8_for(Fp8Region.INTERACTION)
-        self.q_in = rms_norm(d, rngs=rngs, dtype=config.dtype)
-        self.kv_in = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.q_in = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
+        self.kv_in = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.q = dense(d, d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)

@@ -32,7 +32,7 @@ class SelfAttentionBlock(nnx.Module):
         d, hd = config.embed_dim, config.head_dim
         self.config = config
         fp8 = config.fp8_for(Fp8Region.SEQ_ATTENTION)
-        self.norm_attn = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.norm_attn = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         if config.tied_qk_init:
             tie_key_to_query(self.qkv, self.qkv, width=d, key_column=d)  # columns [q | k | v]
@@ -40,7 +40,7 @@ class SelfAttentionBlock(nnx.Module):
         self.q_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
         self.k_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
-        self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.mlp = MLP(
             d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_for(Fp8Region.SEQ_MLP), dtype=config.dtype,
             fp8_saved_activations=config.fp8_saved_activations,
@@ -54,7 +54,8 @@ class SelfAttentionBlock(nnx.Module):
         """The attention half: `x + out(attention(qkv(norm(x))))`, `[T_cap, d]` -> `[T_cap, d]`."""
         cfg = self.config
         t = x.shape[0]
-        qkv = norm_dense(self.norm_attn, self.qkv, x, fp8_saved_input=cfg.fp8_saved_activations)
+        # x comes back from the norm: the residual add below takes it, and its gradient joins the norm's backward pass
+        qkv, x = norm_dense(self.norm_attn, self.qkv, x, fp8_saved_input=cfg.fp8_saved_activations, residual=True)
         qkv = qkv.reshape(t, 3, cfg.num_heads, cfg.head_dim)
         kind = cfg.sequence_attention
         chosen = attention_implementations(cfg)
@@ -87,7 +88,7 @@ class SelfAttentionBlock(nnx.Module):
 
     def feed_forward(self, x: jax.Array) -> jax.Array:
         """The MLP half: `x + mlp(norm(x))`, `[T_cap, d]` -> `[T_cap, d]`."""
-        return x + self.mlp(x, norm=self.norm_mlp)
+        return self.mlp.residual(x, self.norm_mlp)
 
 
 class PooledAttention(nnx.Module):
@@ -105,7 +106,7 @@ class PooledAttention(nnx.Module):
                 rngs.params(), (config.num_pooled_queries, config.num_heads, config.head_dim)
             )
         )
-        self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype)
+        self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         fp8 = config.fp8_for(Fp8Region.POOLED)
         self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
@@ -142,7 +143,7 @@ class SequenceTower(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.blocks = nnx.List([SelfAttentionBlock(config, rngs=rngs) for _ in range(config.num_seq_layers)])
-        self.final_norm = rms_norm(config.embed_dim, rngs=rngs, dtype=config.dtype)
+        self.final_norm = rms_norm(config.embed_dim, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.pool = PooledAttention(config, rngs=rngs)
 
     def __call__(self, x: jax.Array, history: Jagged) -> tuple[jax.Array, jax.Array]:

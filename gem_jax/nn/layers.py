@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels
 from gem_jax import shard_context
 from gem_jax.nn import embeddings
 from gem_jax.pytree import path_str
@@ -151,25 +152,58 @@ def name_layers(model: nnx.Module) -> None:
             module.path = path_str(path)
 
 
-def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None) -> nnx.RMSNorm:
+class RMSNorm(nnx.RMSNorm):
+    """flax's `nnx.RMSNorm` (the same parameter, `scale`) computed by `pallas_kernels.rms_norm` under
+    `implementation`: "xla" is flax's computation bit for bit; "pallas" or None run its one-pass kernels on a
+    Hopper GPU for the widths they take.
+
+    `[..., dim]` in, `[..., dim]` out in `dtype` (None: the promoted dtype of input and scale).
+    """
+
+    def __init__(self, dim: int, *, implementation=pallas_kernels.Implementation.XLA, **kwargs):
+        super().__init__(dim, **kwargs)
+        self.implementation = implementation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return pallas_kernels.rms_norm(x, self.scale[...], eps=self.epsilon, dtype=self.dtype, implementation=self.implementation)
+
+    def keeping_input(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`(self(x), x)`, for a residual branch that adds to the returned `x`: on the kernel path its gradient is
+        added to the norm's input gradient inside the backward kernel (`pallas_kernels.rms_norm(return_input=True)`)."""
+        return pallas_kernels.rms_norm(
+            x, self.scale[...], eps=self.epsilon, dtype=self.dtype, return_input=True, implementation=self.implementation
+        )
+
+
+def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None, implementation=pallas_kernels.Implementation.XLA) -> RMSNorm:
     """RMSNorm (Zhang & Sennrich, 2019) over the last axis of width `dim`, scale on logical axis `norm`.
 
     Statistics are computed in float32 (flax's `nnx.RMSNorm`); the output is in `dtype`
-    (None: the promoted dtype of input and scale).
+    (None: the promoted dtype of input and scale). `implementation`: `RMSNorm`'s.
     """
     scale_init = nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",))
-    return nnx.RMSNorm(dim, epsilon=1e-6, dtype=dtype, scale_init=scale_init, rngs=rngs)
+    return RMSNorm(dim, implementation=implementation, epsilon=1e-6, dtype=dtype, scale_init=scale_init, rngs=rngs)
 
 
-def norm_dense(norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *, fp8_saved_input: bool = False) -> jax.Array:
+def norm_dense(
+    norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *, fp8_saved_input: bool = False, residual: bool = False
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`layer(norm(x))`; an `Fp8Linear` quantizes the normed rows in the norm's own pass (`Fp8Linear(norm=)`).
 
     `fp8_saved_input`: a bf16 layer's weight gradient reads an FP8 copy of `norm(x)`
     (`gem_jax.quant.saved_activations.dense_fp8_input`); an `Fp8Linear` keeps FP8 inputs anyway.
+    `residual`: return `(layer(norm(x)), x)` for a pre-norm block that adds its branch to the returned `x`
+    (`RMSNorm.keeping_input`: with the norm's kernels its gradient joins the norm's backward pass).
     """
     if isinstance(layer, Fp8Linear):
-        return layer(x, norm=norm)
-    return dense_fp8_input(layer, norm(x)) if fp8_saved_input else layer(norm(x))
+        out = layer(x, norm=norm)
+    else:
+        if residual and isinstance(norm, RMSNorm):
+            normed, x = norm.keeping_input(x)
+        else:
+            normed = norm(x)
+        out = dense_fp8_input(layer, normed) if fp8_saved_input else layer(normed)
+    return (out, x) if residual else out
 
 
 def gelu(x: jax.Array) -> jax.Array:
@@ -217,17 +251,36 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, norm: nnx.RMSNorm | None = None) -> jax.Array:
         """`down(gelu(up(x)))`, or `down(gelu(up(norm(x))))` with a pre-norm."""
         saved = self.fp8_saved_activations
-        if isinstance(self.up, Fp8Linear) and isinstance(self.down, Fp8Linear):
-            h = self.up(x, norm=norm, add_bias=False)
-            up_bias = None if self.up.bias is None else self.up.bias[...]
-            return self.down(h, gelu=True, input_bias=up_bias)
+        if self._fp8_pair():
+            return self._fp8_forward(x, norm)
         if norm is not None:
             h = norm_dense(norm, self.up, x, fp8_saved_input=saved)
         else:
             h = dense_fp8_input(self.up, x) if saved else self.up(x)
+        return self._down(h)
+
+    def residual(self, x: jax.Array, norm: nnx.RMSNorm) -> jax.Array:
+        """`x + self(x, norm=norm)`, the pre-norm residual block (`norm_dense(residual=True)`: with the norm's
+        kernels the residual branch's gradient joins the norm's backward pass)."""
+        if self._fp8_pair():
+            return x + self._fp8_forward(x, norm)
+        h, x = norm_dense(norm, self.up, x, fp8_saved_input=self.fp8_saved_activations, residual=True)
+        return x + self._down(h)
+
+    def _fp8_pair(self) -> bool:
+        return isinstance(self.up, Fp8Linear) and isinstance(self.down, Fp8Linear)
+
+    def _fp8_forward(self, x: jax.Array, norm: nnx.RMSNorm | None) -> jax.Array:
+        """Both layers FP8: the norm in the up layer's quantization pass, the GELU and up bias in the down layer's."""
+        h = self.up(x, norm=norm, add_bias=False)
+        up_bias = None if self.up.bias is None else self.up.bias[...]
+        return self.down(h, gelu=True, input_bias=up_bias)
+
+    def _down(self, h: jax.Array) -> jax.Array:
+        """`down(gelu(h))` from the up layer's pre-activation `h`."""
         if isinstance(self.down, Fp8Linear):
             return self.down(h, gelu=True)
-        return gelu_dense_fp8_input(self.down, h) if saved else self.down(gelu(h))
+        return gelu_dense_fp8_input(self.down, h) if self.fp8_saved_activations else self.down(gelu(h))
 
 
 class RopeTable(NamedTuple):

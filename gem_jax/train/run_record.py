@@ -49,12 +49,14 @@ MAY_CHANGE = (
 # the run used. Tables' Adagrad kept one accumulator per element before
 # `optim.embedding_accumulator` made "row" the default, and started it at 0.1 before
 # `optim.embedding_initial_accumulator` could change that; history rows carried no item
-# features before `data.history_item_features` (and the spec's field of that name).
+# features before `data.history_item_features` (and the spec's field of that name); the RMSNorms
+# were flax's before `model.norm_implementation` (whose "xla" is flax's computation bit for bit).
 RECORDED_BEFORE_FIELD = {
     "config.optim.embedding_accumulator": "element",
     "config.optim.embedding_initial_accumulator": 0.1,
     "config.data.history_item_features": False,
     "spec.history_item_features": False,
+    "config.model.norm_implementation": "XLA",  # enums are recorded by name
 }
 
 # Config leaves that no longer exist, dropped from a record on reading (`read_record`): each

@@ -13,7 +13,7 @@ from gem_jax.batch import Batch, HistoryField, random_batch
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import Fp8Region, ModelConfig, describe_attention
 from gem_jax.model.gem import GEMModel
-from gem_jax.nn.layers import EmbeddingTable, apply_rope, gelu, rope_table
+from gem_jax.nn.layers import EmbeddingTable, RMSNorm, apply_rope, gelu, rope_table
 from jax._src.ad_checkpoint import saved_residuals
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.train.config_tree import ConfigError, apply_overrides
@@ -383,12 +383,80 @@ def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
     lines = describe_attention(dataclasses.replace(CONFIG, fp8=True, fp8_block=128, fp8_saved_activations=True))
     assert lines[0].startswith("self-attention (full): xla") and lines[1].startswith("GELU attention (GDPA): xla")
     assert lines[2].startswith("QK-norm and RoPE: xla")
-    assert lines[3].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
-    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[3]
+    assert lines[3].startswith("RMSNorm (width 16): xla (asked for the jnp reference)")
+    assert lines[4].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
+    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[4]
     assert rotated.startswith("FP8 dense layers (32-wide blocks, random Hadamard rotation; seq_attention")
-    assert lines[4].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
-    assert len(describe_attention(CONFIG)) == 3
-    assert len(describe_attention(dataclasses.replace(CONFIG, sequence_attention="block_local"))) == 2  # RoPE in its kernel
+    assert lines[5].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
+    assert len(describe_attention(CONFIG)) == 4
+    assert len(describe_attention(dataclasses.replace(CONFIG, sequence_attention="block_local"))) == 3  # RoPE in its kernel
+    assert describe_attention(dataclasses.replace(CONFIG, norm_implementation=None))[3].startswith("RMSNorm (width 16): xla (")
+
+
+def test_norm_implementation_is_checked_and_parsed():
+    assert ModelConfig(norm_implementation="pallas").norm_implementation is pallas_kernels.Implementation.PALLAS
+    assert ModelConfig().norm_implementation is pallas_kernels.Implementation.XLA and ModelConfig(norm_implementation=None).norm_implementation is None
+    with pytest.raises(ValueError, match="RMSNorm has no cuDNN implementation"):
+        ModelConfig(norm_implementation="cudnn")
+    with pytest.raises(ValueError, match="norm_implementation must be 'xla', 'pallas' or None, got 'bogus'"):
+        ModelConfig(norm_implementation="bogus")
+    assert apply_overrides(CONFIG, ["norm_implementation=pallas"]).norm_implementation is pallas_kernels.Implementation.PALLAS
+
+
+def test_the_xla_norms_are_flax_norms_bit_for_bit(split_model):
+    """The default norms ("xla") compute what flax's `nnx.RMSNorm` computes: the model's logits and gradients with
+    every RMSNorm swapped back to flax's class are the same bits (the pre-norm blocks' returned inputs included)."""
+    graphdef, params = split_model
+    batch = make_batch(np.random.default_rng(5), [3, 0, 7], capacity=16)
+
+    def loss_and_grads(to_flax):
+        model = nnx.merge(graphdef, params)
+        if to_flax:
+            for _, node in nnx.iter_graph(model):
+                if isinstance(node, RMSNorm):
+                    node.__class__ = nnx.RMSNorm  # the same fields; flax's __call__
+        graph, state = nnx.split(model)
+        loss = lambda p: jnp.sum(nnx.merge(graph, p)(batch).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(state)
+
+    ours, flax_norms = loss_and_grads(False), loss_and_grads(True)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(flax_norms), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_kernel_norms_in_the_model_match_the_reference():
+    """`norm_implementation="pallas"` (the Pallas interpreter on the CPU): every RMSNorm of width d runs the kernels
+    (the pre-norm blocks pass their residual through them) and the logits and gradients match the "xla" model's
+    within the kernels' rounding (float32: sums in another order, a few ulps after the layers; bf16 rounding is the
+    op's own test, tests/pallas_kernels/test_rms_norm.py)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    calls = []
+    op = pallas_kernels.rms_norm
+
+    def counting(*args, return_input=False, implementation=None, **kwargs):
+        calls.append((implementation, return_input))
+        return op(*args, return_input=return_input, implementation=implementation, **kwargs)
+
+    config = dataclasses.replace(CONFIG, attention_implementation="xla")
+    batch = make_batch(np.random.default_rng(6), [3, 0, 7], capacity=16)
+    results = {}
+    for setting in ("xla", "pallas"):
+        with nnx.use_eager_sharding(False):
+            graph, state = nnx.split(GEMModel(SPEC, dataclasses.replace(config, norm_implementation=setting), rngs=nnx.Rngs(0)))
+        loss = lambda p, graph=graph: jnp.mean(nnx.merge(graph, p)(batch).astype(jnp.float32) ** 2)  # noqa: E731
+        with pytest.MonkeyPatch.context() as patch, plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            patch.setattr(pallas_kernels, "rms_norm", counting)
+            results[setting] = jax.value_and_grad(loss)(state)
+    pallas_calls = [c for c in calls if c[0] == "pallas"]
+    # per sequence layer two pre-norms (residual), the final and pooled norms, the cross tower's and the heads'
+    assert pallas_calls.count(("pallas", True)) == 2 * CONFIG.num_seq_layers and len(pallas_calls) > 2 * CONFIG.num_seq_layers + 2
+    (loss_x, grads_x), (loss_p, grads_p) = results["xla"], results["pallas"]
+    tolerance = 2e-5
+    np.testing.assert_allclose(float(loss_p), float(loss_x), rtol=tolerance)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_p), jax.tree.leaves(grads_x), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= tolerance * max(np.linalg.norm(b), 1e-30), jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])

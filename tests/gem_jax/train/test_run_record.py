@@ -168,6 +168,19 @@ def test_a_record_written_before_history_item_features_reads_as_without(tmp_path
     assert {field for field, _, _ in run_record.mismatches(record, new)} == {"config.data.history_item_features", "spec.history_item_features"}
 
 
+def test_a_record_written_before_the_norm_setting_reads_as_flax_norms(tmp_path, tiny_config):
+    """A run recorded before `model.norm_implementation` ran flax's norms, which "xla" computes bit for bit: its
+    record reads as "xla", so a restart with the default is no mismatch and one with the kernels is."""
+    record = run_record.make_record(tiny_config, {}, None)
+    del record["config"]["model"]["norm_implementation"]
+    run_record.write_record(tmp_path, record)
+    assert run_record.read_record(tmp_path)["config"]["model"]["norm_implementation"] == "XLA"
+    assert run_record.check_run(tmp_path, run_record.make_record(tiny_config, {}, None), has_checkpoints=True, write=False)
+    kernels = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, norm_implementation="pallas"))
+    with pytest.raises(run_record.RunMismatchError, match=r"config.model.norm_implementation: recorded 'XLA', now 'PALLAS'"):
+        run_record.check_run(tmp_path, run_record.make_record(kernels, {}, None), has_checkpoints=True, write=False)
+
+
 @pytest.mark.parametrize("value", ["float32", "bfloat16"])
 def test_a_run_recorded_with_a_removed_option_restarts_and_loads(finished_run, tiny_config, tmp_path, value):
     """`optim.gradient_dtype` (recorded by earlier versions, either value) is dropped on reading:
