@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -51,10 +49,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from qk_norm_rope_bounds import bound_fractions  # noqa: E402
 
-from benchmarks import _timing  # noqa: E402
+from benchmarks import _row_kernels  # noqa: E402
 from gem_jax.nn.layers import rope_table  # noqa: E402
-from gem_jax.train.run_record import code_version  # noqa: E402
 from pallas_kernels import qk_norm_rope  # noqa: E402
+from pallas_kernels._src import row_tiles  # noqa: E402
 from pallas_kernels.qk_norm_rope import kernel  # noqa: E402
 
 IMPLS = ("pallas", "xla")
@@ -90,12 +88,6 @@ def fwd_bwd(f):
     return run
 
 
-def _confined(clean, dirty, bad) -> bool:
-    """`dirty` is NaN where `bad` and bit for bit `clean` elsewhere."""
-    nan_where_bad = jnp.all(jnp.isnan(jnp.where(bad, dirty, jnp.nan)))
-    return bool(nan_where_bad & jnp.array_equal(jnp.where(bad, 0, dirty), jnp.where(bad, 0, clean)))
-
-
 def check(t: int, h: int, d: int, seed: int, tile=kernel.TILE, bound_tokens: int = BOUND_TOKENS) -> dict:
     """The Pallas path (`tile`) against the reference at `[T, 3*H*D]`: each value's max |error| and its largest
     fraction of the bound (on `bound_tokens` random tokens, module docstring), and whether a NaN stays in its
@@ -115,7 +107,7 @@ def check(t: int, h: int, d: int, seed: int, tile=kernel.TILE, bound_tokens: int
     bad_q = jnp.zeros((t, h, d), bool).at[rows, h - 1].set(True)
     bad_dqkv = jnp.zeros((t, 3 * h * d), bool).at[rows, col : col + d].set(True)
     bads = (bad_q, False, False, bad_dqkv, True, False)  # q, k, v, dqkv, d q_scale (sums every token), d k_scale
-    nan_confined = all(_confined(c, x, b) for c, x, b in zip(jax.tree.leaves(got), jax.tree.leaves(dirty), bads))
+    nan_confined = all(_row_kernels.confined(c, x, b) for c, x, b in zip(jax.tree.leaves(got), jax.tree.leaves(dirty), bads))
     errors = {name: {"max_abs_err": err, "bound_fraction": frac} for name, (err, frac) in fractions.items()}
     ok = nan_confined and all(frac <= 1.0 for _, frac in fractions.values())  # a NaN fraction fails
     rounded = json.dumps({name: round(f, 4) for name, (_, f) in fractions.items()})
@@ -134,30 +126,18 @@ def bytes_moved(t: int, h: int, d: int, itemsize: int = 2, rows: int = kernel.TI
     return {"fwd": fwd, "fwd_bwd": fwd + bwd}
 
 
-def tile_label(tile) -> str:
-    """The timing's name of the Pallas path with `tile`: "pallas" for the default, else "pallas_<rows>x<warps>"."""
-    return "pallas" if tuple(tile) == kernel.TILE else f"pallas_{tile[0]}x{tile[1]}"
-
-
 def timings(t: int, h: int, d: int, iters: int, tiles=()) -> dict:
     """Per mode and implementation (the Pallas path with the default tile and each of `tiles`, XLA): device and
     wall milliseconds per call, GB/s of `bytes_moved`; XLA over Pallas (the default tile)."""
     qkv, q_scale, k_scale, cos, sin, cts = make_inputs(t, h, d, seed=1)
-    paths = {tile_label(tile): ("pallas", tuple(tile)) for tile in (kernel.TILE, *tiles)} | {"xla": ("xla", kernel.TILE)}
+    paths = {_row_kernels.tile_label(tile, kernel.TILE): ("pallas", tuple(tile)) for tile in (kernel.TILE, *tiles)} | {"xla": ("xla", kernel.TILE)}
     out = {}
     for mode in ("fwd", "fwd_bwd"):
-        row = out[mode] = {}
-        for label, (impl, tile) in paths.items():
-            moved = bytes_moved(t, h, d, rows=tile[0])[mode]
-            fn = jax.jit(op(impl, h, tile) if mode == "fwd" else fwd_bwd(op(impl, h, tile)))
-            args = (qkv, q_scale, k_scale, cos, sin) + ((cts,) if mode == "fwd_bwd" else ())
-            dev = _timing.device_ms(fn, args, iters)
-            wall = _timing.wall_seconds(fn, *args, iters=iters, reps=5) * 1e3
-            row[label] = {"device_ms": dev, "wall_ms": wall, "wall_gb_per_s": moved / wall / 1e6}
-            row[label]["device_gb_per_s"] = moved / dev / 1e6 if dev else None
-            print(f"  {mode:8s} {label:13s} device {dev or float('nan'):.3f} ms  wall {wall:.3f} ms  ({row[label]['wall_gb_per_s']:.0f} GB/s wall)", flush=True)
-        row["xla_over_pallas"] = {m: row["xla"][m] / row["pallas"][m] for m in ("device_ms", "wall_ms") if row["xla"][m] and row["pallas"][m]}
-        print(f"  {mode:8s} xla / pallas: {row['xla_over_pallas']}", flush=True)
+        args = (qkv, q_scale, k_scale, cos, sin) + ((cts,) if mode == "fwd_bwd" else ())
+        out[mode] = _row_kernels.time_paths(mode, {
+            label: (jax.jit(op(impl, h, tile) if mode == "fwd" else fwd_bwd(op(impl, h, tile))), args, bytes_moved(t, h, d, rows=tile[0])[mode])
+            for label, (impl, tile) in paths.items()
+        }, iters)
     return out
 
 
@@ -174,22 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON file of the results")
     args = p.parse_args(argv)
     t, h, d = args.tokens, args.heads, args.head_dim
-    tiles = [kernel.check_tile(tuple(int(n) for n in s.split("x"))) for s in args.tiles.split(",") if s]
+    tiles = [row_tiles.check_tile("qk_norm_rope", tuple(int(n) for n in s.split("x"))) for s in args.tiles.split(",") if s]
     gpu = jax.default_backend() == "gpu"
     full = gpu or args.interpret
     if not full:
         print(f"no GPU here ({jax.default_backend()}): checking the {TAIL_TOKENS}-token case in the Pallas interpreter; no timings", flush=True)
-    version = code_version()
-    record = {
-        "benchmark": "qk_norm_rope",
-        "gpu": jax.devices()[0].device_kind if gpu else None,
-        "backend": jax.default_backend(),
-        "interpret": args.interpret or not gpu,
-        "jax_version": jax.__version__,
-        "version": version,
-        "git_commit": os.environ.get("GEM_GIT_COMMIT") or version["commit"],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+    record = _row_kernels.record_header("qk_norm_rope", args.interpret or not gpu) | {
         "config": {"tokens": t, "heads": h, "head_dim": d, "dtype": "bfloat16", "eps": 1e-6, "rope_base": ROPE_BASE,
                    "positions": f"arange(T) % {MAX_POSITION}", "iters": args.iters, "seed": args.seed,
                    "tiles": [list(kernel.TILE)] + [list(tile) for tile in tiles], "bound_tokens": args.bound_tokens},
@@ -202,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if record["checks_ok"] and full:
             record["bytes_moved"] = bytes_moved(t, h, d)
             record["bytes_moved_counts"] = " ".join(bytes_moved.__doc__.split())
-            record["timing_method"] = "ms per call: device = CUPTI kernel time, median of --iters calls; wall = median of 5 x mean of --iters calls"
+            record["timing_method"] = _row_kernels.TIMING_METHOD
             record["timing"] = timings(t, h, d, args.iters, tiles)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

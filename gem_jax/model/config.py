@@ -69,11 +69,12 @@ class ModelConfig:
       rope_base: RoPE wavelength base (Su et al., 2021).
       attention_implementation: "xla", "pallas", "cudnn" or None (pallas on Hopper GPUs);
         see `attention_implementations` for what each attention op runs.
-      norm_implementation: what the RMSNorms over the model width run (`gem_jax.nn.layers.RMSNorm`,
-        through `pallas_kernels.rms_norm`): "xla" (default; flax's `nnx.RMSNorm` bit for bit),
-        "pallas" or None (its one-pass kernels on a Hopper GPU, for the widths they take; the
-        sequence tower's pre-norms then also add the residual branch's gradient inside the backward
-        kernel). The QK-norms run in `pallas_kernels.qk_norm_rope` under `attention_implementation`.
+      norm_implementation: what the model's RMSNorms run (`gem_jax.nn.layers.RMSNorm`, through
+        `pallas_kernels.rms_norm`): "xla" (default; flax's `nnx.RMSNorm` bit for bit), "pallas" or
+        None (its one-pass kernels on a Hopper GPU, for the widths they take; the sequence tower's
+        pre-norms then also add the residual branch's gradient inside the backward kernel). The
+        QK-norms before the sequence tower's softmax and causal SiLU attention run in
+        `pallas_kernels.qk_norm_rope`, under `attention_implementation`.
       sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).
       attention_window: events before each event that SLIDING_WINDOW attends to (>= 0).
       attention_block_size: events per BLOCK_LOCAL block (>= 1; the kernels take 64).

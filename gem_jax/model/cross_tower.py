@@ -45,8 +45,8 @@ class TokenAttention(nnx.Module):
         self.qkv = dense(d, 3 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         if config.tied_qk_init:
             tie_key_to_query(self.qkv, self.qkv, width=d, key_column=d)  # columns [q | k | v]
-        self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
-        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

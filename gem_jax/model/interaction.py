@@ -37,8 +37,8 @@ class CrossAttention(nnx.Module):
         self.kv_in = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.q = dense(d, d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
         self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
-        self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
-        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.q_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
         if config.tied_qk_init:
             tie_key_to_query(self.q, self.kv, width=d, key_column=0)  # kv's first d columns are the keys

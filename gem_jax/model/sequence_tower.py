@@ -37,8 +37,8 @@ class SelfAttentionBlock(nnx.Module):
         if config.tied_qk_init:
             tie_key_to_query(self.qkv, self.qkv, width=d, key_column=d)  # columns [q | k | v]
         # float32 outputs: RoPE follows in float32, and rounds once to the compute dtype.
-        self.q_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
-        self.k_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32)
+        self.q_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32, implementation=config.norm_implementation)
+        self.k_norm = rms_norm(hd, rngs=rngs, dtype=jnp.float32, implementation=config.norm_implementation)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, fp8=fp8, dtype=config.dtype)
         self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.mlp = MLP(
@@ -109,7 +109,7 @@ class PooledAttention(nnx.Module):
         self.norm = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         fp8 = config.fp8_for(Fp8Region.POOLED)
         self.kv = dense(d, 2 * d, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=fp8, dtype=config.dtype)
-        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype)
+        self.k_norm = rms_norm(config.head_dim, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.out = dense(d, d, ("heads", "embed"), rngs=rngs, dtype=config.dtype)
 
     def __call__(self, x: jax.Array, history: Jagged) -> jax.Array:
