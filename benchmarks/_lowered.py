@@ -19,6 +19,16 @@ def _bytes(hlo_type: str) -> int:
     return sum(math.prod(int(d) for d in dims.split(",") if d) * HLO_BYTES[dtype] for dtype, dims in ARRAY.findall(hlo_type))
 
 
+def operand_type(types: dict[str, str], operand: str) -> str:
+    """The type of an instruction's operand `operand` ("" when unknown): `name`'s, or for `name#i` (HLO's short form
+    of element i of a tuple result, e.g. a cuBLAS GEMM's output beside its workspace) that element's."""
+    name, hash_, index = operand.partition("#")
+    if not hash_:
+        return types.get(name, "")
+    elements = re.findall(r"[a-z][a-z0-9]*\[[\d,]*\]", types.get(name, ""))
+    return elements[int(index)] if index.isdigit() and int(index) < len(elements) else ""
+
+
 COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 CALLEE = re.compile(r"\bcall\(.*to_apply=%?([\w.\-]+)")
 
@@ -74,7 +84,7 @@ def collectives(hlo_text: str) -> list[dict]:
         result = re.sub(r"\{[^}]*\}", "", result)
         types[name] = result
         if op.removesuffix("-start") in COLLECTIVES:
-            inputs = [types.get(o.strip(), "") for o in operands.split(",")]
+            inputs = [operand_type(types, o.strip()) for o in operands.split(",")]
             axes = GROUP_AXES.search(line)
             collective = {
                 "op": op,

@@ -13,7 +13,9 @@ options. The result is the step's kernel list as the GPU runs it (XLA's thunk se
 order), and for each fusion kernel its launches, the bytes its operands and result take per
 launch (an upper bound on its HBM traffic where a fusion reads only part of an operand: slices,
 in-place scatters), its launch grid and the model lines it runs (`benchmarks/_hlo_sources.py`);
-the compiled memory (arguments, temporaries); the GEMMs by operand and output types; the sorts.
+the compiled memory (arguments, temporaries); the GEMMs by operand and output types; the sorts;
+and every Pallas kernel call (Triton and Mosaic GPU custom calls) by the op that traced it, with
+its operands' and results' bytes (a memory-bound row kernel's traffic).
 
 What differs from the GPU's compile: no autotuning (cuBLAS algorithms are picked at run time
 anyway; Triton GEMMs are off in `scripts/xla_flags.py`), and sorts take XLA's fallback emitter
@@ -28,7 +30,8 @@ bandwidth its bytes imply, so a kernel far below the H200's 4.8 TB/s stands out,
 time summed by the model line each kernel mostly runs. `--compare` prints what changed against
 another run of this script (a variant's `--set`, another tree, other `--xla` options): fusion
 launches, bytes, memory, and a predicted change of the step: the bytes that went or came
-(fusions', and the GEMMs' outputs: an epilogue that takes over a fusion writes more) at the
+(fusions', the GEMMs' outputs: an epilogue that takes over a fusion writes more, and the Pallas
+kernels' operands and results, when the compared record counted them) at the
 bandwidth the measured fusions reach (the compared run's `--profile` median, else the target's
 peak), with the GEMMs' own time and the kernels unchanged.
 
@@ -77,7 +80,8 @@ def _sibling(name: str):
 
 
 _hlo_sources = _sibling("_hlo_sources")
-_bytes = _sibling("_lowered")._bytes
+_lowered = _sibling("_lowered")
+_bytes, _operand_type = _lowered._bytes, _lowered.operand_type
 TARGET = Path(__file__).with_name("h200_target.txtpb")
 BANDWIDTH = float(re.search(r"memory_bandwidth: (\d+)", TARGET.read_text()).group(1))  # bytes/s, the target's HBM peak
 
@@ -205,7 +209,7 @@ def instructions(hlo_text: str) -> tuple[dict[str, str], dict[str, dict]]:
         table[_hlo_sources.kernel_name(name)] = {
             "kind": kind,
             "result": result,
-            "bytes": _bytes(result) + sum(_bytes(types.get(o, "")) for o in operands),
+            "bytes": _bytes(result) + sum(_bytes(_operand_type(types, o)) for o in operands),
         }
     return types, table
 
@@ -219,13 +223,34 @@ def gemms(hlo_text: str, types: dict[str, str]) -> tuple[collections.Counter, in
     counts: collections.Counter = collections.Counter()
     written = 0
     for line in hlo_text.splitlines():
-        if "custom-call(" not in line or "cublas" not in line or not (match := _INSTRUCTION.match(line)):
+        if "custom-call(" not in line or 'custom_call_target="__cublas' not in line or not (match := _INSTRUCTION.match(line)):
             continue
-        dtypes = [(_ARRAY_DTYPE.findall(types.get(o, "?[")) or ["?"])[0] for o in _operands(match.group(4))[:2]]
+        dtypes = [(_ARRAY_DTYPE.findall(_operand_type(types, o)) or ["?"])[0] for o in _operands(match.group(4))[:2]]
         result = types[match.group(1)]
         counts[f"{' x '.join(dtypes)} -> {_ARRAY_DTYPE.findall(result)[0]}"] += 1
         written += _bytes(re.sub(r"s8\[[\d,]*\]", "", result))
     return counts, written
+
+
+_KERNEL_TARGETS = ('custom_call_target="__gpu$xla.gpu.triton"', 'custom_call_target="mosaic_gpu')  # Pallas: Triton, Mosaic GPU
+_OP_NAME = re.compile(r'op_name="(?:jit\(train_step\)/)?([^"]*?)(?:/pallas_call|/mpmd_map)?"')
+
+
+def pallas_kernels(hlo_text: str, types: dict[str, str]) -> list[dict]:
+    """Every Pallas kernel call of the optimized module (Triton and Mosaic GPU custom calls), grouped by the op
+    path that traced it (e.g. "jvp()/rms_norm_forward", "transpose(jvp())/jit(gdpa)/gdpa_bwd_dq"): `calls` and
+    `bytes`, its operands' and results' summed over the calls, most bytes first. For a memory-bound kernel
+    (a row kernel reading and writing each element once) that is its traffic; a compute-bound one's bytes
+    are a lower bound of no use alone, but cancel between two compiles where it is unchanged."""
+    groups: dict[str, dict] = {}
+    for line in hlo_text.splitlines():
+        if "custom-call(" not in line or not any(t in line for t in _KERNEL_TARGETS) or not (match := _INSTRUCTION.match(line)):
+            continue
+        name = (op_name.group(1) if (op_name := _OP_NAME.search(line)) else match.group(1))
+        entry = groups.setdefault(name, {"name": name, "calls": 0, "bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += _bytes(types[match.group(1)]) + sum(_bytes(_operand_type(types, o)) for o in _operands(match.group(4)))
+    return sorted(groups.values(), key=lambda g: -g["bytes"])
 
 
 def kernel_table(hlo_text: str, thunk_text: str, root: str | Path = REPO) -> dict:
@@ -244,12 +269,15 @@ def kernel_table(hlo_text: str, thunk_text: str, root: str | Path = REPO) -> dic
         kernels.append({"name": name, **launch, **fusion, "sources": sources.get(name, [])})
     kernels.sort(key=lambda k: -k.get("bytes", 0) * k["launches"])
     gemm_types, gemm_bytes = gemms(hlo_text, types)
+    pallas = pallas_kernels(hlo_text, types)
     return {
         "thunks": dict(kinds),
         "gemms": dict(gemm_types),
         "gemm_output_bytes": gemm_bytes,
         "sorts": sum(1 for line in hlo_text.splitlines() if " sort(" in line),
         "fusion_bytes": sum(k.get("bytes", 0) * k["launches"] for k in kernels),
+        "pallas_kernel_bytes": sum(g["bytes"] for g in pallas),
+        "pallas_kernels": pallas,
         "kernels": kernels,
     }
 
@@ -315,6 +343,9 @@ def compare(new: dict, old: dict) -> dict:
 
     rate = (old.get("profile") or {}).get("median_tb_per_s") or BANDWIDTH / 1e12
     delta = new["fusion_bytes"] - old["fusion_bytes"] + new["gemm_output_bytes"] - old["gemm_output_bytes"]
+    # Pallas kernels' operand and result bytes: a record written before this script counted them has none (not in the delta).
+    kernel_change = new["pallas_kernel_bytes"] - old["pallas_kernel_bytes"] if "pallas_kernel_bytes" in old else None
+    delta += kernel_change or 0
     old_kernels, new_kernels = by_name(old), by_name(new)
     changed = []
     for name in sorted(set(old_kernels) | set(new_kernels)):
@@ -326,6 +357,7 @@ def compare(new: dict, old: dict) -> dict:
     return {
         "fusion_bytes_change": new["fusion_bytes"] - old["fusion_bytes"],
         "gemm_output_bytes_change": new["gemm_output_bytes"] - old["gemm_output_bytes"],
+        "pallas_kernel_bytes_change": kernel_change,
         "predicted_ms_change": delta / (rate * 1e12) * 1e3,
         "at_tb_per_s": rate,
         "launches_change": {kind: new["thunks"].get(kind, 0) - old["thunks"].get(kind, 0) for kind in set(new["thunks"]) | set(old["thunks"])},
@@ -343,6 +375,9 @@ def _report(result: dict) -> str:
         f"  launches: {result['thunks']}; GEMMs: {result['gemms']}; sorts: {result['sorts']}",
         f"  fusion bytes (operands and results: an upper bound on their traffic): {result['fusion_bytes'] / gb:.1f} GB a step "
         f"({result['fusion_bytes'] / BANDWIDTH * 1e3:.1f} ms at {BANDWIDTH / 1e12:.1f} TB/s); GEMM outputs {result['gemm_output_bytes'] / gb:.1f} GB",
+        f"  Pallas kernels: {sum(g['calls'] for g in result['pallas_kernels'])} calls, operands and results "
+        f"{result['pallas_kernel_bytes'] / gb:.1f} GB a step ("
+        + ", ".join(f"{g['name']} x{g['calls']} {g['bytes'] / gb:.1f} GB" for g in result["pallas_kernels"][:6]) + ")",
         "  kernel                              launches  GB a launch  [measured ms, implied TB/s]  source line",
     ]
     for k in result["kernels"][:25]:
@@ -459,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"against {args.compare}: fusion bytes {change['fusion_bytes_change'] / 1e9:+.2f} GB, "
             f"GEMM outputs {change['gemm_output_bytes_change'] / 1e9:+.2f} GB, "
-            f"predicted {change['predicted_ms_change']:+.2f} ms at {change['at_tb_per_s']:.2f} TB/s; "
+            + (f"Pallas kernels {change['pallas_kernel_bytes_change'] / 1e9:+.2f} GB, " if change["pallas_kernel_bytes_change"] is not None
+               else "Pallas kernels not in the compared record, ")
+            + f"predicted {change['predicted_ms_change']:+.2f} ms at {change['at_tb_per_s']:.2f} TB/s; "
             f"launches {change['launches_change']}; peak memory {change['peak_memory_change'] / 1e9:+.2f} GB"
         )
         for c in change["largest_changes"][:10]:

@@ -184,3 +184,38 @@ def test_a_program_compiles_for_the_h200_without_one(offline, tmp_path):
     (add,) = table["kernels"]  # the + 1 and the cast after the GEMM: one pass, bf16 [4096, 4096] in and out
     assert (add["kind"], add["launches"], add["bytes"]) == ("kLoop", 1, 2 * 4096 * 4096 * 2)
     assert add["grid"][0] * add["threads"][0] * 4 == 4096 * 4096  # four elements a thread (vectorised)
+
+
+# Pallas kernels as XLA's text shows them: Triton and Mosaic GPU custom calls named by the op path that traced them,
+# one taking a cuBLAS GEMM's output as `name#0` (element 0 of its tuple result, beside the workspace).
+KERNELS_HLO = """\
+ENTRY %main (x.1: bf16[1024,512], w.1: bf16[512,256], s.1: f32[256]) -> bf16[1024,256] {
+  %x.1 = bf16[1024,512]{1,0} parameter(0)
+  %w.1 = bf16[512,256]{1,0} parameter(1)
+  %s.1 = f32[256]{0} parameter(2)
+  %cublas-lt-matmul.1 = (bf16[1024,256]{1,0}, s8[4194304]{0}) custom-call(%x.1, %w.1), custom_call_target="__cublas$lt$matmul"
+  %pallas_call.1 = bf16[1024,256]{1,0} custom-call(%cublas-lt-matmul.1#0, %s.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp()/rms_norm_forward/pallas_call"}
+  %pallas_call.2 = bf16[1024,256]{1,0} custom-call(%pallas_call.1, %s.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp()/rms_norm_forward/pallas_call"}
+  ROOT %mosaic.1 = bf16[1024,256]{1,0} custom-call(%pallas_call.2), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/jvp()/jit(gdpa)/gdpa_fwd/mpmd_map"}
+}
+"""
+
+
+def test_pallas_kernels_are_counted_by_op_with_their_operands_and_results(offline):
+    types, _ = offline.instructions(KERNELS_HLO)
+    assert offline._operand_type(types, "cublas-lt-matmul.1#0") == "bf16[1024,256]" and offline._operand_type(types, "cublas-lt-matmul.1#1") == "s8[4194304]"
+    assert offline._operand_type(types, "cublas-lt-matmul.1#2") == "" and offline._operand_type(types, "missing") == ""
+    assert offline.pallas_kernels(KERNELS_HLO, types) == [
+        {"name": "jvp()/rms_norm_forward", "calls": 2, "bytes": 2 * (MIB + 1024)},  # bf16 [1024,256] in and out, the f32 scale
+        {"name": "jvp()/jit(gdpa)/gdpa_fwd", "calls": 1, "bytes": MIB},
+    ]
+    assert offline.gemms(KERNELS_HLO, types) == ({"bf16 x bf16 -> bf16": 1}, MIB // 2)
+
+
+def test_compare_adds_the_pallas_kernels_bytes_when_both_records_have_them(offline):
+    base = {**offline.kernel_table(HLO, THUNKS), "memory": {"peak": 0}, "profile": {"median_tb_per_s": 2.0}}
+    with_kernels = {**base, "pallas_kernel_bytes": 3 * MIB, "profile": None}
+    assert offline.compare(with_kernels, {**base, "pallas_kernel_bytes": MIB})["predicted_ms_change"] == pytest.approx(2 * MIB / 2e12 * 1e3)
+    older = {key: value for key, value in base.items() if key != "pallas_kernel_bytes"}  # a record from before the count
+    change = offline.compare(with_kernels, older)
+    assert change["pallas_kernel_bytes_change"] is None and change["predicted_ms_change"] == 0
