@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tolerances import BFLOAT16, attention_budget, check
 
-from pallas_kernels import gdpa, jagged_flash_attention
+from pallas_kernels import gdpa, jagged_flash_attention, rms_norm
 from pallas_kernels.mxfp8 import dequantize_mxfp8, mxfp8_matmul, quantize_mxfp8
 
 AXIS = "data"
@@ -138,3 +138,27 @@ def test_mxfp8_matmul(mesh):
     # Exact FP8 products, float32 sums over K = 96 in the kernel's order against float32 numpy's: gamma_96 = 6e-6 of the
     # sum of |terms| (~sqrt(96) x the O(10) entries): atol 1e-3 with rtol 1e-4.
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)
+
+
+def test_rms_norm_with_a_replicated_scale_and_the_input_passed_through(mesh):
+    """Traced under `shard_map` with its checks: each device's rows are normalised with the replicated scale, whose
+    gradient comes back invariant (summed over the devices), and the outputs and dx vary over the axis. Traced, not
+    run: the generic Pallas interpreter (the Triton kernels' CPU path) cannot run a masked load under shard_map's
+    checks (its padding constant is invariant, the rows varying); the values are tests/pallas_kernels/test_rms_norm.py's
+    and the GPU check's (benchmarks/rms_norm_bench.py)."""
+    x, dy, dx_in = _normal(30, (48, 64)), _normal(31, (48, 64)), _normal(32, (48, 64))
+    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(33), (64,))
+    kinds = {}
+
+    def step(x, scale, dy, dx_in):
+        norm = lambda x, scale: rms_norm(x, scale, dtype=jnp.bfloat16, return_input=True, implementation="pallas")  # noqa: E731
+        (y, passed), vjp = jax.vjp(norm, x, scale)
+        dx, dscale = vjp((dy, dx_in))
+        kinds.update({name: jax.typeof(a).manual_axis_type.varying for name, a in (("y", y), ("passed", passed), ("dx", dx), ("dscale", dscale))})
+        return y, passed, dx, dscale[None]
+
+    specs = (P(AXIS), P(), P(AXIS), P(AXIS))
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(AXIS), P(AXIS), P(AXIS), P()))
+    jaxpr = jax.make_jaxpr(sharded)(*(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip((x, scale, dy, dx_in), specs)))
+    assert kinds == {"y": {AXIS}, "passed": {AXIS}, "dx": {AXIS}, "dscale": frozenset()}
+    assert str(jaxpr).count("pallas_call") == 2  # the forward and backward kernels, no reference
