@@ -8,8 +8,9 @@ First checks `implementation="pallas"` against `implementation="xla"` (flax's `n
 the GPU, at 70 rows (a masked last tile of the kernels' 4 rows) and at `--rows` - 13 (the default 166,528,
 the token capacity of a `configs/gem_h200.py` step, leaves a masked last tile 13 fewer), width `--width`
 (default 1024, the GEM width), each with and without the input passed through (`return_input`: the
-residual branch's cotangent added in the backward kernel, as the model's pre-norm blocks run it); then
-each `--tiles` variant at 70 rows. Inputs: bf16 `x [N, d]` (normal, each row scaled by exp(2 N(0,1)), so
+residual branch's cotangent added in the backward kernel, as the model's pre-norm blocks run it), with
+the default tile (`kernel.default_tile(d)`: 4 rows, 4 warps at d = 1024); then each `--tiles` variant
+at 70 rows. Inputs: bf16 `x [N, d]` (normal, each row scaled by exp(2 N(0,1)), so
 magnitudes span orders), a float32 scale `[d]` (1 + 0.2 N(0,1)), bf16 output, random bf16 cotangents of
 `y` and of the passed-through `x`. Output and VJP (dx, dscale) must lie within the bounds of the
 interpret-mode tests (tests/support/rms_norm_bounds.py), computed in float64 on the host for a random
@@ -68,7 +69,7 @@ def make_inputs(n: int, d: int, seed: int):
     return x, scale, dy, dx_in
 
 
-def op(impl: str, tile=kernel.TILE, residual: bool = False):
+def op(impl: str, tile=None, residual: bool = False):
     return lambda x, scale: rms_norm(x, scale, eps=EPS, dtype=jnp.bfloat16, return_input=residual, implementation=impl, tile=tile)
 
 
@@ -82,7 +83,7 @@ def fwd_bwd(f, residual: bool = False):
     return run
 
 
-def check(n: int, d: int, seed: int, tile=kernel.TILE, residual: bool = False, bound_rows: int = BOUND_ROWS) -> dict:
+def check(n: int, d: int, seed: int, tile, residual: bool = False, bound_rows: int = BOUND_ROWS) -> dict:
     """The Pallas path (`tile`) against the reference at `[N, d]`: each value's max |error| and its largest fraction
     of the bound (on `bound_rows` random rows, module docstring), and whether a NaN stays in its rows; `ok` when all
     fractions are at most 1 and it does."""
@@ -121,7 +122,8 @@ def timings(n: int, d: int, iters: int, tiles=()) -> dict:
     """Per mode and implementation (the Pallas path with the default tile and each of `tiles`, XLA): device and
     wall milliseconds per call, GB/s of `bytes_moved`; XLA over Pallas (the default tile)."""
     x, scale, dy, dx_in = make_inputs(n, d, seed=1)
-    paths = {_row_kernels.tile_label(tile, kernel.TILE): ("pallas", tuple(tile)) for tile in (kernel.TILE, *tiles)} | {"xla": ("xla", kernel.TILE)}
+    default = kernel.default_tile(d)
+    paths = {_row_kernels.tile_label(tile, default): ("pallas", tuple(tile)) for tile in (default, *tiles)} | {"xla": ("xla", default)}
     modes = {"fwd": ((x, scale), False), "fwd_bwd": ((x, scale, dy), False), "fwd_bwd_residual": ((x, scale, dy, dx_in), True)}
     out = {}
     for mode, (args, residual) in modes.items():
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON file of the results")
     args = p.parse_args(argv)
     n, d = args.rows, args.width
+    default = kernel.default_tile(d)
     tiles = [row_tiles.check_tile("rms_norm", tuple(int(k) for k in s.split("x"))) for s in args.tiles.split(",") if s]
     gpu = jax.default_backend() == "gpu"
     full = gpu or args.interpret
@@ -153,14 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no GPU here ({jax.default_backend()}): checking the {TAIL_ROWS}-row case in the Pallas interpreter; no timings", flush=True)
     record = _row_kernels.record_header("rms_norm", args.interpret or not gpu) | {
         "config": {"rows": n, "width": d, "dtype": "bfloat16", "scale": "float32", "eps": EPS, "iters": args.iters, "seed": args.seed,
-                   "tiles": [list(kernel.TILE)] + [list(tile) for tile in tiles], "backward_programs": kernel.BACKWARD_PROGRAMS,
+                   "tiles": [list(default)] + [list(tile) for tile in tiles], "backward_programs": kernel.BACKWARD_PROGRAMS,
                    "bound_rows": args.bound_rows},
         "shapes": {"x, y, dx": [n, d], "scale": [d]},
     }
     with plgpu.force_gpu_interpret_mode() if record["interpret"] else contextlib.nullcontext():
-        cases = [(TAIL_ROWS, kernel.TILE, False), (TAIL_ROWS, kernel.TILE, True)]
+        cases = [(TAIL_ROWS, default, False), (TAIL_ROWS, default, True)]
         if full:
-            cases += [(max(n - TAIL_OFF, 1), kernel.TILE, False), (max(n - TAIL_OFF, 1), kernel.TILE, True)]
+            cases += [(max(n - TAIL_OFF, 1), default, False), (max(n - TAIL_OFF, 1), default, True)]
             cases += [(TAIL_ROWS, tile, True) for tile in tiles]
         record["checks"] = [check(m, d, args.seed, tile, residual, args.bound_rows) for m, tile, residual in cases]
         record["checks_ok"] = all(c["ok"] for c in record["checks"])

@@ -72,7 +72,8 @@ class ModelConfig:
       norm_implementation: what the model's RMSNorms run (`gem_jax.nn.layers.RMSNorm`, through
         `pallas_kernels.rms_norm`): "xla" (default; flax's `nnx.RMSNorm` bit for bit), "pallas" or
         None (its one-pass kernels on a Hopper GPU, for the widths they take; the sequence tower's
-        pre-norms then also add the residual branch's gradient inside the backward kernel). The
+        pre-norms then also add the residual branch's gradient inside the backward kernel). An FP8
+        layer (`fp8`) takes its pre-norm into its quantization pass instead, under either. The
         QK-norms before the sequence tower's softmax and causal SiLU attention run in
         `pallas_kernels.qk_norm_rope`, under `attention_implementation`.
       sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).

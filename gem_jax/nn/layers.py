@@ -154,13 +154,25 @@ def name_layers(model: nnx.Module) -> None:
 
 class RMSNorm(nnx.RMSNorm):
     """flax's `nnx.RMSNorm` (the same parameter, `scale`) computed by `pallas_kernels.rms_norm` under
-    `implementation`: "xla" is flax's computation bit for bit; "pallas" or None run its one-pass kernels on a
-    Hopper GPU for the widths they take.
+    `implementation`: "xla" is flax's computation bit for bit (float32 statistics; flax's own are float64
+    under jax's x64 mode); "pallas" or None run its one-pass kernels on a Hopper GPU for the widths they take.
 
     `[..., dim]` in, `[..., dim]` out in `dtype` (None: the promoted dtype of input and scale).
+
+    Raises:
+      ValueError: a flax option this computation does not follow (other reduction or feature axes, an
+        `axis_name`, no scale, another `promote_dtype`).
     """
 
     def __init__(self, dim: int, *, implementation=pallas_kernels.Implementation.XLA, **kwargs):
+        # What `pallas_kernels.rms_norm` computes: flax's defaults for these (the last axis, one device's
+        # statistics, a scale); the parameter's own options (dtype, param_dtype, epsilon, initialisers) pass through.
+        computed = {"reduction_axes": -1, "feature_axes": -1, "axis_name": None, "axis_index_groups": None, "use_scale": True}
+        other = {name: kwargs[name] for name, default in computed.items() if name in kwargs and kwargs[name] != default}
+        if "promote_dtype" in kwargs:
+            other["promote_dtype"] = kwargs["promote_dtype"]
+        if other:
+            raise ValueError(f"RMSNorm computes flax's default {sorted(other)}; got {other}: use flax's nnx.RMSNorm for them")
         super().__init__(dim, **kwargs)
         self.implementation = implementation
 

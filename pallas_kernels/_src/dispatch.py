@@ -52,6 +52,7 @@ class OpSupport:
       name: the op's public name (used in messages and by `describe_choice`).
       kernel_dtypes: input dtypes the Mosaic GPU kernels take (None: any the op accepts).
       kernel_head_dims: head dims the kernels take (None: the op has no head dim).
+      dim_name: what that dimension is called in messages ("head dim"; rms_norm's is its "width").
       cudnn: whether the op has a cuDNN path.
       reference_otherwise: whether inputs the kernels do not take run the jnp reference under
         "pallas" too (else the kernels refuse them with their own message).
@@ -62,6 +63,7 @@ class OpSupport:
     name: str
     kernel_dtypes: tuple[jnp.dtype, ...] | None = None
     kernel_head_dims: tuple[int, ...] | None = None
+    dim_name: str = "head dim"
     cudnn: bool = False
     reference_otherwise: bool = False
     size_limit: str | None = None
@@ -79,7 +81,7 @@ class OpSupport:
             wanted = " or ".join(d.name for d in self.kernel_dtypes)
             return f"the kernels take {wanted} inputs of one dtype, got {', '.join(d.name for d in dtypes)}"
         if self.kernel_head_dims is not None and head_dim not in self.kernel_head_dims:
-            return f"the kernels take head dim in {self.kernel_head_dims}, got {head_dim}"
+            return f"the kernels take {self.dim_name} in {self.kernel_head_dims}, got {head_dim}"
         return None
 
     def cudnn_problem(self, dtypes: Sequence, head_dim: int | None, device: jax.Device) -> str | None:

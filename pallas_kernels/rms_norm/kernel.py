@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._src.row_tiles import tile_rows
 from pallas_kernels._src.triton_call import triton_call
 
-TILE = (4, 4)  # rows and warps of a program
+TILE = (4, 4)  # rows and warps of a program at widths up to 1024 (`default_tile`)
 BACKWARD_PROGRAMS = 8 * 132  # eight per SM of an H100/H200; each sums its rows' scale gradients
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 KERNEL_WIDTHS = tuple(2**k for k in range(4, 13))  # d from 16 to 4096, a power of two (Triton's block shapes)
@@ -48,6 +48,12 @@ def kernel_takes(shape: tuple[int, ...], dtype) -> bool:
     for n in shape:
         size *= n
     return jnp.dtype(dtype) in KERNEL_DTYPES and len(shape) >= 1 and shape[-1] in KERNEL_WIDTHS and 0 < size < 2**31
+
+
+def default_tile(d: int) -> tuple[int, int]:
+    """`TILE` at widths up to 1024; wider rows get more warps (d / 256), so each thread holds the same 32
+    elements of a `[rows, d]` float32 tile (at d = 4096 four warps would hold 128 each: spilled registers)."""
+    return TILE[0], max(TILE[1], d // 256)
 
 
 def _inv_rms(x, eps: float):
@@ -86,10 +92,9 @@ def _backward(x_ref, scale_ref, dy_ref, *refs, t: int, eps: float, rows: int, pr
             dx = dx + _load(dx_in[0], tile, mask)
         plt.store(dx_ref.at[tile, :], dx.astype(dx_ref.dtype), mask=mask)
         # Rows past t are read as zeros: their xhat is 0 * rsqrt(eps), NaN for eps = 0, so they are masked out.
-        return acc + jnp.where(mask, dy * xhat, 0.0)
+        return acc + jnp.sum(jnp.where(mask, dy * xhat, 0.0), axis=0)
 
-    acc = lax.fori_loop(0, steps, tile_step, jnp.zeros((rows, d), jnp.float32))
-    dscale_ref[i, :] = jnp.sum(acc, axis=0)
+    dscale_ref[i, :] = lax.fori_loop(0, steps, tile_step, jnp.zeros((d,), jnp.float32))
 
 
 def forward(x, scale, *, eps: float, dtype, tile=TILE, interpret: bool = False):

@@ -16,6 +16,7 @@ SUPPORT = dispatch.OpSupport(
     "rms_norm",
     kernel_dtypes=kernel.KERNEL_DTYPES,
     kernel_head_dims=kernel.KERNEL_WIDTHS,
+    dim_name="width",
     reference_otherwise=True,
     size_limit="at least one row and under 2**31 elements",
 )
@@ -49,7 +50,7 @@ def rms_norm(
     dtype=None,
     return_input: bool = False,
     implementation: str | dispatch.Implementation | None = None,
-    tile: tuple[int, int] = kernel.TILE,
+    tile: tuple[int, int] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization") over the last axis.
 
@@ -70,8 +71,8 @@ def rms_norm(
     (`h = x + f(rms_norm(x))`): the cotangent of that returned `x` enters the norm's backward kernel,
     which adds it to `dx` in its own pass, where the two cotangents of `x` would otherwise be summed by
     an XLA pass of its own (reading both, writing the sum). Use it only when the returned `x` is used:
-    an unused one has a zero cotangent, which the backward kernel then reads. When x is not already in
-    `dtype` (it is cast first), the two cotangents are summed by XLA as without it.
+    an unused one has a zero cotangent, which the backward kernel then reads. When x is rounded to a
+    narrower `dtype` first, the two cotangents are summed by XLA as without it.
 
     Args:
       x: floating `[..., d]`.
@@ -80,11 +81,13 @@ def rms_norm(
       dtype: dtype of the output (default: the promoted dtype of x and scale, as flax's).
       return_input: return `(y, x)` instead of `y` (above).
       implementation: "xla" (the jnp reference), "pallas" or None (pallas on a Hopper GPU). The
-        kernels take bf16 and float32 `dtype` with d a power of two from 16 to 4096
+        kernels take bf16 and float32 x (after its cast to a narrower `dtype`) and `dtype`, with d a
+        power of two from 16 to 4096
         (`kernel.KERNEL_WIDTHS`), at least one row and under 2**31 elements; other inputs (d = 1536,
         or no rows) run the reference under either name.
-      tile: `(rows, warps)` of a kernel program, both powers of two (default `kernel.TILE`); the
-        results do not depend on it beyond the order of the scale gradient's sums.
+      tile: `(rows, warps)` of a kernel program, both powers of two (default `kernel.default_tile(d)`:
+        4 rows, 4 warps up to d = 1024 and d / 256 warps past it); the results do not depend on it
+        beyond the order of the scale gradient's sums.
 
     Returns:
       `y`, `[..., d]` in `dtype`; with `return_input`, `(y, x)`.
@@ -95,18 +98,21 @@ def rms_norm(
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
     """
     _check(x, scale, eps, dtype)
-    tile = row_tiles.check_tile("rms_norm", tile)
-    dtype = jnp.dtype(jnp.result_type(x, scale) if dtype is None else dtype)
     d = x.shape[-1]
-    impl = dispatch.choose(SUPPORT, implementation, [dtype], d).implementation
-    if impl is not dispatch.Implementation.PALLAS or not kernel.kernel_takes(x.shape, dtype):
+    tile = row_tiles.check_tile("rms_norm", kernel.default_tile(d) if tile is None else tile)
+    dtype = jnp.dtype(jnp.result_type(x, scale) if dtype is None else dtype)
+    # x in `dtype` first, as flax's promote_dtype: rounded when `dtype` is narrower (a float32 x of a bf16 norm);
+    # a wider `dtype` (a bf16 x of a float32 norm) changes no value, and the kernels widen x as they load it.
+    x_in = x if jnp.promote_types(x.dtype, dtype) == dtype else x.astype(dtype)
+    impl = dispatch.choose(SUPPORT, implementation, [x_in.dtype], d).implementation
+    if impl is not dispatch.Implementation.PALLAS or not kernel.kernel_takes(x.shape, x_in.dtype) or dtype not in kernel.KERNEL_DTYPES:
         y = reference.rms_norm(x, scale, eps, dtype)
         return (y, x) if return_input else y
-    # x and the scale in `dtype` first, as flax's promote_dtype (a bf16 norm uses a bf16-rounded gain, and its
-    # gradient is rounded to bf16 on the way back). Under shard_map both operands vary over the same manual axes
-    # before the custom VJP (the cast's transpose sums an invariant scale's gradient over the axes).
-    rows, scale32 = manual_axes.match_axes(x.astype(dtype).reshape(-1, d), scale.astype(dtype).astype(jnp.float32))
-    if return_input and x.dtype == dtype:
+    # The scale in `dtype` too (a bf16 norm uses a bf16-rounded gain, and its gradient is rounded to bf16 on the way
+    # back). Under shard_map both operands vary over the same manual axes before the custom VJP (the cast's
+    # transpose sums an invariant scale's gradient over the axes).
+    rows, scale32 = manual_axes.match_axes(x_in.reshape(-1, d), scale.astype(dtype).astype(jnp.float32))
+    if return_input and x_in is x:
         y, passed = _fused_with_input(rows, scale32, float(eps), dtype, tile, dispatch.interpreting())
         return y.reshape(x.shape), passed.reshape(x.shape)
     y = _fused(rows, scale32, float(eps), dtype, tile, dispatch.interpreting()).reshape(x.shape)

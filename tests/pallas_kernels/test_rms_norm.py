@@ -14,7 +14,7 @@ from rms_norm_bounds import bound_fractions
 from tolerances import check
 
 from pallas_kernels import ImplementationUnavailableError, describe_choice, rms_norm
-from pallas_kernels.rms_norm import kernel, reference
+from pallas_kernels.rms_norm import kernel, ops, reference
 
 EPS = 1e-6
 
@@ -83,6 +83,23 @@ def test_kernel_matches_reference_forward_and_gradients(shape, dtype, out_dtype,
     assert got[0].dtype == out_dtype and got[0].shape == shape
     assert got[1][0].dtype == dtype and got[1][0].shape == shape and got[1][1].dtype == jnp.float32
     _assert_close(got, want, x, scale, cts, f"seed {seed}: ")
+
+
+def test_a_wider_output_dtype_reads_x_as_it_is_and_a_narrower_one_rounds_it_first():
+    """bf16 x with a float32 norm: no cast before the kernels (widening changes no value), so the input passes
+    through them; float32 x with a bf16 norm: x rounded to bf16 first, as flax's promote_dtype does."""
+    x, scale = _inputs((40, 64), jnp.bfloat16, 7)
+
+    def kernel_call(x, dtype):
+        """The kernels' custom VJP: its operands' dtypes and its outputs (2: x passed through it)."""
+        jaxpr = jax.make_jaxpr(lambda x: rms_norm(x, scale, dtype=dtype, return_input=True, implementation="pallas"))(x)
+        (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
+        return [str(v.aval.dtype) for v in call.invars], len(call.outvars)
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        assert kernel_call(x, jnp.float32) == (["bfloat16", "float32"], 2)  # x as it is, passed through the kernels
+        assert kernel_call(x.astype(jnp.float32), jnp.bfloat16) == (["bfloat16", "float32"], 1)  # rounded first; autodiff sums
+        assert kernel_call(x, jnp.bfloat16) == (["bfloat16", "float32"], 2)
 
 
 def test_backward_walks_several_tiles_a_program():
@@ -206,6 +223,8 @@ def test_dispatch_and_inputs_the_kernel_takes():
         rms_norm(x, scale, implementation="pallas")
     np.testing.assert_array_equal(np.asarray(rms_norm(x, scale)), np.asarray(reference.rms_norm(x, scale, EPS, jnp.float32)))
     assert describe_choice("rms_norm", jnp.bfloat16, 1024).implementation.value == "xla"  # None on the CPU: the reference
+    assert ops.SUPPORT.kernel_problem([jnp.bfloat16], 1536) == f"the kernels take width in {kernel.KERNEL_WIDTHS}, got 1536"
+    assert kernel.default_tile(16) == kernel.default_tile(1024) == (4, 4) and kernel.default_tile(4096) == (4, 16)
     assert kernel.kernel_takes((166_528, 1024), jnp.bfloat16) and kernel.kernel_takes((1, 16), jnp.float32)
     assert kernel.kernel_takes((4, 4, 4096), jnp.bfloat16)
     for shape, dtype in [

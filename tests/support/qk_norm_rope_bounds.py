@@ -9,12 +9,8 @@ gradients) times the magnitude of those sums' terms; v and v's gradient are copi
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
-from tolerances import BFLOAT16, FLOAT32, error_and_fraction, sum_worst, ulp_at
-
-FORMATS = {jnp.dtype(jnp.bfloat16): BFLOAT16, jnp.dtype(jnp.float32): FLOAT32}
-
+from tolerances import FLOAT32, error_and_fraction, format_of, sum_worst, ulp_at
 
 def _magnitudes(qkv, scales, cos, sin, dq, dk, eps):
     """Float64 sums of |terms| the two paths round differently: of each output, of each qkv gradient (q, k), and
@@ -50,7 +46,7 @@ def bound_fractions(
     qkv, q_scale, k_scale, cos, sin = (np.asarray(a) for a in inputs)
     dq, dk = (np.asarray(a) for a in cotangents[:2])
     t, _, h, d = qkv.shape
-    fmt_out, fmt_in = FORMATS[jnp.dtype(q.dtype)], FORMATS[jnp.dtype(qkv.dtype)]
+    fmt_out, fmt_in = format_of(q.dtype), format_of(qkv.dtype)
     rows = 2 * sum_worst(d)
     pairs = {"q": (q, rq), "k": (k, rk), "dq": (dqkv[:, 0], rdqkv[:, 0]), "dk": (dqkv[:, 1], rdqkv[:, 1])}
     fractions = dict.fromkeys(pairs, (0.0, 0.0))

@@ -13,12 +13,8 @@ casts the scale to it, as flax).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
-from tolerances import BFLOAT16, FLOAT32, error_and_fraction, sum_worst, ulp_at
-
-FORMATS = {jnp.dtype(jnp.bfloat16): BFLOAT16, jnp.dtype(jnp.float32): FLOAT32}
-
+from tolerances import error_and_fraction, format_of, sum_worst, ulp_at
 
 def _magnitudes(x, scale, dy, eps):
     """Float64 magnitudes `[rows, d]`: of y's terms, of dx's terms and of the scale gradient's terms."""
@@ -44,8 +40,8 @@ def bound_fractions(got, want, inputs, cotangents, eps: float = 1e-6, chunk: int
     x, scale = (np.asarray(a) for a in inputs)
     dy, dx_in = cotangents
     n, d = x.shape
-    fmt_out = FORMATS[jnp.dtype(y.dtype)]
-    fmt_in = min(fmt_out, FORMATS[jnp.dtype(x.dtype)], key=lambda f: f.mantissa_bits)  # x is cast to the output dtype first
+    fmt_out = format_of(y.dtype)
+    fmt_in = min(fmt_out, format_of(x.dtype), key=lambda f: f.mantissa_bits)  # the coarser: x is rounded to a narrower output dtype first
     rows = 2 * sum_worst(d)
     fractions = {"y": (0.0, 0.0), "dx": (0.0, 0.0)}
     ds_mag = np.zeros(d)

@@ -63,6 +63,12 @@ FLOAT16 = Format("float16", 10)
 BFLOAT16 = Format("bfloat16", 7)
 E4M3 = Format("float8_e4m3fn", 3)
 E5M2 = Format("float8_e5m2", 2)
+FORMATS = {f.name: f for f in (FLOAT32, FLOAT16, BFLOAT16, E4M3, E5M2)}
+
+
+def format_of(dtype) -> Format:
+    """The `Format` of a numpy or jax dtype (float32, float16, bfloat16, float8_e4m3fn, float8_e5m2)."""
+    return FORMATS[np.dtype(dtype).name]
 
 # A bound on an expected (rms) error holds for one draw up to the draw's spread: over n >= 1000
 # elements the relative spread of an rms is ~1/sqrt(n) <= 3%, so 1.25x covers it many times over;

@@ -403,6 +403,13 @@ def test_norm_implementation_is_checked_and_parsed():
     assert apply_overrides(CONFIG, ["norm_implementation=pallas"]).norm_implementation is pallas_kernels.Implementation.PALLAS
 
 
+def test_the_model_norm_refuses_flax_options_it_does_not_compute():
+    for option in ({"use_scale": False}, {"reduction_axes": (-2, -1)}, {"axis_name": "data"}, {"promote_dtype": lambda xs, dtype: xs}):
+        with pytest.raises(ValueError, match="RMSNorm computes flax's default"):
+            RMSNorm(8, rngs=nnx.Rngs(0), **option)
+    assert RMSNorm(8, rngs=nnx.Rngs(0), reduction_axes=-1, use_fast_variance=False).implementation == "xla"
+
+
 def test_the_xla_norms_are_flax_norms_bit_for_bit(split_model):
     """The default norms ("xla") compute what flax's `nnx.RMSNorm` computes: the model's logits and gradients with
     every RMSNorm swapped back to flax's class are the same bits (the pre-norm blocks' returned inputs included)."""

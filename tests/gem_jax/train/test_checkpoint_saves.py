@@ -77,6 +77,7 @@ class _Gate:
         self.entered.set()
         if not self._open.wait(timeout=60):  # a caller that waits for the held call ends the hold, and the test fails
             self.timed_out = True
+            self._open.set()  # the later held calls pass at once
 
     def release(self):
         self._open.set()
@@ -93,7 +94,8 @@ def held_writes(monkeypatch):
         return estimate(value)
 
     monkeypatch.setattr(serialization, "estimate_write_memory_footprint", held)
-    return gate
+    yield gate
+    gate.release()  # a test that failed while holding it leaves no write waiting
 
 
 # ---------------------------------------------------------------- sizing and preflight
@@ -556,13 +558,14 @@ def test_a_save_blocks_for_the_snapshot_not_for_the_hand_over(tmp_path, monkeypa
 
     monkeypatch.setattr(checkpointer.manager, "save", held_save)
     state = _state()
-    # Orbax's save is held: each of these calls returns while the background thread is still inside it
-    assert checkpointer.save(2, state, _data(2))
-    assert hand_over.entered.wait(30)
-    assert not checkpointer.should_save(3) and not checkpointer.should_save(4)  # in flight: step 4's save is deferred
-    assert checkpointer.latest_step() == 2  # the loop's "last good checkpoint", as Orbax lists a save in flight
-    assert checkpointer._pending == 4
-    hand_over.release()
+    try:  # Orbax's save is held: each of these calls returns while the background thread is still inside it
+        assert checkpointer.save(2, state, _data(2))
+        assert hand_over.entered.wait(30)
+        assert not checkpointer.should_save(3) and not checkpointer.should_save(4)  # in flight: step 4's save is deferred
+        assert checkpointer.latest_step() == 2  # the loop's "last good checkpoint", as Orbax lists a save in flight
+        assert checkpointer._pending == 4
+    finally:
+        hand_over.release()
     checkpointer.wait()
     assert not hand_over.timed_out
     assert copies and all(leaf.is_deleted() for leaf in jax.tree.leaves(copies[0]))
