@@ -52,7 +52,8 @@ def kernel_takes(shape: tuple[int, ...], dtype) -> bool:
 
 def default_tile(d: int) -> tuple[int, int]:
     """`TILE` at widths up to 1024; wider rows get more warps (d / 256), so each thread holds the same 32
-    elements of a `[rows, d]` float32 tile (at d = 4096 four warps would hold 128 each: spilled registers)."""
+    elements of a `[rows, d]` float32 tile (at d = 4096 four warps would hold 128 each: spilled registers).
+    For the widths the kernels take (`KERNEL_WIDTHS`)."""
     return TILE[0], max(TILE[1], d // 256)
 
 

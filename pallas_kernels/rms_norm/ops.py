@@ -99,7 +99,8 @@ def rms_norm(
     """
     _check(x, scale, eps, dtype)
     d = x.shape[-1]
-    tile = row_tiles.check_tile("rms_norm", kernel.default_tile(d) if tile is None else tile)
+    if tile is not None:
+        tile = row_tiles.check_tile("rms_norm", tile)
     dtype = jnp.dtype(jnp.result_type(x, scale) if dtype is None else dtype)
     # x in `dtype` first, as flax's promote_dtype: rounded when `dtype` is narrower (a float32 x of a bf16 norm);
     # a wider `dtype` (a bf16 x of a float32 norm) changes no value, and the kernels widen x as they load it.
@@ -112,6 +113,7 @@ def rms_norm(
     # back). Under shard_map both operands vary over the same manual axes before the custom VJP (the cast's
     # transpose sums an invariant scale's gradient over the axes).
     rows, scale32 = manual_axes.match_axes(x_in.reshape(-1, d), scale.astype(dtype).astype(jnp.float32))
+    tile = kernel.default_tile(d) if tile is None else tile
     if return_input and x_in is x:
         y, passed = _fused_with_input(rows, scale32, float(eps), dtype, tile, dispatch.interpreting())
         return y.reshape(x.shape), passed.reshape(x.shape)

@@ -232,9 +232,11 @@ def test_dispatch_and_inputs_the_kernel_takes():
         ((5, 64), jnp.float16), ((2_200_000, 1024), jnp.bfloat16), ((0, 1024), jnp.bfloat16), ((), jnp.bfloat16),
     ]:
         assert not kernel.kernel_takes(shape, dtype), (shape, dtype)
-    # Under "pallas" an input the kernel does not take (d = 48) runs the reference.
-    x48, s48 = _inputs((8, 48), jnp.bfloat16, 0)
-    got = _run("pallas", x48, s48, (jnp.ones((8, 48), jnp.float32), None))
-    want = _run("xla", x48, s48, (jnp.ones((8, 48), jnp.float32), None))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Under "pallas" an input the kernel does not take (d = 48, or 1536: wider than 1024 but no power of two) runs
+    # the reference.
+    for d in (48, 1536):
+        xd, sd = _inputs((8, d), jnp.bfloat16, 0)
+        got = _run("pallas", xd, sd, (jnp.ones((8, d), jnp.float32), None))
+        want = _run("xla", xd, sd, (jnp.ones((8, d), jnp.float32), None))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
