@@ -1,17 +1,38 @@
-"""Pieces shared by the row-kernel benchmarks (`qk_norm_rope_bench.py`, `rms_norm_bench.py`): the record's header,
-whether a NaN stayed where it was put, and the timing of several paths of one op."""
+"""Pieces shared by the row-kernel benchmarks (`qk_norm_rope_bench.py`, `rms_norm_bench.py`): the machine and the
+record's header, whether a NaN stayed where it was put, the timing of several paths of one op, and the run of the
+checks then the timings."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks import _timing
 from gem_jax.train.run_record import code_version
+from pallas_kernels._src import row_tiles
+
+
+def parse_tiles(op_name: str, text: str) -> list[tuple[int, int]]:
+    """`--tiles` "32x4,16x8" as `[(32, 4), (16, 8)]`, each checked (`row_tiles.check_tile`); "" is none."""
+    return [row_tiles.check_tile(op_name, tuple(int(n) for n in part.split("x"))) for part in text.split(",") if part]
+
+
+def machine(interpret: bool, tail_case: str) -> tuple[bool, bool]:
+    """`(gpu, full)`: whether jax runs on a GPU, and whether every check and the timings run (a GPU, or
+    `--interpret`); without either it says that only `tail_case` is checked, in the interpreter."""
+    gpu = jax.default_backend() == "gpu"
+    if not (gpu or interpret):
+        print(f"no GPU here ({jax.default_backend()}): checking the {tail_case} case in the Pallas interpreter; no timings", flush=True)
+    return gpu, gpu or interpret
 
 
 def record_header(benchmark: str, interpret: bool) -> dict:
@@ -59,3 +80,23 @@ def time_paths(mode: str, paths: dict, iters: int) -> dict:
     row["xla_over_pallas"] = {m: row["xla"][m] / row["pallas"][m] for m in ("device_ms", "wall_ms") if row["xla"][m] and row["pallas"][m]}
     print(f"  {mode:12s} xla / pallas: {row['xla_over_pallas']}", flush=True)
     return row
+
+
+def run(record: dict, full: bool, checks: Callable[[], list[dict]], bytes_moved: Callable[[], dict], counts: str,
+        timings: Callable[[], dict], out: str | None) -> int:
+    """Runs `checks()` (in the Pallas interpreter when `record["interpret"]`), then, when every check is `ok` and
+    `full`, the timings (`bytes_moved()`, `counts` saying what it counts, `timings()`); writes the record to `out`.
+    Returns the exit status: 0, or 1 when a check failed (no timings then)."""
+    with plgpu.force_gpu_interpret_mode() if record["interpret"] else contextlib.nullcontext():
+        record["checks"] = checks()
+        record["checks_ok"] = all(c["ok"] for c in record["checks"])
+        if record["checks_ok"] and full:
+            record["bytes_moved"] = bytes_moved()
+            record["bytes_moved_counts"] = " ".join(counts.split())
+            record["timing_method"] = TIMING_METHOD
+            record["timing"] = timings()
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(record, indent=1))
+        print(f"wrote {out}", flush=True)
+    return 0 if record["checks_ok"] else 1

@@ -36,7 +36,6 @@ use a small `--tokens`; its times mean nothing). `git_commit` in the JSON is $GE
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -44,7 +43,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from qk_norm_rope_bounds import bound_fractions  # noqa: E402
@@ -52,7 +50,6 @@ from qk_norm_rope_bounds import bound_fractions  # noqa: E402
 from benchmarks import _row_kernels  # noqa: E402
 from gem_jax.nn.layers import rope_table  # noqa: E402
 from pallas_kernels import qk_norm_rope  # noqa: E402
-from pallas_kernels._src import row_tiles  # noqa: E402
 from pallas_kernels.qk_norm_rope import kernel  # noqa: E402
 
 IMPLS = ("pallas", "xla")
@@ -154,32 +151,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON file of the results")
     args = p.parse_args(argv)
     t, h, d = args.tokens, args.heads, args.head_dim
-    tiles = [row_tiles.check_tile("qk_norm_rope", tuple(int(n) for n in s.split("x"))) for s in args.tiles.split(",") if s]
-    gpu = jax.default_backend() == "gpu"
-    full = gpu or args.interpret
-    if not full:
-        print(f"no GPU here ({jax.default_backend()}): checking the {TAIL_TOKENS}-token case in the Pallas interpreter; no timings", flush=True)
+    tiles = _row_kernels.parse_tiles("qk_norm_rope", args.tiles)
+    gpu, full = _row_kernels.machine(args.interpret, f"{TAIL_TOKENS}-token")
     record = _row_kernels.record_header("qk_norm_rope", args.interpret or not gpu) | {
         "config": {"tokens": t, "heads": h, "head_dim": d, "dtype": "bfloat16", "eps": 1e-6, "rope_base": ROPE_BASE,
                    "positions": f"arange(T) % {MAX_POSITION}", "iters": args.iters, "seed": args.seed,
                    "tiles": [list(kernel.TILE)] + [list(tile) for tile in tiles], "bound_tokens": args.bound_tokens},
         "shapes": {"qkv": [t, 3 * h * d], "q_scale, k_scale": [d], "cos, sin": [t, 1, d // 2], "q, k, v": [t, h, d]},
     }
-    with plgpu.force_gpu_interpret_mode() if record["interpret"] else contextlib.nullcontext():
-        cases = [(TAIL_TOKENS, kernel.TILE)] + ([(max(t - TAIL_OFF, 1), kernel.TILE)] + [(TAIL_TOKENS, tile) for tile in tiles] if full else [])
-        record["checks"] = [check(n, h, d, args.seed, tile, args.bound_tokens) for n, tile in cases]
-        record["checks_ok"] = all(c["ok"] for c in record["checks"])
-        if record["checks_ok"] and full:
-            record["bytes_moved"] = bytes_moved(t, h, d)
-            record["bytes_moved_counts"] = " ".join(bytes_moved.__doc__.split())
-            record["timing_method"] = _row_kernels.TIMING_METHOD
-            record["timing"] = timings(t, h, d, args.iters, tiles)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=1))
-        print(f"wrote {args.out}", flush=True)
-    return 0 if record["checks_ok"] else 1
-
+    cases = [(TAIL_TOKENS, kernel.TILE)] + ([(max(t - TAIL_OFF, 1), kernel.TILE)] + [(TAIL_TOKENS, tile) for tile in tiles] if full else [])
+    return _row_kernels.run(
+        record, full, lambda: [check(n, h, d, args.seed, tile, args.bound_tokens) for n, tile in cases],
+        lambda: bytes_moved(t, h, d), bytes_moved.__doc__, lambda: timings(t, h, d, args.iters, tiles), args.out,
+    )
 
 if __name__ == "__main__":
     sys.exit(main())

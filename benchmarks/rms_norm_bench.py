@@ -35,7 +35,6 @@ exits 0; `--interpret` runs everything in the interpreter (a CPU check of this s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -43,14 +42,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from rms_norm_bounds import bound_fractions  # noqa: E402
 
 from benchmarks import _row_kernels  # noqa: E402
 from pallas_kernels import rms_norm  # noqa: E402
-from pallas_kernels._src import row_tiles  # noqa: E402
 from pallas_kernels.rms_norm import kernel  # noqa: E402
 
 IMPLS = ("pallas", "xla")
@@ -149,35 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     n, d = args.rows, args.width
     default = kernel.default_tile(d)
-    tiles = [row_tiles.check_tile("rms_norm", tuple(int(k) for k in s.split("x"))) for s in args.tiles.split(",") if s]
-    gpu = jax.default_backend() == "gpu"
-    full = gpu or args.interpret
-    if not full:
-        print(f"no GPU here ({jax.default_backend()}): checking the {TAIL_ROWS}-row case in the Pallas interpreter; no timings", flush=True)
+    tiles = _row_kernels.parse_tiles("rms_norm", args.tiles)
+    gpu, full = _row_kernels.machine(args.interpret, f"{TAIL_ROWS}-row")
     record = _row_kernels.record_header("rms_norm", args.interpret or not gpu) | {
         "config": {"rows": n, "width": d, "dtype": "bfloat16", "scale": "float32", "eps": EPS, "iters": args.iters, "seed": args.seed,
                    "tiles": [list(default)] + [list(tile) for tile in tiles], "backward_programs": kernel.BACKWARD_PROGRAMS,
                    "bound_rows": args.bound_rows},
         "shapes": {"x, y, dx": [n, d], "scale": [d]},
     }
-    with plgpu.force_gpu_interpret_mode() if record["interpret"] else contextlib.nullcontext():
-        cases = [(TAIL_ROWS, default, False), (TAIL_ROWS, default, True)]
-        if full:
-            cases += [(max(n - TAIL_OFF, 1), default, False), (max(n - TAIL_OFF, 1), default, True)]
-            cases += [(TAIL_ROWS, tile, True) for tile in tiles]
-        record["checks"] = [check(m, d, args.seed, tile, residual, args.bound_rows) for m, tile, residual in cases]
-        record["checks_ok"] = all(c["ok"] for c in record["checks"])
-        if record["checks_ok"] and full:
-            record["bytes_moved"] = bytes_moved(n, d)
-            record["bytes_moved_counts"] = " ".join(bytes_moved.__doc__.split())
-            record["timing_method"] = _row_kernels.TIMING_METHOD
-            record["timing"] = timings(n, d, args.iters, tiles)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=1))
-        print(f"wrote {args.out}", flush=True)
-    return 0 if record["checks_ok"] else 1
-
+    cases = [(TAIL_ROWS, default, False), (TAIL_ROWS, default, True)]
+    if full:
+        cases += [(max(n - TAIL_OFF, 1), default, False), (max(n - TAIL_OFF, 1), default, True)]
+        cases += [(TAIL_ROWS, tile, True) for tile in tiles]
+    return _row_kernels.run(
+        record, full, lambda: [check(m, d, args.seed, tile, residual, args.bound_rows) for m, tile, residual in cases],
+        lambda: bytes_moved(n, d), bytes_moved.__doc__, lambda: timings(n, d, args.iters, tiles), args.out,
+    )
 
 if __name__ == "__main__":
     sys.exit(main())
