@@ -95,6 +95,14 @@ class OpSupport:
         return None
 
 
+def is_floating_dtype(dtype) -> bool:
+    """Whether `dtype` names a floating dtype (False for anything that is not a dtype, e.g. "bogus")."""
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # not a dtype
+        return False
+
+
 def interpreting() -> bool:
     """True while tracing under `plgpu.force_gpu_interpret_mode` (the Mosaic GPU simulator on the CPU)."""
     return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None

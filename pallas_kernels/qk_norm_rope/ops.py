@@ -19,13 +19,6 @@ SUPPORT = dispatch.OpSupport(
 )
 
 
-def _is_floating_dtype(dtype) -> bool:
-    try:
-        return jnp.issubdtype(dtype, jnp.floating)
-    except TypeError:  # not a dtype
-        return False
-
-
 def _check(qkv, q_scale, k_scale, cos, sin, dtype) -> tuple[int, int, int]:
     """`(T, H, D)` of valid inputs, else a ValueError naming what is wrong."""
     if qkv.ndim != 4 or qkv.shape[1] != 3:
@@ -35,7 +28,7 @@ def _check(qkv, q_scale, k_scale, cos, sin, dtype) -> tuple[int, int, int]:
         raise ValueError(f"qk_norm_rope: the head dim D must be even for RoPE, got {d}")
     if not jnp.issubdtype(qkv.dtype, jnp.floating):
         raise ValueError(f"qk_norm_rope: qkv must be floating point, got {qkv.dtype}")
-    if dtype is not None and not _is_floating_dtype(dtype):
+    if dtype is not None and not dispatch.is_floating_dtype(dtype):
         raise ValueError(f"qk_norm_rope: dtype must be a floating dtype (or None: qkv's), got {dtype!r}")
     for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
         if jnp.shape(s) != (d,) or not jnp.issubdtype(jnp.result_type(s), jnp.floating):

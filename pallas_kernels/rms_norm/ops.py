@@ -22,13 +22,6 @@ SUPPORT = dispatch.OpSupport(
 )
 
 
-def _is_floating_dtype(dtype) -> bool:
-    try:
-        return jnp.issubdtype(dtype, jnp.floating)
-    except TypeError:  # not a dtype
-        return False
-
-
 def _check(x, scale, eps, dtype) -> None:
     """A ValueError naming what is wrong, for invalid inputs."""
     if jnp.ndim(x) < 1 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
@@ -38,7 +31,7 @@ def _check(x, scale, eps, dtype) -> None:
         raise ValueError(f"rms_norm: scale must be a floating [{d}] (x's last axis), got {jnp.shape(scale)} {jnp.result_type(scale)}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"rms_norm: eps must be a finite non-negative Python number (the kernels take it as a constant), got {eps!r}")
-    if dtype is not None and not _is_floating_dtype(dtype):
+    if dtype is not None and not dispatch.is_floating_dtype(dtype):
         raise ValueError(f"rms_norm: dtype must be a floating dtype (or None: x's and scale's promoted dtype), got {dtype!r}")
 
 
