@@ -17,12 +17,14 @@ def test_buckets_sum_to_the_wall_time_and_goodput_is_the_train_share():
     with chrono.measure(goodput.TRAIN_STEP):
         time.sleep(0.1)
     time.sleep(0.02)  # in no bucket: other
+    before = chrono.wall()
     seconds = chrono.seconds()
+    after = chrono.wall()
     assert seconds[goodput.IMPORTS] == pytest.approx(1.0, abs=0.01)
     assert 0.05 <= seconds[goodput.DATA] < 0.05 + SLEEP_SLACK
     assert 0.1 <= seconds[goodput.TRAIN_STEP] < 0.1 + SLEEP_SLACK
     assert seconds[goodput.OTHER] >= 0.02
-    assert sum(seconds.values()) == pytest.approx(chrono.wall(), abs=1e-3)
+    assert before - 1e-9 <= sum(seconds.values()) <= after + 1e-9  # the wall time at the call (up to the sum's rounding)
     record = chrono.record()
     assert record["goodput"] == pytest.approx(record["time_train_step_s"] / record["wall_s"])
     assert record["time_startup_data_s"] == seconds[goodput.DATA]
@@ -50,11 +52,13 @@ def test_a_compile_after_the_first_step_moves_to_its_own_bucket_with_its_reason(
     finally:
         chrono.close()
     monitoring.record_event_duration_secs(goodput.BACKEND_COMPILE_EVENT, 5.0, fun_name="jit(after)")  # no longer watched
+    before = chrono.wall()
     seconds = chrono.seconds()
+    after = chrono.wall()
     assert seconds[goodput.COMPILE_AFTER_START] == pytest.approx(0.004)
     assert 0.006 <= seconds[goodput.TRAIN_STEP] < 0.006 + SLEEP_SLACK
     assert chrono.compiles_after_start == [("first use of jit(train_step)", 0.004)]
-    assert sum(seconds.values()) == pytest.approx(chrono.wall(), abs=1e-3)
+    assert before - 1e-9 <= sum(seconds.values()) <= after + 1e-9
 
 
 def test_process_start_is_before_now_and_after_boot():
