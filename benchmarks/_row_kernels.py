@@ -22,8 +22,26 @@ from pallas_kernels._src import row_tiles
 
 
 def parse_tiles(op_name: str, text: str) -> list[tuple[int, int]]:
-    """`--tiles` "32x4,16x8" as `[(32, 4), (16, 8)]`, each checked (`row_tiles.check_tile`); "" is none."""
-    return [row_tiles.check_tile(op_name, tuple(int(n) for n in part.split("x"))) for part in text.split(",") if part]
+    """`--tiles` "32x4,16x8" as `[(32, 4), (16, 8)]`, each checked (`row_tiles.check_tile`); "" is none.
+
+    Raises:
+      ValueError: a part that is not ROWSxWARPS, or not a tile the kernels take (named, with the option).
+    """
+    tiles = []
+    for part in filter(None, text.split(",")):
+        try:
+            tiles.append(row_tiles.check_tile(op_name, tuple(int(n) for n in part.split("x"))))
+        except ValueError as error:
+            raise ValueError(f"--tiles {text!r}: {part!r}: {error}") from None
+    return tiles
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def machine(interpret: bool, tail_case: str) -> tuple[bool, bool]:

@@ -140,18 +140,21 @@ def timings(t: int, h: int, d: int, iters: int, tiles=()) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=166_528, help="T, tokens of qkv (default: a gem_h200 step's capacity)")
+    p.add_argument("--tokens", type=_row_kernels.positive_int, default=166_528, help="T, tokens of qkv (default: a gem_h200 step's capacity)")
     p.add_argument("--heads", type=int, default=8, help="H")
     p.add_argument("--head-dim", type=int, default=128, help="D")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("--iters", type=_row_kernels.positive_int, default=20, help="timed calls per measurement")
     p.add_argument("--seed", type=int, default=0, help="of the checks' random inputs")
     p.add_argument("--tiles", default="32x4,16x8", help="kernel tiles (rows x warps) checked at 70 tokens and timed besides the default 16x4")
-    p.add_argument("--bound-tokens", type=int, default=BOUND_TOKENS, help="tokens whose error bounds are computed (a random subsample)")
+    p.add_argument("--bound-tokens", type=_row_kernels.positive_int, default=BOUND_TOKENS, help="tokens whose error bounds are computed (a random subsample)")
     p.add_argument("--interpret", action="store_true", help="everything in the Pallas interpreter (CPU check of this script)")
     p.add_argument("--out", help="JSON file of the results")
     args = p.parse_args(argv)
     t, h, d = args.tokens, args.heads, args.head_dim
-    tiles = _row_kernels.parse_tiles("qk_norm_rope", args.tiles)
+    try:
+        tiles = _row_kernels.parse_tiles("qk_norm_rope", args.tiles)
+    except ValueError as error:
+        p.error(str(error))
     gpu, full = _row_kernels.machine(args.interpret, f"{TAIL_TOKENS}-token")
     record = _row_kernels.record_header("qk_norm_rope", args.interpret or not gpu) | {
         "config": {"tokens": t, "heads": h, "head_dim": d, "dtype": "bfloat16", "eps": 1e-6, "rope_base": ROPE_BASE,

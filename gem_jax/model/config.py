@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from gem_jax.model.remat import RematConfig, region_names
 from pallas_kernels.mxfp8 import Fp8Recipe
-from pallas_kernels import Implementation, describe_choice
+from pallas_kernels import Implementation, ImplementationUnavailableError, describe_choice
 
 
 class SequenceAttention(enum.Enum):
@@ -257,7 +257,11 @@ def describe_attention(config: ModelConfig) -> list[str]:
     ops.append((f"RMSNorm (width {config.embed_dim})", "rms_norm", config.norm_implementation, config.embed_dim))
     lines = []
     for label, op, implementation, width in ops:
-        choice = describe_choice(op, config.compute_dtype, width, implementation=implementation)
+        setting = "norm_implementation" if op == "rms_norm" else "attention_implementation"
+        try:
+            choice = describe_choice(op, config.compute_dtype, width, implementation=implementation)
+        except ImplementationUnavailableError as error:  # name the setting that asked for it
+            raise ImplementationUnavailableError(f"model.{setting}={getattr(implementation, 'value', implementation)}: {error}") from None
         lines.append(f"{label}: {choice.implementation.value} ({choice.reason})")
     if config.fp8:
         choice = describe_choice("mxfp8_matmul", "float8_e4m3fn")

@@ -214,7 +214,7 @@ def choose(
     if requested is Implementation.PALLAS:
         if not interpreting() and not is_hopper_gpu(device):
             raise ImplementationUnavailableError(
-                f"{op.name}: implementation='pallas' runs Mosaic GPU kernels for Hopper (sm_90): "
+                f"{op.name}: implementation='pallas' runs Pallas kernels for Hopper (sm_90): "
                 f"no Hopper GPU: found {where}; use implementation=None or 'xla'"
             )
         kernel_problem = op.kernel_problem(dtypes, head_dim) if op.reference_otherwise else None

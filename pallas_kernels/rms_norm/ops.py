@@ -22,7 +22,7 @@ SUPPORT = dispatch.OpSupport(
 )
 
 
-def _check(x, scale, eps, dtype) -> None:
+def _check(x, scale, eps, dtype, return_input) -> None:
     """A ValueError naming what is wrong, for invalid inputs."""
     if jnp.ndim(x) < 1 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise ValueError(f"rms_norm: x must be a floating array [..., d], got {jnp.shape(x)} {jnp.result_type(x)}")
@@ -31,6 +31,8 @@ def _check(x, scale, eps, dtype) -> None:
         raise ValueError(f"rms_norm: scale must be a floating [{d}] (x's last axis), got {jnp.shape(scale)} {jnp.result_type(scale)}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"rms_norm: eps must be a finite non-negative Python number (the kernels take it as a constant), got {eps!r}")
+    if not isinstance(return_input, bool):
+        raise ValueError(f"rms_norm: return_input must be True or False, got {return_input!r}")
     if dtype is not None and not dispatch.is_floating_dtype(dtype):
         raise ValueError(f"rms_norm: dtype must be a floating dtype (or None: x's and scale's promoted dtype), got {dtype!r}")
 
@@ -90,7 +92,7 @@ def rms_norm(
         number, a non-floating dtype, a `tile` not of powers of two, or an unknown implementation name.
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
     """
-    _check(x, scale, eps, dtype)
+    _check(x, scale, eps, dtype, return_input)
     d = x.shape[-1]
     if tile is not None:
         tile = row_tiles.check_tile("rms_norm", tile)

@@ -2,6 +2,7 @@
 and the JSON; a broken bound exits 1 with no timings."""
 
 import json
+import re
 
 import pytest
 
@@ -54,3 +55,21 @@ def test_a_broken_bound_exits_1_without_timings(bench, tmp_path, monkeypatch):
     assert not record["checks_ok"] and [c["ok"] for c in record["checks"]] == [False] * 4
     assert record["checks"][0]["errors"]["dx"] == {"max_abs_err": 0.5, "bound_fraction": 1.01}
     assert "timing" not in record and "bytes_moved" not in record
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--width", "1536"], "--width 1536: the kernels take a power of two from 16 to 4096"),
+        (["--tiles", "abc"], "--tiles 'abc': 'abc': invalid literal"),
+        (["--tiles", "8x4,3x4"], r"--tiles '8x4,3x4': '3x4': rms_norm: tile must be \(rows, warps\), both powers of two"),
+        (["--tiles", "2x64"], "asks for 64 warps; a Triton program runs at most 32"),
+        (["--iters", "0"], "argument --iters: invalid positive_int value: '0'"),
+        (["--bound-rows", "0"], "argument --bound-rows: invalid positive_int value: '0'"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_before_anything_runs(bench, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

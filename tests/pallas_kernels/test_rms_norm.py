@@ -211,6 +211,8 @@ def test_bad_inputs_are_named():
         ((x, scale), {"implementation": "bogus"}, "unknown implementation"),
         ((x, scale), {"implementation": "cudnn"}, "rms_norm has no cuDNN implementation"),
         ((x, scale), {"tile": (6, 4)}, r"rms_norm: tile must be \(rows, warps\), both powers of two, got \(6, 4\)"),
+        ((x, scale), {"tile": (2, 64)}, r"rms_norm: tile \(2, 64\) asks for 64 warps; a Triton program runs at most 32"),
+        ((x, scale), {"return_input": "no"}, "rms_norm: return_input must be True or False, got 'no'"),
     ]
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

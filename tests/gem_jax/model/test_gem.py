@@ -391,6 +391,10 @@ def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
     assert len(describe_attention(CONFIG)) == 4
     assert len(describe_attention(dataclasses.replace(CONFIG, sequence_attention="block_local"))) == 3  # RoPE in its kernel
     assert describe_attention(dataclasses.replace(CONFIG, norm_implementation=None))[3].startswith("RMSNorm (width 16): xla (")
+    with pytest.raises(pallas_kernels.ImplementationUnavailableError, match=r"^model.norm_implementation=pallas: rms_norm: implementation='pallas' runs Pallas kernels for Hopper"):
+        describe_attention(dataclasses.replace(CONFIG, norm_implementation="pallas"))
+    with pytest.raises(pallas_kernels.ImplementationUnavailableError, match=r"^model.attention_implementation=pallas: jagged_flash_attention: "):
+        describe_attention(dataclasses.replace(CONFIG, attention_implementation="pallas"))
 
 
 def test_norm_implementation_is_checked_and_parsed():
