@@ -4,6 +4,7 @@ checks then the timings."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -21,19 +22,20 @@ from gem_jax.train.run_record import code_version
 from pallas_kernels._src import row_tiles
 
 
-def parse_tiles(op_name: str, text: str) -> list[tuple[int, int]]:
-    """`--tiles` "32x4,16x8" as `[(32, 4), (16, 8)]`, each checked (`row_tiles.check_tile`); "" is none.
+def tiles_type(op_name: str):
+    """An argparse type for `--tiles`: "32x4,16x8" as `[(32, 4), (16, 8)]`, each checked (`row_tiles.check_tile`),
+    "" as none; a part that is not ROWSxWARPS, or not a tile the kernels take, is refused by name."""
 
-    Raises:
-      ValueError: a part that is not ROWSxWARPS, or not a tile the kernels take (named, with the option).
-    """
-    tiles = []
-    for part in filter(None, text.split(",")):
-        try:
-            tiles.append(row_tiles.check_tile(op_name, tuple(int(n) for n in part.split("x"))))
-        except ValueError as error:
-            raise ValueError(f"--tiles {text!r}: {part!r}: {error}") from None
-    return tiles
+    def parse(text: str) -> list[tuple[int, int]]:
+        tiles = []
+        for part in filter(None, text.split(",")):
+            try:
+                tiles.append(row_tiles.check_tile(op_name, tuple(int(n) for n in part.split("x"))))
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(f"{part!r}: {error}") from None
+        return tiles
+
+    return parse
 
 
 def positive_int(text: str) -> int:

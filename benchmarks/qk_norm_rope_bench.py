@@ -145,16 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128, help="D")
     p.add_argument("--iters", type=_row_kernels.positive_int, default=20, help="timed calls per measurement")
     p.add_argument("--seed", type=int, default=0, help="of the checks' random inputs")
-    p.add_argument("--tiles", default="32x4,16x8", help="kernel tiles (rows x warps) checked at 70 tokens and timed besides the default 16x4")
+    p.add_argument("--tiles", type=_row_kernels.tiles_type("qk_norm_rope"), default="32x4,16x8", help="kernel tiles (rows x warps) checked at 70 tokens and timed besides the default 16x4")
     p.add_argument("--bound-tokens", type=_row_kernels.positive_int, default=BOUND_TOKENS, help="tokens whose error bounds are computed (a random subsample)")
     p.add_argument("--interpret", action="store_true", help="everything in the Pallas interpreter (CPU check of this script)")
     p.add_argument("--out", help="JSON file of the results")
     args = p.parse_args(argv)
     t, h, d = args.tokens, args.heads, args.head_dim
-    try:
-        tiles = _row_kernels.parse_tiles("qk_norm_rope", args.tiles)
-    except ValueError as error:
-        p.error(str(error))
+    tiles = args.tiles
     gpu, full = _row_kernels.machine(args.interpret, f"{TAIL_TOKENS}-token")
     record = _row_kernels.record_header("qk_norm_rope", args.interpret or not gpu) | {
         "config": {"tokens": t, "heads": h, "head_dim": d, "dtype": "bfloat16", "eps": 1e-6, "rope_base": ROPE_BASE,

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=1024, help="d")
     p.add_argument("--iters", type=_row_kernels.positive_int, default=20, help="timed calls per measurement")
     p.add_argument("--seed", type=int, default=0, help="of the checks' random inputs")
-    p.add_argument("--tiles", default="2x4,8x4,8x8,16x8", help="kernel tiles (rows x warps) checked at 70 rows and timed besides the default")
+    p.add_argument("--tiles", type=_row_kernels.tiles_type("rms_norm"), default="2x4,8x4,8x8,16x8", help="kernel tiles (rows x warps) checked at 70 rows and timed besides the default")
     p.add_argument("--bound-rows", type=_row_kernels.positive_int, default=BOUND_ROWS, help="rows whose error bounds are computed (a random subsample)")
     p.add_argument("--interpret", action="store_true", help="everything in the Pallas interpreter (CPU check of this script)")
     p.add_argument("--out", help="JSON file of the results")
@@ -148,10 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if d not in kernel.KERNEL_WIDTHS:  # the op would run its reference on both paths: nothing to check or time
         p.error(f"--width {d}: the kernels take a power of two from 16 to 4096 ({kernel.KERNEL_WIDTHS})")
     default = kernel.default_tile(d)
-    try:
-        tiles = _row_kernels.parse_tiles("rms_norm", args.tiles)
-    except ValueError as error:
-        p.error(str(error))
+    tiles = args.tiles
     gpu, full = _row_kernels.machine(args.interpret, f"{TAIL_ROWS}-row")
     record = _row_kernels.record_header("rms_norm", args.interpret or not gpu) | {
         "config": {"rows": n, "width": d, "dtype": "bfloat16", "scale": "float32", "eps": EPS, "iters": args.iters, "seed": args.seed,

@@ -61,8 +61,8 @@ def test_a_broken_bound_exits_1_without_timings(bench, tmp_path, monkeypatch):
     "argv, message",
     [
         (["--width", "1536"], "--width 1536: the kernels take a power of two from 16 to 4096"),
-        (["--tiles", "abc"], "--tiles 'abc': 'abc': invalid literal"),
-        (["--tiles", "8x4,3x4"], r"--tiles '8x4,3x4': '3x4': rms_norm: tile must be \(rows, warps\), both powers of two"),
+        (["--tiles", "abc"], "argument --tiles: 'abc': invalid literal"),
+        (["--tiles", "8x4,3x4"], r"argument --tiles: '3x4': rms_norm: tile must be \(rows, warps\), both powers of two"),
         (["--tiles", "2x64"], "asks for 64 warps; a Triton program runs at most 32"),
         (["--iters", "0"], "argument --iters: invalid positive_int value: '0'"),
         (["--bound-rows", "0"], "argument --bound-rows: invalid positive_int value: '0'"),
