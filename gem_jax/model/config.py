@@ -250,14 +250,13 @@ def describe_attention(config: ModelConfig) -> list[str]:
         SequenceAttention.BLOCK_LOCAL: ("block_local_attention", chosen.block_local),
         SequenceAttention.CAUSAL_SILU: ("gdpa", chosen.gelu),
     }[config.sequence_attention]
-    d = config.head_dim
-    ops = [(f"self-attention ({config.sequence_attention.value})", *self_attention, d), ("GELU attention (GDPA)", "gdpa", chosen.gelu, d)]
+    d, attention = config.head_dim, "attention_implementation"
+    ops = [(f"self-attention ({config.sequence_attention.value})", *self_attention, d, attention), ("GELU attention (GDPA)", "gdpa", chosen.gelu, d, attention)]
     if config.sequence_attention is not SequenceAttention.BLOCK_LOCAL:
-        ops.append(("QK-norm and RoPE", "qk_norm_rope", chosen.qk_norm_rope, d))
-    ops.append((f"RMSNorm (width {config.embed_dim})", "rms_norm", config.norm_implementation, config.embed_dim))
+        ops.append(("QK-norm and RoPE", "qk_norm_rope", chosen.qk_norm_rope, d, attention))
+    ops.append((f"RMSNorm (width {config.embed_dim})", "rms_norm", config.norm_implementation, config.embed_dim, "norm_implementation"))
     lines = []
-    for label, op, implementation, width in ops:
-        setting = "norm_implementation" if op == "rms_norm" else "attention_implementation"
+    for label, op, implementation, width, setting in ops:
         try:
             choice = describe_choice(op, config.compute_dtype, width, implementation=implementation)
         except ImplementationUnavailableError as error:  # name the setting that asked for it

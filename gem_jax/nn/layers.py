@@ -177,13 +177,16 @@ class RMSNorm(nnx.RMSNorm):
         self.implementation = implementation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return pallas_kernels.rms_norm(x, self.scale[...], eps=self.epsilon, dtype=self.dtype, implementation=self.implementation)
+        return self._normalize(x, return_input=False)
 
     def keeping_input(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """`(self(x), x)`, for a residual branch that adds to the returned `x`: on the kernel path its gradient is
         added to the norm's input gradient inside the backward kernel (`pallas_kernels.rms_norm(return_input=True)`)."""
+        return self._normalize(x, return_input=True)
+
+    def _normalize(self, x: jax.Array, *, return_input: bool):
         return pallas_kernels.rms_norm(
-            x, self.scale[...], eps=self.epsilon, dtype=self.dtype, return_input=True, implementation=self.implementation
+            x, self.scale[...], eps=self.epsilon, dtype=self.dtype, return_input=return_input, implementation=self.implementation
         )
 
 

@@ -25,6 +25,7 @@ to the reference.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +45,7 @@ KERNEL_WIDTHS = tuple(2**k for k in range(4, 13))  # d from 16 to 4096, a power 
 def kernel_takes(shape: tuple[int, ...], dtype) -> bool:
     """Whether the kernels take `x` of `shape` (`[..., d]`) and `dtype`: bf16 or float32, d in `KERNEL_WIDTHS`,
     at least one row and fewer than 2**31 elements (32-bit offsets)."""
-    size = 1
-    for n in shape:
-        size *= n
-    return jnp.dtype(dtype) in KERNEL_DTYPES and len(shape) >= 1 and shape[-1] in KERNEL_WIDTHS and 0 < size < 2**31
+    return jnp.dtype(dtype) in KERNEL_DTYPES and len(shape) >= 1 and shape[-1] in KERNEL_WIDTHS and 0 < math.prod(shape) < 2**31
 
 
 def default_tile(d: int) -> tuple[int, int]:

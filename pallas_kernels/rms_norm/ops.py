@@ -109,45 +109,29 @@ def rms_norm(
     # transpose sums an invariant scale's gradient over the axes).
     rows, scale32 = manual_axes.match_axes(x_in.reshape(-1, d), scale.astype(dtype).astype(jnp.float32))
     tile = kernel.default_tile(d) if tile is None else tile
-    if return_input and x_in is x:
-        y, passed = _fused_with_input(rows, scale32, float(eps), dtype, tile, dispatch.interpreting())
-        return y.reshape(x.shape), passed.reshape(x.shape)
-    y = _fused(rows, scale32, float(eps), dtype, tile, dispatch.interpreting()).reshape(x.shape)
+    through = return_input and x_in is x  # the input passed through the kernels (not when it was rounded first)
+    out = _fused(rows, scale32, float(eps), dtype, tile, dispatch.interpreting(), through)
+    if through:
+        return out[0].reshape(x.shape), out[1].reshape(x.shape)
+    return (out.reshape(x.shape), x) if return_input else out.reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _fused(x, scale, eps, dtype, tile, interpret, return_input):
+    """`y [N, d]` of `x [N, d]`; with `return_input`, `(y, x)`: x passed through unchanged, its cotangent added to
+    `dx` inside the backward kernel."""
+    y = kernel.forward(x, scale, eps=eps, dtype=dtype, tile=tile, interpret=interpret)
     return (y, x) if return_input else y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _fused(x, scale, eps, dtype, tile, interpret):
-    """`y [N, d]` of `x [N, d]`."""
-    return kernel.forward(x, scale, eps=eps, dtype=dtype, tile=tile, interpret=interpret)
+def _fused_fwd(x, scale, eps, dtype, tile, interpret, return_input):
+    return _fused(x, scale, eps, dtype, tile, interpret, return_input), (x, scale)
 
 
-def _fused_fwd(x, scale, eps, dtype, tile, interpret):
-    return _fused(x, scale, eps, dtype, tile, interpret), (x, scale)
-
-
-def _fused_bwd(eps, dtype, tile, interpret, residuals, dy):
+def _fused_bwd(eps, dtype, tile, interpret, return_input, residuals, cotangents):
     x, scale = residuals
-    return kernel.backward(x, scale, dy, eps=eps, tile=tile, interpret=interpret)
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _fused_with_input(x, scale, eps, dtype, tile, interpret):
-    """`(y, x)`: `x` passed through unchanged, its cotangent added to `dx` inside the backward kernel."""
-    return kernel.forward(x, scale, eps=eps, dtype=dtype, tile=tile, interpret=interpret), x
-
-
-def _fused_with_input_fwd(x, scale, eps, dtype, tile, interpret):
-    return _fused_with_input(x, scale, eps, dtype, tile, interpret), (x, scale)
-
-
-def _fused_with_input_bwd(eps, dtype, tile, interpret, residuals, cotangents):
-    x, scale = residuals
-    dy, dx_in = cotangents
+    dy, dx_in = cotangents if return_input else (cotangents, None)
     return kernel.backward(x, scale, dy, dx_in, eps=eps, tile=tile, interpret=interpret)
 
 
-_fused_with_input.defvjp(_fused_with_input_fwd, _fused_with_input_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd)

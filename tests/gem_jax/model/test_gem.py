@@ -436,7 +436,7 @@ def test_the_xla_norms_are_flax_norms_bit_for_bit(split_model):
 
 
 def test_kernel_norms_in_the_model_match_the_reference():
-    """`norm_implementation="pallas"` (the Pallas interpreter on the CPU): every RMSNorm of width d runs the kernels
+    """`norm_implementation="pallas"` (the Pallas interpreter on the CPU): every RMSNorm the kernels take runs them
     (the pre-norm blocks pass their residual through them) and the logits and gradients match the "xla" model's
     within the kernels' rounding (float32: sums in another order, a few ulps after the layers; bf16 rounding is the
     op's own test, tests/pallas_kernels/test_rms_norm.py)."""
