@@ -51,7 +51,7 @@ LABELS = {
 }
 
 _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]scatter|all[-_]?to[-_]?all|collective[-_]permute")
-_PALLAS = re.compile(r"mosaic|^(gdpa|jfa|jagged_flash|mxfp8|qk_norm_rope)")
+_PALLAS = re.compile(r"mosaic|^(gdpa|jfa|jagged_flash|mxfp8|qk_norm_rope|rms_norm)")
 _CUDNN = re.compile(r"cudnn|sdpa|fmha")
 _GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|^sm\d+_")
 # cuBLAS names its float32 GEMMs `..._tf32...` or `sgemm`; nvjet kernels spell the operand types

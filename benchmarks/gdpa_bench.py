@@ -254,8 +254,10 @@ FORWARD_VARIANTS = {
     "row_slots4": {"row_slots": 4},
     "cols64": {"block_cols": 64},
     "cols64_row_slots3": {"block_cols": 64, "row_slots": 3},
-    "items2": {"row_tiles_per_item": 2},
-    "items4": {"row_tiles_per_item": 4},
+    # Items by their own work, as cross and pooled attention deal them (the causal forward deals them by sequence).
+    "items2": {"row_tiles_per_item": 2, "group_sequences": False},
+    "items4": {"row_tiles_per_item": 4, "group_sequences": False},
+    "items8": {"row_tiles_per_item": 8, "group_sequences": False},
     "cols64_ring4": {"block_cols": 64, "col_slots": 4},
     "cols64_ring5": {"block_cols": 64, "col_slots": 5},
     # A sequence's items dealt together, heaviest sequence first (`TileConfig.group_sequences`): neighbouring

@@ -30,11 +30,19 @@ SUPPORTED_HEAD_DIMS = (64, 128)  # the tiles of every pass fit in shared memory 
 # for barriers and Mosaic's own scratch (`reduction_scratch_bytes`).
 SMEM_BUDGET = 227 * 1024 - 3 * 1024
 REDUCTION_SCRATCH_BYTES = 0
+# Row tiles a CTA gets in the causal forward from which two-tile items beat one-tile items:
+# one tile was fastest at 9.7 and 15 tiles a CTA, two at 146 (H100, 2026-12-06, HSTU's cases).
+GROUPED_PAIRS_FROM = 48
 
 
 class Split(enum.StrEnum):
     ROWS = "rows"  # warpgroup w owns rows [64 w, 64 w + 64) of a 128-row tile
     COLS = "cols"  # both own the same 64 rows; warpgroup w takes column steps of parity w
+
+
+def rows_per_tile(split: Split) -> int:
+    """Rows of one tile: 128 when the warpgroups split rows, 64 when they split columns."""
+    return WG_ROWS * NUM_COMPUTE_WGS if split is Split.ROWS else WG_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +63,7 @@ class TileConfig:
       group_sequences: sort the work items by their sequence's work, each sequence's items
         together (`schedule.build`), instead of by their own work: with short items the CTAs
         side by side then stream the same sequence's columns at about the same time, one copy
-        in L2. Off by default (not yet timed on a GPU).
+        in L2. On for the causal forward (`choose`'s `causal_forward_rows`).
     """
 
     split: Split
@@ -69,7 +77,7 @@ class TileConfig:
 
     @property
     def rows_per_tile(self) -> int:
-        return WG_ROWS * NUM_COMPUTE_WGS if self.split is Split.ROWS else WG_ROWS
+        return rows_per_tile(self.split)
 
     @property
     def resident(self) -> bool:
@@ -102,6 +110,7 @@ def choose(
     n_col_inputs: int,
     num_ctas: int,
     block_cols: int | None = None,
+    causal_forward_rows: int = 0,
 ) -> TileConfig:
     """Heuristic tile config for sequences of at most `max_rows` rows and `max_cols` columns.
 
@@ -111,11 +120,25 @@ def choose(
     then takes as many slots as the budget allows (at most 4), which keeps
     short columns resident and overlaps the next item's loads.
 
+    A work item is 8 row tiles (forward within 2-4% of 2 and 4 on the H200 for
+    cross and pooled attention: benchmarks/gdpa.md, "Tiling sweep"), except in
+    the causal forward: `causal_forward_rows` (its output rows times heads, 0
+    for any other pass) makes the items one row tile, or two where a CTA gets
+    `GROUPED_PAIRS_FROM` or more row tiles, dealt sequence by sequence
+    (`group_sequences`). On the H100 that took HSTU's three cases from
+    0.156 / 1.939 / 0.650 ms to 0.134 / 1.617 / 0.418 ms (benchmarks/gdpa.md,
+    "Causal SiLU GDPA against HSTU's kernel").
+
     Raises:
       ValueError: the head dimension does not fit in shared memory.
     """
     split = Split.ROWS if max_rows > WG_ROWS else Split.COLS
-    row_tiles_per_item = 8  # forward within 2-4% of 2 and 4 on the H200 (benchmarks/gdpa.md, sweep)
+    group_sequences = causal_forward_rows > 0
+    if group_sequences:
+        tiles_per_cta = causal_forward_rows / rows_per_tile(split) / num_ctas
+        row_tiles_per_item = 2 if tiles_per_cta >= GROUPED_PAIRS_FROM else 1
+    else:
+        row_tiles_per_item = 8
     candidates = (block_cols,) if block_cols else ((64,) if max_cols <= 64 else (128, 64))
     for bc in candidates:
         for slots in (4, 3, 2):
@@ -127,6 +150,7 @@ def choose(
                 max_col_tiles=-(-(max_cols + ALIGN - 1) // bc),
                 row_tiles_per_item=row_tiles_per_item,
                 num_ctas=num_ctas,
+                group_sequences=group_sequences,
             )
             if (
                 smem_bytes(

@@ -231,14 +231,17 @@ def _run(
     max_cols: int,
     block_cols: int | None = None,
     causal: str | None = None,
+    causal_forward: bool = False,
 ) -> list[jax.Array]:
     """Builds the work list and runs one engine pass; returns outputs `[out_rows, H, D]`.
 
     `row_end` is the first output row past the real data; rows `[row_end, out_rows)`
-    form the slack pseudo-sequence, which gets zeros.
+    form the slack pseudo-sequence, which gets zeros. `causal_forward` marks the causal
+    forward pass, whose work list is dealt sequence by sequence (`config.choose`).
     """
     cfg, plan, padded_out_rows = build_plan(
         causal=causal,
+        causal_forward=causal_forward,
         rows=rows,
         row_starts=row_starts,
         row_len=row_len,
@@ -285,10 +288,12 @@ def build_plan(
     max_cols,
     block_cols=None,
     causal=None,
+    causal_forward=False,
 ) -> tuple[config.TileConfig, schedule.Plan, int]:
     """Tile config, work list and padded output rows of one pass (arguments as `_run`)."""
     _, heads, head_dim = rows[0].shape
     cfg = config.choose(
+        causal_forward_rows=out_rows * heads if causal_forward else 0,
         max_rows=max_rows,
         max_cols=max_cols,
         head_dim=head_dim,
@@ -378,7 +383,7 @@ def causal_pass(name: str, static: Static) -> str | None:
 def _forward(q, k, v, q_offsets, kv_offsets, static: Static):
     spec = forward.spec(static.activation, static.scale, q.dtype, static.output_scale)
     args = pass_arguments("fwd", q, k, v, None, q_offsets, kv_offsets, static)
-    (out,) = _run(spec, causal=causal_pass("fwd", static), **args)
+    (out,) = _run(spec, causal=causal_pass("fwd", static), causal_forward=static.causal, **args)
     if static.broadcast_q:
         out = _broadcast_rows(out, kv_offsets.shape[0] - 1, q.shape[0], pad=False)
     return out

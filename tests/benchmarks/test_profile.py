@@ -42,6 +42,8 @@ KERNELS = [
     ("loop_gather_fusion_1", "gather_scatter"),
     ("loop_dynamic_update_slice_fusion", "gather_scatter"),
     ("dynamic_slice_fusion_2", "gather_scatter"),
+    ("rms_norm_forward__1", "pallas"),
+    ("rms_norm_backward__11", "pallas"),
     ("sort_87_1__4", "other"),
     ("memcpy32_post", "other"),
 ]

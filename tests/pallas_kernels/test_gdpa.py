@@ -495,13 +495,31 @@ def test_causal_reference_matches_per_sequence_silu_loop():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
+def test_only_the_causal_forward_deals_its_work_by_sequence():
+    """One-tile items below `GROUPED_PAIRS_FROM` row tiles a CTA, two-tile items from it; every other pass keeps
+    eight-tile items by their own work."""
+    common = dict(max_rows=1024, max_cols=1024, head_dim=128, itemsize=2, n_row_inputs=1, n_col_inputs=2, num_ctas=132)
+    other = config.choose(**common)
+    assert (other.group_sequences, other.row_tiles_per_item) == (False, 8)
+    pairs_from = config.GROUPED_PAIRS_FROM * 132 * 128  # rows times heads
+    few = config.choose(**common, causal_forward_rows=pairs_from - 1)
+    many = config.choose(**common, causal_forward_rows=pairs_from)
+    assert (few.group_sequences, few.row_tiles_per_item) == (True, 1)
+    assert (many.group_sequences, many.row_tiles_per_item) == (True, 2)
+    assert dataclasses.replace(many, group_sequences=False, row_tiles_per_item=8) == other
+    short = config.choose(**{**common, "max_rows": 64}, causal_forward_rows=pairs_from // 2)  # 64-row tiles
+    assert short.rows_per_tile == 64 and short.row_tiles_per_item == 2
+
+
 @pytest.mark.parametrize("streamed,short,grouped", [(False, False, False), (True, False, False), (False, True, False),
                                                     (True, False, True)])
 def test_causal_kernels_match_reference(monkeypatch, streamed, short, grouped):
     """Causal SiLU self-attention (HSTU): resident and streamed keys (64-key blocks), so the
     work list skips column steps above the diagonal in both engine modes; sequences of at
-    most 64 rows run with the warpgroups splitting the column steps; and the work list
-    dealt sequence by sequence, one row tile an item (`TileConfig.group_sequences`)."""
+    most 64 rows run with the warpgroups splitting the column steps. The default tiling deals
+    the forward's work list sequence by sequence (`TileConfig.group_sequences`) and the
+    backward's by item; the streamed cases set one tiling for every pass, eight row tiles an
+    item by their own work or one row tile an item by sequence."""
     lens = ([200, 0, 7, 131] if grouped else [200, 7, 131]) if streamed else ([0, 1, 40, 64, 9] if short else [0, 1, 63, 64, 65, 130])
     chosen = []
     if streamed:
@@ -509,7 +527,8 @@ def test_causal_kernels_match_reference(monkeypatch, streamed, short, grouped):
 
         def choose(**kw):
             cfg = real_choose(**{**kw, "block_cols": 64})
-            chosen.append(cfg := dataclasses.replace(cfg, group_sequences=True, row_tiles_per_item=1) if grouped else cfg)
+            tiles = 1 if grouped else 8
+            chosen.append(cfg := dataclasses.replace(cfg, group_sequences=grouped, row_tiles_per_item=tiles))
             return cfg
 
         monkeypatch.setattr(config, "choose", choose)
