@@ -70,9 +70,10 @@ class ModelConfig:
       attention_implementation: "xla", "pallas", "cudnn" or None (pallas on Hopper GPUs);
         see `attention_implementations` for what each attention op runs.
       norm_implementation: what the model's RMSNorms run (`gem_jax.nn.layers.RMSNorm`, through
-        `pallas_kernels.rms_norm`): "xla" (default; flax's `nnx.RMSNorm` bit for bit), "pallas" or
-        None (its one-pass kernels on a Hopper GPU, for the widths they take; the sequence tower's
-        pre-norms then also add the residual branch's gradient inside the backward kernel). An FP8
+        `pallas_kernels.rms_norm`): "xla" (flax's `nnx.RMSNorm` bit for bit), "pallas" or None
+        (default: its one-pass kernels on a Hopper GPU, for the widths they take, "xla"
+        elsewhere; the sequence tower's pre-norms then also add the residual branch's gradient
+        inside the backward kernel). An FP8
         layer (`fp8`) takes its pre-norm into its quantization pass instead, under either. The
         QK-norms before the sequence tower's softmax and causal SiLU attention run in
         `pallas_kernels.qk_norm_rope`, under `attention_implementation`.
@@ -120,7 +121,7 @@ class ModelConfig:
     head_hidden: int = 64
     rope_base: float = 10_000.0
     attention_implementation: Implementation | None = None
-    norm_implementation: Implementation | None = Implementation.XLA
+    norm_implementation: Implementation | None = None
     sequence_attention: SequenceAttention = SequenceAttention.FULL
     attention_window: int = 256
     attention_block_size: int = 64

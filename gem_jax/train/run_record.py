@@ -43,6 +43,9 @@ MAY_CHANGE = (
     # What the backward recomputes instead of keeping: the same values (up to the rounding of
     # the recomputation), so a run stopped for memory may resume under another budget.
     "model.remat",
+    # Flax's RMSNorm or the one-pass kernels: the same function and parameters (up to the
+    # order of float32 sums), so a run may resume on another machine or setting.
+    "model.norm_implementation",
 )
 
 # Record leaves added after runs were recorded: a record without the leaf reads as the value
