@@ -3,7 +3,8 @@
 For each causal SiLU case of `hstu_bench.py` (H = 4, D = 128, bf16; 132 persistent CTAs, the SM
 count of an H100 SXM and an H200) and each tiling of `gdpa_bench.FORWARD_VARIANTS` that changes
 only the list (row tiles a work item, `group_sequences`), the list is built as the forward
-builds it (`config.choose`'s tiling with the overrides, then `schedule.build`) and read:
+builds it (`config.choose`'s tiling for the causal forward with the overrides, then
+`schedule.build`) and read:
 
   round r      the items `sched[:, r]`, the r-th item of every CTA (CTAs drift apart in time,
                so a round is only roughly what runs at once)
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         lengths = hstu_bench.draw_lengths(case)
         n = int(case["high"])
         chosen = config.choose(max_rows=n, max_cols=n, head_dim=dim, itemsize=ITEMSIZE, n_row_inputs=1, n_col_inputs=2,
-                               num_ctas=NUM_CTAS)
+                               num_ctas=NUM_CTAS, causal_forward_rows=int(np.sum(lengths)) * heads)
         report["cases"][name] = rows = {}
         for variant, overrides in list_variants().items():
             cfg = dataclasses.replace(chosen, **overrides)

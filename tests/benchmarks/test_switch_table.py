@@ -9,6 +9,7 @@ import pytest
 from gem_jax.model.config import Fp8Region, SequenceAttention
 from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
+from pallas_kernels import Implementation
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def test_every_switch_parses_and_sets_only_its_model_or_optimizer_fields(switch_
 
     changed = {name: fields(config)[name] for name in EXPECTED[switch]}
     assert changed == EXPECTED[switch]
-    rest = {f: v for f, v in fields(config).items() if f not in EXPECTED[switch]}
+    assert config.model.norm_implementation is Implementation.XLA  # the table's one numerics (`TABLE_OVERRIDES`)
+    rest = {f: v for f, v in fields(config).items() if f not in {*EXPECTED[switch], "norm_implementation"}}
     assert rest == {f: fields(planted_sharded)[f] for f in rest}
     assert (config.loop.seed, config.data.seed) == (2, 2)
     assert config.data.path == planted_sharded.data.path
@@ -102,7 +104,8 @@ def test_train_runs_quality_runs_and_exports_the_tables_inputs(switch_table, mon
     assert status == 1
     assert command == [
         "bash", "benchmarks/quality_runs.sh", "switch_table_short_range", "configs/planted_sharded.py", "data.path=runs/planted/short-range/converted",
-        "bf16_seed0=loop.seed=0 data.seed=0", "fp8_32_seed0=model.fp8=True model.fp8_block=32 loop.seed=0 data.seed=0",
+        "bf16_seed0=model.norm_implementation=xla loop.seed=0 data.seed=0",
+        "fp8_32_seed0=model.norm_implementation=xla model.fp8=True model.fp8_block=32 loop.seed=0 data.seed=0",
     ]
     assert kw["env"]["GEM_COMPARE"] == "0" and kw["env"]["GEM_MEM_FRACTION"] == "0.30"  # two runs: the most a run takes
     with tarfile.open(tmp_path / "out" / "switch_table_short_range.tar.gz") as archive:
