@@ -9,8 +9,8 @@ the bars: ratios compare only within one run.
     python benchmarks/plot_gdpa_peers.py \\
         "H200=benchmarks/results/gdpa_h200_silu_tanh_output_scale_5669e21_20261205.json" \\
         "H100=benchmarks/results/gdpa_h100_silu_tanh_output_scale_5669e21_20261205.json" \\
-        "H200=benchmarks/results/hstu_h200_silu_tanh_output_scale_5669e21_20261205.json" \\
-        "H100=benchmarks/results/hstu_h100_silu_tanh_output_scale_5669e21_20261205.json" \\
+        "H200, 12-05=benchmarks/results/hstu_h200_silu_tanh_output_scale_5669e21_20261205.json" \\
+        "H100, 12-06=benchmarks/results/hstu_h100_grouped_0e91284_20261206.json" \\
         --out benchmarks/figures/gdpa_peers.png
 """
 
