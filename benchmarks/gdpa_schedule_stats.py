@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         lengths = hstu_bench.draw_lengths(case)
         n = int(case["high"])
         chosen = config.choose(max_rows=n, max_cols=n, head_dim=dim, itemsize=ITEMSIZE, n_row_inputs=1, n_col_inputs=2,
-                               num_ctas=NUM_CTAS, causal_forward_rows=int(np.sum(lengths)) * heads)
+                               num_ctas=NUM_CTAS, causal_forward_rows=hstu_bench.capacity_of(lengths) * heads)
         report["cases"][name] = rows = {}
         for variant, overrides in list_variants().items():
             cfg = dataclasses.replace(chosen, **overrides)

@@ -160,14 +160,18 @@ def offsets_of(lengths) -> np.ndarray:
 # --- inputs --------------------------------------------------------------------------------
 
 
+def capacity_of(lengths) -> int:
+    """Rows of the buffer a batch of `lengths` lives in: their sum in whole `ROW_ALIGN` blocks, at least one."""
+    return max(ROW_ALIGN, -(-int(np.sum(lengths)) // ROW_ALIGN) * ROW_ALIGN)
+
+
 def make_inputs(lengths, heads: int, dim: int, with_dout: bool, seed: int = DATA_SEED) -> dict:
     """bf16 numpy q, k, v (and dout) `[capacity, H, D]`: standard normal real rows, zero slack rows.
 
     numpy draws each block of INPUT_BLOCK_ROWS rows from its own child of `SeedSequence(seed)` (one
     per tensor, then one per block), in a thread pool: the same values whatever the thread count.
     """
-    total = int(np.sum(lengths))
-    capacity = max(ROW_ALIGN, -(-total // ROW_ALIGN) * ROW_ALIGN)
+    total, capacity = int(np.sum(lengths)), capacity_of(lengths)
     names = ("q", "k", "v") + (("dout",) if with_dout else ())
     arrays, jobs = {}, []
     for name, tensor_seed in zip(names, np.random.SeedSequence(seed).spawn(len(names))):

@@ -19,7 +19,9 @@ is reported at the top level of the JSON, the others under `peers`:
 (the jnp references), and `padded`, the peer a JAX user has without jagged kernels: cuDNN
 flash attention on the padded layout with sequence lengths for the softmax attention and
 the jnp reference for the GELU attention (`ModelConfig.attention_implementation="cudnn"`,
-`gem_jax.model.config.attention_implementations`). With a `padded` peer each run records
+`gem_jax.model.config.attention_implementations`). `xla`, `padded` and `auto`'s fallback
+also run flax's RMSNorm (`ModelConfig.norm_implementation="xla"`); `auto` and `pallas` keep
+the config's norms (by default the kernels on Hopper). With a `padded` peer each run records
 `speedup_vs_padded_peer` = the peer's median step time / this mode's, on as many devices.
 
 `--profile` adds the CUPTI kernel breakdown of one warm step (after the timed steps) to
@@ -89,6 +91,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Each mode's attention implementations, tried in order until one runs.
 MODES = {"auto": (None, "xla"), "pallas": ("pallas",), "xla": ("xla",), "padded": (Implementation.CUDNN,)}
+# Attention implementations whose runs also take flax's RMSNorm: the references and the padded peer.
+WITH_FLAX_NORMS = ("xla", Implementation.CUDNN)
 PEER = "padded"
 
 # jax's persistent-cache events ("/jax/compilation_cache/cache_hits", ".../cache_misses").
@@ -308,7 +312,8 @@ def run_mode(base: TrainConfig, mode: str, args) -> dict:
     """
     section = {"attention": mode, "attention_implementation": None, "model": None, "runs": [], "errors": []}
     for impl in MODES[mode]:
-        config = dataclasses.replace(base, model=dataclasses.replace(base.model, attention_implementation=impl))
+        norms = Implementation.XLA if impl in WITH_FLAX_NORMS else base.model.norm_implementation
+        config = dataclasses.replace(base, model=dataclasses.replace(base.model, attention_implementation=impl, norm_implementation=norms))
         section.update(attention_implementation=impl or "auto (pallas on Hopper)", model=config_tree.to_tree(config.model), runs=[])
         try:
             for n in args.devices:

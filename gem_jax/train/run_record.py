@@ -5,7 +5,8 @@ config and data set against it and refuses (`RunMismatchError`, naming every
 differing field) when anything that changes results differs: reusing a workdir after a
 config change would otherwise resume or re-report the old run under the new name.
 Fields that only change how a run is observed or how far it goes (logging intervals,
-checkpoint cadence, `loop.num_steps`, prefetching) may change between starts.
+checkpoint cadence, `loop.num_steps`, prefetching), or how the same values are computed
+(remat budgets, the RMSNorm implementation), may change between starts (`MAY_CHANGE`).
 `start_new_run` moves an earlier run's files aside (nothing is deleted) for
 `gem-train --force-new`.
 """

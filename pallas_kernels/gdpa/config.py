@@ -127,7 +127,7 @@ def choose(
     `GROUPED_PAIRS_FROM` or more row tiles, dealt sequence by sequence
     (`group_sequences`). On the H100 that took HSTU's three cases from
     0.156 / 1.939 / 0.650 ms to 0.134 / 1.617 / 0.418 ms (benchmarks/gdpa.md,
-    "Causal SiLU GDPA against HSTU's kernel").
+    "Causal SiLU against HSTU's Triton kernel").
 
     Raises:
       ValueError: the head dimension does not fit in shared memory.

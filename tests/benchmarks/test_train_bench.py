@@ -37,6 +37,7 @@ def test_train_bench_writes_comparable_json_with_peer_and_skipped_profile(repo_r
     assert memory["peak_estimate"] == memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     peer = record["peers"]["padded"]
     assert peer["attention_implementation"] == "cudnn"
+    assert record["model"]["norm_implementation"] == peer["model"]["norm_implementation"] == "XLA"  # flax's RMSNorm
     assert peer["runs"] or peer["errors"]  # cuDNN attention needs a GPU: an error here, recorded
     assert all(error["failed_tries"] == [] for error in peer["errors"])  # not out of memory
     assert "--profile skipped" in capsys.readouterr().out

@@ -540,6 +540,29 @@ def test_causal_kernels_match_reference(monkeypatch, streamed, short, grouped):
         assert len(chosen) >= 3 and all(c.group_sequences == grouped for c in chosen)
 
 
+def test_causal_forward_in_two_tile_items_dealt_by_sequence_matches_reference(monkeypatch):
+    """The causal forward's two-tile items (what a CTA of 48 or more row tiles gets, as at gem_h200's capacity),
+    forced here by `GROUPED_PAIRS_FROM` 0, against the reference on fresh random inputs: sequences of one to three
+    row tiles (an item with one tile left over), an empty one and NaN-poisoned slack rows; the backward passes keep
+    eight-tile items by their own work."""
+    monkeypatch.setattr(config, "GROUPED_PAIRS_FROM", 0)
+    real_choose, chosen = config.choose, []
+
+    def choose(**kw):
+        chosen.append(cfg := real_choose(**kw))
+        return cfg
+
+    monkeypatch.setattr(config, "choose", choose)
+    jax.clear_caches()  # a cached lowering of the same shapes would skip `choose`
+    lens = [130, 0, 1, 257, 64]
+    q, k, v, d_out = _batch(int(np.random.default_rng().integers(1 << 30)), lens, lens, heads=1, q_slack=5, kv_slack=5)
+    _compare(q, k, v, d_out, lens, lens, max_seq_len_q=max(lens), max_seq_len_kv=max(lens), activation="silu",
+             causal=True, scale=0.1)
+    forward = [c for c in chosen if c.group_sequences]
+    assert forward and all(c.row_tiles_per_item == 2 for c in forward)
+    assert any(not c.group_sequences and c.row_tiles_per_item == 8 for c in chosen)
+
+
 @pytest.mark.parametrize("short", [False, True])
 def test_output_scale_is_applied_inside_the_kernels(short):
     """HSTU's semantics, silu(alpha q.k) / N v: the 1/N as `output_scale`, forward and gradients against the
