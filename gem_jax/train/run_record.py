@@ -49,6 +49,11 @@ MAY_CHANGE = (
     "model.norm_implementation",
 )
 
+# The `MAY_CHANGE` leaves that change how a step computes its values, not what they are: each start
+# records the ones it ran with in its `version`, so a run resumed under another setting says so in
+# `resumed_with` (from that start on).
+COMPUTED_WITH = ("model.remat", "model.norm_implementation")
+
 # Record leaves added after runs were recorded: a record without the leaf reads as the value
 # the run used. Tables' Adagrad kept one accumulator per element before
 # `optim.embedding_accumulator` made "row" the default, and started it at 0.1 before
@@ -113,14 +118,25 @@ def describe_devices(version: dict[str, Any], process: str = "") -> str:
 
 
 def make_record(config: TrainConfig, data_identity: dict[str, Any], spec: Any) -> dict[str, Any]:
-    """The run record of a start: resolved config, data identity, feature spec, code version and devices
-    (`version`: a restart with other ones is appended to `resumed_with`, not refused), time."""
+    """The run record of a start: resolved config, data identity, feature spec, code version, devices and the
+    `COMPUTED_WITH` settings (`version`: a restart with other ones is appended to `resumed_with`, not refused),
+    time."""
+    tree = config_tree.to_tree(config)
     return {
-        "config": config_tree.to_tree(config),
+        "config": tree,
         "data": data_identity,
         "spec": config_tree.to_tree(spec),
-        "version": {**code_version(), **device_record()},
+        "version": {**code_version(), **device_record(), "computed_with": computed_with(tree)},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def computed_with(config: dict[str, Any]) -> dict[str, Any]:
+    """The `COMPUTED_WITH` leaves of a `to_tree` config, by dotted path ("model.norm_implementation": "PALLAS")."""
+    return {
+        path: value
+        for path, value in config_tree.flatten(config).items()
+        if any(path == m or path.startswith(m + ".") for m in COMPUTED_WITH)
     }
 
 
@@ -225,7 +241,7 @@ def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: b
 
 def changed_version(old: dict[str, Any], version: dict[str, Any]) -> bool:
     """Whether `version` differs from the one the run last started with: its newest `resumed_with` entry, else its
-    first `version`. Each change is noted once (a record written before `devices` existed gains one entry, not one
+    first `version`. Each change is noted once (a record written before `devices` or `computed_with` existed gains one entry, not one
     a restart)."""
     latest = (old.get("resumed_with") or [old.get("version") or {}])[-1]
     return latest != version

@@ -36,7 +36,8 @@ def test_the_workdir_records_config_data_and_code(finished_run, tiny_config):
     assert record["config"]["data"]["source"] == "ML_LATEST_SMALL"
     assert record["data"]["num_train_examples"] > 0 and len(record["data"]["fingerprint"]) == 64
     assert record["spec"]["num_items"] > 0 and record["spec"]["tasks"] == ["like", "love"]
-    assert set(record["version"]) == {"gem_jax", "commit", "jax", *run_record.device_record()}
+    assert set(record["version"]) == {"gem_jax", "commit", "jax", *run_record.device_record(), "computed_with"}
+    assert record["version"]["computed_with"]["model.norm_implementation"] is None  # the default
     assert record["version"]["devices"] == f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})"
 
 
@@ -182,6 +183,23 @@ def test_a_record_written_before_the_norm_setting_reads_as_flax_norms(tmp_path, 
     wider = dataclasses.replace(kernels, model=dataclasses.replace(kernels.model, embed_dim=2 * kernels.model.embed_dim))
     with pytest.raises(run_record.RunMismatchError, match=r"config.model.embed_dim: recorded"):
         run_record.check_run(tmp_path, run_record.make_record(wider, {}, None), has_checkpoints=True, write=False)
+
+
+def test_a_restart_under_another_norm_implementation_or_remat_budget_is_noted_once(tmp_path, tiny_config):
+    """The settings that change how values are computed (`COMPUTED_WITH`) may change on a restart; each start's are in
+    its `version`, so the change is appended to `resumed_with` once, and the first start's stay in `version`."""
+    run_record.check_run(tmp_path, run_record.make_record(tiny_config, {}, None), has_checkpoints=False)
+    first = run_record.read_record(tmp_path)["version"]["computed_with"]
+    assert first["model.norm_implementation"] == tiny_config.model.norm_implementation  # None: the default
+    assert all(path == "model.norm_implementation" or path.startswith("model.remat.") for path in first)
+    assert len(first) > 1  # the remat budget's leaves too
+    kernels = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, norm_implementation="pallas"))
+    for _ in range(2):
+        run_record.check_run(tmp_path, run_record.make_record(kernels, {}, None), has_checkpoints=True)
+    record = run_record.read_record(tmp_path)
+    assert [v["computed_with"]["model.norm_implementation"] for v in record["resumed_with"]] == ["PALLAS"]
+    assert record["version"]["computed_with"] == first
+    assert record["config"]["model"]["norm_implementation"] == first["model.norm_implementation"]  # the first start's
 
 
 @pytest.mark.parametrize("value", ["float32", "bfloat16"])
