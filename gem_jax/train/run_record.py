@@ -32,6 +32,15 @@ from gem_jax.train.workdir_lock import LOCK_PREFIX
 RUN_FILE = "run.json"
 ARCHIVE_DIR = "previous_runs"
 
+# Config leaves that change how a step computes its values, not what they are, so they may change
+# between starts: `model.remat`, what the backward recomputes instead of keeping (the same values
+# up to the recomputation's rounding: a run stopped for memory may resume under another budget),
+# and `model.norm_implementation`, flax's RMSNorm or the one-pass kernels (the same function and
+# parameters up to the order of float32 sums: a run may resume on another machine or setting).
+# Each start records the ones it ran with in its `version`, so a run resumed under another setting
+# says so in `resumed_with` (from that start on).
+COMPUTED_WITH = ("model.remat", "model.norm_implementation")
+
 # Config leaves that may change between starts of one run: they do not change the
 # trained parameters of any step both starts reach.
 MAY_CHANGE = (
@@ -41,18 +50,8 @@ MAY_CHANGE = (
     "checkpoint",  # cadence, copies kept and how a copy is written: never a trained value
     "data.prefetch_batches",
     "data.path",  # where the files are; their content is compared by fingerprint
-    # What the backward recomputes instead of keeping: the same values (up to the rounding of
-    # the recomputation), so a run stopped for memory may resume under another budget.
-    "model.remat",
-    # Flax's RMSNorm or the one-pass kernels: the same function and parameters (up to the
-    # order of float32 sums), so a run may resume on another machine or setting.
-    "model.norm_implementation",
+    *COMPUTED_WITH,
 )
-
-# The `MAY_CHANGE` leaves that change how a step computes its values, not what they are: each start
-# records the ones it ran with in its `version`, so a run resumed under another setting says so in
-# `resumed_with` (from that start on).
-COMPUTED_WITH = ("model.remat", "model.norm_implementation")
 
 # Record leaves added after runs were recorded: a record without the leaf reads as the value
 # the run used. Tables' Adagrad kept one accumulator per element before
@@ -133,11 +132,12 @@ def make_record(config: TrainConfig, data_identity: dict[str, Any], spec: Any) -
 
 def computed_with(config: dict[str, Any]) -> dict[str, Any]:
     """The `COMPUTED_WITH` leaves of a `to_tree` config, by dotted path ("model.norm_implementation": "PALLAS")."""
-    return {
-        path: value
-        for path, value in config_tree.flatten(config).items()
-        if any(path == m or path.startswith(m + ".") for m in COMPUTED_WITH)
-    }
+    return {path: value for path, value in config_tree.flatten(config).items() if _within(path, COMPUTED_WITH)}
+
+
+def _within(path: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether dotted `path` is one of `prefixes` or a leaf under one ("model.remat.budget_gb" under "model.remat")."""
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
 
 
 def read_record(workdir: str | Path) -> dict[str, Any] | None:
@@ -184,7 +184,7 @@ def mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any,
     rows = [
         (f"config.{path}", a, b)
         for path, a, b in config_tree.diff(old["config"], new["config"])
-        if not any(path == m or path.startswith(m + ".") for m in MAY_CHANGE)
+        if not _within(path, MAY_CHANGE)
     ]
     rows += [(f"data.{path}", a, b) for path, a, b in config_tree.diff(old.get("data", {}), new["data"]) if path != "path"]
     if new.get("spec") is not None:
@@ -241,8 +241,8 @@ def check_run(workdir: str | Path, record: dict[str, Any], *, has_checkpoints: b
 
 def changed_version(old: dict[str, Any], version: dict[str, Any]) -> bool:
     """Whether `version` differs from the one the run last started with: its newest `resumed_with` entry, else its
-    first `version`. Each change is noted once (a record written before `devices` or `computed_with` existed gains one entry, not one
-    a restart)."""
+    first `version`. Each change is noted once (a record written before `devices` or `computed_with` existed gains
+    one entry, not one a restart)."""
     latest = (old.get("resumed_with") or [old.get("version") or {}])[-1]
     return latest != version
 

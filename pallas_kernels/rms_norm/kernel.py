@@ -96,9 +96,10 @@ def _backward(x_ref, scale_ref, dy_ref, *refs, t: int, eps: float, rows: int, pr
     dscale_ref[i, :] = lax.fori_loop(0, steps, tile_step, jnp.zeros((d,), jnp.float32))
 
 
-def forward(x, scale, *, eps: float, dtype, tile=TILE, interpret: bool = False):
-    """`y [N, d]` in `dtype` from `x [N, d]` (bf16 or float32) and `scale` float32 `[d]`. Inputs already checked by
-    the op (N > 0), operands already of one manual-axis type (`manual_axes.match_axes`)."""
+def forward(x, scale, *, eps: float, dtype, tile: tuple[int, int], interpret: bool = False):
+    """`y [N, d]` in `dtype` from `x [N, d]` (bf16 or float32) and `scale` float32 `[d]`, `tile` `(rows, warps)` of
+    a program (`default_tile(d)` for the op). Inputs already checked by the op (N > 0), operands already of one
+    manual-axis type (`manual_axes.match_axes`)."""
     t, _ = x.shape
     rows, warps = tile
     out = jax.ShapeDtypeStruct(x.shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
@@ -106,7 +107,7 @@ def forward(x, scale, *, eps: float, dtype, tile=TILE, interpret: bool = False):
     return triton_call(body, (x, scale), out_shape=out, grid=(pl.cdiv(t, rows),), name="rms_norm_forward", interpret=interpret, num_warps=warps)
 
 
-def backward(x, scale, dy, dx_in=None, *, eps: float, tile=TILE, programs: int = BACKWARD_PROGRAMS, interpret: bool = False):
+def backward(x, scale, dy, dx_in=None, *, eps: float, tile: tuple[int, int], programs: int = BACKWARD_PROGRAMS, interpret: bool = False):
     """`(dx [N, d]` in x's dtype, `dscale` float32 `[d])` from the forward's operands, the output cotangent `dy`
     (`[N, d]`) and, for an input passed through the op, its cotangent `dx_in` (`[N, d]`, x's dtype), added to
     `dx`; all of one manual-axis type. `programs`: at most this many programs, each over several row tiles."""

@@ -110,7 +110,7 @@ def test_backward_walks_several_tiles_a_program():
     scale = scale.astype(jnp.bfloat16).astype(jnp.float32)  # the op's cast, as flax's
     dy, dx_in = _cotangents((70, 64), jnp.bfloat16, jnp.bfloat16, seed, True)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        dx, dscale = jax.jit(lambda *a: kernel.backward(*a, eps=EPS, programs=5, interpret=True))(x, scale, dy, dx_in)
+        dx, dscale = jax.jit(lambda *a: kernel.backward(*a, eps=EPS, tile=kernel.TILE, programs=5, interpret=True))(x, scale, dy, dx_in)
     want = _run("xla", x, scale, (dy, dx_in), dtype=jnp.bfloat16)
     y = rms_norm(x, scale, dtype=jnp.bfloat16, implementation="xla")
     for name, (_, fraction) in bound_fractions((y, (dx, dscale)), want, (x, scale), (dy, dx_in), EPS).items():
