@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from tolerances import FLOAT32, error_and_fraction, format_of, sum_worst, ulp_at
 
+
 def _magnitudes(qkv, scales, cos, sin, dq, dk, eps):
     """Float64 sums of |terms| the two paths round differently: of each output, of each qkv gradient (q, k), and
     of each scale gradient's terms `[2, T, H, D]`."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from tolerances import error_and_fraction, format_of, sum_worst, ulp_at
 
+
 def _magnitudes(x, scale, dy, eps):
     """Float64 magnitudes `[rows, d]`: of y's terms, of dx's terms and of the scale gradient's terms."""
     x, w, dy = np.asarray(x, np.float64), np.asarray(scale, np.float64)[None, :], np.asarray(dy, np.float64)

@@ -70,6 +70,7 @@ def format_of(dtype) -> Format:
     """The `Format` of a numpy or jax dtype (float32, float16, bfloat16, float8_e4m3fn, float8_e5m2)."""
     return FORMATS[np.dtype(dtype).name]
 
+
 # A bound on an expected (rms) error holds for one draw up to the draw's spread: over n >= 1000
 # elements the relative spread of an rms is ~1/sqrt(n) <= 3%, so 1.25x covers it many times over;
 # with `rms` itself 1/0.72 above the binade mean, the typical headroom is 1.25 / 0.72 ~ 1.7x.
