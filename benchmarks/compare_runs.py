@@ -39,7 +39,8 @@ flags: within two spreads (|NE - reference mean NE| <= 2 x the reference seeds' 
 max - min) and within 0.5% (|NE / reference mean NE - 1| <= 0.005). The reference's spread is
 given as max - min and as the sample standard deviation (ddof 1). `needs_more_seeds` lists the
 switches within two spreads that have fewer than 3 seeds. Runs without a final eval are named
-and left out.
+and left out. Runs whose folders are gone join from a runs record (`--record FILE`, a
+`benchmarks/results/switch_table_*_runs_*.json`: each run's eval records), at its last listed eval.
 
     python benchmarks/compare_runs.py --switch-table --planted runs/planted/short-range/log \
         --run bf16_seed0=DIR --run bf16_seed1=DIR --run bf16_seed2=DIR --run fp8_32_seed0=DIR ... \
@@ -255,19 +256,60 @@ def switch_figure(table: dict, title: str, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _switch_seed(name: str, where: Path) -> tuple[str, int]:
+    match = SWITCH_RUN.fullmatch(name)
+    if match is None:
+        raise SystemExit(f"compare_runs: --switch-table run {name!r} is not named <switch>_seed<k> ({where})")
+    return match["switch"], int(match["seed"])
+
+
+def record_evals(record_file: Path) -> dict[str, dict[str, float]]:
+    """The final evals of the runs in a runs record, for runs whose folders are not on this machine.
+
+    A runs record is a `benchmarks/results` file whose `runs` maps `<switch>_seed<k>` to
+    `{"evals": [{"step", "auc_<task>", "ne_<task>", ...}, ...]}` (each run's eval records, in
+    order, as its metrics.jsonl logged them; `switch_table_*_runs_*.json`). A run's final eval is
+    the last one listed. Returns run name -> `{"ne", "auc"}` of its one task.
+
+    Raises:
+      SystemExit: naming the file and run, for a record without `runs`, a run without evals, or an
+        eval whose NE and AUC are not of exactly one task.
+    """
+    runs = json.loads(record_file.read_text()).get("runs")
+    if not isinstance(runs, dict) or not runs:
+        raise SystemExit(f"compare_runs: --record {record_file} holds no `runs` (run name -> {{\"evals\": [...]}})")
+    evals = {}
+    for name, run in runs.items():
+        if not run.get("evals"):
+            raise SystemExit(f"compare_runs: --record {record_file}, run {name!r} lists no evals")
+        last = run["evals"][-1]
+        tasks = sorted(k[len("ne_"):] for k in last if k.startswith("ne_") and f"auc_{k[len('ne_'):]}" in last)
+        if len(tasks) != 1:
+            raise SystemExit(f"compare_runs: --record {record_file}, run {name!r}, eval of step {last.get('step')}: want the NE and AUC of one task, found tasks {tasks}")
+        evals[name] = {"ne": last[f"ne_{tasks[0]}"], "auc": last[f"auc_{tasks[0]}"]}
+    return evals
+
+
 def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: dict[str, dict[str, list[dict]]]) -> None:
-    """`--switch-table`: reads each run's final eval, writes the table's JSON and figure, prints the Markdown."""
+    """`--switch-table`: reads each run's final eval (from its folder, or from a `--record`), writes the
+    table's JSON and figure, prints the Markdown."""
     if args.planted is None:
         raise SystemExit("compare_runs: --switch-table needs --planted DIR (the planted log's oracle.json)")
     oracle = read_oracle(args.planted)
     evals: dict[str, dict[int, dict[str, float]]] = {}
     without_eval = []
+    sources = {name: str(path) for name, path in paths.items()}
+    source_of: dict[tuple[str, int], Path] = {}  # (switch, seed) -> where its eval was read
+
+    def add(switch: str, seed: int, result: dict[str, float], where: Path) -> None:
+        if (switch, seed) in source_of:
+            raise SystemExit(f"compare_runs: two runs of switch {switch!r} with seed {seed} ({source_of[switch, seed]} and {where})")
+        source_of[switch, seed] = where
+        evals.setdefault(switch, {})[seed] = result
+
     for name, run in runs.items():
         where = paths[name] / "metrics.jsonl"
-        match = SWITCH_RUN.fullmatch(name)
-        if match is None:
-            raise SystemExit(f"compare_runs: --switch-table run {name!r} is not named <switch>_seed<k> ({where})")
-        switch, seed = match["switch"], int(match["seed"])
+        switch, seed = _switch_seed(name, where)
         record_file = paths[name] / "run.json"
         config = json.loads(record_file.read_text()).get("config", {}) if record_file.exists() else {}
         for part in ("loop", "data"):
@@ -284,9 +326,12 @@ def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: di
         missing = [key for key in (f"ne_{task}", f"auc_{task}") if record.get(key) is None]
         if missing:
             raise SystemExit(f"compare_runs: run {name!r}, eval record of step {record['step']} lacks {missing} ({where})")
-        if seed in evals.get(switch, {}):
-            raise SystemExit(f"compare_runs: two runs of switch {switch!r} with seed {seed}")
-        evals.setdefault(switch, {})[seed] = {"ne": record[f"ne_{task}"], "auc": record[f"auc_{task}"]}
+        add(switch, seed, {"ne": record[f"ne_{task}"], "auc": record[f"auc_{task}"]}, where)
+    for record_file in args.record:
+        for name, result in record_evals(record_file).items():
+            switch, seed = _switch_seed(name, record_file)
+            add(switch, seed, result, record_file)
+            sources[name] = f"{record_file} (runs record)"
     if without_eval:
         print(f"compare_runs: no final eval record in {', '.join(without_eval)}: left out of the table")
     table = switch_table(evals, args.reference_switch, oracle)
@@ -295,7 +340,7 @@ def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: di
         "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
         "jax": jax.__version__,
         "title": args.title,
-        "runs": {name: str(path) for name, path in paths.items()},
+        "runs": sources,
         "runs_without_eval": without_eval,
         "oracle_report": oracle,
         **table,
@@ -307,7 +352,8 @@ def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", action="append", required=True, help="name=workdir; the first is the reference")
+    parser.add_argument("--run", action="append", default=[], help="name=workdir; the first is the reference")
+    parser.add_argument("--record", action="append", type=Path, default=[], help="with --switch-table: a runs record's runs, for runs whose folders are gone (`record_evals`)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
     parser.add_argument("--title", help="the figure's title (default: eval and train NE per run; with --switch-table: switch table)")
@@ -316,6 +362,10 @@ def main() -> None:
     parser.add_argument("--switch-table", action="store_true", help="runs named <switch>_seed<k>: the switch table (module docstring); needs --planted")
     parser.add_argument("--reference-switch", default="bf16", help="with --switch-table: the switch the others are compared with")
     args = parser.parse_args()
+    if args.record and not args.switch_table:
+        raise SystemExit("compare_runs: --record is read only with --switch-table")
+    if not args.run and not (args.switch_table and args.record):
+        raise SystemExit("compare_runs: name the runs to compare with --run name=workdir (with --switch-table, or --record FILE)")
     if args.loss_window < 1:
         raise SystemExit(f"compare_runs: --loss-window must be >= 1, got {args.loss_window}")
     paths = {name: Path(path) for name, path in (r.split("=", 1) for r in args.run)}

@@ -21,7 +21,8 @@ metrics.jsonl, run.json and log; the log's oracle.json and planted.json) into on
 DIR/switch_table_<preset>.tar.gz, at their repository paths, also when a run failed: on a
 machine that does not keep runs/ between calls, DIR is the call's output folder, and `tar xzf`
 of the archive in the checkout puts the files where `table` reads them. `table` runs compare_runs --switch-table on every run of the preset that
-holds a metrics.jsonl, writes benchmarks/results/switch_table_<preset>.json and
+holds a metrics.jsonl (and, with `--record FILE`, on the runs of a runs record in benchmarks/results/ whose
+folders are gone), writes benchmarks/results/switch_table_<preset>.json and
 benchmarks/figures/switch_table_<preset>.png, and prints the `train` commands for the seeds the
 table still wants (switches within two spreads of the reference with fewer than 3 seeds).
 
@@ -177,22 +178,25 @@ def train(preset: str, names: list[str], export_to: Path | None) -> int:
             export(preset, names, export_to)
 
 
-def table(preset: str) -> int:
-    """compare_runs --switch-table on every run of `preset` that logged metrics; prints the seeds still wanted."""
+def table(preset: str, records: list[Path] = ()) -> int:
+    """compare_runs --switch-table on every run of `preset` that logged metrics, and on the runs of
+    `records` (runs records of runs whose folders are gone: `compare_runs.record_evals`); prints the
+    seeds still wanted."""
     where = paths(preset)
     runs = sorted(d for d in where["runs"].iterdir() if (d / "metrics.jsonl").is_file()) if where["runs"].is_dir() else []
-    if not runs:
-        raise SystemExit(f"switch_table: no run of {preset} with a metrics.jsonl under {where['runs']}")
+    if not runs and not records:
+        raise SystemExit(f"switch_table: no run of {preset} with a metrics.jsonl under {where['runs']}, and no --record")
     command = [
         sys.executable, "benchmarks/compare_runs.py", "--switch-table", "--planted", str(where["log"]),
-        *(f"--run={d.name}={d}" for d in runs), "--title", f"switch table, {preset} planted log", "--out", str(where["table"]),
-        "--figure", str(where["figure"]),
+        *(f"--run={d.name}={d}" for d in runs), *(f"--record={r}" for r in records),
+        "--title", f"switch table, {preset} planted log", "--out", str(where["table"]), "--figure", str(where["figure"]),
     ]
     done = subprocess.run(command)
     if done.returncode:
         return done.returncode
     result = json.loads(where["table"].read_text())
-    result["trained_on"] = {d.name: trained_on(d) for d in runs}  # the table's own "device" is where it was computed
+    # the table's own "device" is where it was computed
+    result["trained_on"] = {**{name: recorded_on(r) for r in records for name in json.loads(r.read_text())["runs"]}, **{d.name: trained_on(d) for d in runs}}
     where["table"].write_text(json.dumps(result, indent=1) + "\n")
     wanted = more_seeds(result)
     for i in range(0, len(wanted), RUNS_PER_CALL):
@@ -215,6 +219,11 @@ def trained_on(run: Path) -> str:
         device = next((line.removeprefix("gem-train: ") for line in lines if line.startswith("gem-train: ") and " x " in line and ", jax " in line), "unknown")
     sha, plus, modified = version.get("commit", "unknown").partition("+")  # "<sha>+modified": a tree with uncommitted changes (`code_version`)
     return f"{device}; commit {sha[:12]}{plus}{modified}"
+
+
+def recorded_on(record: Path) -> str:
+    """Where a runs record's runs trained, as the record says it (its `gpu`), and the record's path."""
+    return f"{json.loads(record.read_text()).get('gpu', 'unknown')} (runs record {record})"
 
 
 def more_seeds(result: dict) -> list[str]:
@@ -240,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--export", type=Path, help="write the table's inputs into one archive in this folder (a device call's output folder)")
     b = commands.add_parser("table", help="tabulate every finished run of a preset")
     b.add_argument("--preset", choices=PRESETS, required=True)
+    b.add_argument("--record", action="append", type=Path, default=[], help="a runs record (benchmarks/results/switch_table_*_runs_*.json) whose runs' folders are gone: its runs join the table")
     args = parser.parse_args(argv)
     if args.command == "plan":
         if args.per_call < 1:
@@ -253,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             return train(args.preset, args.runs, args.export)
         except ValueError as error:
             parser.error(str(error))
-    return table(args.preset)
+    return table(args.preset, args.record)
 
 
 if __name__ == "__main__":

@@ -163,13 +163,16 @@ SWITCH_RUNS = {  # name: (eval NE, eval AUC)
 }
 
 
-def _switch_table(compare_main, monkeypatch, tmp_path, runs):
+def _switch_table(compare_main, monkeypatch, tmp_path, runs, records=()):
     planted = tmp_path / "planted"
     planted.mkdir(exist_ok=True)
     oracle = {"split": "time quantile 0.9", "eval_events": 100, "oracle": {"auc": 0.8, "ne": 0.8}, "item_mean": {"auc": 0.6, "ne": 1.0}}
     (planted / "oracle.json").write_text(json.dumps(oracle))
     out = tmp_path / "table.json"
-    argv = ["compare_runs.py", "--switch-table", f"--planted={planted}", *(f"--run={n}={p}" for n, p in runs), f"--out={out}", f"--figure={tmp_path / 'table.png'}"]
+    argv = [
+        "compare_runs.py", "--switch-table", f"--planted={planted}", *(f"--run={n}={p}" for n, p in runs), *(f"--record={r}" for r in records),
+        f"--out={out}", f"--figure={tmp_path / 'table.png'}",
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     compare_main()
     return json.loads(out.read_text())
@@ -228,4 +231,59 @@ def test_switch_table_inputs_are_refused_with_the_run_named(compare_main, monkey
         _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", no_auc)])
     monkeypatch.setattr(sys, "argv", ["compare_runs.py", "--switch-table", f"--run=bf16_seed0={good}", "--out=x", "--figure=y"])
     with pytest.raises(SystemExit, match="--switch-table needs --planted DIR"):
+        compare_main()
+
+
+def _write_runs_record(path, runs):
+    """A runs record (benchmarks/results/switch_table_*_runs_*.json) of `runs`: name -> (NE, AUC) at step 1200, after a step-600 eval."""
+    record = {"gpu": "one test GPU", "runs": {
+        name: {"evals": [{"step": 600, "auc_click": 0.5, "ne_click": 0.99}, {"step": 1200, "auc_click": auc, "ne_click": ne}], "wall_s": 1.0}
+        for name, (ne, auc) in runs.items()
+    }}
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_runs_from_a_runs_record_join_the_table_at_their_last_eval(compare_main, monkeypatch, tmp_path):
+    folders = {n: SWITCH_RUNS[n] for n in ("bf16_seed0", "fp8_128_seed1", "fp8_128_seed2")}
+    recorded = {n: v for n, v in SWITCH_RUNS.items() if n not in folders}
+    runs = [(name, _write_planted_run(tmp_path / name, int(name[-1]), ne, auc)) for name, (ne, auc) in folders.items()]
+    record = _write_runs_record(tmp_path / "runs_record.json", recorded)
+    table = _switch_table(compare_main, monkeypatch, tmp_path, runs, records=[record])
+    all_folders = tmp_path / "all"
+    all_folders.mkdir()
+    everything = _switch_table(compare_main, monkeypatch, all_folders, [
+        (name, _write_planted_run(all_folders / name, int(name[-1]), ne, auc)) for name, (ne, auc) in SWITCH_RUNS.items()
+    ])
+    assert table["switches"] == everything["switches"] and table["reference"] == everything["reference"]  # the last eval, not step 600
+    assert table["runs"]["bf16_seed1"] == f"{record} (runs record)" and table["runs"]["bf16_seed0"] == str(tmp_path / "bf16_seed0")
+    only_records = _switch_table(compare_main, monkeypatch, tmp_path, [], records=[_write_runs_record(tmp_path / "all_runs.json", SWITCH_RUNS)])
+    assert only_records["switches"] == everything["switches"]
+
+
+def test_runs_records_are_refused_with_the_file_and_run_named(compare_main, monkeypatch, tmp_path):
+    good = _write_planted_run(tmp_path / "bf16_seed0", 0, 0.8, 0.7)
+    twice = _write_runs_record(tmp_path / "twice.json", {"bf16_seed0": (0.8, 0.7)})
+    with pytest.raises(SystemExit, match=rf"two runs of switch 'bf16' with seed 0 \({good / 'metrics.jsonl'} and {twice}\)"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[twice])
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"gpu": "x"}))
+    with pytest.raises(SystemExit, match=rf"--record {empty} holds no `runs`"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[empty])
+    no_evals = tmp_path / "no_evals.json"
+    no_evals.write_text(json.dumps({"runs": {"fp8_32_seed0": {"evals": []}}}))
+    with pytest.raises(SystemExit, match=rf"--record {no_evals}, run 'fp8_32_seed0' lists no evals"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[no_evals])
+    two_tasks = tmp_path / "two_tasks.json"
+    two_tasks.write_text(json.dumps({"runs": {"fp8_32_seed0": {"evals": [{"step": 9, "ne_click": 0.8, "auc_click": 0.7, "ne_buy": 0.9, "auc_buy": 0.6}]}}}))
+    with pytest.raises(SystemExit, match=r"run 'fp8_32_seed0', eval of step 9: want the NE and AUC of one task, found tasks \['buy', 'click'\]"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[two_tasks])
+    badly_named = _write_runs_record(tmp_path / "badly_named.json", {"fp8": (0.8, 0.7)})
+    with pytest.raises(SystemExit, match=rf"run 'fp8' is not named <switch>_seed<k> \({badly_named}\)"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[badly_named])
+    monkeypatch.setattr(sys, "argv", ["compare_runs.py", f"--record={twice}", f"--run=bf16_seed0={good}", "--out=x", "--figure=y"])
+    with pytest.raises(SystemExit, match="--record is read only with --switch-table"):
+        compare_main()
+    monkeypatch.setattr(sys, "argv", ["compare_runs.py", "--out=x", "--figure=y"])
+    with pytest.raises(SystemExit, match="name the runs to compare with --run"):
         compare_main()
