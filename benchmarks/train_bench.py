@@ -11,7 +11,12 @@ synthetic source's batches (`gem_jax.data.sources.synthetic`, long-tailed length
 directly, without grain): a few global batches are built on the host and
 put on the devices once, then cycled, so the timing is the device step (host pipeline
 excluded). Each step is timed on its own (dispatch to
-`block_until_ready`); the median is reported.
+`block_until_ready`); the median is reported (`median_step_s`, and `mfu_per_device` from it).
+Then the same number of steps is dispatched back to back with one `block_until_ready` at the end,
+as `gem-train` runs the steps of a log window: `pipelined_step_s` is their mean, the step a job
+sees, in which the host dispatches the next step while the device runs this one
+(`pipelined_mfu_per_device`, `local_mfu_pipelined`, `speedup_vs_padded_peer_pipelined`). The
+difference is what a step waits for its own dispatch and its result's return when it runs alone.
 
 `--attention` names one or more modes, run one after the other in this process; the first
 is reported at the top level of the JSON, the others under `peers`:
@@ -204,6 +209,13 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
             losses.append(float(metrics["loss"]))
         fetched = jax.device_get(metrics)
         check_lookup_stats(fetched, setup.plan.tables, where="timed steps")
+        # The same steps dispatched back to back with one block at the end, as gem-train runs a log window:
+        # the host launches step i + 1 while the device runs step i, so no step waits on its own dispatch.
+        t0 = time.perf_counter()
+        for i in range(steps):
+            state, metrics = train_step(state, batches[i % num_batches])
+        jax.block_until_ready(state)
+        pipelined = (time.perf_counter() - t0) / steps
         breakdown = None
         if profile:
             state, breakdown = profile_step(train_step, state, batches[steps % num_batches], compiled.as_text())
@@ -243,6 +255,8 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "model_tflops_per_step": step_flops / 1e12,
         "tflops_per_s_per_device": step_flops / median / num_devices / 1e12,
         "mfu_per_device": (step_flops / median / num_devices / peak) if peak else None,
+        "pipelined_step_s": pipelined,
+        "pipelined_mfu_per_device": (step_flops / pipelined / num_devices / peak) if peak else None,
         "loss_first_last": [losses[0], losses[-1]],
         "overflow": {k: int(v) for k, v in fetched.items() if k.endswith("/overflow")},
         "tables": {k: p.generation.name for k, p in setup.plan.tables.items()},
@@ -339,9 +353,9 @@ def by_device_count(ours: list[dict], peer: list[dict], ratio: Callable[[dict, d
     return {str(r["num_devices"]): ratio(r, peer_by_n[r["num_devices"]]) for r in ours if r["num_devices"] in peer_by_n}
 
 
-def speedups(ours: list[dict], peer: list[dict]) -> dict[str, float | None]:
-    """`{num_devices: peer median step / our median step}`; None where the two ran different batches."""
-    return by_device_count(ours, peer, lambda o, p: p["median_step_s"] / o["median_step_s"] if o["global_batch"] == p["global_batch"] else None)
+def speedups(ours: list[dict], peer: list[dict], key: str = "median_step_s") -> dict[str, float | None]:
+    """`{num_devices: peer step / our step}` of the step time `key`; None where the two ran different batches."""
+    return by_device_count(ours, peer, lambda o, p: p[key] / o[key] if o["global_batch"] == p["global_batch"] else None)
 
 
 def throughput_ratios(ours: list[dict], peer: list[dict]) -> dict[str, float]:
@@ -429,9 +443,10 @@ def main(argv: list[str] | None = None) -> None:
         if mode == PEER and ours != PEER:
             peer_runs = record["peers"][PEER]["runs"]
             record["speedup_vs_padded_peer"] = speedups(runs, peer_runs)
+            record["speedup_vs_padded_peer_pipelined"] = speedups(runs, peer_runs, "pipelined_step_s")
             record["examples_per_s_vs_padded_peer"] = throughput_ratios(runs, peer_runs)
             for r in runs:
-                for key in ("speedup_vs_padded_peer", "examples_per_s_vs_padded_peer"):
+                for key in ("speedup_vs_padded_peer", "speedup_vs_padded_peer_pipelined", "examples_per_s_vs_padded_peer"):
                     r[key] = record[key].get(str(r["num_devices"]))
         out.write_text(json.dumps(record, indent=2))
     print(json.dumps({k: v for k, v in record.items() if k not in ("runs", "model", "synthetic", "peers")}, indent=2))
@@ -446,6 +461,7 @@ def add_scaling(record: dict) -> None:
     if 1 in by_n:
         one = by_n[1]
         record["local_mfu"] = one["mfu_per_device"]
+        record["local_mfu_pipelined"] = one["pipelined_mfu_per_device"]
         for n, r in by_n.items():
             if n > 1:
                 same_batch = r["per_device_batch"] == one["per_device_batch"]

@@ -25,6 +25,7 @@ def test_train_bench_writes_comparable_json_with_peer_and_skipped_profile(repo_r
     for key in ("num_devices", "median_step_s", "mfu_per_device", "peak_bytes_in_use_device0", "slack_fraction_mean", "compile_s", "setup_to_first_step_s"):
         assert key in run, key
     assert run["num_devices"] == 1 and run["median_step_s"] > 0 and np.isfinite(run["loss_first_last"]).all()
+    assert run["pipelined_step_s"] > 0 and run["pipelined_mfu_per_device"] is None and record["local_mfu_pipelined"] is None  # no CPU peak
     assert run["remat_plan"] is None  # no rematerialization asked for
     assert run["per_device_batch"] == 16 and run["failed_tries"] == [] and record["fit_batch"] is False
     device = run["device_memory_bytes"]
@@ -47,9 +48,10 @@ def test_speedup_is_peer_step_over_ours_for_shared_device_counts(repo_root, monk
     monkeypatch.syspath_prepend(str(repo_root))
     from benchmarks import train_bench
 
-    ours = [{"num_devices": 1, "median_step_s": 0.2, "global_batch": 64}, {"num_devices": 2, "median_step_s": 0.25, "global_batch": 128}]
-    peer = [{"num_devices": 1, "median_step_s": 0.5, "global_batch": 64}]
+    ours = [{"num_devices": 1, "median_step_s": 0.2, "pipelined_step_s": 0.19, "global_batch": 64}, {"num_devices": 2, "median_step_s": 0.25, "global_batch": 128}]
+    peer = [{"num_devices": 1, "median_step_s": 0.5, "pipelined_step_s": 0.475, "global_batch": 64}]
     assert train_bench.speedups(ours, peer) == {"1": 2.5}
+    assert train_bench.speedups(ours, peer, "pipelined_step_s") == {"1": pytest.approx(2.5)}
     peer = [{"num_devices": 1, "median_step_s": 0.5, "global_batch": 32}]
     assert train_bench.speedups(ours, peer) == {"1": None}  # step times of different batches are no speedup
 
@@ -166,6 +168,7 @@ def _world(fit_batch, temp_bytes, step_s=0.5, hidden=0):
         return {
             "num_devices": num_devices, "per_device_batch": per_device_batch, "global_batch": per_device_batch * num_devices,
             "median_step_s": step_s, "examples_per_s": per_device_batch * num_devices / step_s, "mfu_per_device": None,
+            "pipelined_step_s": step_s, "pipelined_mfu_per_device": None,
             "loss_first_last": [1.0, 1.0], "process_age_at_first_step_s": 1.0,
         }
 
@@ -273,10 +276,10 @@ def test_the_record_compares_each_mode_at_the_batch_it_ran(train_bench, repo_roo
 
 def test_scaling_compares_device_counts_only_at_the_same_per_device_batch(train_bench):
     def run(n, batch, examples_per_s):
-        return {"num_devices": n, "per_device_batch": batch, "examples_per_s": examples_per_s, "mfu_per_device": 0.4}
+        return {"num_devices": n, "per_device_batch": batch, "examples_per_s": examples_per_s, "mfu_per_device": 0.4, "pipelined_mfu_per_device": 0.42}
 
     record = {"runs": [run(1, 1024, 1000.0), run(2, 1024, 1800.0), run(4, 512, 3000.0)]}
     train_bench.add_scaling(record)
-    assert record["local_mfu"] == 0.4
+    assert record["local_mfu"] == 0.4 and record["local_mfu_pipelined"] == 0.42
     assert record["scaling_ratio_2"] == pytest.approx(0.9) and record["e2e_mfu_2"] == pytest.approx(0.36)
     assert record["scaling_ratio_4"] is None and record["e2e_mfu_4"] is None
