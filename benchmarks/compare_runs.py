@@ -40,7 +40,8 @@ max - min) and within 0.5% (|NE / reference mean NE - 1| <= 0.005). The referenc
 given as max - min and as the sample standard deviation (ddof 1). `needs_more_seeds` lists the
 switches within two spreads that have fewer than 3 seeds. Runs without a final eval are named
 and left out. Runs whose folders are gone join from a runs record (`--record FILE`, a
-`benchmarks/results/switch_table_*_runs_*.json`: each run's eval records), at its last listed eval.
+`benchmarks/results/switch_table_*_runs_*.json`: each run's eval records; `record_evals`); a run
+may be a folder or a record's, not both.
 
     python benchmarks/compare_runs.py --switch-table --planted runs/planted/short-range/log \
         --run bf16_seed0=DIR --run bf16_seed1=DIR --run bf16_seed2=DIR --run fp8_32_seed0=DIR ... \
@@ -263,31 +264,54 @@ def _switch_seed(name: str, where: Path) -> tuple[str, int]:
     return match["switch"], int(match["seed"])
 
 
-def record_evals(record_file: Path) -> dict[str, dict[str, float]]:
+def record_evals(record_file: Path) -> tuple[dict[str, dict[str, float]], list[str]]:
     """The final evals of the runs in a runs record, for runs whose folders are not on this machine.
 
     A runs record is a `benchmarks/results` file whose `runs` maps `<switch>_seed<k>` to
     `{"evals": [{"step", "auc_<task>", "ne_<task>", ...}, ...]}` (each run's eval records, in
-    order, as its metrics.jsonl logged them; `switch_table_*_runs_*.json`). A run's final eval is
-    the last one listed. Returns run name -> `{"ne", "auc"}` of its one task.
+    order, as its metrics.jsonl logged them; `switch_table_*_runs_*.json`). The runs of a switch
+    table all train the same steps, so the record's final step is the largest step any of its runs
+    evaluated at; a run's final eval is its last one if it is at that step. A run whose last eval
+    is earlier stopped before its final eval (as `final_eval` says of a run's folder).
+
+    Returns:
+      `(evals, without_eval)`: run name -> `{"ne", "auc"}` of its one task at the final step, and
+      the names of the runs without a final eval.
 
     Raises:
-      SystemExit: naming the file and run, for a record without `runs`, a run without evals, or an
-        eval whose NE and AUC are not of exactly one task.
+      SystemExit: naming the file (and the run, where one is at fault) for a file that cannot be read
+        or is not JSON, a record without `runs`, a run without a list of evals, or a final eval
+        without one task's NE and AUC or with either missing (null).
     """
-    runs = json.loads(record_file.read_text()).get("runs")
+    where = f"compare_runs: --record {record_file}"
+    try:
+        record = json.loads(record_file.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{where}: cannot be read as JSON ({error})") from None
+    runs = record.get("runs") if isinstance(record, dict) else None
     if not isinstance(runs, dict) or not runs:
-        raise SystemExit(f"compare_runs: --record {record_file} holds no `runs` (run name -> {{\"evals\": [...]}})")
-    evals = {}
+        raise SystemExit(f"{where} holds no `runs` (run name -> {{\"evals\": [...]}})")
+    last = {}
     for name, run in runs.items():
-        if not run.get("evals"):
-            raise SystemExit(f"compare_runs: --record {record_file}, run {name!r} lists no evals")
-        last = run["evals"][-1]
-        tasks = sorted(k[len("ne_"):] for k in last if k.startswith("ne_") and f"auc_{k[len('ne_'):]}" in last)
+        listed = run.get("evals") if isinstance(run, dict) else None
+        if not isinstance(listed, list) or not listed or not all(isinstance(e, dict) for e in listed):
+            raise SystemExit(f"{where}, run {name!r}: no list of eval records under `evals`")
+        last[name] = listed[-1]
+    final_step = max(e.get("step", -1) for e in last.values())
+    evals, without_eval = {}, []
+    for name, final in last.items():
+        if final.get("step") != final_step:
+            without_eval.append(name)
+            continue
+        tasks = sorted(k[len("ne_"):] for k in final if k.startswith("ne_") and f"auc_{k[len('ne_'):]}" in final)
         if len(tasks) != 1:
-            raise SystemExit(f"compare_runs: --record {record_file}, run {name!r}, eval of step {last.get('step')}: want the NE and AUC of one task, found tasks {tasks}")
-        evals[name] = {"ne": last[f"ne_{tasks[0]}"], "auc": last[f"auc_{tasks[0]}"]}
-    return evals
+            raise SystemExit(f"{where}, run {name!r}, eval of step {final_step}: want the NE and AUC of one task, found tasks {tasks}")
+        result = {"ne": final[f"ne_{tasks[0]}"], "auc": final[f"auc_{tasks[0]}"]}
+        missing = [f"{key}_{tasks[0]}" for key, value in result.items() if value is None]
+        if missing:
+            raise SystemExit(f"{where}, run {name!r}, eval of step {final_step} lacks {missing}")
+        evals[name] = result
+    return evals, without_eval
 
 
 def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: dict[str, dict[str, list[dict]]]) -> None:
@@ -328,10 +352,15 @@ def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: di
             raise SystemExit(f"compare_runs: run {name!r}, eval record of step {record['step']} lacks {missing} ({where})")
         add(switch, seed, {"ne": record[f"ne_{task}"], "auc": record[f"auc_{task}"]}, where)
     for record_file in args.record:
-        for name, result in record_evals(record_file).items():
+        recorded, stopped = record_evals(record_file)
+        for name in [*recorded, *stopped]:
+            if name in sources:
+                raise SystemExit(f"compare_runs: run {name!r} is both {sources[name]} and in --record {record_file}")
+            sources[name] = f"{record_file} (runs record)"
+        without_eval += stopped
+        for name, result in recorded.items():
             switch, seed = _switch_seed(name, record_file)
             add(switch, seed, result, record_file)
-            sources[name] = f"{record_file} (runs record)"
     if without_eval:
         print(f"compare_runs: no final eval record in {', '.join(without_eval)}: left out of the table")
     table = switch_table(evals, args.reference_switch, oracle)

@@ -48,6 +48,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.compare_runs import SEEDS_WHEN_CLOSE, SWITCH_RUN
@@ -178,10 +179,17 @@ def train(preset: str, names: list[str], export_to: Path | None) -> int:
             export(preset, names, export_to)
 
 
-def table(preset: str, records: list[Path] = ()) -> int:
+def table(preset: str, records: Sequence[Path] = ()) -> int:
     """compare_runs --switch-table on every run of `preset` that logged metrics, and on the runs of
     `records` (runs records of runs whose folders are gone: `compare_runs.record_evals`); prints the
-    seeds still wanted."""
+    seeds still wanted.
+
+    Returns:
+      compare_runs' exit status (0: the table's JSON and figure are written).
+
+    Raises:
+      SystemExit: no run folder of the preset and no record.
+    """
     where = paths(preset)
     runs = sorted(d for d in where["runs"].iterdir() if (d / "metrics.jsonl").is_file()) if where["runs"].is_dir() else []
     if not runs and not records:
@@ -195,8 +203,8 @@ def table(preset: str, records: list[Path] = ()) -> int:
     if done.returncode:
         return done.returncode
     result = json.loads(where["table"].read_text())
-    # the table's own "device" is where it was computed
-    result["trained_on"] = {**{name: recorded_on(r) for r in records for name in json.loads(r.read_text())["runs"]}, **{d.name: trained_on(d) for d in runs}}
+    # the table's own "device" is where it was computed; compare_runs refuses a run that is both a folder and a record's
+    result["trained_on"] = {**{d.name: trained_on(d) for d in runs}, **{name: recorded_on(r) for r in records for name in json.loads(r.read_text())["runs"]}}
     where["table"].write_text(json.dumps(result, indent=1) + "\n")
     wanted = more_seeds(result)
     for i in range(0, len(wanted), RUNS_PER_CALL):

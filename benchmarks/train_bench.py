@@ -13,10 +13,12 @@ put on the devices once, then cycled, so the timing is the device step (host pip
 excluded). Each step is timed on its own (dispatch to
 `block_until_ready`); the median is reported (`median_step_s`, and `mfu_per_device` from it).
 Then the same number of steps is dispatched back to back with one `block_until_ready` at the end,
-as `gem-train` runs the steps of a log window: `pipelined_step_s` is their mean, the step a job
-sees, in which the host dispatches the next step while the device runs this one
-(`pipelined_mfu_per_device`, `local_mfu_pipelined`, `speedup_vs_padded_peer_pipelined`). The
-difference is what a step waits for its own dispatch and its result's return when it runs alone.
+as `gem-train` runs the steps of a log window: `pipelined_step_s` is their mean, in which the host
+dispatches the next step while the device runs this one (`pipelined_mfu_per_device`,
+`local_mfu_pipelined`, `speedup_vs_padded_peer_pipelined`). It is a job's step when the job's host
+work between dispatches (the next batch, its checks and transfer) keeps ahead of the device, the
+host pipeline excluded as above. The difference is what a step run alone waits for its own
+dispatch and its result's return.
 
 `--attention` names one or more modes, run one after the other in this process; the first
 is reported at the top level of the JSON, the others under `peers`:
@@ -216,6 +218,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
             state, metrics = train_step(state, batches[i % num_batches])
         jax.block_until_ready(state)
         pipelined = (time.perf_counter() - t0) / steps
+        check_lookup_stats(jax.device_get(metrics), setup.plan.tables, where="pipelined steps")
         breakdown = None
         if profile:
             state, breakdown = profile_step(train_step, state, batches[steps % num_batches], compiled.as_text())

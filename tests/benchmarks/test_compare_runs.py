@@ -261,23 +261,54 @@ def test_runs_from_a_runs_record_join_the_table_at_their_last_eval(compare_main,
     assert only_records["switches"] == everything["switches"]
 
 
+def test_a_recorded_run_whose_last_eval_is_early_is_left_out_as_without_final_eval(compare_main, monkeypatch, tmp_path):
+    record = _write_runs_record(tmp_path / "runs_record.json", SWITCH_RUNS)
+    stopped = json.loads(record.read_text())
+    stopped["runs"]["fp8_32_seed0"]["evals"].pop()  # killed after its step-600 eval
+    record.write_text(json.dumps(stopped))
+    table = _switch_table(compare_main, monkeypatch, tmp_path, [], records=[record])
+    assert table["runs_without_eval"] == ["fp8_32_seed0"] and "fp8_32" not in [r["switch"] for r in table["switches"]]
+
+
+def _bad_record(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
 def test_runs_records_are_refused_with_the_file_and_run_named(compare_main, monkeypatch, tmp_path):
     good = _write_planted_run(tmp_path / "bf16_seed0", 0, 0.8, 0.7)
     twice = _write_runs_record(tmp_path / "twice.json", {"bf16_seed0": (0.8, 0.7)})
-    with pytest.raises(SystemExit, match=rf"two runs of switch 'bf16' with seed 0 \({good / 'metrics.jsonl'} and {twice}\)"):
+    with pytest.raises(SystemExit, match=rf"run 'bf16_seed0' is both {good} and in --record {twice}"):
         _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[twice])
-    empty = tmp_path / "empty.json"
-    empty.write_text(json.dumps({"gpu": "x"}))
-    with pytest.raises(SystemExit, match=rf"--record {empty} holds no `runs`"):
-        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[empty])
-    no_evals = tmp_path / "no_evals.json"
-    no_evals.write_text(json.dumps({"runs": {"fp8_32_seed0": {"evals": []}}}))
-    with pytest.raises(SystemExit, match=rf"--record {no_evals}, run 'fp8_32_seed0' lists no evals"):
-        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[no_evals])
-    two_tasks = tmp_path / "two_tasks.json"
-    two_tasks.write_text(json.dumps({"runs": {"fp8_32_seed0": {"evals": [{"step": 9, "ne_click": 0.8, "auc_click": 0.7, "ne_buy": 0.9, "auc_buy": 0.6}]}}}))
-    with pytest.raises(SystemExit, match=r"run 'fp8_32_seed0', eval of step 9: want the NE and AUC of one task, found tasks \['buy', 'click'\]"):
-        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[two_tasks])
+    killed = _write_planted_run(tmp_path / "fp8_32_seed0", 0, 0.8, 0.7, eval_step=10)  # a folder without its final eval
+    same_name = _write_runs_record(tmp_path / "same_name.json", {"fp8_32_seed0": (0.8, 0.7)})
+    with pytest.raises(SystemExit, match=rf"run 'fp8_32_seed0' is both {killed} and in --record {same_name}"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good), ("fp8_32_seed0", killed)], records=[same_name])
+    other_name = _write_runs_record(tmp_path / "other_name.json", {"bf16_seed00": (0.8, 0.7)})  # seed 0 again, under another name
+    with pytest.raises(SystemExit, match=rf"two runs of switch 'bf16' with seed 0 \({good / 'metrics.jsonl'} and {other_name}\)"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[other_name])
+    cases = {  # file name: (content, what the message says after the file's name)
+        "missing.json": (None, ": cannot be read as JSON"),
+        "not_json.json": ("{runs: ", ": cannot be read as JSON"),
+        "a_list.json": ([1, 2], " holds no `runs`"),
+        "no_runs.json": ({"gpu": "x"}, " holds no `runs`"),
+        "run_not_a_dict.json": ({"runs": {"fp8_32_seed0": [1]}}, ", run 'fp8_32_seed0': no list of eval records under `evals`"),
+        "evals_a_dict.json": ({"runs": {"fp8_32_seed0": {"evals": {"step": 9}}}}, ", run 'fp8_32_seed0': no list of eval records"),
+        "no_evals.json": ({"runs": {"fp8_32_seed0": {"evals": []}}}, ", run 'fp8_32_seed0': no list of eval records"),
+        "two_tasks.json": (
+            {"runs": {"fp8_32_seed0": {"evals": [{"step": 9, "ne_click": 0.8, "auc_click": 0.7, "ne_buy": 0.9, "auc_buy": 0.6}]}}},
+            ", run 'fp8_32_seed0', eval of step 9: want the NE and AUC of one task, found tasks \\['buy', 'click'\\]",
+        ),
+        "null_ne.json": (
+            {"runs": {"fp8_32_seed0": {"evals": [{"step": 9, "ne_click": None, "auc_click": 0.7}]}}},
+            ", run 'fp8_32_seed0', eval of step 9 lacks \\['ne_click'\\]",
+        ),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name if content is None else _bad_record(tmp_path, name, content)
+        with pytest.raises(SystemExit, match=rf"--record {path}{message}"):
+            _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[path])
     badly_named = _write_runs_record(tmp_path / "badly_named.json", {"fp8": (0.8, 0.7)})
     with pytest.raises(SystemExit, match=rf"run 'fp8' is not named <switch>_seed<k> \({badly_named}\)"):
         _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed0", good)], records=[badly_named])

@@ -283,3 +283,22 @@ def test_scaling_compares_device_counts_only_at_the_same_per_device_batch(train_
     assert record["local_mfu"] == 0.4 and record["local_mfu_pipelined"] == 0.42
     assert record["scaling_ratio_2"] == pytest.approx(0.9) and record["e2e_mfu_2"] == pytest.approx(0.36)
     assert record["scaling_ratio_4"] is None and record["e2e_mfu_4"] is None
+
+
+def test_both_step_times_give_their_mfu_from_the_same_flop_count(repo_root, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(repo_root))
+    from benchmarks import train_bench
+
+    peak = 1e12  # a made-up device peak (FLOP/s): the CPU has none
+    monkeypatch.setattr(train_bench.flops_lib, "peak_flops", lambda *args: peak)
+    out = tmp_path / "step.json"
+    train_bench.main([
+        "--config", str(repo_root / "configs" / "gem_h200_tiny.py"), "--devices", "1", "--per-device-batch", "16",
+        "--steps", "2", "--warmup", "1", "--attention", "xla", "--out", str(out),
+    ])
+    record = json.loads(out.read_text())
+    (run,) = record["runs"]
+    flops = run["model_tflops_per_step"] * 1e12
+    assert run["mfu_per_device"] == pytest.approx(flops / run["median_step_s"] / peak)
+    assert run["pipelined_mfu_per_device"] == pytest.approx(flops / run["pipelined_step_s"] / peak)
+    assert record["local_mfu"] == run["mfu_per_device"] and record["local_mfu_pipelined"] == run["pipelined_mfu_per_device"]
