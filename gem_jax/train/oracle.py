@@ -92,8 +92,26 @@ class OracleReport:
         return "\n".join(lines)
 
 
-def _quality(logit: np.ndarray, labels: np.ndarray) -> Quality:
+def quality(logit: np.ndarray, labels: np.ndarray) -> Quality:
+    """AUC and NE of the float logits `[N]` against the 0/1 labels `[N]`, in the trainer's metrics."""
     return Quality(auc=auc(logit, labels), ne=float(normalized_entropy(bce_per_example(logit, labels).mean(), labels.mean())))
+
+
+def eval_mask(truth: Truth, rule: SplitRule) -> tuple[np.ndarray, int | None]:
+    """`(is_eval, cutoff)`: bool `[N]`, True for the events `rule`'s split holds out (as `gem-data
+    convert --split` flags them), and the rule's resolved cutoff time (None for `last:N`).
+
+    Raises:
+      ValueError: the split leaves no train or no eval events.
+    """
+    n = truth.user.size
+    starts = np.searchsorted(truth.user, np.arange(int(truth.user[-1]) + 2))
+    cutoff = resolve_cutoff(rule, lambda: iter([truth.time]), n, int(truth.time.min()), int(truth.time.max()))
+    is_eval = eval_flags(rule, cutoff, starts, truth.time) == EVAL
+    held_out = int(is_eval.sum())
+    if held_out == 0 or held_out == n:
+        raise ValueError(f"split {rule.describe()}: {n - held_out} train and {held_out} eval events; both must be > 0")
+    return is_eval, cutoff
 
 
 def _share(lift: float, total: float) -> float:
@@ -111,12 +129,9 @@ def oracle_report(truth: Truth, rule: SplitRule) -> OracleReport:
       ValueError: the split leaves no train or no eval events.
     """
     n = truth.user.size
-    starts = np.searchsorted(truth.user, np.arange(int(truth.user[-1]) + 2))
-    cutoff = resolve_cutoff(rule, lambda: iter([truth.time]), n, int(truth.time.min()), int(truth.time.max()))
-    is_eval = eval_flags(rule, cutoff, starts, truth.time) == EVAL
+    is_eval, cutoff = eval_mask(truth, rule)
     train = np.flatnonzero(~is_eval)
-    if train.size == 0 or train.size == n:
-        raise ValueError(f"split {rule.describe()}: {train.size} train and {n - train.size} eval events; both must be > 0")
+    starts = np.searchsorted(truth.user, np.arange(int(truth.user[-1]) + 2))
     position = np.arange(n) - starts[truth.user]
     train_examples = Examples(target_event=train, history_length=position[train].astype(np.int32), candidate=truth.item[train], labels=truth.click[train, None])
     item_mean = item_mean_labels(train_examples, truth.num_items)[:, 0].astype(np.float64)
@@ -129,10 +144,10 @@ def oracle_report(truth: Truth, rule: SplitRule) -> OracleReport:
         return (logit - sum(truth.terms[name] - truth.terms[name].mean() for name in names))[is_eval]
 
     baseline_p = np.clip(item_mean[item], _CLIP, 1 - _CLIP)
-    oracle = _quality(logit[is_eval], labels)
-    baseline = _quality(np.log(baseline_p) - np.log1p(-baseline_p), labels)
-    no_history = _quality(without(HISTORY_TERMS), labels)
-    no_long = _quality(without(LONG_RANGE_TERMS), labels)
+    oracle = quality(logit[is_eval], labels)
+    baseline = quality(np.log(baseline_p) - np.log1p(-baseline_p), labels)
+    no_history = quality(without(HISTORY_TERMS), labels)
+    no_long = quality(without(LONG_RANGE_TERMS), labels)
     return OracleReport(
         split=rule.describe(),
         cutoff=cutoff,

@@ -20,6 +20,12 @@ def test_the_ceilings_agree_with_the_report_of_the_written_log(load_benchmark, t
         assert (result["auc"][name], result["ne"][name]) == (getattr(report, name).auc, getattr(report, name).ne), name
     auc = result["auc"]
     assert auc["no_history"] < auc["categories_only"] < auc["oracle"]
+    # learned from the train events, the planted form comes close to the ceiling with the true effects, and its weights to the true ones
+    assert auc["no_history"] < auc["fitted"] < auc["categories_only"]
+    fitted = result["fitted"]
+    for name, weight in fitted["weights"].items():
+        assert abs(weight / fitted["true_weights"][name] - 1) < 0.1, (name, weight)
+    assert fitted["l2"] in ceilings.L2_GRID and set(fitted["validation_ne"]) == {str(v) for v in ceilings.L2_GRID}
     assert result["lift_share"]["oracle"] == 1.0 and result["lift_share"]["item_mean"] == 0.0
 
 
@@ -48,3 +54,22 @@ def test_category_mean_vectors_average_each_category(load_benchmark):
     ceilings = load_benchmark("planted_ceilings")
     vectors = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     np.testing.assert_allclose(ceilings.category_mean_vectors(vectors, np.array([0, 0, 1])), [[0.5, 0.5], [0.5, 0.5], [1.0, 1.0]])
+
+
+def test_the_logistic_fit_recovers_known_parameters(load_benchmark):
+    ceilings = load_benchmark("planted_ceilings")
+    rng = np.random.default_rng(0)
+    n, users, items = 200_000, 5, 4
+    user, item, signals = rng.integers(0, users, n), rng.integers(0, items, n), rng.normal(size=(n, 2))
+    truth = np.concatenate([[-0.5, 1.5, -0.7], [0.3, -0.3, 0.2, 0.0, -0.2], [0.5, 0.0, -0.5, 0.25]])  # bias, weights, users, items
+    labels = (rng.random(n) < 1 / (1 + np.exp(-ceilings.fitted_logit(truth, user, item, signals, users)))).astype(np.float64)
+    params = ceilings.fit_logistic(user, item, signals, labels, users, items, l2=0.0)
+    # Standard errors at p(1 - p) ~ 0.2: a weight's ~ 1 / sqrt(0.2 n) = 0.005, an effect's ~ 1 / sqrt(0.2 n / 5) = 0.011.
+    # Effects are known up to a constant shared with the bias: compare their differences (SE ~ 0.016), at 4 SE.
+    assert np.abs(params[1:3] - truth[1:3]).max() < 0.02
+    for first, count in ((3, users), (3 + users, items)):
+        fitted, planted = params[first:first + count], truth[first:first + count]
+        assert np.abs((fitted - fitted[0]) - (planted - planted[0])).max() < 0.064
+    # a penalty pulls the effects towards 0
+    shrunk = ceilings.fit_logistic(user, item, signals, labels, users, items, l2=1.0)
+    assert np.abs(shrunk[3:]).sum() < 0.2 * np.abs(params[3:]).sum()

@@ -260,6 +260,24 @@ def recent_affinity(config: PlantedConfig, vectors: np.ndarray, item: np.ndarray
     return total / np.maximum(np.minimum(position, config.recent_window), 1)
 
 
+def category_signals(config: PlantedConfig, user: np.ndarray, category: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(mid, long)`, float64 `[N]` each: the mid-range and long-range signals before their weights.
+
+    Functions of the categories of each user's events (module docstring): mid, the share of the events
+    `recent_window + 1` to `mid_window` back in the event's category; long, 1 where at least
+    `long_min_count` of the events `long_window` back are in it and none of the last `mid_window`.
+    `user`, `category` (the event's item's) and `position` (in the user's sequence, < `max_length + 1`)
+    are int `[N]`, events grouped by user in sequence order.
+    """
+    stride = config.max_length + 1
+    group = user * config.num_categories + category
+    mid_events = np.clip(position - config.recent_window, 0, config.mid_window - config.recent_window)
+    mid = window_counts(group, position, config.recent_window + 1, config.mid_window, stride) / np.maximum(mid_events, 1)
+    engaged = window_counts(group, position, *config.long_window, stride) >= config.long_min_count
+    seen_recently = window_counts(group, position, 1, config.mid_window, stride) > 0
+    return mid, (engaged & ~seen_recently).astype(np.float64)
+
+
 def _times(config: PlantedConfig, user: np.ndarray, position: np.ndarray) -> np.ndarray:
     """int64 `[N]` Unix seconds: sorted uniform draws per user, strictly increasing (module docstring)."""
     uniform = _rng(config, _TIMES).random(user.size)
@@ -296,18 +314,13 @@ def generate(config: PlantedConfig) -> PlantedLog:
     item = np.where(focus | returned, _popular_items(catalogue, category, in_category), explored)
     draw = np.where(focus, Draw.FOCUS, np.where(returned, Draw.RETURN, Draw.EXPLORE)).astype(np.uint8)
 
-    stride = config.max_length + 1
-    group = user * config.num_categories + category
-    mid_events = np.clip(position - config.recent_window, 0, config.mid_window - config.recent_window)
-    mid = window_counts(group, position, config.recent_window + 1, config.mid_window, stride) / np.maximum(mid_events, 1)
-    engaged = window_counts(group, position, *config.long_window, stride) >= config.long_min_count
-    seen_recently = window_counts(group, position, 1, config.mid_window, stride) > 0
+    mid, long = category_signals(config, user, category, position)
     terms = {
         "user": catalogue.user_effect[user],
         "item": catalogue.item_effect[item],
         "recent": config.recent_weight * recent_affinity(config, catalogue.vectors, item, position),
         "mid": config.mid_weight * mid,
-        "long": config.long_weight * (engaged & ~seen_recently).astype(np.float64),
+        "long": config.long_weight * long,
     }
     logit = config.base_logit + sum(terms[name] for name in TERMS)
     p = 1.0 / (1.0 + np.exp(-logit))
