@@ -16,7 +16,11 @@ fitted by L-BFGS (scipy) to the mean log loss plus `l2` times the squared effect
 `L2_GRID` by the NE of the train events' last tenth in time held out, then refitted on every train
 event. It is what a model of exactly the planted form, reading categories, learns from this much data:
 what is left between it and the categories-only ceiling is the cost of estimating 22,000 effects from
-the train split. Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside it. The log is generated in memory
+the train split. Two more fitted rows ask what the model's inputs allow: **fitted_no_user**, the same
+without user effects (a model that sees neither the user's id nor its past outcomes, as one trained on the
+log converted without its action column), and **fitted_past_outcomes**, without user effects but with
+the user's click rate over its earlier events as a fourth signal (`past_click_logit`: what history rows
+that carry their events' outcomes tell about the user). Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside it. The log is generated in memory
 (`gem_jax.data.planted.generate`), as `gem-data plant` writes it for the same preset and seed.
 """
 
@@ -103,6 +107,23 @@ def fitted_row(user, item, signals, labels, time, is_eval, num_users: int, num_i
     return {"quality": scored, "l2": chosen, "validation_ne": {str(k): v for k, v in validation_ne.items()}, "weights": params[1:1 + signals.shape[1]].tolist()}
 
 
+PAST_PRIOR_EVENTS = 5.0  # past_click_logit's pseudo-events at the train click rate
+
+
+def past_click_logit(click: np.ndarray, user_offsets: np.ndarray, user: np.ndarray, prior_rate: float) -> np.ndarray:
+    """float64 `[N]`: the logit of each event's user click rate over its earlier events, shrunk toward
+    `prior_rate` by `PAST_PRIOR_EVENTS` pseudo-events: `(clicks before + 5 r) / (events before + 5)`.
+
+    `click` is 0/1 `[N]` for events grouped by user in time order (`user_offsets` `[U + 1]`, `user` `[N]`).
+    """
+    clicks = click.astype(np.float64)
+    before = np.cumsum(clicks) - clicks
+    first = user_offsets[user]
+    before -= np.concatenate([[0.0], np.cumsum(clicks)])[first]
+    rate = (before + PAST_PRIOR_EVENTS * prior_rate) / (np.arange(click.size) - first + PAST_PRIOR_EVENTS)
+    return np.log(rate) - np.log1p(-rate)
+
+
 def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
     """AUC and NE of the oracle, the categories-only ceiling, no history and the item-mean baseline on `rule`'s
     eval events of the log `config` generates, with each one's share of the oracle's AUC lift (module docstring).
@@ -120,8 +141,13 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
     signals = np.stack([recent / config.recent_weight if config.recent_weight else recent, mid, long], axis=1)
     is_eval, _ = eval_mask(truth, rule)
     fitted = fitted_row(log.user, log.item, signals, log.click, log.time, is_eval, config.num_users, config.num_items)
+    anyone = np.zeros_like(log.user)  # one user: no user effects
+    no_user = fitted_row(anyone, log.item, signals, log.click, log.time, is_eval, 1, config.num_items)
+    past = past_click_logit(log.click, log.user_offsets, log.user, float(log.click[~is_eval].mean()))
+    past_outcomes = fitted_row(anyone, log.item, np.column_stack([signals, past]), log.click, log.time, is_eval, 1, config.num_items)
     rows = {
         "oracle": report.oracle, "categories_only": oracle_report(by_category, rule).oracle, "fitted": fitted["quality"],
+        "fitted_past_outcomes": past_outcomes["quality"], "fitted_no_user": no_user["quality"],
         "no_history": report.no_history, "item_mean": report.item_mean,
     }
     lift = report.oracle.auc - report.item_mean.auc
@@ -135,6 +161,11 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
             "l2": fitted["l2"], "validation_ne": fitted["validation_ne"],
             "weights": dict(zip(("recent", "mid", "long"), fitted["weights"])),
             "true_weights": {"recent": config.recent_weight, "mid": config.mid_weight, "long": config.long_weight},
+        },
+        "fitted_no_user": {"l2": no_user["l2"], "validation_ne": no_user["validation_ne"]},
+        "fitted_past_outcomes": {
+            "l2": past_outcomes["l2"], "validation_ne": past_outcomes["validation_ne"],
+            "weights": dict(zip(("recent", "mid", "long", "past_click_logit"), past_outcomes["weights"])),
         },
     }
 

@@ -7,7 +7,9 @@ Plants the long-range preset shrunk to 300 users, 200 items and 20 categories (`
 seed 0; about 48k events, `gem-data plant` has no flags for these sizes), converts it with the `time:0.9`
 split, then trains `configs/events_tiny.py` once per `--run NAME=OVERRIDES` (space-separated `--set`
 overrides; a name holding `_d<width>`, e.g. `_d32` or `_d128`, takes that width, with 2 sequence layers, 2 pooled queries
-and head MLPs of max(64, d); `_seed<k>` sets `loop.seed` and `data.seed`) under the common recipe: 500
+and head MLPs of max(64, d); `_seed<k>` sets `loop.seed` and `data.seed`; `noactions` trains on the log
+converted without its action column, as every run before 2026-12-06 did, so history rows do not carry
+their events' outcomes: `gem_jax.data.planted.event_schema`) under the common recipe: 500
 steps of 128, dense AdamW 1e-2 after 10 warm-up steps, row-wise embedding Adagrad from 0 at 1.0. Writes
 each run's final eval AUC and NE and its train NE at every log, with the log's item-mean and oracle, to `--out`.
 """
@@ -56,15 +58,17 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="planted_cpu_"))
     files = write_planted(generate(PLANTED), root / "log")
-    convert([files.events], root / "converted", event_schema(files), ConvertOptions(split=SplitRule.parse(SPLIT)), log=lambda line: None)
+    for name, actions in (("converted", True), ("converted_noactions", False)):
+        convert([files.events], root / name, event_schema(files, actions=actions), ConvertOptions(split=SplitRule.parse(SPLIT)), log=lambda line: None)
     report = oracle_report(read_truth(files.truth), SplitRule.parse(SPLIT))
     base = load_config(Path(__file__).parents[1] / "configs" / "events_tiny.py")
     results = {}
     for spec in args.run:
         name, _, extra = spec.partition("=")
-        overrides = [f"data.path={root / 'converted'}", *RECIPE, *name_overrides(name), *extra.split()]
+        converted = root / ("converted_noactions" if "noactions" in name else "converted")
+        overrides = [f"data.path={converted}", *RECIPE, *name_overrides(name), *extra.split()]
         summary = train_and_evaluate(apply_overrides(base, overrides), root / name, progress=False)
-        results[name] = {"overrides": overrides[1:], "auc": summary["auc_click"], "ne": summary["ne_click"],
+        results[name] = {"overrides": overrides[1:], "actions": "noactions" not in name, "auc": summary["auc_click"], "ne": summary["ne_click"],
                          # step -> train NE (each log the mean since the last)
                          "train_ne": {r["step"]: round(r["ne_click"], 4) for r in read_run(root / name)["train"]}}
         print(name, results[name]["auc"], results[name]["ne"], flush=True)

@@ -26,6 +26,8 @@ def test_the_ceilings_agree_with_the_report_of_the_written_log(load_benchmark, t
     for name, weight in fitted["weights"].items():
         assert abs(weight / fitted["true_weights"][name] - 1) < 0.1, (name, weight)
     assert fitted["l2"] in ceilings.L2_GRID and set(fitted["validation_ne"]) == {str(v) for v in ceilings.L2_GRID}
+    # without user effects the form loses lift; the user's past click rate gives part of it back
+    assert auc["no_history"] < auc["fitted_no_user"] < auc["fitted_past_outcomes"] < auc["fitted"]
     assert result["lift_share"]["oracle"] == 1.0 and result["lift_share"]["item_mean"] == 0.0
 
 
@@ -73,3 +75,10 @@ def test_the_logistic_fit_recovers_known_parameters(load_benchmark):
     # a penalty pulls the effects towards 0
     shrunk = ceilings.fit_logistic(user, item, signals, labels, users, items, l2=1.0)
     assert np.abs(shrunk[3:]).sum() < 0.2 * np.abs(params[3:]).sum()
+
+
+def test_past_click_logit_by_hand(load_benchmark):
+    ceilings = load_benchmark("planted_ceilings")
+    click, offsets, user = np.array([1, 0, 1, 0, 0]), np.array([0, 3, 5]), np.array([0, 0, 0, 1, 1])
+    rates = np.array([2.5 / 5, 3.5 / 6, 3.5 / 7, 2.5 / 5, 2.5 / 6])  # (clicks before + 5 x 0.5) / (events before + 5), per user
+    np.testing.assert_allclose(ceilings.past_click_logit(click, offsets, user, 0.5), np.log(rates / (1 - rates)), atol=1e-12)

@@ -3,7 +3,8 @@
 `write_planted` writes into one directory::
 
     events.parquet | events.csv   user_id (string), item_id (string), ts (Unix seconds), click (0/1),
-                                  sorted by time, then user
+                                  action ("click" or "impression": the event's outcome as an event
+                                  type, which a history row carries), sorted by time, then user
     items.parquet | items.csv     item_id, category (string): the item table
     truth.parquet                 per event, in the same order: user_id, item_id, ts, click, p, logit,
                                   draw (focus / return / explore) and the logit's terms
@@ -13,7 +14,9 @@
 (written as `DIR.partial`, moved into place when complete). Ids are `u<k>`,
 `i<k>`, `c<k>` for user, item and category index k. `event_schema` is the
 schema `gem-data convert` reads the events with (`convert_command` spells it
-as a command line); `read_truth` reads the truth back for the oracle
+as a command line): by default with the action column, so that each history row carries
+whether its event was clicked, as a real log's event types say what a user did with what it saw
+(the target's own label is never in its history: `gem_jax.data.collate`); `read_truth` reads the truth back for the oracle
 (`gem_jax.train.oracle`).
 """
 
@@ -41,8 +44,9 @@ from gem_jax.data.rows import DataFormatError
 INFO = "planted.json"
 TRUTH = "truth.parquet"
 INFO_FORMAT = "gem-data planted event log"
-INFO_VERSION = 1
-USER, ITEM, TIME, LABEL, CATEGORY = "user_id", "item_id", "ts", "click", "category"
+INFO_VERSION = 2  # 2: the events' action column
+USER, ITEM, TIME, LABEL, ACTION, CATEGORY = "user_id", "item_id", "ts", "click", "action", "category"
+ACTION_NAMES = ("impression", "click")  # the action column's value of a label 0 and 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +93,11 @@ def _files_of(directory: str | os.PathLike, fmt: Format) -> PlantedFiles:
     return PlantedFiles(directory, directory / f"events{suffix}", directory / f"items{suffix}", directory / TRUTH)
 
 
-def event_schema(files: PlantedFiles) -> EventSchema:
-    """How `gem-data convert` reads the planted events: ids, time, the click label and the item table's category."""
+def event_schema(files: PlantedFiles, *, actions: bool = True) -> EventSchema:
+    """How `gem-data convert` reads the planted events: ids, time, the click label, the item table's
+    category and, with `actions`, the action column (each history row's outcome; module docstring)."""
     return EventSchema(
-        user=USER, item=ITEM, time=TIME, labels=(LabelRule.parse(LABEL),),
+        user=USER, item=ITEM, time=TIME, labels=(LabelRule.parse(LABEL),), action=ACTION if actions else None,
         features=(FeatureColumn(CATEGORY, Side.ITEM),), item_table=str(files.items), item_key=ITEM,
     )
 
@@ -101,7 +106,7 @@ def convert_command(files: PlantedFiles, out: str, split: str) -> str:
     """The `gem-data convert` command line that converts the planted events into `out` (`event_schema`'s flags)."""
     schema = event_schema(files)
     words = ["gem-data", "convert", str(files.events), "--out", out, "--user", schema.user, "--item", schema.item, "--time", schema.time]
-    words += ["--label", schema.labels[0].column, "--item-table", schema.item_table, "--item-feature", CATEGORY, "--split", split]
+    words += ["--label", schema.labels[0].column, "--action", schema.action, "--item-table", schema.item_table, "--item-feature", CATEGORY, "--split", split]
     return shlex.join(words)
 
 
@@ -145,7 +150,8 @@ def write_planted(log: PlantedLog, directory: str | os.PathLike, fmt: Format = F
         items = _names("i", log.item[order], config.num_items)
         times = pa.array(log.time[order])
         clicks = pa.array(log.click[order])
-        _write_table(pa.table({USER: users, ITEM: items, TIME: times, LABEL: clicks}), files.events, fmt)
+        actions = pc.take(pa.array(ACTION_NAMES), clicks)
+        _write_table(pa.table({USER: users, ITEM: items, TIME: times, LABEL: clicks, ACTION: actions}), files.events, fmt)
         item_table = {ITEM: _names("i", np.arange(config.num_items), config.num_items), CATEGORY: _names("c", log.item_category, config.num_categories)}
         _write_table(pa.table(item_table), files.items, fmt)
         draws = pc.take(pa.array([d.name.lower() for d in Draw]), pa.array(log.draw[order]))

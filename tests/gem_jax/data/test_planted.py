@@ -130,6 +130,7 @@ def test_converts_with_gem_data_convert(planted, tmp_path):
     converted = ConvertedLog(tmp_path / "converted")
     users, items = converted.vocab("user").ids.to_pylist(), converted.vocab("item").ids.to_pylist()
     categories = converted.vocab("item_feature.category").ids.to_pylist()
+    actions = converted.vocab("action").ids.to_pylist()
     category_rows = converted.item_features()["category"][:, 0]
     split_times = {}
     for record in converted:
@@ -139,6 +140,7 @@ def test_converts_with_gem_data_convert(planted, tmp_path):
         np.testing.assert_array_equal(ids, log.item[lo:hi])
         np.testing.assert_array_equal(record["time"], log.time[lo:hi])
         np.testing.assert_array_equal(record["labels"][:, 0], log.click[lo:hi])
+        assert [actions[r - FIRST_ID_ROW] for r in record["action"]] == [("impression", "click")[c] for c in log.click[lo:hi]]  # each event's outcome
         np.testing.assert_array_equal([int(categories[category_rows[r] - FIRST_ID_ROW][1:]) for r in record["item"]], log.item_category[log.item[lo:hi]])
         split_times[u] = record["split"]
     assert len(split_times) == log.config.num_users
@@ -160,7 +162,7 @@ def test_csv_output_and_the_cli(tmp_path, capsys):
     files = write_planted(generate(config), out, Format.CSV)
     assert files.events.name == "events.csv" and files.items.name == "items.csv"
     header = files.events.read_text().splitlines()[0]
-    assert header == '"user_id","item_id","ts","click"'
+    assert header == '"user_id","item_id","ts","click","action"'
     with pytest.raises(DataFormatError, match="holds a planted log"):
         write_planted(generate(config), out, Format.CSV)
     (tmp_path / "other").mkdir()
