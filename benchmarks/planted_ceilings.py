@@ -16,11 +16,11 @@ fitted by L-BFGS (scipy) to the mean log loss plus `l2` times the squared effect
 `L2_GRID` by the NE of the train events' last tenth in time held out, then refitted on every train
 event. It is what a model of exactly the planted form, reading categories, learns from this much data:
 what is left between it and the categories-only ceiling is the cost of estimating 22,000 effects from
-the train split. Two more fitted rows ask what the model's inputs allow: **fitted_no_user**, the same
-without user effects (a model that sees neither the user's id nor its past outcomes, as one trained on the
-log converted without its action column), and **fitted_past_outcomes**, without user effects but with
-the user's click rate over its earlier events as a fourth signal (`past_click_logit`: what history rows
-that carry their events' outcomes tell about the user). Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside it. The log is generated in memory
+the train split (a converted log gives a model the same inputs: user ids as its user token, item ids,
+categories). Two more fitted rows ask what the user effects are worth: **fitted_no_user**, the same
+without them (a model with neither a user id nor its events' outcomes), and **fitted_past_outcomes**,
+without them but with the user's click rate over its earlier events as a fourth signal
+(`past_click_logit`: what history rows that carry their events' outcomes tell about the user). Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside it. The log is generated in memory
 (`gem_jax.data.planted.generate`), as `gem-data plant` writes it for the same preset and seed.
 """
 

@@ -52,12 +52,13 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
   1e-4, still far below what changes 1800 steps: exp(-1800 * 3e-4 * 0.01) = 0.995).
 - history rows carry their events' outcomes (the planted log's action column, converted with
   `--action action` as `gem_jax.data.planted.convert_command` spells it since 2026-12-06; the
-  runs measured above converted without it): without them a model that has no user ids cannot see
-  the user effects (`user_scale` 0.3 in logit). A logistic regression
-  of exactly the planted form, without user effects, reaches 85.5% of the lift; with the user's
-  past click rate 88.3%; with user effects 89.5% (`benchmarks/planted_ceilings.py`). Tiny models
-  on a small planted log went from 14% to 38% of the lift with it, mean of five seeds, every
-  seed better (benchmarks/quality.md, "Past outcomes in the history"). Not yet run at this width.
+  runs measured above converted without it): the user effects (`user_scale` 0.3 in logit) are
+  otherwise learned only through the user token, one embedding row per user updated by that
+  user's ~145 train events. A logistic regression of exactly the planted form reaches 89.5% of
+  the lift with user effects, 88.3% with the user's past click rate instead, 85.5% with neither
+  (`benchmarks/planted_ceilings.py`). Tiny models on a small planted log (with user tokens) went
+  from 14% to 37% of the lift with outcomes, mean of five seeds, every seed better
+  (benchmarks/quality.md, "Past outcomes in the history"). Not yet run at this width.
 - history rows carry their items' category (`data.history_item_features`): the planted
   signals are mostly functions of the history's categories (the mid and long-range terms
   wholly, the recent term half, through the items' latent vectors), and without them the
