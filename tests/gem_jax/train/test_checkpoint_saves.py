@@ -369,14 +369,16 @@ def test_host_memory_does_not_grow_from_save_to_save(tmp_path):
     copy = sum(x.nbytes for x in jax.tree.leaves(state))
     checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, max_to_keep=1))
     rss = []
-    for step in range(1, 9):
+    for step in range(1, 11):
         checkpointer.save(step, state, _data(step))
         checkpointer.wait()
         rss.append(_rss())
     checkpointer.close()
-    # A staged copy kept per save would add 6 copies; allocator noise with Orbax's threads (~20 MB alone, up to 70 MB
-    # in a loaded suite, in steps of 17-29 MB unrelated to the copy's size) stays below one.
-    assert rss[-1] - rss[2] < copy, [r / 1e6 for r in rss]
+    # Over the last 7 saves a staged copy kept per save would add 7 copies (940 MB). Allocator noise with Orbax's
+    # threads is tens of MB a save, more in a loaded suite: 20 MB over 6 saves alone, 70 MB with the 67 MB state and
+    # 151 MB over 5 saves with this one in loaded suites (freed blocks kept by malloc's per-thread arenas). Three
+    # copies bound it at twice the worst noise seen, and still catch any leak of half a copy a save.
+    assert rss[-1] - rss[2] < 3 * copy, [r / 1e6 for r in rss]
     assert checkpointer.write_buffer_gb >= 1
 
 
