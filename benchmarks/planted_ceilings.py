@@ -60,6 +60,9 @@ def fitted_logit(params: np.ndarray, user: np.ndarray, item: np.ndarray, signals
 def fit_logistic(user: np.ndarray, item: np.ndarray, signals: np.ndarray, labels: np.ndarray, num_users: int, num_items: int, l2: float) -> np.ndarray:
     """Fits `fitted_logit` to 0/1 `labels` `[N]`: mean log loss + `l2` x (sum of squared user and item effects).
 
+    Ridge-penalised logistic regression (effects as one-hot columns, their gradients summed by `np.bincount`),
+    minimised by scipy's L-BFGS-B (Byrd, Lu, Nocedal & Zhu 1995) with the exact gradient.
+
     Args:
       user, item: int `[N]` ids in `[0, num_users)`, `[0, num_items)`; signals: float `[N, K]`.
 

@@ -204,7 +204,9 @@ def table(preset: str, records: Sequence[Path] = ()) -> int:
         return done.returncode
     result = json.loads(where["table"].read_text())
     # the table's own "device" is where it was computed; compare_runs refuses a run that is both a folder and a record's
-    result["trained_on"] = {**{d.name: trained_on(d) for d in runs}, **{name: recorded_on(r) for r in records for name in json.loads(r.read_text())["runs"]}}
+    result["trained_on"] = {d.name: trained_on(d) for d in runs}
+    for record in records:
+        result["trained_on"].update(recorded_on(record))
     where["table"].write_text(json.dumps(result, indent=1) + "\n")
     wanted = more_seeds(result)
     for i in range(0, len(wanted), RUNS_PER_CALL):
@@ -229,9 +231,11 @@ def trained_on(run: Path) -> str:
     return f"{device}; commit {sha[:12]}{plus}{modified}"
 
 
-def recorded_on(record: Path) -> str:
-    """Where a runs record's runs trained, as the record says it (its `gpu`), and the record's path."""
-    return f"{json.loads(record.read_text()).get('gpu', 'unknown')} (runs record {record})"
+def recorded_on(record: Path) -> dict[str, str]:
+    """Run name -> where it trained, for each run of a runs record: as the record says it (its `gpu`), and its path."""
+    data = json.loads(record.read_text())
+    where = f"{data.get('gpu', 'unknown')} (runs record {record})"
+    return {name: where for name in data["runs"]}
 
 
 def more_seeds(result: dict) -> list[str]:

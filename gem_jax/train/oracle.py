@@ -105,13 +105,17 @@ def eval_mask(truth: Truth, rule: SplitRule) -> tuple[np.ndarray, int | None]:
       ValueError: the split leaves no train or no eval events.
     """
     n = truth.user.size
-    starts = np.searchsorted(truth.user, np.arange(int(truth.user[-1]) + 2))
     cutoff = resolve_cutoff(rule, lambda: iter([truth.time]), n, int(truth.time.min()), int(truth.time.max()))
-    is_eval = eval_flags(rule, cutoff, starts, truth.time) == EVAL
+    is_eval = eval_flags(rule, cutoff, _user_starts(truth), truth.time) == EVAL
     held_out = int(is_eval.sum())
     if held_out == 0 or held_out == n:
         raise ValueError(f"split {rule.describe()}: {n - held_out} train and {held_out} eval events; both must be > 0")
     return is_eval, cutoff
+
+
+def _user_starts(truth: Truth) -> np.ndarray:
+    """int64 `[U + 2]`: the first event of each user index (events are sorted by user), then the end."""
+    return np.searchsorted(truth.user, np.arange(int(truth.user[-1]) + 2))
 
 
 def _share(lift: float, total: float) -> float:
@@ -131,8 +135,7 @@ def oracle_report(truth: Truth, rule: SplitRule) -> OracleReport:
     n = truth.user.size
     is_eval, cutoff = eval_mask(truth, rule)
     train = np.flatnonzero(~is_eval)
-    starts = np.searchsorted(truth.user, np.arange(int(truth.user[-1]) + 2))
-    position = np.arange(n) - starts[truth.user]
+    position = np.arange(n) - _user_starts(truth)[truth.user]
     train_examples = Examples(target_event=train, history_length=position[train].astype(np.int32), candidate=truth.item[train], labels=truth.click[train, None])
     item_mean = item_mean_labels(train_examples, truth.num_items)[:, 0].astype(np.float64)
 

@@ -153,7 +153,8 @@ def test_a_runs_devices_and_commit_come_from_its_run_record_or_its_log(switch_ta
 
 def test_a_recorded_runs_device_is_its_runs_records(switch_table, tmp_path):
     record = tmp_path / "switch_table_long_range_runs.json"
-    record.write_text(json.dumps({"gpu": "one NVIDIA H200 (141 GB), jax 0.11.2", "runs": {}}))
-    assert switch_table.recorded_on(record) == f"one NVIDIA H200 (141 GB), jax 0.11.2 (runs record {record})"
-    record.write_text(json.dumps({"runs": {}}))
-    assert switch_table.recorded_on(record) == f"unknown (runs record {record})"
+    record.write_text(json.dumps({"gpu": "one NVIDIA H200 (141 GB), jax 0.11.2", "runs": {"bf16_seed0": {}, "fp8_32_seed0": {}}}))
+    where = f"one NVIDIA H200 (141 GB), jax 0.11.2 (runs record {record})"
+    assert switch_table.recorded_on(record) == {"bf16_seed0": where, "fp8_32_seed0": where}
+    record.write_text(json.dumps({"runs": {"bf16_seed0": {}}}))
+    assert switch_table.recorded_on(record) == {"bf16_seed0": f"unknown (runs record {record})"}
