@@ -41,7 +41,8 @@ given as max - min and as the sample standard deviation (ddof 1). `needs_more_se
 switches within two spreads that have fewer than 3 seeds. Runs without a final eval are named
 and left out. Runs whose folders are gone join from a runs record (`--record FILE`, a
 `benchmarks/results/switch_table_*_runs_*.json`: each run's eval records; `record_evals`); a run
-may be a folder or a record's, not both.
+may be a folder or a record's, not both, unless it is named with `--rerun NAME`: a run trained
+again whose folder replaces its record's entry (a run named so must be both).
 
     python benchmarks/compare_runs.py --switch-table --planted runs/planted/short-range/log \
         --run bf16_seed0=DIR --run bf16_seed1=DIR --run bf16_seed2=DIR --run fp8_32_seed0=DIR ... \
@@ -351,8 +352,17 @@ def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: di
         if missing:
             raise SystemExit(f"compare_runs: run {name!r}, eval record of step {record['step']} lacks {missing} ({where})")
         add(switch, seed, {"ne": record[f"ne_{task}"], "auc": record[f"auc_{task}"]}, where)
+    reruns = set(args.rerun)
+    not_folders = sorted(reruns - set(paths))
+    if not_folders:
+        raise SystemExit(f"compare_runs: --rerun {', '.join(not_folders)}: no --run folder of that name (a rerun's folder replaces its record's entry)")
+    replaced = set()
     for record_file in args.record:
         recorded, stopped = record_evals(record_file)
+        for name in reruns & {*recorded, *stopped}:
+            replaced.add(name)
+            recorded.pop(name, None)
+            stopped = [n for n in stopped if n != name]
         for name in [*recorded, *stopped]:
             if name in sources:
                 raise SystemExit(f"compare_runs: run {name!r} is both {sources[name]} and in --record {record_file}")
@@ -361,6 +371,9 @@ def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: di
         for name, result in recorded.items():
             switch, seed = _switch_seed(name, record_file)
             add(switch, seed, result, record_file)
+    not_recorded = sorted(reruns - replaced)
+    if not_recorded:
+        raise SystemExit(f"compare_runs: --rerun {', '.join(not_recorded)}: in no --record (a rerun replaces a recorded run)")
     if without_eval:
         print(f"compare_runs: no final eval record in {', '.join(without_eval)}: left out of the table")
     table = switch_table(evals, args.reference_switch, oracle)
@@ -383,6 +396,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", default=[], help="name=workdir; the first is the reference")
     parser.add_argument("--record", action="append", type=Path, default=[], help="with --switch-table: a runs record's runs, for runs whose folders are gone (`record_evals`)")
+    parser.add_argument("--rerun", action="append", default=[], metavar="NAME", help="with --record: a run both a --run folder and a record's; the folder replaces the record's entry")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--figure", type=Path, required=True)
     parser.add_argument("--title", help="the figure's title (default: eval and train NE per run; with --switch-table: switch table)")
@@ -393,6 +407,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.record and not args.switch_table:
         raise SystemExit("compare_runs: --record is read only with --switch-table")
+    if args.rerun and not args.record:
+        raise SystemExit("compare_runs: --rerun names a run of a --record that a folder replaces: give the --record")
     if not args.run and not (args.switch_table and args.record):
         raise SystemExit("compare_runs: name the runs to compare with --run name=workdir (with --switch-table, or --record FILE)")
     if args.loss_window < 1:

@@ -22,7 +22,7 @@ DIR/switch_table_<preset>.tar.gz, at their repository paths, also when a run fai
 machine that does not keep runs/ between calls, DIR is the call's output folder, and `tar xzf`
 of the archive in the checkout puts the files where `table` reads them. `table` runs compare_runs --switch-table on every run of the preset that
 holds a metrics.jsonl (and, with `--record FILE`, on the runs of a runs record in benchmarks/results/ whose
-folders are gone), writes benchmarks/results/switch_table_<preset>.json and
+folders are gone; `--rerun NAME` for a recorded run trained again, whose folder replaces the record's entry), writes benchmarks/results/switch_table_<preset>.json and
 benchmarks/figures/switch_table_<preset>.png, and prints the `train` commands for the seeds the
 table still wants (switches within two spreads of the reference with fewer than 3 seeds).
 
@@ -179,9 +179,10 @@ def train(preset: str, names: list[str], export_to: Path | None) -> int:
             export(preset, names, export_to)
 
 
-def table(preset: str, records: Sequence[Path] = ()) -> int:
+def table(preset: str, records: Sequence[Path] = (), reruns: Sequence[str] = ()) -> int:
     """compare_runs --switch-table on every run of `preset` that logged metrics, and on the runs of
-    `records` (runs records of runs whose folders are gone: `compare_runs.record_evals`); prints the
+    `records` (runs records of runs whose folders are gone: `compare_runs.record_evals`) but `reruns`
+    (runs of a record trained again, whose folders replace the record's entries); prints the
     seeds still wanted.
 
     Returns:
@@ -197,16 +198,17 @@ def table(preset: str, records: Sequence[Path] = ()) -> int:
     command = [
         sys.executable, "benchmarks/compare_runs.py", "--switch-table", "--planted", str(where["log"]),
         *(f"--run={d.name}={d}" for d in runs), *(f"--record={r}" for r in records),
-        "--title", f"switch table, {preset} planted log", "--out", str(where["table"]), "--figure", str(where["figure"]),
+        *(f"--rerun={name}" for name in reruns), "--title", f"switch table, {preset} planted log", "--out", str(where["table"]), "--figure", str(where["figure"]),
     ]
     done = subprocess.run(command)
     if done.returncode:
         return done.returncode
     result = json.loads(where["table"].read_text())
-    # the table's own "device" is where it was computed; compare_runs refuses a run that is both a folder and a record's
-    result["trained_on"] = {d.name: trained_on(d) for d in runs}
+    # the table's own "device" is where it was computed; a run is a folder's or a record's, or a rerun (the folder's)
+    result["trained_on"] = {}
     for record in records:
         result["trained_on"].update(recorded_on(record))
+    result["trained_on"].update({d.name: trained_on(d) for d in runs})  # a rerun's folder replaces its record's entry
     where["table"].write_text(json.dumps(result, indent=1) + "\n")
     wanted = more_seeds(result)
     for i in range(0, len(wanted), RUNS_PER_CALL):
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     b = commands.add_parser("table", help="tabulate every finished run of a preset")
     b.add_argument("--preset", choices=PRESETS, required=True)
     b.add_argument("--record", action="append", type=Path, default=[], help="a runs record (benchmarks/results/switch_table_*_runs_*.json) whose runs' folders are gone: its runs join the table")
+    b.add_argument("--rerun", action="append", default=[], metavar="NAME", help="a run of a --record trained again: its folder replaces the record's entry")
     args = parser.parse_args(argv)
     if args.command == "plan":
         if args.per_call < 1:
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             return train(args.preset, args.runs, args.export)
         except ValueError as error:
             parser.error(str(error))
-    return table(args.preset, args.record)
+    return table(args.preset, args.record, args.rerun)
 
 
 if __name__ == "__main__":

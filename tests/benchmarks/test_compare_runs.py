@@ -163,7 +163,7 @@ SWITCH_RUNS = {  # name: (eval NE, eval AUC)
 }
 
 
-def _switch_table(compare_main, monkeypatch, tmp_path, runs, records=()):
+def _switch_table(compare_main, monkeypatch, tmp_path, runs, records=(), reruns=()):
     planted = tmp_path / "planted"
     planted.mkdir(exist_ok=True)
     oracle = {"split": "time quantile 0.9", "eval_events": 100, "oracle": {"auc": 0.8, "ne": 0.8}, "item_mean": {"auc": 0.6, "ne": 1.0}}
@@ -171,7 +171,7 @@ def _switch_table(compare_main, monkeypatch, tmp_path, runs, records=()):
     out = tmp_path / "table.json"
     argv = [
         "compare_runs.py", "--switch-table", f"--planted={planted}", *(f"--run={n}={p}" for n, p in runs), *(f"--record={r}" for r in records),
-        f"--out={out}", f"--figure={tmp_path / 'table.png'}",
+        *(f"--rerun={n}" for n in reruns), f"--out={out}", f"--figure={tmp_path / 'table.png'}",
     ]
     monkeypatch.setattr(sys, "argv", argv)
     compare_main()
@@ -268,6 +268,26 @@ def test_a_recorded_run_whose_last_eval_is_early_is_left_out_as_without_final_ev
     record.write_text(json.dumps(stopped))
     table = _switch_table(compare_main, monkeypatch, tmp_path, [], records=[record])
     assert table["runs_without_eval"] == ["fp8_32_seed0"] and "fp8_32" not in [r["switch"] for r in table["switches"]]
+
+
+def test_a_rerun_named_so_replaces_its_records_entry_and_nothing_else(compare_main, monkeypatch, tmp_path):
+    record = _write_runs_record(tmp_path / "runs_record.json", SWITCH_RUNS)
+    rerun = _write_planted_run(tmp_path / "bf16_seed1", 1, 0.8, 0.71)  # bf16 seed 1 trained again: NE 0.71, not the record's
+    table = _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed1", rerun)], records=[record], reruns=["bf16_seed1"])
+    assert table["runs"]["bf16_seed1"] == str(rerun) and table["runs"]["bf16_seed0"] == f"{record} (runs record)"
+    reference = next(r for r in table["switches"] if r["switch"] == "bf16")
+    assert reference["seeds"] == [0, 1, 2] and reference["ne"][1] == pytest.approx(0.8)
+    # A recorded run without its final eval is replaced too; a rerun that is no folder, or in no record, is refused.
+    stopped = json.loads(record.read_text())
+    stopped["runs"]["bf16_seed1"]["evals"].pop()
+    record.write_text(json.dumps(stopped))
+    table = _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed1", rerun)], records=[record], reruns=["bf16_seed1"])
+    assert table["runs_without_eval"] == [] and table["runs"]["bf16_seed1"] == str(rerun)
+    with pytest.raises(SystemExit, match=r"--rerun bf16_seed2: no --run folder of that name"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed1", rerun)], records=[record], reruns=["bf16_seed1", "bf16_seed2"])
+    other = _write_runs_record(tmp_path / "other.json", {"fp8_32_seed0": (0.8, 0.7)})
+    with pytest.raises(SystemExit, match=r"--rerun bf16_seed1: in no --record"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed1", rerun)], records=[other], reruns=["bf16_seed1"])
 
 
 def _bad_record(tmp_path, name, content):
