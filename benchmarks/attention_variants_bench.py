@@ -8,6 +8,11 @@ and on a CPU (Mosaic GPU interpret mode, tiny shapes, no cuDNN) to check the scr
 
     PYTHONPATH=. python3 benchmarks/attention_variants_bench.py --cpu-smoke --out /tmp/attention_variants_smoke.json
 
+`--only block_local` runs only the block-local checks (with and without RoPE) and times only
+block_local_pallas beside full_jfa_pallas (the ratio the block-local kernels are judged by)::
+
+    PYTHONPATH=. python3 benchmarks/attention_variants_bench.py --only block_local --out /tmp/block_local.json
+
 1. Correctness (bf16 kernels against the float32 jnp reference, forward and dQ/dK/dV; lengths
    0, 1, 63, 64, 65, 130, 200; slack rows NaN-poisoned and required to come back 0):
    block_local with and without RoPE, sliding-window JFA causal (w, 0) and two-sided, and
@@ -26,7 +31,9 @@ and on a CPU (Mosaic GPU interpret mode, tiny shapes, no cuDNN) to check the scr
 
 Effective TFLOP/s count real work only: 4 H D per attended (query, key) pair for the forward,
 3.5x for forward+backward (block: sum of block_len^2; window: sum_i min(i, W) + 1; full causal:
-L (L + 1) / 2). Device time from CUPTI (`benchmarks/_timing.py`), wall time as a fallback.
+L (L + 1) / 2). The block variants also report GB/s over their least HBM traffic: q, k, v read and
+out written by the forward, q, k, v, dout read and dq, dk, dv written by the backward (11 [T, H, D]
+tensors of real rows). Device time from CUPTI (`benchmarks/_timing.py`), wall time as a fallback.
 A failing variant records its error and the run goes on; no timed variant starts after
 --budget-s seconds (default 260). Writes JSON to --out; prints a summary.
 """
@@ -50,6 +57,11 @@ from pallas_kernels.jagged_layout import positions_in_sequence
 
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 130, 200]
 ROPE_BASE = 10_000.0
+
+# --only NAME: (correctness cases, timed layers) of a subset; without --only, every one of both.
+SUBSETS = {
+    "block_local": (("block_local_rope", "block_local_plain"), ("block_local_pallas", "full_jfa_pallas")),
+}
 
 
 def offsets_of(lengths) -> jnp.ndarray:
@@ -166,7 +178,8 @@ def check(name, kernel_fn, reference_fn, q, k, v, dout, end):
     return {"ok": ok, **result}
 
 
-def correctness(heads, dim):
+def correctness(heads, dim, names=None):
+    """The correctness cases, or only those in `names`; the XLA peer's own check runs with all of them."""
     lengths = EDGE_LENGTHS
     capacity = sum(lengths) + 29
     offsets = offsets_of(lengths)
@@ -189,8 +202,12 @@ def correctness(heads, dim):
     }
     results = {}
     for name, make in cases.items():
+        if names is not None and name not in names:
+            continue
         results[name] = guarded(lambda: check(name, make("pallas"), make("xla"), q, k, v, dout, end))
         print(f"  check {name}: {summary_of_check(results[name])}", flush=True)
+    if names is not None:
+        return results
     name = "block_einsum_peer"  # the timed XLA peer must compute the same thing
     results[name] = guarded(lambda: check(name, lambda q, k, v: block_einsum(q, k, v, offsets, capacity),
                                           cases["block_local_plain"]("xla"), q, k, v, dout, end))
@@ -215,7 +232,8 @@ def guarded(f):
 # --- timing -----------------------------------------------------------------------------------
 
 
-def timing(heads, dim, batch, window, iters, smoke, deadline):
+def timing(heads, dim, batch, window, iters, smoke, deadline, names=None):
+    """Times every layer of `layers`, or only those in `names`."""
     rng = np.random.default_rng(0)
     if smoke:
         lengths = np.array([1, 63, 64, 65, 130, 9], np.int32)
@@ -230,6 +248,8 @@ def timing(heads, dim, batch, window, iters, smoke, deadline):
     print(f"  lengths: {meta}", flush=True)
     results = {}
     for name, (fn, (kind, size)) in layers(offsets, max_seq_len, capacity, window).items():
+        if names is not None and name not in names:
+            continue
         if smoke and name == "window_cudnn":
             results[name] = {"skipped": "cuDNN needs an NVIDIA GPU"}
             continue
@@ -247,13 +267,18 @@ def timing(heads, dim, batch, window, iters, smoke, deadline):
             wall = _timing.wall_seconds(step, q, k, v, dout, iters=1 if smoke else iters, reps=1 if smoke else 3)
             flops = 3.5 * 4 * heads * dim * pairs(lengths, kind, size)
             seconds = ms / 1e3 if ms else wall
-            return {"device_ms": ms, "wall_ms": wall * 1e3, "compile_s": compile_s, "real_flops": flops,
-                    "tflops": flops / seconds / 1e12}
+            record = {"device_ms": ms, "wall_ms": wall * 1e3, "compile_s": compile_s, "real_flops": flops,
+                      "tflops": flops / seconds / 1e12}
+            if kind == "block":
+                least = 11 * int(lengths.sum()) * heads * dim * q.dtype.itemsize
+                record.update(least_hbm_bytes=least, gb_per_s=least / seconds / 1e9)
+            return record
 
         results[name] = guarded(run)
         r = results[name]
         line = f"ERROR {r['error'].splitlines()[0][:120]}" if "error" in r else (
-            f"{r['device_ms'] or r['wall_ms']:.3f} ms  {r['tflops']:.1f} TFLOP/s")
+            f"{r['device_ms'] or r['wall_ms']:.3f} ms  {r['tflops']:.1f} TFLOP/s"
+            + (f"  {r['gb_per_s']:.0f} GB/s" if "gb_per_s" in r else ""))
         print(f"  {name:20s} {line}", flush=True)
     return meta, results
 
@@ -281,23 +306,27 @@ def main():
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=260.0, help="start no timed variant after this many seconds")
+    parser.add_argument("--only", choices=sorted(SUBSETS),
+                        help="run only this subset: block_local = its checks, timed beside full_jfa_pallas")
     args = parser.parse_args()
     smoke = args.cpu_smoke
+    checks, timed = SUBSETS[args.only] if args.only else (None, None)
     heads, dim = (1, 64) if smoke else (args.heads, args.dim)
     ctx = contextlib.nullcontext()
     if smoke:
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         ctx = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
-    report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "smoke": smoke}
+    report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "smoke": smoke, "only": args.only}
     start = time.perf_counter()
     with ctx:
         print("correctness (bf16 kernels vs float32 reference):", flush=True)
         with jax.default_matmul_precision("highest"):  # a float32 reference, not TF32
-            report["correctness"] = correctness(heads, dim)
+            report["correctness"] = correctness(heads, dim, checks)
         print("timing, forward+backward:", flush=True)
         deadline = start + args.budget_s
-        report["timing_meta"], report["timing"] = timing(heads, dim, args.batch, args.window, args.iters, smoke, deadline)
+        report["timing_meta"], report["timing"] = timing(heads, dim, args.batch, args.window, args.iters, smoke, deadline,
+                                                         timed)
     report["ratios"] = ratios(report["timing"])
     report["total_s"] = time.perf_counter() - start
     with open(args.out, "w") as f:

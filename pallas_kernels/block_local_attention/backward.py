@@ -1,4 +1,4 @@
-"""Block-local attention backward kernel (Pallas Mosaic GPU, Hopper): dQ, dK, dV with RoPE's backward fused.
+"""Block-local attention backward kernel (Pallas Mosaic GPU, Hopper): dQ, dK, dV with RoPE's backward fused, persistent.
 
 Equivalent jnp, per 64-row block s and head h, with `qr, kr` the RoPE'd
 operands and `rope_t` the transposed rotation (rotation by minus the angle)::
@@ -10,13 +10,17 @@ operands and `rope_t` the transposed rotation (rotation by minus the angle)::
     dk[s, h] = rope_t(ds.T @ qr * scale)
     dv[s, h] = p.T @ dout[s, h]
 
-One CTA per (block, head) recomputes the block's softmax (no residual beyond
-q, k, v), so dQ and dK/dV come from one kernel without atomics. The
+Each work item (block, head) recomputes the block's softmax (no residual
+beyond q, k, v), so dQ and dK/dV come from one kernel without atomics. The
 transposed products use the transposed frame (S^T = K Q^T with the row
 statistics read back as column vectors), as jax's `attention_mgpu` backward
-does. Each gradient leaves through the plain view of an operand that is no
-longer read (dQ through k's, dV through v's, dK through q's), so a CTA holds
-72 KiB of shared memory at D=128.
+does. Each gradient leaves through the plain view of an operand slot that is
+no longer read (dQ through k's, dV through v's, dK through q's). A fixed grid
+of CTAs walks the items with a three-slot TMA ring (`_mgpu.walk`): the next
+item's q, k, v, dO load while the current one computes, and its gradient
+stores drain while the next computes. Sources: GEM engineering description
+(Meta, 2025), block-local attention with RoPE's backward fused; persistent
+kernels with a TMA ring, as in FlashAttention-3 (Shah et al., 2024).
 """
 
 from __future__ import annotations
@@ -26,25 +30,23 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._src import manual_axes, mgpu_common
+from pallas_kernels._src import mgpu_common
 from pallas_kernels.block_local_attention import _mgpu, schedule
-from pallas_kernels.block_local_attention.config import BLOCK
+from pallas_kernels.block_local_attention.config import BLOCK, NUM_SLOTS
 from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 
 LOG2E = math.log2(math.e)
 
 
-def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: bool):
+def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: bool, num_ctas: int):
     """Runs the backward kernel; returns `(dq, dk, dv)`, each `[T, H, D]` in q.dtype, slack rows 0.
 
     Arguments as in `forward.forward`, plus `dout [T, H, D]` (q.dtype), the output cotangent.
     """
     capacity, heads, head_dim = q.shape
     dtype = q.dtype
-    slots = plan.table.shape[0]
     end = plan.end[0]
     tails = [jfa_schedule.tail_rows(x, end) for x in (q, k, v, dout)]
     c2 = scale * LOG2E
@@ -52,29 +54,30 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
 
     def kernel(table_ref, live_ref, end_ref, pos_ref, freq_ref, q_ref, k_ref, v_ref, do_ref,
                qt_ref, kt_ref, vt_ref, dot_ref, dq_ref, dk_ref, dv_ref,
-               q_smem, k_smem, v_smem, do_smem, ds_smem, lse_smem, delta_smem, pos_smem, freq_smem, bars):
-        blk, head = lax.axis_index("blk"), lax.axis_index("head")
-        start, rows, keys = _mgpu.read_block(table_ref, blk)
+               q_ring, k_ring, v_ring, do_ring, ds_smem, lse_smem, delta_smem, pos_ring, freq_smem,
+               q_bars, k_bars, v_bars, do_bars, pos_bars, freq_bar):
         end_row = end_ref[0]
+        operands = ((q_ref, qt_ref, q_ring, q_bars), (k_ref, kt_ref, k_ring, k_bars), (v_ref, vt_ref, v_ring, v_bars),
+                    (do_ref, dot_ref, do_ring, do_bars))
+        if rope:
+            plgpu.copy_gmem_to_smem(freq_ref, freq_smem, freq_bar)
+            plgpu.barrier_wait(freq_bar)
 
-        @pl.when((blk < live_ref[0]) & (keys > 0))
-        def _attend():
-            operands = ((q_ref, qt_ref, q_smem), (k_ref, kt_ref, k_smem), (v_ref, vt_ref, v_smem), (do_ref, dot_ref, do_smem))
-            for i, (src, tail, dst) in enumerate(operands):
-                _mgpu.copy_block_in(src, tail, start, head, end_row, dst[0], bars.at[i])
+        def load(item, slot):
+            _mgpu.load_operands(operands, item, slot, end_row, (pos_ref, pos_ring, pos_bars) if rope else None)
+
+        def attend(item, slot):
+            rows = item.rows
+            tables = None
             if rope:
-                plgpu.copy_gmem_to_smem(pos_ref.at[blk], pos_smem, bars.at[4])
-                plgpu.copy_gmem_to_smem(freq_ref, freq_smem, bars.at[5])
-                plgpu.barrier_wait(bars.at[4])
-                plgpu.barrier_wait(bars.at[5])
-                tables = _mgpu.rope_tables(pos_smem, freq_smem, head_dim // 2)
-            else:
-                tables = None
-            for i, (union, rotated) in enumerate(((q_smem, True), (k_smem, True), (v_smem, False), (do_smem, False))):
-                plgpu.barrier_wait(bars.at[i])
-                _mgpu.swizzle_operand(union, rows, tables if rotated else None)
+                plgpu.barrier_wait(pos_bars.at[slot])
+                tables = _mgpu.rope_tables(pos_ring.at[slot], freq_smem, head_dim // 2)
+            swizzled = []
+            for (_, _, ring, bars), rotated in zip(operands, (True, True, False, False)):
+                plgpu.barrier_wait(bars.at[slot])
+                swizzled.append(_mgpu.swizzle_operand(ring, slot, rows, tables if rotated else None))
+            qs, ks, vs, dos = swizzled
             plgpu.commit_smem()
-            qs, ks, vs, dos = q_smem[1], k_smem[1], v_smem[1], do_smem[1]
 
             # Query frame: softmax statistics, delta, dS and dQ.
             s = _mgpu.mask_keys(_mgpu.matmul(qs, ks.transpose((1, 0)), shape) * c2, rows, axis=1)
@@ -97,7 +100,7 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
 
             # Key frame (rows are keys, columns queries): dV and dK.
             st = _mgpu.mask_keys(_mgpu.matmul(ks, qs.transpose((1, 0)), shape) * c2, rows, axis=0)
-            _mgpu.store_block(dq, k_smem[0], dq_ref, start, rows, head)  # k is read for the last time
+            _mgpu.store_block(dq, k_ring[0].at[slot], dq_ref, item)  # k is read for the last time
             lse_col = plgpu.load(lse_smem, layout=_mgpu.LAYOUT.reduce(0))
             delta_col = plgpu.load(delta_smem, layout=_mgpu.LAYOUT.reduce(0))
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse_col, shape, [1]))
@@ -106,39 +109,31 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             ds_smem[...] = pt.astype(dtype)  # dS (query frame) is no longer read: reuse for P^T
             plgpu.commit_smem()
             dv = _mgpu.matmul(ds_smem, dos, (BLOCK, head_dim))
-            _mgpu.store_block(dv.astype(dtype), v_smem[0], dv_ref, start, rows, head)  # v and dO are done
+            _mgpu.store_block(dv.astype(dtype), v_ring[0].at[slot], dv_ref, item)  # v and dO are done
             ds_smem[...] = dst.astype(dtype)
             plgpu.commit_smem()
             dk = _mgpu.matmul(ds_smem, qs, (BLOCK, head_dim)) * scale
             if rope:
                 dk = _mgpu.rotate(dk, tables, inverse=True)
-            _mgpu.store_block(dk.astype(dtype), q_smem[0], dk_ref, start, rows, head)
+            _mgpu.store_block(dk.astype(dtype), q_ring[0].at[slot], dk_ref, item)
 
-        @pl.when((blk < live_ref[0]) & (keys == 0))
-        def _slack():
+        def slack(item, slot):
             zero = _mgpu.zeros(head_dim).astype(dtype)
-            for buf, dst in ((q_smem[0], dq_ref), (k_smem[0], dk_ref), (v_smem[0], dv_ref)):
-                _mgpu.store_block(zero, buf, dst, start, rows, head)
+            for ring, dst in ((q_ring, dq_ref), (k_ring, dk_ref), (v_ring, dv_ref)):
+                _mgpu.store_block(zero, ring[0].at[slot], dst, item)
 
-        plgpu.wait_smem_to_gmem(0)
+        _mgpu.walk(table_ref, live_ref, heads, num_ctas, load=load, attend=attend, slack=slack)
 
+    scratch = (
+        *(_mgpu.operand_ring(head_dim, dtype) for _ in range(4)),
+        mgpu_common.swizzled_smem((BLOCK, BLOCK), dtype),
+        plgpu.SMEM((BLOCK,), jnp.float32),
+        plgpu.SMEM((BLOCK,), jnp.float32),
+        plgpu.SMEM((NUM_SLOTS, BLOCK), jnp.float32),
+        plgpu.SMEM((head_dim // 2,), jnp.float32),
+        *(_mgpu.ring_barriers() for _ in range(5)),
+        plgpu.Barrier(),
+    )
     grad = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)
-    launch = plgpu.kernel(
-        kernel,
-        out_type=(grad, grad, grad),
-        scratch_types=(
-            *(_mgpu.operand_smem(head_dim, dtype) for _ in range(4)),
-            mgpu_common.swizzled_smem((BLOCK, BLOCK), dtype),
-            plgpu.SMEM((BLOCK,), jnp.float32),
-            plgpu.SMEM((BLOCK,), jnp.float32),
-            plgpu.SMEM((BLOCK,), jnp.float32),
-            plgpu.SMEM((head_dim // 2,), jnp.float32),
-            plgpu.Barrier(num_barriers=6),
-        ),
-        grid=(slots, heads),
-        grid_names=("blk", "head"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-    )
-    return manual_axes.call_kernel(
-        launch, plan.table, plan.live, plan.end, plan.positions, freqs, q, k, v, dout, *tails
-    )
+    return _mgpu.launch(kernel, scratch, (grad, grad, grad), num_ctas, plan.table, plan.live, plan.end,
+                        plan.positions, freqs, q, k, v, dout, *tails)

@@ -4,8 +4,10 @@ Sequence b is cut into `ceil(L_b / 64)` blocks starting at `offsets[b]` (the
 last one partial); zero-length sequences contribute none. The slack rows
 `[offsets[B], T)` form further blocks without keys, for which the kernels
 write zeros, so every output row is written exactly once. Blocks are listed in
-sequence order (all real blocks cost the same) and the kernels run one CTA per
-(block, head); slots past the live count do nothing.
+sequence order (all real blocks cost the same); the kernels' work items are
+`(block, head)` pairs, item `p` being head `p % H` of block `p // H`, dealt to
+their persistent CTAs round-robin (`_mgpu.walk`). Slots past the live count
+are never visited.
 
 Static bound on the number of blocks, with no host sync:
 

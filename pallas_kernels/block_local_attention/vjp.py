@@ -2,7 +2,8 @@
 
 The backward recomputes each block's softmax from q and k, so the only
 residuals are the inputs; RoPE's backward (rotation by minus the angle) is
-applied to dQ and dK inside the backward kernel.
+applied to dQ and dK inside the backward kernel. Both kernels are persistent
+(`_mgpu.walk`): `num_ctas` CTAs, by default the GPU's SM count.
 """
 
 from __future__ import annotations
@@ -12,19 +13,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._src import manual_axes
+from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.block_local_attention import reference, schedule
 from pallas_kernels.block_local_attention.backward import backward
-from pallas_kernels.block_local_attention.config import KERNEL_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from pallas_kernels.block_local_attention.config import INTERPRET_CTAS, KERNEL_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 from pallas_kernels.block_local_attention.forward import forward
 from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN
 
 
 def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, rope_base: float | None = None,
-                          scale: float | None = None) -> jax.Array:
+                          scale: float | None = None, num_ctas: int | None = None) -> jax.Array:
     """Block-local softmax attention with fused RoPE on the Mosaic GPU kernels (Hopper, sm_90a).
 
-    Same contract as `pallas_kernels.block_local_attention` (which see).
+    Same contract as `pallas_kernels.block_local_attention` (which see), plus
+    `num_ctas`: the persistent CTAs of each kernel; default the GPU's SM count
+    (`INTERPRET_CTAS` under the CPU interpreter).
 
     Raises:
       NotImplementedError: dtype, head dimension or block size the kernels do not support.
@@ -39,6 +42,10 @@ def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, 
     if capacity == 0:
         return jnp.zeros_like(q)
     scale = head_dim**-0.5 if scale is None else float(scale)
+    if num_ctas is None:
+        num_ctas = INTERPRET_CTAS if mgpu_common.interpreting() else mgpu_common.sm_count()
+    if num_ctas < 1:
+        raise ValueError(f"num_ctas must be at least 1; got {num_ctas}")
     padded = -(-capacity // ROW_ALIGN) * ROW_ALIGN
     if padded != capacity:
         q, k, v = (jnp.pad(x, ((0, padded - capacity), (0, 0), (0, 0))) for x in (q, k, v))
@@ -48,21 +55,21 @@ def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, 
     freqs = reference.rope_frequencies(head_dim, rope_base if rope else 1.0)
     plan = schedule.build_plan(offsets.astype(jnp.int32), padded, positions if rope else None)
     q, k, v = manual_axes.match_axes(q, k, v)
-    return _attention(q, k, v, freqs, plan, scale, rope)[:capacity]
+    return _attention(q, k, v, freqs, plan, scale, rope, int(num_ctas))[:capacity]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, freqs, plan, scale, rope):
-    return forward(q, k, v, freqs, plan, scale=scale, rope=rope)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, freqs, plan, scale, rope, num_ctas):
+    return forward(q, k, v, freqs, plan, scale=scale, rope=rope, num_ctas=num_ctas)
 
 
-def _attention_fwd(q, k, v, freqs, plan, scale, rope):
-    return forward(q, k, v, freqs, plan, scale=scale, rope=rope), (q, k, v, freqs, plan)
+def _attention_fwd(q, k, v, freqs, plan, scale, rope, num_ctas):
+    return forward(q, k, v, freqs, plan, scale=scale, rope=rope, num_ctas=num_ctas), (q, k, v, freqs, plan)
 
 
-def _attention_bwd(scale, rope, residuals, dout):
+def _attention_bwd(scale, rope, num_ctas, residuals, dout):
     q, k, v, freqs, plan = residuals
-    dq, dk, dv = backward(q, k, v, dout, freqs, plan, scale=scale, rope=rope)
+    dq, dk, dv = backward(q, k, v, dout, freqs, plan, scale=scale, rope=rope, num_ctas=num_ctas)
     return dq, dk, dv, None, None
 
 

@@ -146,14 +146,21 @@ def test_work_list_owns_every_row_once():
 # --- the Mosaic GPU kernels, interpreted on the CPU ---------------------------------------
 
 
-def _value_and_grads(impl, q, k, v, dout, offsets, max_seq_len, rope_base):
-    fn = functools.partial(block_local_attention, offsets=offsets, max_seq_len=max_seq_len, rope_base=rope_base,
-                           implementation=impl)
-    out, vjp = jax.vjp(fn, q, k, v)
-    return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(dout))]
+def _value_and_grads(impl, q, k, v, dout, offsets, max_seq_len, rope_base, num_ctas=None):
+    if num_ctas is None:
+        fn = functools.partial(block_local_attention, offsets=offsets, max_seq_len=max_seq_len, rope_base=rope_base,
+                               implementation=impl)
+    else:  # the kernels' own entry, which takes the persistent grid size
+        from pallas_kernels.block_local_attention import vjp as kernels
+
+        fn = functools.partial(kernels.block_local_attention, offsets=offsets, block_size=64, rope_base=rope_base,
+                               num_ctas=num_ctas)
+    out, pullback = jax.vjp(fn, q, k, v)
+    return [np.asarray(x.astype(jnp.float32)) for x in (out, *pullback(dout))]
 
 
-def _check_kernel(lengths, rope_base, dim=64, heads=1, scale=1.0, shift=0.0, capacity=None):
+def _check_kernel(lengths, rope_base, dim=64, heads=1, scale=1.0, shift=0.0, capacity=None, num_ctas=None,
+                  params=None):
     capacity = capacity or sum(lengths) + 13
     q, k, v, dout = _inputs(lengths, capacity, heads, dim, jnp.bfloat16, 7, scale=scale)
     if shift:
@@ -165,8 +172,8 @@ def _check_kernel(lengths, rope_base, dim=64, heads=1, scale=1.0, shift=0.0, cap
     offsets = _offsets(lengths)
     args = (q, k, v, dout, offsets, max(max(lengths), 1), rope_base)
     want = _value_and_grads("xla", *args)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        got = _value_and_grads("pallas", *args)
+    with plgpu.force_gpu_interpret_mode(params or plgpu.InterpretGPUParams()):
+        got = _value_and_grads("pallas", *args, num_ctas=num_ctas)
     end = sum(lengths)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert np.all(np.isfinite(g)), name
@@ -191,6 +198,55 @@ def test_kernels_strongly_negative_logits(logit):
 
 def test_kernels_all_zero_length_batch():
     _check_kernel([0, 0], 10000.0, capacity=24)
+
+
+def _items(lengths, capacity, heads):
+    """Work items (block, head) of a batch: its live blocks times H."""
+    padded = -(-capacity // 8) * 8
+    return int(schedule.build_plan(_offsets(lengths), padded, None).live[0]) * heads
+
+
+# 16 items (8 blocks x 2 heads, one of them slack).
+RING_LENGTHS, RING_CAPACITY, RING_HEADS = [130, 5, 64, 70], 282, 2
+
+
+def test_persistent_ctas_loop_over_more_items_than_ctas():
+    # Three CTAs take 6, 5 and 5 rounds: the 3-slot ring wraps, and the odd counts end it mid-lap.
+    assert _items(RING_LENGTHS, RING_CAPACITY, RING_HEADS) == 16
+    _check_kernel(RING_LENGTHS, 10000.0, heads=RING_HEADS, capacity=RING_CAPACITY, num_ctas=3)
+
+
+def test_persistent_pipeline_has_no_races(monkeypatch, capfd):
+    """One CTA walks all 16 items (the ring wraps five times and a third) under the interpreter's
+    happens-before race detector: TMA loads, register reads and writes, wgmma reads and TMA stores
+    of each slot are ordered by the barriers and the store-group waits.
+
+    The detector's RefUnion check is switched off: it treats a union as one buffer, so a ring of
+    slots with a plain and a swizzled view reads as a violation whenever two slots are in
+    different phases. The happens-before checks of the bytes themselves stay on. The interpreter
+    counts each TMA store as its own group (the GPU counts `commit_smem_to_gmem_group` groups), so
+    the waits are checked at least as strictly as the hardware applies them.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret import race_detection_state
+
+    monkeypatch.setattr(race_detection_state.GPURaceDetectionState, "_check_ref_union", lambda *a, **k: None)
+    _check_kernel(RING_LENGTHS, 10000.0, heads=RING_HEADS, capacity=RING_CAPACITY, num_ctas=1,
+                  params=plgpu.InterpretGPUParams(detect_races=True))
+    assert "RACE DETECTED" not in capfd.readouterr().out
+
+
+def test_persistent_ctas_outnumber_items():
+    # 4 items (3 real blocks, 1 slack) over 7 CTAs: three CTAs have no round at all.
+    lengths, capacity = [5, 70], 88
+    assert _items(lengths, capacity, 1) == 4
+    _check_kernel(lengths, None, capacity=capacity, num_ctas=7)
+
+
+def test_persistent_ctas_all_empty_batch():
+    # No real block: 6 slack items (3 blocks x 2 heads) over 4 CTAs, which only store zeros, two rounds for some.
+    lengths, capacity, heads = [0, 0, 0], 150, 2
+    assert _items(lengths, capacity, heads) == 6
+    _check_kernel(lengths, 10000.0, heads=heads, capacity=capacity, num_ctas=4)
 
 
 @pytest.mark.parametrize("dim", [64, 128])
