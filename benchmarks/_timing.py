@@ -10,6 +10,21 @@ from typing import Any
 import jax
 
 
+def forward_backward(f: Callable) -> Callable:
+    """`(q, k, v, dout) -> (out, dq, dk, dv)`: the layer's output and `jax.vjp`'s gradients.
+
+    The output is returned, not dropped: a kernel whose backward recomputes what it needs (no
+    residual from the forward, as block-local attention and GDPA) would otherwise have its
+    forward removed by XLA as dead code, and "forward + backward" would time the backward alone.
+    """
+
+    def run(q, k, v, dout):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(dout))
+
+    return run
+
+
 def wall_seconds(f, *args, iters: int = 5, reps: int = 3) -> float:
     """Median over `reps` of the mean seconds per call of `iters` back-to-back calls.
 

@@ -9,7 +9,9 @@ and on a CPU (Mosaic GPU interpret mode, tiny shapes, no cuDNN) to check the scr
     PYTHONPATH=. python3 benchmarks/attention_variants_bench.py --cpu-smoke --out /tmp/attention_variants_smoke.json
 
 `--only block_local` runs only the block-local checks (with and without RoPE) and times only
-block_local_pallas beside full_jfa_pallas (the ratio the block-local kernels are judged by)::
+block_local_pallas beside full_jfa_pallas (the ratio the block-local kernels are judged by), each
+also forward alone (`forward_ms`) and kernel by kernel (`kernels_us`), to split the time between the
+kernels and the XLA work around them::
 
     PYTHONPATH=. python3 benchmarks/attention_variants_bench.py --only block_local --out /tmp/block_local.json
 
@@ -33,8 +35,9 @@ Effective TFLOP/s count real work only: 4 H D per attended (query, key) pair for
 3.5x for forward+backward (block: sum of block_len^2; window: sum_i min(i, W) + 1; full causal:
 L (L + 1) / 2). The block variants also report GB/s over their least HBM traffic: q, k, v read and
 out written by the forward, q, k, v, dout read and dq, dk, dv written by the backward (11 [T, H, D]
-tensors of real rows). Device time from CUPTI (`benchmarks/_timing.py`), wall time as a fallback.
-A failing variant records its error and the run goes on; no timed variant starts after
+tensors of real rows; 4 for the forward alone). A forward alone is the layer's own call (the unfused
+peers' apply_rope included). Device time from CUPTI (`benchmarks/_timing.py`), wall time as a
+fallback. A failing variant records its error and the run goes on; no timed variant starts after
 --budget-s seconds (default 260). Writes JSON to --out; prints a summary.
 """
 
@@ -62,6 +65,9 @@ ROPE_BASE = 10_000.0
 SUBSETS = {
     "block_local": (("block_local_rope", "block_local_plain"), ("block_local_pallas", "full_jfa_pallas")),
 }
+# Layers also timed forward alone (`forward_ms`, `forward_wall_ms`) when a subset is selected, with the
+# device time of each kernel of one forward+backward call (`kernels_us`: [name, us] in launch order; CUPTI).
+TIMED_FORWARD = {"block_local": ("block_local_pallas", "full_jfa_pallas")}
 
 
 def offsets_of(lengths) -> jnp.ndarray:
@@ -158,8 +164,7 @@ def block_einsum(q, k, v, offsets, capacity: int, block: int = 64):
 
 
 def value_and_grads(fn, q, k, v, dout):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(dout))]
+    return [np.asarray(x.astype(jnp.float32)) for x in _timing.forward_backward(fn)(q, k, v, dout)]
 
 
 def check(name, kernel_fn, reference_fn, q, k, v, dout, end):
@@ -232,8 +237,10 @@ def guarded(f):
 # --- timing -----------------------------------------------------------------------------------
 
 
-def timing(heads, dim, batch, window, iters, smoke, deadline, names=None):
-    """Times every layer of `layers`, or only those in `names`."""
+def timing(heads, dim, batch, window, iters, smoke, deadline, names=None, forward_names=()):
+    """Times every layer of `layers` forward+backward, or only those in `names`; those in
+    `forward_names` forward alone too (`forward_ms` device, `forward_wall_ms` wall) and kernel by
+    kernel (`kernels_us`, None without CUPTI)."""
     rng = np.random.default_rng(0)
     if smoke:
         lengths = np.array([1, 63, 64, 65, 130, 9], np.int32)
@@ -258,27 +265,39 @@ def timing(heads, dim, batch, window, iters, smoke, deadline, names=None):
             print(f"  {name:20s} skipped: time budget spent", flush=True)
             continue
 
-        def run(fn=fn, kind=kind, size=size):
-            step = jax.jit(lambda q, k, v, dout: jax.vjp(fn, q, k, v)[1](dout))
+        def measure(f, args):
+            """(device ms or None, wall seconds) of `f(*args)`."""
+            ms = None if smoke else _timing.device_ms(f, args, iters)
+            return ms, _timing.wall_seconds(f, *args, iters=1 if smoke else iters, reps=1 if smoke else 3)
+
+        def run(name=name, fn=fn, kind=kind, size=size):
+            step = jax.jit(_timing.forward_backward(fn))
             t0 = time.perf_counter()
             jax.block_until_ready(step(q, k, v, dout))
             compile_s = time.perf_counter() - t0
-            ms = None if smoke else _timing.device_ms(step, (q, k, v, dout), iters)
-            wall = _timing.wall_seconds(step, q, k, v, dout, iters=1 if smoke else iters, reps=1 if smoke else 3)
+            ms, wall = measure(step, (q, k, v, dout))
             flops = 3.5 * 4 * heads * dim * pairs(lengths, kind, size)
             seconds = ms / 1e3 if ms else wall
             record = {"device_ms": ms, "wall_ms": wall * 1e3, "compile_s": compile_s, "real_flops": flops,
                       "tflops": flops / seconds / 1e12}
+            tensor_bytes = int(lengths.sum()) * heads * dim * q.dtype.itemsize  # one [T, H, D] tensor's real rows
             if kind == "block":
-                least = 11 * int(lengths.sum()) * heads * dim * q.dtype.itemsize
+                least = 11 * tensor_bytes
                 record.update(least_hbm_bytes=least, gb_per_s=least / seconds / 1e9)
+            if name in forward_names:
+                fwd_ms, fwd_wall = measure(jax.jit(fn), (q, k, v))
+                kernels = None if smoke else _timing.kernel_breakdown_us(step, (q, k, v, dout))
+                record.update(forward_ms=fwd_ms, forward_wall_ms=fwd_wall * 1e3, kernels_us=kernels)
+                if kind == "block":
+                    record["forward_gb_per_s"] = 4 * tensor_bytes / (fwd_ms / 1e3 if fwd_ms else fwd_wall) / 1e9
             return record
 
         results[name] = guarded(run)
         r = results[name]
         line = f"ERROR {r['error'].splitlines()[0][:120]}" if "error" in r else (
             f"{r['device_ms'] or r['wall_ms']:.3f} ms  {r['tflops']:.1f} TFLOP/s"
-            + (f"  {r['gb_per_s']:.0f} GB/s" if "gb_per_s" in r else ""))
+            + (f"  {r['gb_per_s']:.0f} GB/s" if "gb_per_s" in r else "")
+            + (f"  forward {r['forward_ms'] or r['forward_wall_ms']:.3f} ms" if "forward_wall_ms" in r else ""))
         print(f"  {name:20s} {line}", flush=True)
     return meta, results
 
@@ -326,7 +345,7 @@ def main():
         print("timing, forward+backward:", flush=True)
         deadline = start + args.budget_s
         report["timing_meta"], report["timing"] = timing(heads, dim, args.batch, args.window, args.iters, smoke, deadline,
-                                                         timed)
+                                                         timed, TIMED_FORWARD.get(args.only, ()))
     report["ratios"] = ratios(report["timing"])
     report["total_s"] = time.perf_counter() - start
     with open(args.out, "w") as f:

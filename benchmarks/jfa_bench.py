@@ -122,14 +122,6 @@ def make_impls(lengths, n, causal):
     }
 
 
-def fwd_bwd(f):
-    def run(q, k, v, g):
-        _, vjp = jax.vjp(f, q, k, v)
-        return vjp(g)
-
-    return run
-
-
 # --- correctness on the GPU ---------------------------------------------------------------------
 
 
@@ -158,12 +150,7 @@ def check_case(lengths, capacity, dim, causal, logit=None, seed=0, num_ctas=None
             fn = reference.jagged_flash_attention
         f = functools.partial(fn, offsets=offsets, max_seq_len=n, causal=causal)
 
-        @jax.jit
-        def run(q, k, v, g):
-            out, vjp = jax.vjp(f, q, k, v)
-            return (out, *vjp(g))
-
-        results[impl] = [np.asarray(x.astype(jnp.float32)) for x in run(q, k, v, g)]
+        results[impl] = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(_timing.forward_backward(f))(q, k, v, g)]
     report = {}
     for name, a, b in zip(("out", "dq", "dk", "dv"), results["pallas"], results["xla"]):
         scale = float(np.max(np.abs(b[:end]))) if end else 0.0
@@ -251,7 +238,7 @@ def bench_case(name, causal, iters, record, impls):
         args = packed if layout == "packed" else padded
         res = {}
         for mode in ("fwd", "fwd_bwd"):
-            fn = jax.jit(f) if mode == "fwd" else jax.jit(fwd_bwd(f))
+            fn = jax.jit(f) if mode == "fwd" else jax.jit(_timing.forward_backward(f))
             a = tuple(args[:3]) if mode == "fwd" else tuple(args)
             try:
                 t0 = time.perf_counter()

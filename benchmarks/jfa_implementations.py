@@ -51,13 +51,7 @@ def value_and_grads(impl, q, k, v, g, offsets, n, causal):
     f = functools.partial(
         pallas_kernels.jagged_flash_attention, offsets=offsets, max_seq_len=n, causal=causal, implementation=impl
     )
-
-    @jax.jit
-    def run(q, k, v, g):
-        out, vjp = jax.vjp(f, q, k, v)
-        return (out, *vjp(g))
-
-    return [np.asarray(x.astype(jnp.float32)) for x in run(q, k, v, g)]
+    return [np.asarray(x.astype(jnp.float32)) for x in jax.jit(_timing.forward_backward(f))(q, k, v, g)]
 
 
 def compare(got, want, end) -> dict:
@@ -124,13 +118,6 @@ def timings(iters: int) -> dict:
             q, k, v, is_causal=causal, query_seq_lengths=lens, key_value_seq_lengths=lens, implementation="cudnn"
         )
 
-    def fwd_bwd(f):
-        def run(q, k, v, g):
-            _, vjp = jax.vjp(f, q, k, v)
-            return vjp(g)
-
-        return jax.jit(run)
-
     padded = [to_padded(x, lengths, n) for x in (q, k, v, g)]
     cases = {
         "jfa_pallas": (jfa("pallas"), (q, k, v, g)),
@@ -140,7 +127,7 @@ def timings(iters: int) -> dict:
     flops = real_flops(lengths, causal) * 3.5
     out = dict(lengths="long_tailed_b64", batch=64, max_seq_len=n, heads=HEADS, head_dim=dim, causal=causal)
     for name, (f, args) in cases.items():
-        run = fwd_bwd(f)
+        run = jax.jit(_timing.forward_backward(f))
         dev = _timing.device_ms(run, args, iters)
         wall = _timing.wall_seconds(run, *args, iters=iters, reps=5) * 1e3
         out[name] = dict(fwd_bwd_device_ms=dev, fwd_bwd_wall_ms=wall, tflops_device=flops / dev / 1e9 if dev else None)

@@ -1,24 +1,30 @@
 """Mosaic GPU building blocks of the block-local forward and backward kernels, and their persistent walk.
 
 Both kernels are persistent: a fixed grid of CTAs (the GPU's SM count), each
-one warpgroup, walks the work items `p = r * C + c` (CTA c, round r) of the
-work list, one item being one head of one 64-row block (`Item`). Shared memory
-holds a ring of `NUM_SLOTS` = 3 slots of the block operands; `walk` runs the
-software pipeline
+one warpgroup, walks the 64-row blocks `b = r * C + c` (CTA c, round r) of the
+work list, one work item being one block with all its heads (`Step` is one
+head of it). Per block, the record is read from the table once and
+RoPE's cos/sin tables (`Rope`) are computed once, on the head-0 step, and kept
+in registers for the block's H steps: they depend on the row's position and the
+column only, not on the head. Shared memory holds a ring of `NUM_SLOTS` = 3
+slots of one step's operands; `walk` runs the software pipeline over the CTA's
+steps `s = r * H + h` (block r's head h), across block boundaries:
 
-    round r:  wait until the output stores of items <= r - 2 have read their slots
-              issue the TMA loads of item r + 1 into slot (r + 1) % 3
-              wait for item r's loads (slot r % 3), compute, issue its output
-              stores from the same slot, commit them as one bulk-copy group
+    step s:  wait until the output stores of steps <= s - 2 have read their slots
+             issue the TMA loads of step s + 1 into slot (s + 1) % 3 (head h + 1 of
+             this block, or head 0 of the next one with its RoPE positions)
+             on head 0 of a block with keys: wait for its positions, compute the tables
+             wait for step s's loads (slot s % 3), compute, issue its output
+             stores from the same slot, commit them as one bulk-copy group
 
-so the loads of the next item run under the current item's compute and the
-stores of the previous item drain under it too: nothing waits for a store
-except a slot's reuse two rounds later. One warpgroup suffices because the
-work per item is fixed and small (two or five 64-row wgmmas): a separate
+so the loads of the next step run under the current step's compute and the
+stores of the previous step drain under it too: nothing waits for a store
+except a slot's reuse two steps later. One warpgroup suffices because the
+work per step is fixed and small (two or five 64-row wgmmas): a separate
 producer warpgroup, as in the JFA and GDPA kernels, pays off when a consumer
 streams many blocks per item and must not stall between them; here the
-producer would issue one item's loads per round, which the computing
-warpgroup does at the top of the round without waiting. Source: persistent
+producer would issue one step's loads per step (one head), which the computing
+warpgroup does at the top of the step without waiting. Source: persistent
 kernels with a TMA ring, as in FlashAttention-3 (Shah et al., 2024).
 
 A block starts at any packed row, so its operands are copied by TMA into plain
@@ -28,6 +34,7 @@ wgmma reads, over the same bytes of the same slot. Outputs leave through a
 slot's plain view as TMA stores of 64, 32, ..., 1 rows, so no row outside the
 block is ever written. Slack blocks (no keys) load nothing and store zeros.
 """
+
 
 from __future__ import annotations
 
@@ -60,9 +67,10 @@ def ring_barriers() -> plgpu.Barrier:
     return plgpu.Barrier(num_barriers=NUM_SLOTS)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Item:
-    """One work item: one head of one block record (int32 scalars; see `schedule`)."""
+class Step:
+    """One step: one head of one block record (int32 scalars; see `schedule`)."""
 
     blk: jax.Array
     head: jax.Array
@@ -71,64 +79,116 @@ class Item:
     keys: jax.Array
 
     @classmethod
-    def read(cls, table_ref, p, heads: int) -> Item:
-        """Item `p`: block record `p // heads`, head `p % heads`."""
-        blk = lax.div(p, jnp.int32(heads))
+    def read(cls, table_ref, blk) -> Step:
+        """Head 0 of block record `blk`."""
         field = lambda f: table_ref[blk, f]
-        return cls(blk, lax.rem(p, jnp.int32(heads)), field(schedule.F_START), field(schedule.F_ROWS),
-                   field(schedule.F_KEYS))
+        return cls(blk, jnp.int32(0), field(schedule.F_START), field(schedule.F_ROWS), field(schedule.F_KEYS))
+
+    def at_head(self, head) -> Step:
+        return dataclasses.replace(self, head=head)
 
 
-def walk(table_ref, live_ref, heads: int, num_ctas: int, *, load: Callable[[Item, jax.Array], None],
-         attend: Callable[[Item, jax.Array], None], slack: Callable[[Item, jax.Array], None]) -> None:
-    """The persistent, software-pipelined loop of a CTA over its items (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """A kernel's fused RoPE: a ring of block positions (`[NUM_SLOTS, 64]` float32 SMEM, one
+    barrier per slot, filled with a block's head-0 step), the frequencies (`[D/2]` float32 SMEM,
+    loaded once per CTA) and the plan's positions `[NB, 64]` in GMEM."""
+
+    pos_ref: jax.Array
+    pos_ring: jax.Array
+    pos_bars: jax.Array
+    freq_smem: jax.Array
+
+    def load(self, step: Step, slot) -> None:
+        """Issues the TMA load of the step's block positions into ring slot `slot`."""
+        plgpu.copy_gmem_to_smem(self.pos_ref.at[step.blk], self.pos_ring.at[slot], self.pos_bars.at[slot])
+
+    def tables(self, slot) -> tuple[jax.Array, jax.Array]:
+        """Waits for slot `slot`'s positions; `(cos, sin)` float32 `[64, D/2]` of `positions[row] * freq[col]`
+        (accurate, not approximate, sin/cos)."""
+        plgpu.barrier_wait(self.pos_bars.at[slot])
+        pos = plgpu.load(self.pos_ring.at[slot], layout=LAYOUT.reduce(1))
+        freq = plgpu.load(self.freq_smem, layout=LAYOUT.reduce(0))
+        shape = (BLOCK, self.freq_smem.shape[0])
+        angles = lax.broadcast_in_dim(pos, shape, [0]) * lax.broadcast_in_dim(freq, shape, [1])
+        return jnp.cos(angles), jnp.sin(angles)
+
+    def empty(self) -> tuple[jax.Array, jax.Array]:
+        """Zero tables: the loop carry's value before a CTA's first block with keys."""
+        half = self.freq_smem.shape[0]
+        return zeros(half), zeros(half)
+
+
+def walk(table_ref, live_ref, heads: int, num_ctas: int, *, load: Callable[[Step, jax.Array], None],
+         attend: Callable[[Step, jax.Array, tuple[jax.Array, jax.Array] | None], None],
+         slack: Callable[[Step, jax.Array], None], rope: Rope | None = None) -> None:
+    """The persistent, software-pipelined loop of a CTA over its blocks' steps (see the module docstring).
 
     Args:
       table_ref, live_ref: the plan's block records and live block count.
-      heads: H; there are `live * H` items.
+      heads: H, the steps of one block.
       num_ctas: C, the grid size.
-      load: `load(item, slot)` issues the TMA loads of an item with keys into ring slot `slot`.
-      attend: `attend(item, slot)` waits for them, computes, and issues the item's output stores
-        from `slot` (`store_block`).
-      slack: `slack(item, slot)` issues zero stores for an item without keys from `slot`.
+      load: `load(step, slot)` issues the TMA loads of a step with keys into ring slot `slot`.
+      attend: `attend(step, slot, tables)` waits for them, computes, and issues the step's output
+        stores from `slot` (`store_block`); `tables` is the block's `Rope.tables`, or None without `rope`.
+      slack: `slack(step, slot)` issues zero stores for a step without keys from `slot`.
+      rope: the kernel's fused RoPE, or None.
     """
     cta = lax.axis_index("cta")
-    n_items = live_ref[0] * heads
-    rounds = lax.div(jnp.maximum(n_items - cta + (num_ctas - 1), 0), jnp.int32(num_ctas))
-    last = jnp.maximum(n_items - 1, 0)  # reads past the CTA's last round stay inside the table
-    item_at = lambda r: Item.read(table_ref, jnp.minimum(r * num_ctas + cta, last), heads)
+    n_blocks = live_ref[0]
+    rounds = lax.div(jnp.maximum(n_blocks - cta + (num_ctas - 1), 0), jnp.int32(num_ctas))
+    last = jnp.maximum(n_blocks - 1, 0)  # reads past the CTA's last round stay inside the table
+    block_at = lambda r: Step.read(table_ref, jnp.minimum(r * num_ctas + cta, last))
 
-    first = item_at(0)
+    def load_first_head(step, slot):
+        load(step, slot)
+        if rope is not None:
+            rope.load(step, slot)
+
+    first = block_at(0)
 
     @pl.when((rounds > 0) & (first.keys > 0))
     def _():
-        load(first, jnp.int32(0))
+        load_first_head(first, jnp.int32(0))
 
-    def round_body(r, carry):
-        slot = lax.rem(r, NUM_SLOTS)
-        # One store group per round: at most item r - 1's may still read its slot, so
-        # slot (r + 1) % 3 (item r - 2's) and slot r % 3 (item r - 3's) are free.
-        plgpu.wait_smem_to_gmem(NUM_SLOTS - 2, wait_read_only=True)
-        nxt = item_at(r + 1)
+    def block_body(r, carry):
+        block, tables = carry
+        nxt = block_at(r + 1)
 
-        @pl.when((r + 1 < rounds) & (nxt.keys > 0))
-        def _():
-            load(nxt, lax.rem(r + 1, NUM_SLOTS))
+        def step_body(h, tables):
+            s = r * heads + h
+            slot = lax.rem(s, NUM_SLOTS)
+            next_slot = lax.rem(s + 1, NUM_SLOTS)
+            # One store group per step: at most step s - 1's may still read its slot, so
+            # slot (s + 1) % 3 (step s - 2's) and slot s % 3 (step s - 3's) are free.
+            plgpu.wait_smem_to_gmem(NUM_SLOTS - 2, wait_read_only=True)
 
-        item = item_at(r)
+            @pl.when((h + 1 < heads) & (block.keys > 0))
+            def _():
+                load(block.at_head(h + 1), next_slot)
 
-        @pl.when(item.keys > 0)
-        def _():
-            attend(item, slot)
+            @pl.when((h + 1 == heads) & (r + 1 < rounds) & (nxt.keys > 0))
+            def _():
+                load_first_head(nxt, next_slot)
 
-        @pl.when(item.keys == 0)
-        def _():
-            slack(item, slot)
+            if rope is not None:
+                tables = lax.cond((h == 0) & (block.keys > 0), lambda: rope.tables(slot), lambda: tables)
+            step = block.at_head(h)
 
-        plgpu.commit_smem_to_gmem_group()
-        return carry
+            @pl.when(block.keys > 0)
+            def _():
+                attend(step, slot, tables)
 
-    lax.fori_loop(0, rounds, round_body, None)
+            @pl.when(block.keys == 0)
+            def _():
+                slack(step, slot)
+
+            plgpu.commit_smem_to_gmem_group()
+            return tables
+
+        return nxt, lax.fori_loop(0, heads, step_body, tables)
+
+    lax.fori_loop(0, rounds, block_body, (first, None if rope is None else rope.empty()))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -145,14 +205,14 @@ def launch(kernel, scratch, out_type, num_ctas: int, *operands):
     return manual_axes.call_kernel(call, *operands)
 
 
-def copy_block_in(src_ref, tail_ref, item: Item, end, dst, barrier) -> None:
-    """TMA packed rows `[start, start + 64)` of the item's head into the plain `dst`.
+def copy_block_in(src_ref, tail_ref, step: Step, end, dst, barrier) -> None:
+    """TMA packed rows `[start, start + 64)` of the step's head into the plain `dst`.
 
     A block that runs past `end` (the first slack row) is read from the
     zero-padded tail copy (`jagged_flash_attention.schedule.tail_rows`), so no
     slack row and no row past the buffer is loaded.
     """
-    start, head = item.start, item.head
+    start, head = step.start, step.head
     crosses = start + BLOCK > end
 
     @pl.when(crosses)
@@ -164,27 +224,13 @@ def copy_block_in(src_ref, tail_ref, item: Item, end, dst, barrier) -> None:
         plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(start, BLOCK), head], dst, barrier)
 
 
-def load_operands(operands, item: Item, slot, end, pos=None) -> None:
-    """Issues the TMA loads of an item into ring slot `slot`.
+def load_operands(operands, step: Step, slot, end) -> None:
+    """Issues the TMA loads of a step into ring slot `slot`.
 
-    `operands`: `(src_ref, tail_ref, ring, barriers)` per operand (`operand_ring`,
-    `ring_barriers`); `pos`: `(pos_ref, pos_ring, barriers)` for the block's RoPE
-    positions, or None.
+    `operands`: `(src_ref, tail_ref, ring, barriers)` per operand (`operand_ring`, `ring_barriers`).
     """
     for src, tail, ring, bars in operands:
-        copy_block_in(src, tail, item, end, ring[0].at[slot], bars.at[slot])
-    if pos is not None:
-        pos_ref, pos_ring, bars = pos
-        plgpu.copy_gmem_to_smem(pos_ref.at[item.blk], pos_ring.at[slot], bars.at[slot])
-
-
-def rope_tables(pos_smem, freq_smem, half: int) -> tuple[jax.Array, jax.Array]:
-    """`(cos, sin)` float32 `[64, D/2]` of `positions[row] * freq[col]` (accurate, not approximate, sin/cos)."""
-    pos = plgpu.load(pos_smem, layout=LAYOUT.reduce(1))
-    freq = plgpu.load(freq_smem, layout=LAYOUT.reduce(0))
-    shape = (BLOCK, half)
-    angles = lax.broadcast_in_dim(pos, shape, [0]) * lax.broadcast_in_dim(freq, shape, [1])
-    return jnp.cos(angles), jnp.sin(angles)
+        copy_block_in(src, tail, step, end, ring[0].at[slot], bars.at[slot])
 
 
 def rotate(x: jax.Array, tables, *, inverse: bool = False) -> jax.Array:
@@ -241,14 +287,14 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def store_block(value: jax.Array, plain, dst_ref, item: Item) -> None:
+def store_block(value: jax.Array, plain, dst_ref, step: Step) -> None:
     """Stores rows `[0, rows)` of a `[64, D]` value to `dst_ref[start + i, head]` through `plain`.
 
     TMA boxes have static sizes, so the rows leave as stores of 64, 32, ..., 1
     rows (one per set bit of `rows`). The stores join the round's bulk-copy
     group (`walk` commits it and waits for it before `plain` is reused).
     """
-    start, rows, head = item.start, item.rows, item.head
+    start, rows, head = step.start, step.rows, step.head
     plain[...] = value
     plgpu.commit_smem()
     done = 0

@@ -10,17 +10,20 @@ operands and `rope_t` the transposed rotation (rotation by minus the angle)::
     dk[s, h] = rope_t(ds.T @ qr * scale)
     dv[s, h] = p.T @ dout[s, h]
 
-Each work item (block, head) recomputes the block's softmax (no residual
-beyond q, k, v), so dQ and dK/dV come from one kernel without atomics. The
-transposed products use the transposed frame (S^T = K Q^T with the row
-statistics read back as column vectors), as jax's `attention_mgpu` backward
-does. Each gradient leaves through the plain view of an operand slot that is
-no longer read (dQ through k's, dV through v's, dK through q's). A fixed grid
-of CTAs walks the items with a three-slot TMA ring (`_mgpu.walk`): the next
-item's q, k, v, dO load while the current one computes, and its gradient
-stores drain while the next computes. Sources: GEM engineering description
-(Meta, 2025), block-local attention with RoPE's backward fused; persistent
-kernels with a TMA ring, as in FlashAttention-3 (Shah et al., 2024).
+A work item is one 64-row block with all its heads; each head (a step)
+recomputes the block's softmax (no residual beyond q, k, v), so dQ and dK/dV
+come from one kernel without atomics. RoPE's cos/sin tables are computed once
+per block and kept in registers for its heads (they rotate q and k on the way
+in and dQ and dK on the way out). The transposed products use the transposed
+frame (S^T = K Q^T with the row statistics read back as column vectors), as
+jax's `attention_mgpu` backward does. Each gradient leaves through the plain
+view of an operand slot that is no longer read (dQ through k's, dV through
+v's, dK through q's). A fixed grid of CTAs walks the blocks' steps with a
+three-slot TMA ring (`_mgpu.walk`): the next step's q, k, v, dO load while the
+current one computes, and its gradient stores drain while the next computes.
+Sources: GEM engineering description (Meta, 2025), block-local attention with
+RoPE's backward fused; persistent kernels with a TMA ring, as in
+FlashAttention-3 (Shah et al., 2024).
 """
 
 from __future__ import annotations
@@ -59,19 +62,17 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
         end_row = end_ref[0]
         operands = ((q_ref, qt_ref, q_ring, q_bars), (k_ref, kt_ref, k_ring, k_bars), (v_ref, vt_ref, v_ring, v_bars),
                     (do_ref, dot_ref, do_ring, do_bars))
+        rotary = None
         if rope:
             plgpu.copy_gmem_to_smem(freq_ref, freq_smem, freq_bar)
             plgpu.barrier_wait(freq_bar)
+            rotary = _mgpu.Rope(pos_ref, pos_ring, pos_bars, freq_smem)
 
-        def load(item, slot):
-            _mgpu.load_operands(operands, item, slot, end_row, (pos_ref, pos_ring, pos_bars) if rope else None)
+        def load(step, slot):
+            _mgpu.load_operands(operands, step, slot, end_row)
 
-        def attend(item, slot):
-            rows = item.rows
-            tables = None
-            if rope:
-                plgpu.barrier_wait(pos_bars.at[slot])
-                tables = _mgpu.rope_tables(pos_ring.at[slot], freq_smem, head_dim // 2)
+        def attend(step, slot, tables):
+            rows = step.rows
             swizzled = []
             for (_, _, ring, bars), rotated in zip(operands, (True, True, False, False)):
                 plgpu.barrier_wait(bars.at[slot])
@@ -100,7 +101,7 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
 
             # Key frame (rows are keys, columns queries): dV and dK.
             st = _mgpu.mask_keys(_mgpu.matmul(ks, qs.transpose((1, 0)), shape) * c2, rows, axis=0)
-            _mgpu.store_block(dq, k_ring[0].at[slot], dq_ref, item)  # k is read for the last time
+            _mgpu.store_block(dq, k_ring[0].at[slot], dq_ref, step)  # k is read for the last time
             lse_col = plgpu.load(lse_smem, layout=_mgpu.LAYOUT.reduce(0))
             delta_col = plgpu.load(delta_smem, layout=_mgpu.LAYOUT.reduce(0))
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse_col, shape, [1]))
@@ -109,20 +110,20 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             ds_smem[...] = pt.astype(dtype)  # dS (query frame) is no longer read: reuse for P^T
             plgpu.commit_smem()
             dv = _mgpu.matmul(ds_smem, dos, (BLOCK, head_dim))
-            _mgpu.store_block(dv.astype(dtype), v_ring[0].at[slot], dv_ref, item)  # v and dO are done
+            _mgpu.store_block(dv.astype(dtype), v_ring[0].at[slot], dv_ref, step)  # v and dO are done
             ds_smem[...] = dst.astype(dtype)
             plgpu.commit_smem()
             dk = _mgpu.matmul(ds_smem, qs, (BLOCK, head_dim)) * scale
             if rope:
                 dk = _mgpu.rotate(dk, tables, inverse=True)
-            _mgpu.store_block(dk.astype(dtype), q_ring[0].at[slot], dk_ref, item)
+            _mgpu.store_block(dk.astype(dtype), q_ring[0].at[slot], dk_ref, step)
 
-        def slack(item, slot):
+        def slack(step, slot):
             zero = _mgpu.zeros(head_dim).astype(dtype)
             for ring, dst in ((q_ring, dq_ref), (k_ring, dk_ref), (v_ring, dv_ref)):
-                _mgpu.store_block(zero, ring[0].at[slot], dst, item)
+                _mgpu.store_block(zero, ring[0].at[slot], dst, step)
 
-        _mgpu.walk(table_ref, live_ref, heads, num_ctas, load=load, attend=attend, slack=slack)
+        _mgpu.walk(table_ref, live_ref, heads, num_ctas, load=load, attend=attend, slack=slack, rope=rotary)
 
     scratch = (
         *(_mgpu.operand_ring(head_dim, dtype) for _ in range(4)),

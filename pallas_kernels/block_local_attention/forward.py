@@ -5,12 +5,14 @@ Equivalent jnp, per 64-row block s of a sequence and head h (see `reference`)::
     qr, kr = rope(q[s, h]), rope(k[s, h])     # float32, rounded to q.dtype
     out[s, h] = softmax(qr @ kr.T * scale) @ v[s, h]
 
-Each work item (block, head) is one QK^T and one PV wgmma and a plain softmax
-over at most 64 keys (no online rescaling, no log-sum-exp residual: the
-backward recomputes the block). RoPE is applied in registers between the TMA
-load and the swizzled operand. A fixed grid of CTAs walks the items with a
-three-slot TMA ring (`_mgpu.walk`): the next item's q, k, v load while the
-current one computes, and its output stores drain while the next computes.
+A work item is one 64-row block with all its heads; each head (a step) is one
+QK^T and one PV wgmma and a plain softmax over at most 64 keys (no online
+rescaling, no log-sum-exp residual: the backward recomputes the block). RoPE
+is applied in registers between the TMA load and the swizzled operand, with
+cos/sin tables computed once per block and kept in registers for its heads. A
+fixed grid of CTAs walks the blocks' steps with a three-slot TMA ring
+(`_mgpu.walk`): the next step's q, k, v load while the current one computes,
+and its output stores drain while the next computes.
 Sources: GEM engineering description (Meta, 2025), block-local attention with
 fused RoPE; TLX block attention (facebookresearch/ads_model_kernel_library,
 `block_attention/`); persistent kernels with a TMA ring, as in
@@ -59,19 +61,17 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
                freq_bar):
         end_row = end_ref[0]
         operands = ((q_ref, qt_ref, q_ring, q_bars), (k_ref, kt_ref, k_ring, k_bars), (v_ref, vt_ref, v_ring, v_bars))
+        rotary = None
         if rope:
             plgpu.copy_gmem_to_smem(freq_ref, freq_smem, freq_bar)
             plgpu.barrier_wait(freq_bar)
+            rotary = _mgpu.Rope(pos_ref, pos_ring, pos_bars, freq_smem)
 
-        def load(item, slot):
-            _mgpu.load_operands(operands, item, slot, end_row, (pos_ref, pos_ring, pos_bars) if rope else None)
+        def load(step, slot):
+            _mgpu.load_operands(operands, step, slot, end_row)
 
-        def attend(item, slot):
-            rows = item.rows
-            tables = None
-            if rope:
-                plgpu.barrier_wait(pos_bars.at[slot])
-                tables = _mgpu.rope_tables(pos_ring.at[slot], freq_smem, head_dim // 2)
+        def attend(step, slot, tables):
+            rows = step.rows
             swizzled = []
             for (_, _, ring, bars), rotated in zip(operands, (True, True, False)):
                 plgpu.barrier_wait(bars.at[slot])
@@ -87,12 +87,12 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
             plgpu.commit_smem()
             out = _mgpu.matmul(p_smem, vs, (BLOCK, head_dim))
             out = (out * lax.broadcast_in_dim(inv_l, out.shape, [0])).astype(dtype)
-            _mgpu.store_block(out, q_ring[0].at[slot], out_ref, item)  # the QK^T wgmma has read q's slot
+            _mgpu.store_block(out, q_ring[0].at[slot], out_ref, step)  # the QK^T wgmma has read q's slot
 
-        def slack(item, slot):
-            _mgpu.store_block(_mgpu.zeros(head_dim).astype(dtype), q_ring[0].at[slot], out_ref, item)
+        def slack(step, slot):
+            _mgpu.store_block(_mgpu.zeros(head_dim).astype(dtype), q_ring[0].at[slot], out_ref, step)
 
-        _mgpu.walk(table_ref, live_ref, heads, num_ctas, load=load, attend=attend, slack=slack)
+        _mgpu.walk(table_ref, live_ref, heads, num_ctas, load=load, attend=attend, slack=slack, rope=rotary)
 
     scratch = (
         _mgpu.operand_ring(head_dim, dtype),

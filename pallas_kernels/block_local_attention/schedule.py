@@ -5,9 +5,9 @@ last one partial); zero-length sequences contribute none. The slack rows
 `[offsets[B], T)` form further blocks without keys, for which the kernels
 write zeros, so every output row is written exactly once. Blocks are listed in
 sequence order (all real blocks cost the same); the kernels' work items are
-`(block, head)` pairs, item `p` being head `p % H` of block `p // H`, dealt to
-their persistent CTAs round-robin (`_mgpu.walk`). Slots past the live count
-are never visited.
+the blocks, each with all H heads, dealt to their persistent CTAs round-robin
+(block `r * C + c` to CTA c in round r; `_mgpu.walk`). Slots past the live
+count are never visited.
 
 Static bound on the number of blocks, with no host sync:
 

@@ -1,5 +1,6 @@
 """benchmarks/attention_variants_bench.py's `--only`: with `--only block_local` only the block-local checks
-run and only block_local_pallas and full_jfa_pallas are timed; without it, everything. The checks and layers
+run and only block_local_pallas and full_jfa_pallas are timed, forward+backward and forward alone; without it,
+everything, forward+backward only. The checks and layers
 are replaced by cheap stand-ins that record their names; the selection and the report are the script's own."""
 
 import json
@@ -38,10 +39,15 @@ def test_only_selects_the_checks_and_timed_layers(load_benchmark, repo_root, mon
         assert timed == set(report["timing"]) == {"block_local_pallas", "full_jfa_pallas"}
         assert set(report["ratios"]) == {"block_local_pallas/full_jfa_pallas"}
         assert np.isfinite(report["ratios"]["block_local_pallas/full_jfa_pallas"]["time_speedup"])
+        for r in report["timing"].values():
+            # forward_ms and kernels_us are CUPTI's (None on the CPU, as device_ms), beside the fwd+bwd device_ms.
+            assert "device_ms" in r and "forward_ms" in r and "kernels_us" in r and r["forward_wall_ms"] > 0
+        assert report["timing"]["block_local_pallas"]["forward_gb_per_s"] > 0
     else:
         assert checked == EVERY_CHECK
         assert timed == {"block_local_pallas", "block_local_xla", "window_pallas", "full_jfa_pallas",
                          "causal_silu_pallas"}  # window_cudnn: skipped on the CPU
+        assert not any("forward_ms" in r or "kernels_us" in r for r in report["timing"].values())
     assert set(report["correctness"]) == set(checked)
     meta = report["timing_meta"]
     least = 11 * meta["tokens"] * meta["heads"] * meta["dim"] * 2  # bf16 q, k, v, out; dout, dq, dk, dv

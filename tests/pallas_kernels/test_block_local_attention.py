@@ -200,26 +200,38 @@ def test_kernels_all_zero_length_batch():
     _check_kernel([0, 0], 10000.0, capacity=24)
 
 
-def _items(lengths, capacity, heads):
-    """Work items (block, head) of a batch: its live blocks times H."""
+def _blocks(lengths, capacity):
+    """Work items of a batch: its live 64-row blocks (real and slack), each walked as H steps."""
     padded = -(-capacity // 8) * 8
-    return int(schedule.build_plan(_offsets(lengths), padded, None).live[0]) * heads
+    return int(schedule.build_plan(_offsets(lengths), padded, None).live[0])
 
 
-# 16 items (8 blocks x 2 heads, one of them slack).
+# 8 blocks (one of them slack) of 2 heads: 16 steps.
 RING_LENGTHS, RING_CAPACITY, RING_HEADS = [130, 5, 64, 70], 282, 2
 
 
 def test_persistent_ctas_loop_over_more_items_than_ctas():
-    # Three CTAs take 6, 5 and 5 rounds: the 3-slot ring wraps, and the odd counts end it mid-lap.
-    assert _items(RING_LENGTHS, RING_CAPACITY, RING_HEADS) == 16
+    # Three CTAs take 3, 3 and 2 blocks (6, 6 and 4 steps): the 3-slot ring wraps, and 4 steps end it mid-lap.
+    assert _blocks(RING_LENGTHS, RING_CAPACITY) == 8
     _check_kernel(RING_LENGTHS, 10000.0, heads=RING_HEADS, capacity=RING_CAPACITY, num_ctas=3)
 
 
+@pytest.mark.parametrize("heads, num_ctas", [(3, 2), (1, 1)])
+def test_persistent_blocks_walk_their_heads_as_steps(heads, num_ctas):
+    """5 blocks: 70 rows (64 + 6), none, 100 rows (64 + 36, the last crossing the first slack row: tail
+    copy), then a slack block. H=3 over 2 CTAs: 3 and 2 blocks (9 and 6 steps), every block's head 0 in
+    ring slot 0 and its RoPE tables reused by heads 1 and 2. H=1 over 1 CTA: 5 steps, each a block's
+    head 0, so the tables are recomputed every step and the positions ring wraps."""
+    lengths, capacity = [70, 0, 100], 200
+    assert _blocks(lengths, capacity) == 5
+    _check_kernel(lengths, 10000.0, heads=heads, capacity=capacity, num_ctas=num_ctas)
+
+
 def test_persistent_pipeline_has_no_races(monkeypatch, capfd):
-    """One CTA walks all 16 items (the ring wraps five times and a third) under the interpreter's
+    """One CTA walks all 16 steps (the ring wraps five times and a third) under the interpreter's
     happens-before race detector: TMA loads, register reads and writes, wgmma reads and TMA stores
-    of each slot are ordered by the barriers and the store-group waits.
+    of each slot, and the positions ring read once per block, are ordered by the barriers and the
+    store-group waits.
 
     The detector's RefUnion check is switched off: it treats a union as one buffer, so a ring of
     slots with a plain and a swizzled view reads as a violation whenever two slots are in
@@ -236,16 +248,16 @@ def test_persistent_pipeline_has_no_races(monkeypatch, capfd):
 
 
 def test_persistent_ctas_outnumber_items():
-    # 4 items (3 real blocks, 1 slack) over 7 CTAs: three CTAs have no round at all.
+    # 4 blocks (3 real, 1 slack) of one head over 7 CTAs: three CTAs have no round at all.
     lengths, capacity = [5, 70], 88
-    assert _items(lengths, capacity, 1) == 4
+    assert _blocks(lengths, capacity) == 4
     _check_kernel(lengths, None, capacity=capacity, num_ctas=7)
 
 
 def test_persistent_ctas_all_empty_batch():
-    # No real block: 6 slack items (3 blocks x 2 heads) over 4 CTAs, which only store zeros, two rounds for some.
+    # No real block: 3 slack blocks of 2 heads over 4 CTAs, which only store zeros; one CTA has none.
     lengths, capacity, heads = [0, 0, 0], 150, 2
-    assert _items(lengths, capacity, heads) == 6
+    assert _blocks(lengths, capacity) == 3
     _check_kernel(lengths, 10000.0, heads=heads, capacity=capacity, num_ctas=4)
 
 
