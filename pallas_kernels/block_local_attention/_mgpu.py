@@ -119,6 +119,28 @@ class Rope:
         return zeros(half), zeros(half)
 
 
+def fused_rope(rope: bool, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars) -> Rope | None:
+    """The kernel's `Rope` with its frequencies loaded into `freq_smem` (once per CTA), or None without RoPE."""
+    if not rope:
+        return None
+    plgpu.copy_gmem_to_smem(freq_ref, freq_smem, freq_bar)
+    plgpu.barrier_wait(freq_bar)
+    return Rope(pos_ref, pos_ring, pos_bars, freq_smem)
+
+
+def swizzle_loaded(operands, rotated, slot, rows, tables) -> list[jax.Array]:
+    """Waits for each operand's loads into ring slot `slot` and rewrites it as its swizzled view
+    (`swizzle_operand`; RoPE with `tables` where `rotated`); returns the swizzled slots, in order.
+
+    `operands`: `(src_ref, tail_ref, ring, barriers)` per operand, as `load_operands` takes them.
+    """
+    swizzled = []
+    for (_, _, ring, bars), rotate_it in zip(operands, rotated, strict=True):
+        plgpu.barrier_wait(bars.at[slot])
+        swizzled.append(swizzle_operand(ring, slot, rows, tables if rotate_it else None))
+    return swizzled
+
+
 def walk(table_ref, live_ref, heads: int, num_ctas: int, *, load: Callable[[Step, jax.Array], None],
          attend: Callable[[Step, jax.Array, tuple[jax.Array, jax.Array] | None], None],
          slack: Callable[[Step, jax.Array], None], rope: Rope | None = None) -> None:

@@ -61,22 +61,14 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
                freq_bar):
         end_row = end_ref[0]
         operands = ((q_ref, qt_ref, q_ring, q_bars), (k_ref, kt_ref, k_ring, k_bars), (v_ref, vt_ref, v_ring, v_bars))
-        rotary = None
-        if rope:
-            plgpu.copy_gmem_to_smem(freq_ref, freq_smem, freq_bar)
-            plgpu.barrier_wait(freq_bar)
-            rotary = _mgpu.Rope(pos_ref, pos_ring, pos_bars, freq_smem)
+        rotary = _mgpu.fused_rope(rope, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars)
 
         def load(step, slot):
             _mgpu.load_operands(operands, step, slot, end_row)
 
         def attend(step, slot, tables):
             rows = step.rows
-            swizzled = []
-            for (_, _, ring, bars), rotated in zip(operands, (True, True, False)):
-                plgpu.barrier_wait(bars.at[slot])
-                swizzled.append(_mgpu.swizzle_operand(ring, slot, rows, tables if rotated else None))
-            qs, ks, vs = swizzled
+            qs, ks, vs = _mgpu.swizzle_loaded(operands, (True, True, False), slot, rows, tables)
             plgpu.commit_smem()
             s = _mgpu.matmul(qs, ks.transpose((1, 0)), (BLOCK, BLOCK))
             s = _mgpu.mask_keys(s * c2, rows, axis=1)
