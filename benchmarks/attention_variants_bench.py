@@ -19,7 +19,8 @@ kernels and the XLA work around them::
    0, 1, 63, 64, 65, 130, 200; slack rows NaN-poisoned and required to come back 0):
    block_local with and without RoPE, sliding-window JFA causal (w, 0) and two-sided, and
    causal SiLU GDPA (HSTU pointwise attention).
-2. Timing, forward+backward (`jax.vjp` of the layer, grads w.r.t. q, k, v), bf16, H=4, D=128,
+2. Timing, forward+backward (`jax.vjp` of the layer: its output and the grads w.r.t. q, k, v, the
+   output kept so no forward is dropped as dead code: `_timing.forward_backward`), bf16, H=4, D=128,
    long-tailed lengths clip(lognormal(log 600, 1.0), 8, 4096):
 
    block_local_pallas   ours, RoPE fused in the kernels

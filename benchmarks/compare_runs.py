@@ -42,7 +42,8 @@ switches within two spreads that have fewer than 3 seeds. Runs without a final e
 and left out. Runs whose folders are gone join from a runs record (`--record FILE`, a
 `benchmarks/results/switch_table_*_runs_*.json`: each run's eval records; `record_evals`); a run
 may be a folder or a record's, not both, unless it is named with `--rerun NAME`: a run trained
-again whose folder replaces its record's entry (a run named so must be both).
+again whose folder, with its final eval, replaces its entry in one record (a run named so must be
+both).
 
     python benchmarks/compare_runs.py --switch-table --planted runs/planted/short-range/log \
         --run bf16_seed0=DIR --run bf16_seed1=DIR --run bf16_seed2=DIR --run fp8_32_seed0=DIR ... \
@@ -356,11 +357,16 @@ def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: di
     not_folders = sorted(reruns - set(paths))
     if not_folders:
         raise SystemExit(f"compare_runs: --rerun {', '.join(not_folders)}: no --run folder of that name (a rerun's folder replaces its record's entry)")
-    replaced = set()
+    unfinished = sorted(reruns & set(without_eval))
+    if unfinished:  # the record's finished run would be dropped for a folder that has none
+        raise SystemExit(f"compare_runs: --rerun {', '.join(unfinished)}: the folder has no final eval ({', '.join(str(paths[n]) for n in unfinished)})")
+    replaced: dict[str, Path] = {}  # rerun name -> the record whose entry it replaces
     for record_file in args.record:
         recorded, stopped = record_evals(record_file)
-        for name in reruns & {*recorded, *stopped}:
-            replaced.add(name)
+        for name in sorted(reruns & {*recorded, *stopped}):
+            if name in replaced:
+                raise SystemExit(f"compare_runs: --rerun {name}: in two records ({replaced[name]} and {record_file}); a rerun replaces one")
+            replaced[name] = record_file
             recorded.pop(name, None)
             stopped = [n for n in stopped if n != name]
         for name in [*recorded, *stopped]:
@@ -371,7 +377,7 @@ def switch_table_main(args: argparse.Namespace, paths: dict[str, Path], runs: di
         for name, result in recorded.items():
             switch, seed = _switch_seed(name, record_file)
             add(switch, seed, result, record_file)
-    not_recorded = sorted(reruns - replaced)
+    not_recorded = sorted(reruns - set(replaced))
     if not_recorded:
         raise SystemExit(f"compare_runs: --rerun {', '.join(not_recorded)}: in no --record (a rerun replaces a recorded run)")
     if without_eval:

@@ -179,11 +179,13 @@ def train(preset: str, names: list[str], export_to: Path | None) -> int:
             export(preset, names, export_to)
 
 
-def table(preset: str, records: Sequence[Path] = (), reruns: Sequence[str] = ()) -> int:
+def table(preset: str, records: Sequence[Path] = (), reruns: Sequence[str] = (), name: str | None = None,
+          title: str | None = None) -> int:
     """compare_runs --switch-table on every run of `preset` that logged metrics, and on the runs of
     `records` (runs records of runs whose folders are gone: `compare_runs.record_evals`) but `reruns`
     (runs of a record trained again, whose folders replace the record's entries); prints the
-    seeds still wanted.
+    seeds still wanted. With `name`, the table and figure are `switch_table_<preset>_<name>`
+    (another view of the same runs beside the preset's own table), titled `title`.
 
     Returns:
       compare_runs' exit status (0: the table's JSON and figure are written).
@@ -192,13 +194,15 @@ def table(preset: str, records: Sequence[Path] = (), reruns: Sequence[str] = ())
       SystemExit: no run folder of the preset and no record.
     """
     where = paths(preset)
+    if name is not None:
+        where = {**where, **{k: where[k].with_stem(f"{where[k].stem}_{_slug(name)}") for k in ("table", "figure")}}
     runs = sorted(d for d in where["runs"].iterdir() if (d / "metrics.jsonl").is_file()) if where["runs"].is_dir() else []
     if not runs and not records:
         raise SystemExit(f"switch_table: no run of {preset} with a metrics.jsonl under {where['runs']}, and no --record")
     command = [
         sys.executable, "benchmarks/compare_runs.py", "--switch-table", "--planted", str(where["log"]),
         *(f"--run={d.name}={d}" for d in runs), *(f"--record={r}" for r in records),
-        *(f"--rerun={name}" for name in reruns), "--title", f"switch table, {preset} planted log", "--out", str(where["table"]), "--figure", str(where["figure"]),
+        *(f"--rerun={name}" for name in reruns), "--title", title or f"switch table, {preset} planted log", "--out", str(where["table"]), "--figure", str(where["figure"]),
     ]
     done = subprocess.run(command)
     if done.returncode:
@@ -265,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--preset", choices=PRESETS, required=True)
     b.add_argument("--record", action="append", type=Path, default=[], help="a runs record (benchmarks/results/switch_table_*_runs_*.json) whose runs' folders are gone: its runs join the table")
     b.add_argument("--rerun", action="append", default=[], metavar="NAME", help="a run of a --record trained again: its folder replaces the record's entry")
+    b.add_argument("--name", help="write switch_table_<preset>_<name>.json/.png: another view of the runs beside the preset's table")
+    b.add_argument("--title", help="the figure's and table's title (default: switch table, <preset> planted log)")
     args = parser.parse_args(argv)
     if args.command == "plan":
         if args.per_call < 1:
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             return train(args.preset, args.runs, args.export)
         except ValueError as error:
             parser.error(str(error))
-    return table(args.preset, args.record, args.rerun)
+    return table(args.preset, args.record, args.rerun, args.name, args.title)
 
 
 if __name__ == "__main__":

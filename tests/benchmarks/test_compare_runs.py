@@ -288,6 +288,15 @@ def test_a_rerun_named_so_replaces_its_records_entry_and_nothing_else(compare_ma
     other = _write_runs_record(tmp_path / "other.json", {"fp8_32_seed0": (0.8, 0.7)})
     with pytest.raises(SystemExit, match=r"--rerun bf16_seed1: in no --record"):
         _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed1", rerun)], records=[other], reruns=["bf16_seed1"])
+    second = _write_runs_record(tmp_path / "second.json", {"bf16_seed1": (0.81, 0.71)})
+    with pytest.raises(SystemExit, match=rf"--rerun bf16_seed1: in two records \({record} and {second}\)"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed1", rerun)], records=[record, second], reruns=["bf16_seed1"])
+    # A rerun folder without its final eval would drop the record's finished run: refused.
+    (tmp_path / "killed").mkdir()
+    killed = _write_planted_run(tmp_path / "killed" / "bf16_seed1", 1, 0.8, 0.71, eval_step=10)
+    with pytest.raises(SystemExit, match=rf"--rerun bf16_seed1: the folder has no final eval \({killed}\)"):
+        _switch_table(compare_main, monkeypatch, tmp_path, [("bf16_seed1", killed)], records=[_write_runs_record(tmp_path / "r.json", SWITCH_RUNS)],
+                      reruns=["bf16_seed1"])
 
 
 def _bad_record(tmp_path, name, content):

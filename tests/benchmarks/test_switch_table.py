@@ -158,3 +158,32 @@ def test_a_recorded_runs_device_is_its_runs_records(switch_table, tmp_path):
     assert switch_table.recorded_on(record) == {"bf16_seed0": where, "fp8_32_seed0": where}
     record.write_text(json.dumps({"runs": {"bf16_seed0": {}}}))
     assert switch_table.recorded_on(record) == {"bf16_seed0": f"unknown (runs record {record})"}
+
+
+def test_table_forwards_records_and_reruns_names_another_view_and_keeps_a_rerun_folders_place(switch_table, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = switch_table.paths("long-range")["runs"] / "bf16_seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    (run / "run.json").write_text(json.dumps({"version": {"commit": "be94c30a8e31eef5", "jax": "0.11.2", "devices": "1 x NVIDIA H100 (gpu)"}}))
+    record = tmp_path / "first_pass.json"
+    record.write_text(json.dumps({"gpu": "one NVIDIA H200", "runs": {"bf16_seed0": {}, "fp8_32_seed0": {}}}))
+    commands = []
+
+    def compare_runs(command, **kwargs):  # stands in for the compare_runs subprocess: writes an empty table
+        commands.append(command)
+        out = tmp_path / command[command.index("--out") + 1]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"switches": [], "needs_more_seeds": []}))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(switch_table.subprocess, "run", compare_runs)
+    assert switch_table.table("long-range", [record], ["bf16_seed0"], name="reference_rerun", title="retrained") == 0
+    command = commands[0]
+    assert f"--record={record}" in command and "--rerun=bf16_seed0" in command and f"--run=bf16_seed0={run}" in command
+    assert command[command.index("--title") + 1] == "retrained"
+    assert command[command.index("--out") + 1] == "benchmarks/results/switch_table_long_range_reference_rerun.json"
+    assert command[command.index("--figure") + 1] == "benchmarks/figures/switch_table_long_range_reference_rerun.png"
+    trained_on = json.loads((tmp_path / "benchmarks/results/switch_table_long_range_reference_rerun.json").read_text())["trained_on"]
+    assert trained_on["bf16_seed0"].startswith("1 x NVIDIA H100 (gpu), jax 0.11.2") and trained_on["bf16_seed0"].endswith("commit be94c30a8e31")
+    assert trained_on["fp8_32_seed0"] == f"one NVIDIA H200 (runs record {record})"

@@ -237,7 +237,8 @@ def test_persistent_pipeline_has_no_races(monkeypatch, capfd):
     slots with a plain and a swizzled view reads as a violation whenever two slots are in
     different phases. The happens-before checks of the bytes themselves stay on. The interpreter
     counts each TMA store as its own group (the GPU counts `commit_smem_to_gmem_group` groups), so
-    the waits are checked at least as strictly as the hardware applies them.
+    `wait_smem_to_gmem(n)` leaves fewer stores pending here than on the GPU: a missing wait is
+    caught, a wait count too small for a step of several stores is not.
     """
     from jax._src.pallas.mosaic_gpu.interpret import race_detection_state
 
