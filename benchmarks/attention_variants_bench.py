@@ -62,13 +62,12 @@ from pallas_kernels.jagged_layout import positions_in_sequence
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 130, 200]
 ROPE_BASE = 10_000.0
 
-# --only NAME: (correctness cases, timed layers) of a subset; without --only, every one of both.
+# --only NAME: (correctness cases, timed layers) of a subset; without --only, every one of both. A subset's
+# layers are also timed forward alone (`forward_ms`, `forward_wall_ms`), with the device time of each kernel
+# of one forward+backward call (`kernels_us`: [name, us] in launch order; CUPTI).
 SUBSETS = {
     "block_local": (("block_local_rope", "block_local_plain"), ("block_local_pallas", "full_jfa_pallas")),
 }
-# Layers also timed forward alone (`forward_ms`, `forward_wall_ms`) when a subset is selected, with the
-# device time of each kernel of one forward+backward call (`kernels_us`: [name, us] in launch order; CUPTI).
-TIMED_FORWARD = {"block_local": ("block_local_pallas", "full_jfa_pallas")}
 
 
 def offsets_of(lengths) -> jnp.ndarray:
@@ -346,7 +345,7 @@ def main():
         print("timing, forward+backward:", flush=True)
         deadline = start + args.budget_s
         report["timing_meta"], report["timing"] = timing(heads, dim, args.batch, args.window, args.iters, smoke, deadline,
-                                                         timed, TIMED_FORWARD.get(args.only, ()))
+                                                         timed, timed or ())
     report["ratios"] = ratios(report["timing"])
     report["total_s"] = time.perf_counter() - start
     with open(args.out, "w") as f:

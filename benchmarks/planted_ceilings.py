@@ -20,7 +20,8 @@ the train split (a converted log gives a model the same inputs: user ids as its 
 categories). Two more fitted rows ask what the user effects are worth: **fitted_no_user**, the same
 without them (a model with neither a user id nor its events' outcomes), and **fitted_past_outcomes**,
 without them but with the user's click rate over its earlier events as a fourth signal
-(`past_click_logit`: what history rows that carry their events' outcomes tell about the user). Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside it. The log is generated in memory
+(`past_click_logit`: what history rows that carry their events' outcomes tell about the user). Each
+row's share of the oracle's AUC lift over the item-mean baseline is reported beside it. The log is generated in memory
 (`gem_jax.data.planted.generate`), as `gem-data plant` writes it for the same preset and seed.
 """
 
@@ -137,11 +138,12 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
     log = generate(config)
     truth = log_truth(log)
     position = np.arange(log.num_events) - log.user_offsets[log.user]
-    recent = config.recent_weight * recent_affinity(config, category_mean_vectors(log.item_vectors, log.item_category), log.item, position)
+    affinity = recent_affinity(config, category_mean_vectors(log.item_vectors, log.item_category), log.item, position)
+    recent = config.recent_weight * affinity
     by_category = dataclasses.replace(truth, logit=truth.logit - truth.terms["recent"] + recent, terms={**truth.terms, "recent": recent})
     report = oracle_report(truth, rule)
     mid, long = category_signals(config, log.user, log.item_category[log.item], position)
-    signals = np.stack([recent / config.recent_weight if config.recent_weight else recent, mid, long], axis=1)
+    signals = np.stack([affinity, mid, long], axis=1)  # the planted signals before their weights
     is_eval, _ = eval_mask(truth, rule)
     fitted = fitted_row(log.user, log.item, signals, log.click, log.time, is_eval, config.num_users, config.num_items)
     anyone = np.zeros_like(log.user)  # one user: no user effects

@@ -85,6 +85,7 @@ class Step:
         return cls(blk, jnp.int32(0), field(schedule.F_START), field(schedule.F_ROWS), field(schedule.F_KEYS))
 
     def at_head(self, head) -> Step:
+        """The same block's step of head `head` (int32 scalar)."""
         return dataclasses.replace(self, head=head)
 
 

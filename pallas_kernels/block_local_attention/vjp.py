@@ -31,6 +31,7 @@ def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, 
 
     Raises:
       NotImplementedError: dtype, head dimension or block size the kernels do not support.
+      ValueError: `num_ctas` below 1.
     """
     capacity, _, head_dim = q.shape
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or k.dtype != q.dtype or v.dtype != q.dtype:

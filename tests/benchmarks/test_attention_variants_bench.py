@@ -50,6 +50,6 @@ def test_only_selects_the_checks_and_timed_layers(load_benchmark, repo_root, mon
         assert not any("forward_ms" in r or "kernels_us" in r for r in report["timing"].values())
     assert set(report["correctness"]) == set(checked)
     meta = report["timing_meta"]
-    least = 11 * meta["tokens"] * meta["heads"] * meta["dim"] * 2  # bf16 q, k, v, out; dout, dq, dk, dv
+    least = 11 * meta["tokens"] * meta["heads"] * meta["dim"] * 2  # bf16: q, k, v, out forward; q, k, v, dout, dq, dk, dv backward
     assert report["timing"]["block_local_pallas"]["least_hbm_bytes"] == least
     assert report["timing"]["block_local_pallas"]["gb_per_s"] > 0 and "gb_per_s" not in report["timing"]["full_jfa_pallas"]

@@ -13,6 +13,7 @@ from tolerances import BFLOAT16, FLOAT32, attention_budget, check
 
 from pallas_kernels import block_local_attention
 from pallas_kernels.block_local_attention import reference, schedule
+from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN
 
 # max |kernel - reference| / max |reference| by input dtype (tests/support/tolerances.py; measured: benchmarks/tolerances.md).
 BUDGET = {jnp.dtype(d): attention_budget(f) for d, f in ((jnp.bfloat16, BFLOAT16), (jnp.float32, FLOAT32))}
@@ -202,7 +203,7 @@ def test_kernels_all_zero_length_batch():
 
 def _blocks(lengths, capacity):
     """Work items of a batch: its live 64-row blocks (real and slack), each walked as H steps."""
-    padded = -(-capacity // 8) * 8
+    padded = -(-capacity // ROW_ALIGN) * ROW_ALIGN
     return int(schedule.build_plan(_offsets(lengths), padded, None).live[0])
 
 
