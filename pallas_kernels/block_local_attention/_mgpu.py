@@ -1,31 +1,40 @@
 """Mosaic GPU building blocks of the block-local forward and backward kernels, and their persistent walk.
 
-Both kernels are persistent: a fixed grid of CTAs (the GPU's SM count), each
-one warpgroup, walks the 64-row blocks `b = r * C + c` (CTA c, round r) of the
-work list, one work item being one block with all its heads (`Step` is one
-head of it). Per block, the record is read from the table once and
-RoPE's cos/sin tables (`Rope`) are computed once, on the head-0 step, and kept
-in registers for the block's H steps: they depend on the row's position and the
-column only, not on the head. Shared memory holds a ring of `NUM_SLOTS` = 3
-slots of one step's operands; `walk` runs the software pipeline over the CTA's
-steps `s = r * H + h` (block r's head h), across block boundaries:
+Both kernels are persistent: a fixed grid of CTAs, each one warpgroup, walks
+the 64-row blocks `b = r * C + c` (CTA c, round r) of the work list, one work
+item being one block with all its heads (`Step` is one head of it). Per block,
+the record is read from the table once and RoPE's cos/sin tables (`Rope`) are
+computed once, on the head-0 step, and kept in registers for the block's H
+steps: they depend on the row's position and the column only, not on the head.
+Shared memory holds a ring of S slots of one step's operands (S = 2 forward, 3
+backward; `config`); `walk` runs the software pipeline over the CTA's steps
+`s = r * H + h` (block r's head h), across block boundaries:
 
-    step s:  wait until the output stores of steps <= s - 2 have read their slots
-             issue the TMA loads of step s + 1 into slot (s + 1) % 3 (head h + 1 of
+    step s:  wait until the output stores of steps <= s + 1 - S have read their slots
+             issue the TMA loads of step s + 1 into slot (s + 1) % S (head h + 1 of
              this block, or head 0 of the next one with its RoPE positions)
              on head 0 of a block with keys: wait for its positions, compute the tables
-             wait for step s's loads (slot s % 3), compute, issue its output
+             wait for step s's loads (slot s % S), compute, issue its output
              stores from the same slot, commit them as one bulk-copy group
 
-so the loads of the next step run under the current step's compute and the
-stores of the previous step drain under it too: nothing waits for a store
-except a slot's reuse two steps later. One warpgroup suffices because the
-work per step is fixed and small (two or five 64-row wgmmas): a separate
-producer warpgroup, as in the JFA and GDPA kernels, pays off when a consumer
-streams many blocks per item and must not stall between them; here the
-producer would issue one step's loads per step (one head), which the computing
-warpgroup does at the top of the step without waiting. Source: persistent
-kernels with a TMA ring, as in FlashAttention-3 (Shah et al., 2024).
+so the loads of the next step run under the current step's compute, and with
+three slots the stores of the previous step drain under it too (with two, a
+step first waits until the previous step's stores have read its slot; nothing
+else waits for a store).
+
+A step is latency, not bandwidth: one warpgroup runs its phases in series.
+Two steps are in flight per SM when two CTAs share it (`config`'s CTAs per
+SM: the grid is that many times the SM count); each is this same walk, with
+its own ring, barriers and bulk-copy groups, so nothing orders one CTA's step
+against the other's, and the SM's warp schedulers interleave them. Two
+consumer warpgroups in one CTA would hold the same slots (shared memory is
+what bounds both), but would share one scratch allocation and need every
+slot, barrier and store group indexed by warpgroup, for no more overlap. A
+separate producer warpgroup, as in the JFA and GDPA kernels, pays off when a
+consumer streams many blocks per item and must not stall between them; here
+it would issue one step's loads per step, which the computing warpgroup does
+at the top of the step without waiting. Source: persistent kernels with a TMA
+ring, as in FlashAttention-3 (Shah et al., 2024).
 
 A block starts at any packed row, so its operands are copied by TMA into plain
 (untiled) shared memory, which takes any row start, and rewritten in registers
@@ -49,22 +58,22 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.block_local_attention import schedule
-from pallas_kernels.block_local_attention.config import BLOCK, NUM_SLOTS
+from pallas_kernels.block_local_attention.config import BLOCK
 from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 
 LAYOUT = plgpu.Layout.WGMMA
 
 
-def operand_ring(head_dim: int, dtype) -> plgpu.RefUnion:
-    """`[NUM_SLOTS, 64, D]` shared memory with a plain view (TMA in and out) and a swizzled
+def operand_ring(slots: int, head_dim: int, dtype) -> plgpu.RefUnion:
+    """`[slots, 64, D]` shared memory with a plain view (TMA in and out) and a swizzled
     view (wgmma) of the same bytes; slot i of either view is the i-th `64 x D` run of bytes."""
-    shape = (NUM_SLOTS, BLOCK, head_dim)
+    shape = (slots, BLOCK, head_dim)
     return plgpu.RefUnion(plgpu.SMEM(shape, dtype), mgpu_common.swizzled_smem(shape, dtype))
 
 
-def ring_barriers() -> plgpu.Barrier:
+def ring_barriers(slots: int) -> plgpu.Barrier:
     """One TMA barrier per ring slot; each use of a slot completes one phase."""
-    return plgpu.Barrier(num_barriers=NUM_SLOTS)
+    return plgpu.Barrier(num_barriers=slots)
 
 
 @jax.tree_util.register_dataclass
@@ -91,7 +100,7 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Rope:
-    """A kernel's fused RoPE: a ring of block positions (`[NUM_SLOTS, 64]` float32 SMEM, one
+    """A kernel's fused RoPE: a ring of block positions (`[S, 64]` float32 SMEM, one
     barrier per slot, filled with a block's head-0 step), the frequencies (`[D/2]` float32 SMEM,
     loaded once per CTA) and the plan's positions `[NB, 64]` in GMEM."""
 
@@ -142,7 +151,7 @@ def swizzle_loaded(operands, rotated, slot, rows, tables) -> list[jax.Array]:
     return swizzled
 
 
-def walk(table_ref, live_ref, heads: int, num_ctas: int, *, load: Callable[[Step, jax.Array], None],
+def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Callable[[Step, jax.Array], None],
          attend: Callable[[Step, jax.Array, tuple[jax.Array, jax.Array] | None], None],
          slack: Callable[[Step, jax.Array], None], rope: Rope | None = None) -> None:
     """The persistent, software-pipelined loop of a CTA over its blocks' steps (see the module docstring).
@@ -151,6 +160,7 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, *, load: Callable[[Step
       table_ref, live_ref: the plan's block records and live block count.
       heads: H, the steps of one block.
       num_ctas: C, the grid size.
+      slots: S >= 2, the ring's slots (`operand_ring`, `ring_barriers`; the RoPE positions ring too).
       load: `load(step, slot)` issues the TMA loads of a step with keys into ring slot `slot`.
       attend: `attend(step, slot, tables)` waits for them, computes, and issues the step's output
         stores from `slot` (`store_block`); `tables` is the block's `Rope.tables`, or None without `rope`.
@@ -180,11 +190,11 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, *, load: Callable[[Step
 
         def step_body(h, tables):
             s = r * heads + h
-            slot = lax.rem(s, NUM_SLOTS)
-            next_slot = lax.rem(s + 1, NUM_SLOTS)
-            # One store group per step: at most step s - 1's may still read its slot, so
-            # slot (s + 1) % 3 (step s - 2's) and slot s % 3 (step s - 3's) are free.
-            plgpu.wait_smem_to_gmem(NUM_SLOTS - 2, wait_read_only=True)
+            slot = lax.rem(s, slots)
+            next_slot = lax.rem(s + 1, slots)
+            # One store group per step: at most those of steps s - S + 2 .. s - 1 may still read
+            # their slots, so slot (s + 1) % S (step s + 1 - S's) and slot s % S (step s - S's) are free.
+            plgpu.wait_smem_to_gmem(slots - 2, wait_read_only=True)
 
             @pl.when((h + 1 < heads) & (block.keys > 0))
             def _():

@@ -21,6 +21,8 @@ view of an operand slot that is no longer read (dQ through k's, dV through
 v's, dK through q's). A fixed grid of CTAs walks the blocks' steps with a
 three-slot TMA ring (`_mgpu.walk`): the next step's q, k, v, dO load while the
 current one computes, and its gradient stores drain while the next computes.
+Two CTAs share an SM at D=64 (110 KiB each), one at D=128 (206 KiB): there
+even a two-slot ring (142 KiB) leaves no room for a second CTA (`config`).
 Sources: GEM engineering description (Meta, 2025), block-local attention with
 RoPE's backward fused; persistent kernels with a TMA ring, as in
 FlashAttention-3 (Shah et al., 2024).
@@ -37,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import mgpu_common
 from pallas_kernels.block_local_attention import _mgpu, schedule
-from pallas_kernels.block_local_attention.config import BLOCK, NUM_SLOTS
+from pallas_kernels.block_local_attention.config import BACKWARD_SLOTS, BLOCK
 from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 
 LOG2E = math.log2(math.e)
@@ -46,7 +48,8 @@ LOG2E = math.log2(math.e)
 def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: bool, num_ctas: int):
     """Runs the backward kernel; returns `(dq, dk, dv)`, each `[T, H, D]` in q.dtype, slack rows 0.
 
-    Arguments as in `forward.forward`, plus `dout [T, H, D]` (q.dtype), the output cotangent.
+    Arguments as in `forward.forward`, plus `dout [T, H, D]` (q.dtype), the output cotangent;
+    `num_ctas` here is `BACKWARD_CTAS_PER_SM[D]` x the GPU's SM count.
     """
     capacity, heads, head_dim = q.shape
     dtype = q.dtype
@@ -115,16 +118,17 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             for ring, dst in ((q_ring, dq_ref), (k_ring, dk_ref), (v_ring, dv_ref)):
                 _mgpu.store_block(zero, ring[0].at[slot], dst, step)
 
-        _mgpu.walk(table_ref, live_ref, heads, num_ctas, load=load, attend=attend, slack=slack, rope=rotary)
+        _mgpu.walk(table_ref, live_ref, heads, num_ctas, BACKWARD_SLOTS, load=load, attend=attend, slack=slack,
+                   rope=rotary)
 
     scratch = (
-        *(_mgpu.operand_ring(head_dim, dtype) for _ in range(4)),
+        *(_mgpu.operand_ring(BACKWARD_SLOTS, head_dim, dtype) for _ in range(4)),
         mgpu_common.swizzled_smem((BLOCK, BLOCK), dtype),
         plgpu.SMEM((BLOCK,), jnp.float32),
         plgpu.SMEM((BLOCK,), jnp.float32),
-        plgpu.SMEM((NUM_SLOTS, BLOCK), jnp.float32),
+        plgpu.SMEM((BACKWARD_SLOTS, BLOCK), jnp.float32),
         plgpu.SMEM((head_dim // 2,), jnp.float32),
-        *(_mgpu.ring_barriers() for _ in range(5)),
+        *(_mgpu.ring_barriers(BACKWARD_SLOTS) for _ in range(5)),
         plgpu.Barrier(),
     )
     grad = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)

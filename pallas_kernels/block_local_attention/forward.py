@@ -10,9 +10,13 @@ QK^T and one PV wgmma and a plain softmax over at most 64 keys (no online
 rescaling, no log-sum-exp residual: the backward recomputes the block). RoPE
 is applied in registers between the TMA load and the swizzled operand, with
 cos/sin tables computed once per block and kept in registers for its heads. A
-fixed grid of CTAs walks the blocks' steps with a three-slot TMA ring
-(`_mgpu.walk`): the next step's q, k, v load while the current one computes,
-and its output stores drain while the next computes.
+fixed grid of CTAs, two per SM, walks the blocks' steps with a two-slot TMA
+ring each (`_mgpu.walk`): the next step's q, k, v load while the current one
+computes, and one CTA's serial phases (the operands' rewrite, the softmax, the
+output's staging) run under the other CTA's loads and wgmmas on the same SM.
+Two slots, not three, so that two CTAs fit an SM's shared memory at D=128
+(108 KiB each; `config`): a step first waits until the previous step's
+output stores have read the slot its successor loads into.
 Sources: GEM engineering description (Meta, 2025), block-local attention with
 fused RoPE; TLX block attention (facebookresearch/ads_model_kernel_library,
 `block_attention/`); persistent kernels with a TMA ring, as in
@@ -30,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import mgpu_common
 from pallas_kernels.block_local_attention import _mgpu, schedule
-from pallas_kernels.block_local_attention.config import BLOCK, NUM_SLOTS
+from pallas_kernels.block_local_attention.config import BLOCK, FORWARD_SLOTS
 from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 
 LOG2E = math.log2(math.e)
@@ -45,7 +49,7 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
       plan: the batch's work list (`schedule.build_plan`).
       scale: multiplies the scores.
       rope: apply RoPE to q and k.
-      num_ctas: persistent CTAs (the GPU's SM count).
+      num_ctas: persistent CTAs (`FORWARD_CTAS_PER_SM` x the GPU's SM count).
 
     Returns:
       `[T, H, D]` in q.dtype; slack rows 0.
@@ -84,16 +88,15 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
         def slack(step, slot):
             _mgpu.store_block(_mgpu.zeros(head_dim).astype(dtype), q_ring[0].at[slot], out_ref, step)
 
-        _mgpu.walk(table_ref, live_ref, heads, num_ctas, load=load, attend=attend, slack=slack, rope=rotary)
+        _mgpu.walk(table_ref, live_ref, heads, num_ctas, FORWARD_SLOTS, load=load, attend=attend, slack=slack,
+                   rope=rotary)
 
     scratch = (
-        _mgpu.operand_ring(head_dim, dtype),
-        _mgpu.operand_ring(head_dim, dtype),
-        _mgpu.operand_ring(head_dim, dtype),
+        *(_mgpu.operand_ring(FORWARD_SLOTS, head_dim, dtype) for _ in range(3)),
         mgpu_common.swizzled_smem((BLOCK, BLOCK), dtype),
-        plgpu.SMEM((NUM_SLOTS, BLOCK), jnp.float32),
+        plgpu.SMEM((FORWARD_SLOTS, BLOCK), jnp.float32),
         plgpu.SMEM((head_dim // 2,), jnp.float32),
-        *(_mgpu.ring_barriers() for _ in range(4)),
+        *(_mgpu.ring_barriers(FORWARD_SLOTS) for _ in range(4)),
         plgpu.Barrier(),
     )
     out_type = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)

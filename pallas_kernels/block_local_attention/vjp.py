@@ -3,7 +3,8 @@
 The backward recomputes each block's softmax from q and k, so the only
 residuals are the inputs; RoPE's backward (rotation by minus the angle) is
 applied to dQ and dK inside the backward kernel. Both kernels are persistent
-(`_mgpu.walk`): `num_ctas` CTAs, by default the GPU's SM count.
+(`_mgpu.walk`): by default each runs its CTAs per SM (`config`) times the
+GPU's SM count.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import jax.numpy as jnp
 from pallas_kernels._src import manual_axes, mgpu_common
 from pallas_kernels.block_local_attention import reference, schedule
 from pallas_kernels.block_local_attention.backward import backward
-from pallas_kernels.block_local_attention.config import INTERPRET_CTAS, KERNEL_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from pallas_kernels.block_local_attention.config import (
+    BACKWARD_CTAS_PER_SM,
+    FORWARD_CTAS_PER_SM,
+    INTERPRET_CTAS,
+    KERNEL_BLOCK_SIZES,
+    SUPPORTED_HEAD_DIMS,
+)
 from pallas_kernels.block_local_attention.forward import forward
 from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN
 
@@ -26,8 +33,9 @@ def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, 
     """Block-local softmax attention with fused RoPE on the Mosaic GPU kernels (Hopper, sm_90a).
 
     Same contract as `pallas_kernels.block_local_attention` (which see), plus
-    `num_ctas`: the persistent CTAs of each kernel; default the GPU's SM count
-    (`INTERPRET_CTAS` under the CPU interpreter).
+    `num_ctas`: the persistent CTAs of each kernel; default the kernel's CTAs
+    per SM (`config.FORWARD_CTAS_PER_SM`, `config.BACKWARD_CTAS_PER_SM`) times
+    the GPU's SM count (`INTERPRET_CTAS` under the CPU interpreter).
 
     Raises:
       NotImplementedError: dtype, head dimension or block size the kernels do not support.
@@ -43,10 +51,14 @@ def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, 
     if capacity == 0:
         return jnp.zeros_like(q)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    if num_ctas is None:
-        num_ctas = INTERPRET_CTAS if mgpu_common.interpreting() else mgpu_common.sm_count()
-    if num_ctas < 1:
-        raise ValueError(f"num_ctas must be at least 1; got {num_ctas}")
+    if num_ctas is None and not mgpu_common.interpreting():
+        sms = mgpu_common.sm_count()
+        grids = (FORWARD_CTAS_PER_SM * sms, BACKWARD_CTAS_PER_SM[head_dim] * sms)
+    else:
+        num_ctas = INTERPRET_CTAS if num_ctas is None else num_ctas
+        if num_ctas < 1:
+            raise ValueError(f"num_ctas must be at least 1; got {num_ctas}")
+        grids = (int(num_ctas), int(num_ctas))
     padded = -(-capacity // ROW_ALIGN) * ROW_ALIGN
     if padded != capacity:
         q, k, v = (jnp.pad(x, ((0, padded - capacity), (0, 0), (0, 0))) for x in (q, k, v))
@@ -56,21 +68,22 @@ def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, 
     freqs = reference.rope_frequencies(head_dim, rope_base if rope else 1.0)
     plan = schedule.build_plan(offsets.astype(jnp.int32), padded, positions if rope else None)
     q, k, v = manual_axes.match_axes(q, k, v)
-    return _attention(q, k, v, freqs, plan, scale, rope, int(num_ctas))[:capacity]
+    return _attention(q, k, v, freqs, plan, scale, rope, grids)[:capacity]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q, k, v, freqs, plan, scale, rope, num_ctas):
-    return forward(q, k, v, freqs, plan, scale=scale, rope=rope, num_ctas=num_ctas)
+def _attention(q, k, v, freqs, plan, scale, rope, grids):
+    """`grids`: the forward's and the backward's CTA counts."""
+    return forward(q, k, v, freqs, plan, scale=scale, rope=rope, num_ctas=grids[0])
 
 
-def _attention_fwd(q, k, v, freqs, plan, scale, rope, num_ctas):
-    return forward(q, k, v, freqs, plan, scale=scale, rope=rope, num_ctas=num_ctas), (q, k, v, freqs, plan)
+def _attention_fwd(q, k, v, freqs, plan, scale, rope, grids):
+    return forward(q, k, v, freqs, plan, scale=scale, rope=rope, num_ctas=grids[0]), (q, k, v, freqs, plan)
 
 
-def _attention_bwd(scale, rope, num_ctas, residuals, dout):
+def _attention_bwd(scale, rope, grids, residuals, dout):
     q, k, v, freqs, plan = residuals
-    dq, dk, dv = backward(q, k, v, dout, freqs, plan, scale=scale, rope=rope, num_ctas=num_ctas)
+    dq, dk, dv = backward(q, k, v, dout, freqs, plan, scale=scale, rope=rope, num_ctas=grids[1])
     return dq, dk, dv, None, None
 
 

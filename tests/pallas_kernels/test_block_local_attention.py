@@ -228,11 +228,19 @@ def test_persistent_blocks_walk_their_heads_as_steps(heads, num_ctas):
     _check_kernel(lengths, 10000.0, heads=heads, capacity=capacity, num_ctas=num_ctas)
 
 
-def test_persistent_pipeline_has_no_races(monkeypatch, capfd):
-    """One CTA walks all 16 steps (the ring wraps five times and a third) under the interpreter's
-    happens-before race detector: TMA loads, register reads and writes, wgmma reads and TMA stores
-    of each slot, and the positions ring read once per block, are ordered by the barriers and the
-    store-group waits.
+@pytest.mark.parametrize("lengths, capacity, heads, num_ctas", [
+    (RING_LENGTHS, RING_CAPACITY, RING_HEADS, 1),
+    ([70, 0, 100], 200, 1, 1),
+])
+def test_persistent_pipeline_has_no_races(monkeypatch, capfd, lengths, capacity, heads, num_ctas):
+    """Under the interpreter's happens-before race detector: one CTA walks all 16 steps (the
+    backward's three-slot ring wraps five times and a third, the forward's two-slot ring eight
+    times), and one CTA walks the 5 one-head blocks of `test_persistent_blocks_walk_their_heads_as_steps`
+    (an odd count: both rings end mid-lap, and every step reloads the positions ring into the
+    slot whose positions the step before last read). TMA loads, register reads and writes, wgmma
+    reads and TMA stores of each slot, and the positions ring read once per block, are ordered by
+    the barriers and the store-group waits (in either walk a wait one group too lax is reported
+    as a race).
 
     The detector's RefUnion check is switched off: it treats a union as one buffer, so a ring of
     slots with a plain and a swizzled view reads as a violation whenever two slots are in
@@ -244,9 +252,31 @@ def test_persistent_pipeline_has_no_races(monkeypatch, capfd):
     from jax._src.pallas.mosaic_gpu.interpret import race_detection_state
 
     monkeypatch.setattr(race_detection_state.GPURaceDetectionState, "_check_ref_union", lambda *a, **k: None)
-    _check_kernel(RING_LENGTHS, 10000.0, heads=RING_HEADS, capacity=RING_CAPACITY, num_ctas=1,
+    _check_kernel(lengths, 10000.0, heads=heads, capacity=capacity, num_ctas=num_ctas,
                   params=plgpu.InterpretGPUParams(detect_races=True))
     assert "RACE DETECTED" not in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("dim, backward_ctas", [(64, 264), (128, 132)])
+def test_gpu_grids_are_ctas_per_sm_times_sm_count(monkeypatch, dim, backward_ctas):
+    """On a GPU (132 SMs) the forward runs two CTAs per SM; the backward two at D=64 (110 KiB of
+    shared memory each) and one at D=128 (206 KiB)."""
+    from pallas_kernels._src import mgpu_common
+    from pallas_kernels.block_local_attention import vjp
+
+    monkeypatch.setattr(mgpu_common, "interpreting", lambda: False)
+    monkeypatch.setattr(mgpu_common, "sm_count", lambda: 132)
+    grids = {}
+
+    def kernel(name, q, *args, num_ctas, **kwargs):
+        grids[name] = num_ctas
+        return q if name == "forward" else (q, q, q)
+
+    monkeypatch.setattr(vjp, "forward", functools.partial(kernel, "forward"))
+    monkeypatch.setattr(vjp, "backward", functools.partial(kernel, "backward"))
+    x = jnp.zeros((8, 1, dim), jnp.bfloat16)
+    jax.vjp(lambda x: vjp.block_local_attention(x, x, x, _offsets([8]), block_size=64), x)[1](x)
+    assert grids == {"forward": 264, "backward": backward_ctas}
 
 
 def test_persistent_ctas_outnumber_items():
