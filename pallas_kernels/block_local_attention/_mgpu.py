@@ -1,19 +1,25 @@
 """Mosaic GPU building blocks of the block-local forward and backward kernels, and their persistent walk.
 
-Both kernels are persistent: a fixed grid of CTAs, each one warpgroup, walks
-the 64-row blocks `b = r * C + c` (CTA c, round r) of the work list, one work
-item being one block with all its heads (`Step` is one head of it). Per block,
-the record is read from the table once and RoPE's cos/sin tables (`Rope`) are
-computed once, on the head-0 step, and kept in registers for the block's H
-steps: they depend on the row's position and the column only, not on the head.
-Shared memory holds a ring of S slots of one step's operands (S = 2 forward, 3
-backward; `config`); `walk` runs the software pipeline over the CTA's steps
-`s = r * H + h` (block r's head h), across block boundaries:
+Both kernels are persistent: a fixed grid of CTAs, each of W consumer
+warpgroups (W = 1, or 2 in the backward at D=128; `config`), walks the 64-row
+blocks `b = r * C + c` (CTA c, round r) of the work list, one work item being
+one block with all its heads (`Step` is one head of it). Per block, the record
+is read from the table once and RoPE's cos/sin tables (`Rope`) are computed
+once per warpgroup that computes any of its heads, on its first step of the
+block (head h < W), and kept in its registers for the block's other heads it
+computes: they depend on the row's position and the column only, not on the
+head. Shared memory holds one ring per CTA of S slots of one step's operands
+(S = 2 forward, 3 backward; `config`); `walk` runs the software pipeline over
+the CTA's steps `s = r * H + h` (block r's head h), across block boundaries,
+warpgroup `s % W` computing step s:
 
-    step s:  wait until the output stores of steps <= s + 1 - S have read their slots
+    step s:  wait until this warpgroup's output stores of its steps <= s + 1 - S have
+             read their slots
              issue the TMA loads of step s + 1 into slot (s + 1) % S (head h + 1 of
-             this block, or head 0 of the next one with its RoPE positions)
-             on head 0 of a block with keys: wait for its positions, compute the tables
+             this block, or head 0 of the next one; with the block's RoPE positions
+             where step s + 1 is a warpgroup's first step of the block)
+             on a warpgroup's first step of a block with keys: wait for its positions,
+             compute the tables
              wait for step s's loads (slot s % S), compute, issue its output
              stores from the same slot, commit them as one bulk-copy group
 
@@ -24,17 +30,30 @@ else waits for a store).
 
 A step is latency, not bandwidth: one warpgroup runs its phases in series.
 Two steps are in flight per SM when two CTAs share it (`config`'s CTAs per
-SM: the grid is that many times the SM count); each is this same walk, with
-its own ring, barriers and bulk-copy groups, so nothing orders one CTA's step
-against the other's, and the SM's warp schedulers interleave them. Two
-consumer warpgroups in one CTA would hold the same slots (shared memory is
-what bounds both), but would share one scratch allocation and need every
-slot, barrier and store group indexed by warpgroup, for no more overlap. A
-separate producer warpgroup, as in the JFA and GDPA kernels, pays off when a
-consumer streams many blocks per item and must not stall between them; here
-it would issue one step's loads per step, which the computing warpgroup does
-at the top of the step without waiting. Source: persistent kernels with a TMA
-ring, as in FlashAttention-3 (Shah et al., 2024).
+SM: the grid is that many times the SM count), each CTA this same walk with
+its own ring, barriers and bulk-copy groups; or, where two CTAs' rings do not
+fit an SM's shared memory (the backward at D=128), when two consumer
+warpgroups share one CTA's ring, taking its steps alternately. Either way the
+SM's warp schedulers interleave one step's serial phases (shared memory ->
+registers -> RoPE -> swizzled rewrite, softmax, output staging) with the
+other's loads and wgmmas. With W warpgroups and S - 1 a multiple of W, the
+slot step s + 1 loads into was last used by step s + 1 - S, computed by the
+warpgroup that issues the load (step s's): a slot's reuse waits for that
+warpgroup's own reads (program order) and its own store groups, which are
+per issuing thread, so per warpgroup; no other warpgroup has to signal it.
+The hand-over of a slot to the other warpgroup is the step's TMA barrier
+(the loader waited for the slot's stores before issuing); a slack step,
+which loads nothing, is handed over by a barrier its loader arrives on. Every
+barrier of the ring is indexed by slot and computing warpgroup (`Slot`), so
+that one warpgroup waits for all of a barrier's phases: Mosaic GPU tracks a
+barrier's phase parity per thread. Each warpgroup waits for the other only
+through these barriers, so at most two steps compute at once and the third
+slot loads. A separate producer warpgroup, as in the JFA and GDPA kernels,
+pays off when a consumer streams many blocks per item and must not stall
+between them; here it would issue one step's loads per step, which the
+computing warpgroup does at the top of the step without waiting. Source:
+persistent kernels with a TMA ring, as in FlashAttention-3 (Shah et al.,
+2024).
 
 A block starts at any packed row, so its operands are copied by TMA into plain
 (untiled) shared memory, which takes any row start, and rewritten in registers
@@ -62,6 +81,7 @@ from pallas_kernels.block_local_attention.config import BLOCK
 from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 
 LAYOUT = plgpu.Layout.WGMMA
+WARPGROUP_AXIS = "wg"
 
 
 def operand_ring(slots: int, head_dim: int, dtype) -> plgpu.RefUnion:
@@ -71,9 +91,26 @@ def operand_ring(slots: int, head_dim: int, dtype) -> plgpu.RefUnion:
     return plgpu.RefUnion(plgpu.SMEM(shape, dtype), mgpu_common.swizzled_smem(shape, dtype))
 
 
-def ring_barriers(slots: int) -> plgpu.Barrier:
-    """One TMA barrier per ring slot; each use of a slot completes one phase."""
-    return plgpu.Barrier(num_barriers=slots)
+def ring_barriers(slots: int, warpgroups: int = 1) -> plgpu.Barrier:
+    """One barrier per ring slot and computing warpgroup (`Slot.barrier`); each step that
+    warpgroup computes in the slot completes one phase, and only that warpgroup waits on it."""
+    return plgpu.Barrier(num_barriers=slots * warpgroups)
+
+
+def warpgroup(warpgroups: int) -> jax.Array:
+    """This warpgroup's index in its CTA (`launch`'s `warpgroups`; 0 with one)."""
+    return lax.axis_index(WARPGROUP_AXIS) if warpgroups > 1 else jnp.int32(0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A step's ring slot `index` (`s % S`) and the `barrier` its loads arrive on: `index * W + s % W`
+    with W warpgroups (`index` with one), so a barrier's phases are all waited for by the one
+    warpgroup computing them (a warpgroup that skipped a phase would read the next one's parity)."""
+
+    index: jax.Array
+    barrier: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -100,24 +137,24 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Rope:
-    """A kernel's fused RoPE: a ring of block positions (`[S, 64]` float32 SMEM, one
-    barrier per slot, filled with a block's head-0 step), the frequencies (`[D/2]` float32 SMEM,
-    loaded once per CTA) and the plan's positions `[NB, 64]` in GMEM."""
+    """A kernel's fused RoPE: a ring of block positions (`[S, 64]` float32 SMEM, barriers as
+    `ring_barriers`, filled with each warpgroup's first step of a block: heads 0 .. W - 1), the
+    frequencies (`[D/2]` float32 SMEM, loaded once per CTA) and the plan's positions `[NB, 64]` in GMEM."""
 
     pos_ref: jax.Array
     pos_ring: jax.Array
     pos_bars: jax.Array
     freq_smem: jax.Array
 
-    def load(self, step: Step, slot) -> None:
+    def load(self, step: Step, slot: Slot) -> None:
         """Issues the TMA load of the step's block positions into ring slot `slot`."""
-        plgpu.copy_gmem_to_smem(self.pos_ref.at[step.blk], self.pos_ring.at[slot], self.pos_bars.at[slot])
+        plgpu.copy_gmem_to_smem(self.pos_ref.at[step.blk], self.pos_ring.at[slot.index], self.pos_bars.at[slot.barrier])
 
-    def tables(self, slot) -> tuple[jax.Array, jax.Array]:
+    def tables(self, slot: Slot) -> tuple[jax.Array, jax.Array]:
         """Waits for slot `slot`'s positions; `(cos, sin)` float32 `[64, D/2]` of `positions[row] * freq[col]`
         (accurate, not approximate, sin/cos)."""
-        plgpu.barrier_wait(self.pos_bars.at[slot])
-        pos = plgpu.load(self.pos_ring.at[slot], layout=LAYOUT.reduce(1))
+        plgpu.barrier_wait(self.pos_bars.at[slot.barrier])
+        pos = plgpu.load(self.pos_ring.at[slot.index], layout=LAYOUT.reduce(1))
         freq = plgpu.load(self.freq_smem, layout=LAYOUT.reduce(0))
         shape = (BLOCK, self.freq_smem.shape[0])
         angles = lax.broadcast_in_dim(pos, shape, [0]) * lax.broadcast_in_dim(freq, shape, [1])
@@ -129,16 +166,20 @@ class Rope:
         return zeros(half), zeros(half)
 
 
-def fused_rope(rope: bool, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars) -> Rope | None:
-    """The kernel's `Rope` with its frequencies loaded into `freq_smem` (once per CTA), or None without RoPE."""
+def fused_rope(rope: bool, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars,
+               warpgroups: int = 1) -> Rope | None:
+    """The kernel's `Rope` with its frequencies loaded into `freq_smem` (once per CTA: warpgroup 0
+    issues the copy, every warpgroup waits for its one phase), or None without RoPE."""
     if not rope:
         return None
-    plgpu.copy_gmem_to_smem(freq_ref, freq_smem, freq_bar)
+
+    copy = lambda: plgpu.copy_gmem_to_smem(freq_ref, freq_smem, freq_bar)
+    pl.when(True if warpgroups == 1 else warpgroup(warpgroups) == 0)(copy)
     plgpu.barrier_wait(freq_bar)
     return Rope(pos_ref, pos_ring, pos_bars, freq_smem)
 
 
-def swizzle_loaded(operands, rotated, slot, rows, tables) -> list[jax.Array]:
+def swizzle_loaded(operands, rotated, slot: Slot, rows, tables) -> list[jax.Array]:
     """Waits for each operand's loads into ring slot `slot` and rewrites it as its swizzled view
     (`swizzle_operand`; RoPE with `tables` where `rotated`); returns the swizzled slots, in order.
 
@@ -146,14 +187,15 @@ def swizzle_loaded(operands, rotated, slot, rows, tables) -> list[jax.Array]:
     """
     swizzled = []
     for (_, _, ring, bars), rotate_it in zip(operands, rotated, strict=True):
-        plgpu.barrier_wait(bars.at[slot])
-        swizzled.append(swizzle_operand(ring, slot, rows, tables if rotate_it else None))
+        plgpu.barrier_wait(bars.at[slot.barrier])
+        swizzled.append(swizzle_operand(ring, slot.index, rows, tables if rotate_it else None))
     return swizzled
 
 
-def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Callable[[Step, jax.Array], None],
-         attend: Callable[[Step, jax.Array, tuple[jax.Array, jax.Array] | None], None],
-         slack: Callable[[Step, jax.Array], None], rope: Rope | None = None) -> None:
+def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Callable[[Step, Slot], None],
+         attend: Callable[[Step, Slot, tuple[jax.Array, jax.Array] | None], None],
+         slack: Callable[[Step, Slot], None], rope: Rope | None = None, warpgroups: int = 1,
+         handoff: jax.Array | None = None) -> None:
     """The persistent, software-pipelined loop of a CTA over its blocks' steps (see the module docstring).
 
     Args:
@@ -166,23 +208,49 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Ca
         stores from `slot` (`store_block`); `tables` is the block's `Rope.tables`, or None without `rope`.
       slack: `slack(step, slot)` issues zero stores for a step without keys from `slot`.
       rope: the kernel's fused RoPE, or None.
+      warpgroups: W, the CTA's consumer warpgroups (`launch`); warpgroup `s % W` computes step s.
+        S - 1 must be a multiple of W, so that the slot step s + 1 loads into was last computed
+        by the warpgroup issuing the load (step s's).
+      handoff: with W > 1, `ring_barriers(S, W)`: the issuer of a slack step's (absent) loads
+        arrives on its barrier once the slot is free, as a TMA load's completion would.
     """
+    w_count = warpgroups
+    if (slots - 1) % w_count or (w_count > 1) != (handoff is not None):
+        raise ValueError(f"{slots} slots for {w_count} warpgroups (handoff {handoff is not None})")
+    wg = warpgroup(w_count)
     cta = lax.axis_index("cta")
     n_blocks = live_ref[0]
     rounds = lax.div(jnp.maximum(n_blocks - cta + (num_ctas - 1), 0), jnp.int32(num_ctas))
     last = jnp.maximum(n_blocks - 1, 0)  # reads past the CTA's last round stay inside the table
     block_at = lambda r: Step.read(table_ref, jnp.minimum(r * num_ctas + cta, last))
+    # Before a warpgroup issues step s + 1's loads into slot (s + 1) % S, the output stores of its
+    # step s + 1 - S (its own, the slot's last) must have read the slot: a warpgroup commits one
+    # store group per step it computes, so those of its (S - 1) / W - 1 later steps may stay pending.
+    pending = (slots - 1) // w_count - 1
 
-    def load_first_head(step, slot):
-        load(step, slot)
-        if rope is not None:
-            rope.load(step, slot)
+    def slot_of(s) -> Slot:
+        index = lax.rem(s, slots)
+        return Slot(index, index if w_count == 1 else index * w_count + lax.rem(s, w_count))
+
+    def computes(s, cond):
+        """`cond` and step s is this warpgroup's."""
+        return cond if w_count == 1 else cond & (lax.rem(s, w_count) == wg)
+
+    def issue(when, step, slot, positions):
+        """Where `when`: the step's loads into `slot` (its positions too where `positions`), or,
+        with W > 1, a slack step's handoff."""
+
+        @pl.when(when & (step.keys > 0))
+        def _():
+            load(step, slot)
+            if rope is not None and positions is not False:
+                pl.when(positions)(lambda: rope.load(step, slot))
+
+        if w_count > 1:
+            pl.when(when & (step.keys == 0))(lambda: plgpu.barrier_arrive(handoff.at[slot.barrier]))
 
     first = block_at(0)
-
-    @pl.when((rounds > 0) & (first.keys > 0))
-    def _():
-        load_first_head(first, jnp.int32(0))
+    issue(computes(jnp.int32(0), rounds > 0), first, Slot(jnp.int32(0), jnp.int32(0)), True)  # step 0: slot 0, warpgroup 0
 
     def block_body(r, carry):
         block, tables = carry
@@ -190,33 +258,30 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Ca
 
         def step_body(h, tables):
             s = r * heads + h
-            slot = lax.rem(s, slots)
-            next_slot = lax.rem(s + 1, slots)
-            # One store group per step: at most those of steps s - S + 2 .. s - 1 may still read
-            # their slots, so slot (s + 1) % S (step s + 1 - S's) and slot s % S (step s - S's) are free.
-            plgpu.wait_smem_to_gmem(slots - 2, wait_read_only=True)
+            slot, next_slot = slot_of(s), slot_of(s + 1)
 
-            @pl.when((h + 1 < heads) & (block.keys > 0))
+            @pl.when(computes(s, True))
             def _():
-                load(block.at_head(h + 1), next_slot)
+                plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+                # Step s + 1: head h + 1 of this block (with its positions where it is a warpgroup's
+                # first step of the block, h + 1 < W), or head 0 of the next block.
+                issue(h + 1 < heads, block.at_head(h + 1), next_slot, False if w_count == 1 else h + 1 < w_count)
+                issue((h + 1 == heads) & (r + 1 < rounds), nxt, next_slot, True)
 
-            @pl.when((h + 1 == heads) & (r + 1 < rounds) & (nxt.keys > 0))
-            def _():
-                load_first_head(nxt, next_slot)
-
-            if rope is not None:
-                tables = lax.cond((h == 0) & (block.keys > 0), lambda: rope.tables(slot), lambda: tables)
+            if rope is not None:  # a warpgroup's first step of a block with keys: heads 0 .. W - 1
+                first_step = h == 0 if w_count == 1 else h < w_count
+                tables = lax.cond(computes(s, first_step & (block.keys > 0)), lambda: rope.tables(slot),
+                                  lambda: tables)
             step = block.at_head(h)
+            pl.when(computes(s, block.keys > 0))(lambda: attend(step, slot, tables))
 
-            @pl.when(block.keys > 0)
+            @pl.when(computes(s, block.keys == 0))
             def _():
-                attend(step, slot, tables)
-
-            @pl.when(block.keys == 0)
-            def _():
+                if w_count > 1:
+                    plgpu.barrier_wait(handoff.at[slot.barrier])
                 slack(step, slot)
 
-            plgpu.commit_smem_to_gmem_group()
+            pl.when(computes(s, True))(plgpu.commit_smem_to_gmem_group)
             return tables
 
         return nxt, lax.fori_loop(0, heads, step_body, tables)
@@ -225,8 +290,10 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Ca
     plgpu.wait_smem_to_gmem(0)
 
 
-def launch(kernel, scratch, out_type, num_ctas: int, *operands):
-    """Runs `kernel(*refs, *scratch_refs)` as a persistent kernel of `num_ctas` one-warpgroup CTAs."""
+def launch(kernel, scratch, out_type, num_ctas: int, *operands, warpgroups: int = 1):
+    """Runs `kernel(*refs, *scratch_refs)` as a persistent kernel of `num_ctas` CTAs of `warpgroups`
+    warpgroups (axis `WARPGROUP_AXIS`), all sharing the CTA's scratch."""
+    threads = {} if warpgroups == 1 else {"num_threads": warpgroups, "thread_name": WARPGROUP_AXIS}
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -234,6 +301,7 @@ def launch(kernel, scratch, out_type, num_ctas: int, *operands):
         grid=(num_ctas,),
         grid_names=("cta",),
         compiler_params=plgpu.CompilerParams(approx_math=False),
+        **threads,
     )
     return manual_axes.call_kernel(call, *operands)
 
@@ -257,13 +325,13 @@ def copy_block_in(src_ref, tail_ref, step: Step, end, dst, barrier) -> None:
         plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(start, BLOCK), head], dst, barrier)
 
 
-def load_operands(operands, step: Step, slot, end) -> None:
+def load_operands(operands, step: Step, slot: Slot, end) -> None:
     """Issues the TMA loads of a step into ring slot `slot`.
 
     `operands`: `(src_ref, tail_ref, ring, barriers)` per operand (`operand_ring`, `ring_barriers`).
     """
     for src, tail, ring, bars in operands:
-        copy_block_in(src, tail, step, end, ring[0].at[slot], bars.at[slot])
+        copy_block_in(src, tail, step, end, ring[0].at[slot.index], bars.at[slot.barrier])
 
 
 def rotate(x: jax.Array, tables, *, inverse: bool = False) -> jax.Array:

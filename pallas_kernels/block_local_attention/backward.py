@@ -13,16 +13,20 @@ operands and `rope_t` the transposed rotation (rotation by minus the angle)::
 A work item is one 64-row block with all its heads; each head (a step)
 recomputes the block's softmax (no residual beyond q, k, v), so dQ and dK/dV
 come from one kernel without atomics. RoPE's cos/sin tables are computed once
-per block and kept in registers for its heads (they rotate q and k on the way
-in and dQ and dK on the way out). The transposed products use the transposed
-frame (S^T = K Q^T with the row statistics read back as column vectors), as
-jax's `attention_mgpu` backward does. Each gradient leaves through the plain
-view of an operand slot that is no longer read (dQ through k's, dV through
-v's, dK through q's). A fixed grid of CTAs walks the blocks' steps with a
-three-slot TMA ring (`_mgpu.walk`): the next step's q, k, v, dO load while the
-current one computes, and its gradient stores drain while the next computes.
-Two CTAs share an SM at D=64 (110 KiB each), one at D=128 (206 KiB): there
-even a two-slot ring (142 KiB) leaves no room for a second CTA (`config`).
+per block by each warpgroup that computes a head of it and kept in its
+registers for its heads of the block (they rotate q and k on the way in and dQ
+and dK on the way out). The transposed products use the transposed frame
+(S^T = K Q^T with the row statistics read back as column vectors), as jax's
+`attention_mgpu` backward does. Each gradient leaves through the plain view of
+an operand slot that is no longer read (dQ through k's, dV through v's, dK
+through q's). A fixed grid of CTAs walks the blocks' steps with a three-slot
+TMA ring (`_mgpu.walk`): the next step's q, k, v, dO load while the current one
+computes, and its gradient stores drain while the next computes. Two steps are
+in flight per SM: at D=64 as two one-warpgroup CTAs (110 KiB each); at D=128,
+where even a two-slot ring (142 KiB) leaves no room for a second CTA, as two
+consumer warpgroups of one CTA (214 KiB, 256 threads) taking the CTA's steps
+alternately through its one ring, each with its own dS, lse and delta scratch
+(`config.BACKWARD_WARPGROUPS`).
 Sources: GEM engineering description (Meta, 2025), block-local attention with
 RoPE's backward fused; persistent kernels with a TMA ring, as in
 FlashAttention-3 (Shah et al., 2024).
@@ -39,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import mgpu_common
 from pallas_kernels.block_local_attention import _mgpu, schedule
-from pallas_kernels.block_local_attention.config import BACKWARD_SLOTS, BLOCK
+from pallas_kernels.block_local_attention.config import BACKWARD_SLOTS, BACKWARD_WARPGROUPS, BLOCK
 from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 
 LOG2E = math.log2(math.e)
@@ -57,15 +61,19 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
     tails = [jfa_schedule.tail_rows(x, end) for x in (q, k, v, dout)]
     c2 = scale * LOG2E
     shape = (BLOCK, BLOCK)
+    warpgroups = BACKWARD_WARPGROUPS[head_dim]
+    per_warpgroup = lambda shape: shape if warpgroups == 1 else (warpgroups, *shape)  # a step's own scratch
 
     def kernel(table_ref, live_ref, end_ref, pos_ref, freq_ref, q_ref, k_ref, v_ref, do_ref,
                qt_ref, kt_ref, vt_ref, dot_ref, dq_ref, dk_ref, dv_ref,
-               q_ring, k_ring, v_ring, do_ring, ds_smem, lse_smem, delta_smem, pos_ring, freq_smem,
-               q_bars, k_bars, v_bars, do_bars, pos_bars, freq_bar):
+               q_ring, k_ring, v_ring, do_ring, ds_all, lse_all, delta_all, pos_ring, freq_smem,
+               q_bars, k_bars, v_bars, do_bars, pos_bars, freq_bar, *handoff):
         end_row = end_ref[0]
+        wg = _mgpu.warpgroup(warpgroups)
+        ds_smem, lse_smem, delta_smem = (ref if warpgroups == 1 else ref.at[wg] for ref in (ds_all, lse_all, delta_all))
         operands = ((q_ref, qt_ref, q_ring, q_bars), (k_ref, kt_ref, k_ring, k_bars), (v_ref, vt_ref, v_ring, v_bars),
                     (do_ref, dot_ref, do_ring, do_bars))
-        rotary = _mgpu.fused_rope(rope, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars)
+        rotary = _mgpu.fused_rope(rope, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars, warpgroups)
 
         def load(step, slot):
             _mgpu.load_operands(operands, step, slot, end_row)
@@ -96,7 +104,7 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
 
             # Key frame (rows are keys, columns queries): dV and dK.
             st = _mgpu.mask_keys(_mgpu.matmul(ks, qs.transpose((1, 0)), shape) * c2, rows, axis=0)
-            _mgpu.store_block(dq, k_ring[0].at[slot], dq_ref, step)  # k is read for the last time
+            _mgpu.store_block(dq, k_ring[0].at[slot.index], dq_ref, step)  # k is read for the last time
             lse_col = plgpu.load(lse_smem, layout=_mgpu.LAYOUT.reduce(0))
             delta_col = plgpu.load(delta_smem, layout=_mgpu.LAYOUT.reduce(0))
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse_col, shape, [1]))
@@ -105,32 +113,33 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             ds_smem[...] = pt.astype(dtype)  # dS (query frame) is no longer read: reuse for P^T
             plgpu.commit_smem()
             dv = _mgpu.matmul(ds_smem, dos, (BLOCK, head_dim))
-            _mgpu.store_block(dv.astype(dtype), v_ring[0].at[slot], dv_ref, step)  # v and dO are done
+            _mgpu.store_block(dv.astype(dtype), v_ring[0].at[slot.index], dv_ref, step)  # v and dO are done
             ds_smem[...] = dst.astype(dtype)
             plgpu.commit_smem()
             dk = _mgpu.matmul(ds_smem, qs, (BLOCK, head_dim)) * scale
             if rope:
                 dk = _mgpu.rotate(dk, tables, inverse=True)
-            _mgpu.store_block(dk.astype(dtype), q_ring[0].at[slot], dk_ref, step)
+            _mgpu.store_block(dk.astype(dtype), q_ring[0].at[slot.index], dk_ref, step)
 
         def slack(step, slot):
             zero = _mgpu.zeros(head_dim).astype(dtype)
             for ring, dst in ((q_ring, dq_ref), (k_ring, dk_ref), (v_ring, dv_ref)):
-                _mgpu.store_block(zero, ring[0].at[slot], dst, step)
+                _mgpu.store_block(zero, ring[0].at[slot.index], dst, step)
 
         _mgpu.walk(table_ref, live_ref, heads, num_ctas, BACKWARD_SLOTS, load=load, attend=attend, slack=slack,
-                   rope=rotary)
+                   rope=rotary, warpgroups=warpgroups, handoff=handoff[0] if handoff else None)
 
     scratch = (
         *(_mgpu.operand_ring(BACKWARD_SLOTS, head_dim, dtype) for _ in range(4)),
-        mgpu_common.swizzled_smem((BLOCK, BLOCK), dtype),
-        plgpu.SMEM((BLOCK,), jnp.float32),
-        plgpu.SMEM((BLOCK,), jnp.float32),
+        mgpu_common.swizzled_smem(per_warpgroup((BLOCK, BLOCK)), dtype),  # dS, then P^T and dS^T
+        plgpu.SMEM(per_warpgroup((BLOCK,)), jnp.float32),  # lse
+        plgpu.SMEM(per_warpgroup((BLOCK,)), jnp.float32),  # delta
         plgpu.SMEM((BACKWARD_SLOTS, BLOCK), jnp.float32),
         plgpu.SMEM((head_dim // 2,), jnp.float32),
-        *(_mgpu.ring_barriers(BACKWARD_SLOTS) for _ in range(5)),
+        *(_mgpu.ring_barriers(BACKWARD_SLOTS, warpgroups) for _ in range(5)),
         plgpu.Barrier(),
+        *([_mgpu.ring_barriers(BACKWARD_SLOTS, warpgroups)] if warpgroups > 1 else []),  # slack steps' handoff
     )
     grad = jax.ShapeDtypeStruct((capacity, heads, head_dim), dtype)
     return _mgpu.launch(kernel, scratch, (grad, grad, grad), num_ctas, plan.table, plan.live, plan.end,
-                        plan.positions, freqs, q, k, v, dout, *tails)
+                        plan.positions, freqs, q, k, v, dout, *tails, warpgroups=warpgroups)

@@ -83,10 +83,10 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
             plgpu.commit_smem()
             out = _mgpu.matmul(p_smem, vs, (BLOCK, head_dim))
             out = (out * lax.broadcast_in_dim(inv_l, out.shape, [0])).astype(dtype)
-            _mgpu.store_block(out, q_ring[0].at[slot], out_ref, step)  # the QK^T wgmma has read q's slot
+            _mgpu.store_block(out, q_ring[0].at[slot.index], out_ref, step)  # the QK^T wgmma has read q's slot
 
         def slack(step, slot):
-            _mgpu.store_block(_mgpu.zeros(head_dim).astype(dtype), q_ring[0].at[slot], out_ref, step)
+            _mgpu.store_block(_mgpu.zeros(head_dim).astype(dtype), q_ring[0].at[slot.index], out_ref, step)
 
         _mgpu.walk(table_ref, live_ref, heads, num_ctas, FORWARD_SLOTS, load=load, attend=attend, slack=slack,
                    rope=rotary)

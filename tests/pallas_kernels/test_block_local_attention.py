@@ -228,11 +228,12 @@ def test_persistent_blocks_walk_their_heads_as_steps(heads, num_ctas):
     _check_kernel(lengths, 10000.0, heads=heads, capacity=capacity, num_ctas=num_ctas)
 
 
-@pytest.mark.parametrize("lengths, capacity, heads, num_ctas", [
-    (RING_LENGTHS, RING_CAPACITY, RING_HEADS, 1),
-    ([70, 0, 100], 200, 1, 1),
+@pytest.mark.parametrize("lengths, capacity, heads, num_ctas, dim", [
+    (RING_LENGTHS, RING_CAPACITY, RING_HEADS, 1, 64),
+    ([70, 0, 100], 200, 1, 1, 64),
+    ([70, 0, 100], 200, 3, 1, 128),
 ])
-def test_persistent_pipeline_has_no_races(monkeypatch, capfd, lengths, capacity, heads, num_ctas):
+def test_persistent_pipeline_has_no_races(monkeypatch, capfd, lengths, capacity, heads, num_ctas, dim):
     """Under the interpreter's happens-before race detector: one CTA walks all 16 steps (the
     backward's three-slot ring wraps five times and a third, the forward's two-slot ring eight
     times), and one CTA walks the 5 one-head blocks of `test_persistent_blocks_walk_their_heads_as_steps`
@@ -240,27 +241,46 @@ def test_persistent_pipeline_has_no_races(monkeypatch, capfd, lengths, capacity,
     slot whose positions the step before last read). TMA loads, register reads and writes, wgmma
     reads and TMA stores of each slot, and the positions ring read once per block, are ordered by
     the barriers and the store-group waits (in either walk a wait one group too lax is reported
-    as a race).
+    as a race). At D=128 the backward's two warpgroups share one CTA's ring over 15 steps (5
+    blocks of 3 heads, the last slack): each warpgroup runs as its own interpreter thread, so the
+    detector also checks the handover of every slot from one warpgroup to the other (a TMA
+    barrier, or the slack handoff barrier) and each warpgroup's own store-group waits.
 
     The detector's RefUnion check is switched off: it treats a union as one buffer, so a ring of
     slots with a plain and a swizzled view reads as a violation whenever two slots are in
     different phases. The happens-before checks of the bytes themselves stay on. The interpreter
     counts each TMA store as its own group (the GPU counts `commit_smem_to_gmem_group` groups), so
     `wait_smem_to_gmem(n)` leaves fewer stores pending here than on the GPU: a missing wait is
-    caught, a wait count too small for a step of several stores is not.
+    caught, a wait count too small for a step of several stores is not (the two-warpgroup walk
+    waits with n = 0, where both count alike). Pending stores are kept per interpreter thread,
+    i.e. per warpgroup, as the GPU keeps bulk-copy groups per issuing thread. Barrier phases are
+    checked exactly: a warpgroup skipping a phase of a barrier it waits on is an error (with the
+    ring's barriers indexed by slot only, warpgroups would skip every other phase).
     """
     from jax._src.pallas.mosaic_gpu.interpret import race_detection_state
 
     monkeypatch.setattr(race_detection_state.GPURaceDetectionState, "_check_ref_union", lambda *a, **k: None)
-    _check_kernel(lengths, 10000.0, heads=heads, capacity=capacity, num_ctas=num_ctas,
+    _check_kernel(lengths, 10000.0, dim=dim, heads=heads, capacity=capacity, num_ctas=num_ctas,
                   params=plgpu.InterpretGPUParams(detect_races=True))
     assert "RACE DETECTED" not in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("heads, num_ctas", [(3, 2), (1, 4)])
+def test_backward_warpgroups_alternate_over_a_ctas_steps(heads, num_ctas):
+    """At D=128 the backward CTA's two warpgroups take its steps alternately (warpgroup s % 2 step
+    s) through one three-slot ring. The 5 blocks of `test_persistent_blocks_walk_their_heads_as_steps`:
+    H=3 over 2 CTAs: 9 steps (odd) and 6; warpgroup 0 computes heads 0 and 2 of a CTA's even
+    rounds and head 1 of its odd ones, so each warpgroup computes RoPE tables for the blocks it
+    touches; the first CTA ends with a slack block (both warpgroups store zeros). H=1 over 4 CTAs:
+    2, 1, 1 and 1 steps: a block per step, alternating warpgroups, and three CTAs with a single
+    step, where warpgroup 1 computes nothing."""
+    _check_kernel([70, 0, 100], 10000.0, dim=128, heads=heads, capacity=200, num_ctas=num_ctas)
 
 
 @pytest.mark.parametrize("dim, backward_ctas", [(64, 264), (128, 132)])
 def test_gpu_grids_are_ctas_per_sm_times_sm_count(monkeypatch, dim, backward_ctas):
     """On a GPU (132 SMs) the forward runs two CTAs per SM; the backward two at D=64 (110 KiB of
-    shared memory each) and one at D=128 (206 KiB)."""
+    shared memory each) and one at D=128 (214 KiB, two warpgroups)."""
     from pallas_kernels._src import mgpu_common
     from pallas_kernels.block_local_attention import vjp
 
