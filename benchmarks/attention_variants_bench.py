@@ -8,7 +8,8 @@ and on a CPU (Mosaic GPU interpret mode, tiny shapes, no cuDNN) to check the scr
 
     PYTHONPATH=. python3 benchmarks/attention_variants_bench.py --cpu-smoke --out /tmp/attention_variants_smoke.json
 
-`--only block_local` runs only the block-local checks (with and without RoPE) and times only
+`--only block_local` runs only the block-local checks (RoPE at default and at given positions, no
+RoPE) and times only
 block_local_pallas beside full_jfa_pallas (the ratio the block-local kernels are judged by), each
 also forward alone (`forward_ms`) and kernel by kernel (`kernels_us`), to split the time between the
 kernels and the XLA work around them::
@@ -17,8 +18,8 @@ kernels and the XLA work around them::
 
 1. Correctness (bf16 kernels against the float32 jnp reference, forward and dQ/dK/dV; lengths
    0, 1, 63, 64, 65, 130, 200; slack rows NaN-poisoned and required to come back 0):
-   block_local with and without RoPE, sliding-window JFA causal (w, 0) and two-sided, and
-   causal SiLU GDPA (HSTU pointwise attention).
+   block_local with RoPE (default and given positions) and without, sliding-window JFA causal
+   (w, 0) and two-sided, and causal SiLU GDPA (HSTU pointwise attention).
 2. Timing, forward+backward (`jax.vjp` of the layer: its output and the grads w.r.t. q, k, v, the
    output kept so no forward is dropped as dead code: `_timing.forward_backward`), bf16, H=4, D=128,
    long-tailed lengths clip(lognormal(log 600, 1.0), 8, 4096):
@@ -66,7 +67,8 @@ ROPE_BASE = 10_000.0
 # layers are also timed forward alone (`forward_ms`, `forward_wall_ms`), with the device time of each kernel
 # of one forward+backward call (`kernels_us`: [name, us] in launch order; CUPTI).
 SUBSETS = {
-    "block_local": (("block_local_rope", "block_local_plain"), ("block_local_pallas", "full_jfa_pallas")),
+    "block_local": (("block_local_rope", "block_local_rope_positions", "block_local_plain"),
+                    ("block_local_pallas", "full_jfa_pallas")),
 }
 
 
@@ -194,6 +196,10 @@ def correctness(heads, dim, names=None):
     cases = {
         "block_local_rope": lambda impl: lambda q, k, v: block_local_attention(
             q, k, v, offsets, rope_base=ROPE_BASE, implementation=impl, **kw),
+        # given positions (angles to about 2e5 here): the kernels' tables take CUDA's sin/cos, not bounded_trig's
+        "block_local_rope_positions": lambda impl: lambda q, k, v: block_local_attention(
+            q, k, v, offsets, rope_base=ROPE_BASE, positions=positions_in_sequence(offsets, capacity) * 997 + 3,
+            implementation=impl, **kw),
         "block_local_plain": lambda impl: lambda q, k, v: block_local_attention(q, k, v, offsets, implementation=impl, **kw),
         "window_causal_w100": lambda impl: lambda q, k, v: jagged_flash_attention(
             q, k, v, offsets, causal=True, window=(100, 0), implementation=impl, **kw),

@@ -75,7 +75,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._src import manual_axes, mgpu_common
+from pallas_kernels._src import bounded_trig, manual_axes, mgpu_common
 from pallas_kernels.block_local_attention import schedule
 from pallas_kernels.block_local_attention.config import BLOCK
 from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
@@ -139,12 +139,15 @@ class Step:
 class Rope:
     """A kernel's fused RoPE: a ring of block positions (`[S, 64]` float32 SMEM, barriers as
     `ring_barriers`, filled with each warpgroup's first step of a block: heads 0 .. W - 1), the
-    frequencies (`[D/2]` float32 SMEM, loaded once per CTA) and the plan's positions `[NB, 64]` in GMEM."""
+    frequencies (`[D/2]` float32 SMEM, loaded once per CTA) and the plan's positions `[NB, 64]` in GMEM.
+    `bounded`: every angle (position x frequency) is at most `bounded_trig.MAX_ANGLE`, so the tables
+    take `bounded_trig.sin_cos` instead of CUDA's general `sinf` / `cosf`."""
 
     pos_ref: jax.Array
     pos_ring: jax.Array
     pos_bars: jax.Array
     freq_smem: jax.Array
+    bounded: bool
 
     def load(self, step: Step, slot: Slot) -> None:
         """Issues the TMA load of the step's block positions into ring slot `slot`."""
@@ -152,12 +155,15 @@ class Rope:
 
     def tables(self, slot: Slot) -> tuple[jax.Array, jax.Array]:
         """Waits for slot `slot`'s positions; `(cos, sin)` float32 `[64, D/2]` of `positions[row] * freq[col]`
-        (accurate, not approximate, sin/cos)."""
+        (accurate, not approximate, sin/cos: `bounded_trig.sin_cos` where `bounded`, else CUDA's)."""
         plgpu.barrier_wait(self.pos_bars.at[slot.barrier])
         pos = plgpu.load(self.pos_ring.at[slot.index], layout=LAYOUT.reduce(1))
         freq = plgpu.load(self.freq_smem, layout=LAYOUT.reduce(0))
         shape = (BLOCK, self.freq_smem.shape[0])
         angles = lax.broadcast_in_dim(pos, shape, [0]) * lax.broadcast_in_dim(freq, shape, [1])
+        if self.bounded:
+            sin, cos = bounded_trig.sin_cos(angles)
+            return cos, sin
         return jnp.cos(angles), jnp.sin(angles)
 
     def empty(self) -> tuple[jax.Array, jax.Array]:
@@ -167,16 +173,16 @@ class Rope:
 
 
 def fused_rope(rope: bool, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars,
-               warpgroups: int = 1) -> Rope | None:
-    """The kernel's `Rope` with its frequencies loaded into `freq_smem` (once per CTA: warpgroup 0
-    issues the copy, every warpgroup waits for its one phase), or None without RoPE."""
+               warpgroups: int = 1, *, bounded: bool = False) -> Rope | None:
+    """The kernel's `Rope` (`bounded` as there) with its frequencies loaded into `freq_smem` (once per
+    CTA: warpgroup 0 issues the copy, every warpgroup waits for its one phase), or None without RoPE."""
     if not rope:
         return None
 
     copy = lambda: plgpu.copy_gmem_to_smem(freq_ref, freq_smem, freq_bar)
     pl.when(True if warpgroups == 1 else warpgroup(warpgroups) == 0)(copy)
     plgpu.barrier_wait(freq_bar)
-    return Rope(pos_ref, pos_ring, pos_bars, freq_smem)
+    return Rope(pos_ref, pos_ring, pos_bars, freq_smem, bounded)
 
 
 def swizzle_loaded(operands, rotated, slot: Slot, rows, tables) -> list[jax.Array]:

@@ -49,7 +49,8 @@ from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 LOG2E = math.log2(math.e)
 
 
-def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: bool, num_ctas: int):
+def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: bool, num_ctas: int,
+             bounded_angles: bool = False):
     """Runs the backward kernel; returns `(dq, dk, dv)`, each `[T, H, D]` in q.dtype, slack rows 0.
 
     Arguments as in `forward.forward`, plus `dout [T, H, D]` (q.dtype), the output cotangent;
@@ -73,7 +74,8 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
         ds_smem, lse_smem, delta_smem = (ref if warpgroups == 1 else ref.at[wg] for ref in (ds_all, lse_all, delta_all))
         operands = ((q_ref, qt_ref, q_ring, q_bars), (k_ref, kt_ref, k_ring, k_bars), (v_ref, vt_ref, v_ring, v_bars),
                     (do_ref, dot_ref, do_ring, do_bars))
-        rotary = _mgpu.fused_rope(rope, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars, warpgroups)
+        rotary = _mgpu.fused_rope(rope, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars, warpgroups,
+                                  bounded=bounded_angles)
 
         def load(step, slot):
             _mgpu.load_operands(operands, step, slot, end_row)
@@ -108,12 +110,12 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             lse_col = plgpu.load(lse_smem, layout=_mgpu.LAYOUT.reduce(0))
             delta_col = plgpu.load(delta_smem, layout=_mgpu.LAYOUT.reduce(0))
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse_col, shape, [1]))
-            dpt = _mgpu.matmul(vs, dos.transpose((1, 0)), shape)
-            dst = pt * (dpt - lax.broadcast_in_dim(delta_col, shape, [1]))
             ds_smem[...] = pt.astype(dtype)  # dS (query frame) is no longer read: reuse for P^T
             plgpu.commit_smem()
             dv = _mgpu.matmul(ds_smem, dos, (BLOCK, head_dim))
+            dpt = _mgpu.matmul(vs, dos.transpose((1, 0)), shape)
             _mgpu.store_block(dv.astype(dtype), v_ring[0].at[slot.index], dv_ref, step)  # v and dO are done
+            dst = pt * (dpt - lax.broadcast_in_dim(delta_col, shape, [1]))
             ds_smem[...] = dst.astype(dtype)
             plgpu.commit_smem()
             dk = _mgpu.matmul(ds_smem, qs, (BLOCK, head_dim)) * scale

@@ -40,7 +40,7 @@ from pallas_kernels.jagged_flash_attention import schedule as jfa_schedule
 LOG2E = math.log2(math.e)
 
 
-def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, num_ctas: int):
+def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, num_ctas: int, bounded_angles: bool = False):
     """Runs the forward kernel.
 
     Args:
@@ -50,6 +50,9 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
       scale: multiplies the scores.
       rope: apply RoPE to q and k.
       num_ctas: persistent CTAs (`FORWARD_CTAS_PER_SM` x the GPU's SM count).
+      bounded_angles: every RoPE angle (position x frequency) is at most
+        `bounded_trig.MAX_ANGLE` (the caller knows it statically): the cos/sin tables
+        take `bounded_trig.sin_cos` (`_mgpu.Rope`).
 
     Returns:
       `[T, H, D]` in q.dtype; slack rows 0.
@@ -65,7 +68,7 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
                freq_bar):
         end_row = end_ref[0]
         operands = ((q_ref, qt_ref, q_ring, q_bars), (k_ref, kt_ref, k_ring, k_bars), (v_ref, vt_ref, v_ring, v_bars))
-        rotary = _mgpu.fused_rope(rope, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars)
+        rotary = _mgpu.fused_rope(rope, freq_ref, freq_smem, freq_bar, pos_ref, pos_ring, pos_bars, bounded=bounded_angles)
 
         def load(step, slot):
             _mgpu.load_operands(operands, step, slot, end_row)

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._src import manual_axes, mgpu_common
+from pallas_kernels._src import bounded_trig, manual_axes, mgpu_common
 from pallas_kernels.block_local_attention import reference, schedule
 from pallas_kernels.block_local_attention.backward import backward
 from pallas_kernels.block_local_attention.config import (
@@ -29,13 +29,18 @@ from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN
 
 
 def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, rope_base: float | None = None,
-                          scale: float | None = None, num_ctas: int | None = None) -> jax.Array:
+                          scale: float | None = None, max_seq_len: int | None = None,
+                          num_ctas: int | None = None) -> jax.Array:
     """Block-local softmax attention with fused RoPE on the Mosaic GPU kernels (Hopper, sm_90a).
 
     Same contract as `pallas_kernels.block_local_attention` (which see), plus
     `num_ctas`: the persistent CTAs of each kernel; default the kernel's CTAs
     per SM (`config.FORWARD_CTAS_PER_SM`, `config.BACKWARD_CTAS_PER_SM`) times
     the GPU's SM count (`INTERPRET_CTAS` under the CPU interpreter).
+    `max_seq_len` (optional here): with the default positions (each row's
+    index in its sequence, below it) and at most `bounded_trig.MAX_ANGLE` + 1,
+    every RoPE angle is bounded and the kernels compute their cos/sin tables
+    with `bounded_trig.sin_cos`; otherwise with CUDA's `sinf` / `cosf`.
 
     Raises:
       NotImplementedError: dtype, head dimension or block size the kernels do not support.
@@ -66,24 +71,27 @@ def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, 
             positions = jnp.pad(positions, (0, padded - capacity))
     rope = rope_base is not None
     freqs = reference.rope_frequencies(head_dim, rope_base if rope else 1.0)
+    # The frequencies are at most 1 (base ** 0), so a default position below max_seq_len bounds every angle.
+    bounded = rope and positions is None and max_seq_len is not None and max_seq_len - 1 <= bounded_trig.MAX_ANGLE
     plan = schedule.build_plan(offsets.astype(jnp.int32), padded, positions if rope else None)
     q, k, v = manual_axes.match_axes(q, k, v)
-    return _attention(q, k, v, freqs, plan, scale, rope, grids)[:capacity]
+    return _attention(q, k, v, freqs, plan, scale, (rope, bounded), grids)[:capacity]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _attention(q, k, v, freqs, plan, scale, rope, grids):
-    """`grids`: the forward's and the backward's CTA counts."""
-    return forward(q, k, v, freqs, plan, scale=scale, rope=rope, num_ctas=grids[0])
+    """`rope`: (apply RoPE, its angles bounded); `grids`: the forward's and the backward's CTA counts."""
+    return forward(q, k, v, freqs, plan, scale=scale, rope=rope[0], bounded_angles=rope[1], num_ctas=grids[0])
 
 
 def _attention_fwd(q, k, v, freqs, plan, scale, rope, grids):
-    return forward(q, k, v, freqs, plan, scale=scale, rope=rope, num_ctas=grids[0]), (q, k, v, freqs, plan)
+    out = forward(q, k, v, freqs, plan, scale=scale, rope=rope[0], bounded_angles=rope[1], num_ctas=grids[0])
+    return out, (q, k, v, freqs, plan)
 
 
 def _attention_bwd(scale, rope, grids, residuals, dout):
     q, k, v, freqs, plan = residuals
-    dq, dk, dv = backward(q, k, v, dout, freqs, plan, scale=scale, rope=rope, num_ctas=grids[1])
+    dq, dk, dv = backward(q, k, v, dout, freqs, plan, scale=scale, rope=rope[0], bounded_angles=rope[1], num_ctas=grids[1])
     return dq, dk, dv, None, None
 
 

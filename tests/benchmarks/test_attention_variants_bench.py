@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-EVERY_CHECK = ["block_local_rope", "block_local_plain", "window_causal_w100", "window_two_sided_70_5",
-               "window_causal_w1", "causal_silu_gdpa", "block_einsum_peer"]
+EVERY_CHECK = ["block_local_rope", "block_local_rope_positions", "block_local_plain", "window_causal_w100",
+               "window_two_sided_70_5", "window_causal_w1", "causal_silu_gdpa", "block_einsum_peer"]
 
 
 @pytest.mark.parametrize("only", ["block_local", None])
@@ -35,7 +35,7 @@ def test_only_selects_the_checks_and_timed_layers(load_benchmark, repo_root, mon
     timed = {name for name, r in report["timing"].items() if "tflops" in r}
     assert report["only"] == only
     if only == "block_local":
-        assert checked == ["block_local_rope", "block_local_plain"]
+        assert checked == ["block_local_rope", "block_local_rope_positions", "block_local_plain"]
         assert timed == set(report["timing"]) == {"block_local_pallas", "full_jfa_pallas"}
         assert set(report["ratios"]) == {"block_local_pallas/full_jfa_pallas"}
         assert np.isfinite(report["ratios"]["block_local_pallas/full_jfa_pallas"]["time_speedup"])

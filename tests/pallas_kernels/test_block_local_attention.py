@@ -331,6 +331,31 @@ def test_kernels_lower_for_hopper(dim):
         assert lowered.as_text().count("mosaic_gpu") >= 2
 
 
+@pytest.mark.parametrize("max_seq_len, positions, bounded", [(4096, False, True), (65537, False, True),
+                                                            (65538, False, False), (4096, True, False), (None, False, False)])
+def test_rope_tables_take_bounded_sin_cos_only_when_angles_are_bounded(monkeypatch, max_seq_len, positions, bounded):
+    """Default positions stay below max_seq_len and the frequencies below 1, so the kernels' tables take
+    `bounded_trig.sin_cos` up to max_seq_len - 1 == MAX_ANGLE; given positions or no bound keep CUDA's sin/cos."""
+    from pallas_kernels._src import bounded_trig
+    from pallas_kernels.block_local_attention import _mgpu, vjp
+
+    calls, sin_cos = [], bounded_trig.sin_cos
+    monkeypatch.setattr(_mgpu.bounded_trig, "sin_cos", lambda x: calls.append(x.shape) or sin_cos(x))
+    offsets = _offsets([70, 0, 5])
+    x = jax.ShapeDtypeStruct((80, 2, 64), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((80,), jnp.int32) if positions else None
+
+    def fwd_bwd(q, k, v, pos):
+        f = lambda q, k, v: vjp.block_local_attention(q, k, v, offsets, block_size=64, rope_base=10000.0, positions=pos,
+                                                      max_seq_len=max_seq_len)
+        out, pullback = jax.vjp(f, q, k, v)
+        return out, pullback(out)
+
+    jax.jit(fwd_bwd).trace(x, x, x, pos).lower(lowering_platforms=("cuda",))
+    assert len(calls) == (2 if bounded else 0)  # the forward's and the backward's tables
+    assert all(shape == (64, 32) for shape in calls)
+
+
 def test_default_implementation_takes_the_kernels_only_for_64_row_blocks(monkeypatch):
     from pallas_kernels._src import dispatch
     from pallas_kernels.block_local_attention import vjp
