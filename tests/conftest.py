@@ -1,5 +1,6 @@
 """Test-wide settings: CPU only, float32 matmuls at full precision, real paths."""
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -26,6 +27,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """`load_script(name)` imports `scripts/<name>.py` by its path (the scripts are no package)."""
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ GPU program: the same for repeated lowerings, changed by a change to a kernel's 
 or to what feeds the kernel (the program digest); `--compare` says which case differs and refuses files
 it cannot compare."""
 
-import importlib.util
 import json
 import re
 
@@ -12,11 +11,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def fingerprints(repo_root):
-    spec = importlib.util.spec_from_file_location("kernel_fingerprints", repo_root / "scripts" / "kernel_fingerprints.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def fingerprints(load_script):
+    return load_script("kernel_fingerprints")
 
 
 # Kernels per case with gradients: forward and the two backward passes (block-local's backward is
