@@ -4,12 +4,16 @@ Each `LABEL=PATH[:KEY]` is an `attention_variants_bench.py` record: the file its
 record under that top-level key of the file. Each (record, variant) is one bar of `timing[variant]
 .device_ms` (forward+backward), stacked as `forward_ms` and the rest; a variant timed without
 `forward_ms` is one hatched bar. The records name their GPU, which titles the figure: times and their
-ratios compare only within one record (one run).
+ratios compare only within one GPU call (one record, or the records one file holds from one call).
 
     python benchmarks/plot_attention_variants.py \\
         "one warpgroup per CTA=benchmarks/results/block_local_two_in_flight_h100_20261206.json:main" \\
         "two steps in flight=benchmarks/results/block_local_two_in_flight_h100_20261206.json:two_in_flight" \\
         --variants block_local_pallas full_jfa_pallas --out benchmarks/figures/block_local_h100_20261206.png
+    python benchmarks/plot_attention_variants.py \\
+        "before (CUDA sinf/cosf tables)=benchmarks/results/block_local_bounded_trig_h100_20261206.json:before" \\
+        "bounded_trig tables=benchmarks/results/block_local_bounded_trig_h100_20261206.json:bounded" \\
+        --variants block_local_pallas full_jfa_pallas --out benchmarks/figures/block_local_bounded_trig_h100_20261206.png
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ def main(argv=None) -> None:
     ax.set_yticks(range(len(rows)), [name for name, _, _ in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.2 * max(total for _, total, _ in rows))
-    ax.set_xlabel("device time, forward+backward (ms); compare only bars of one record (one run)")
+    ax.set_xlabel("device time, forward+backward (ms); compare only bars of one GPU call")
     ax.set_title(f"Attention variants on {', '.join(devices)}", fontsize=10)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)

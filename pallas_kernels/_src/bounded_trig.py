@@ -2,12 +2,14 @@
 
 `jnp.sin` / `jnp.cos` inside a Mosaic GPU kernel compile to CUDA's accurate
 `sinf` / `cosf`: a fast path plus a Payne-Hanek reduction for huge arguments,
-whose code and local-memory array the compiler holds for every element a
-thread computes. Angles known to be below `MAX_ANGLE` need neither: `sin_cos`
-reduces them by pi/2 with a Cody-Waite split of pi/2 into float32 parts of
-at most 8 significant bits (each quadrant-count times part product is exact
-for counts below 2^16) and evaluates Taylor polynomials on [-pi/4, pi/4],
-choosing sine or cosine and the sign by quadrant. Absolute error below 2e-7
+code that raises the registers a kernel computing many of them at once needs
+(the block-local kernels' RoPE tables spilled to local memory because of it:
+`benchmarks/long_history.md`). Angles known to be below `MAX_ANGLE` need
+neither: `sin_cos` reduces them by pi/2 with a Cody-Waite split of pi/2 into
+three float32 parts of at most 8 significant bits (each quadrant count times
+part exact for counts below 2^16, with or without fused multiply-adds) and a
+float32 remainder, evaluates Taylor polynomials on [-pi/4, pi/4] and chooses
+sine or cosine and the sign by quadrant. Absolute error below 2e-7
 over [-MAX_ANGLE, MAX_ANGLE] against float64 sine and cosine of the float32
 angle (1.3e-7 measured; XLA's float32 `jnp.sin` 3.3e-8); rotary embeddings
 round the result to bf16 or f16 anyway.
@@ -54,8 +56,9 @@ def _horner(z: jax.Array, coeffs: tuple[float, ...]) -> jax.Array:
 
 
 def sin_cos(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`(sin x, cos x)` of float32 `x`, any shape, `|x| <= MAX_ANGLE` (not checked: larger angles
-    give wrong values; callers bound them statically)."""
+    """`(sin x, cos x)`, each float32 of `x`'s shape, for float32 `x` with `|x| <= MAX_ANGLE` (not
+    checked: larger angles give wrong values; callers bound them statically). Other float dtypes
+    compute in their own precision, which the error bound above does not cover."""
     n = jnp.round(x * (2 / math.pi))
     r = x
     for part in HALF_PI_PARTS:

@@ -93,6 +93,7 @@ def block_local_attention(
     else:
         from pallas_kernels.block_local_attention import vjp  # Mosaic GPU; imported only when used
 
-        static = {name: value for name, value in kwargs.items() if name != "positions"} | {"max_seq_len": max_seq_len}
+        static = {name: value for name, value in kwargs.items() if name != "positions"}
+        static["bounded_angles"] = vjp.angles_bounded(rope_base, q.shape[-1], max_seq_len, positions is not None)
         out = shared_lowering.call(vjp.block_local_attention, q, k, v, offsets, static=static, positions=positions)
     return out if container is None else jagged_args.with_values(container, out)

@@ -28,19 +28,29 @@ from pallas_kernels.block_local_attention.forward import forward
 from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN
 
 
+def angles_bounded(rope_base: float | None, head_dim: int, max_seq_len: int | None, positions_given: bool) -> bool:
+    """Whether every RoPE angle (position x frequency) is at most `bounded_trig.MAX_ANGLE`, known statically:
+    default positions (each row's index in its sequence, below `max_seq_len`) times the largest of
+    `reference.rope_frequencies` (1 for a base >= 1, `base ** (-(D/2 - 1) / (D/2))` below it)."""
+    if rope_base is None or positions_given or max_seq_len is None:
+        return False
+    half = head_dim // 2
+    largest_frequency = max(1.0, float(rope_base) ** (-(half - 1) / half))
+    return (max_seq_len - 1) * largest_frequency <= bounded_trig.MAX_ANGLE
+
+
 def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, rope_base: float | None = None,
-                          scale: float | None = None, max_seq_len: int | None = None,
+                          scale: float | None = None, bounded_angles: bool = False,
                           num_ctas: int | None = None) -> jax.Array:
     """Block-local softmax attention with fused RoPE on the Mosaic GPU kernels (Hopper, sm_90a).
 
     Same contract as `pallas_kernels.block_local_attention` (which see), plus
     `num_ctas`: the persistent CTAs of each kernel; default the kernel's CTAs
     per SM (`config.FORWARD_CTAS_PER_SM`, `config.BACKWARD_CTAS_PER_SM`) times
-    the GPU's SM count (`INTERPRET_CTAS` under the CPU interpreter).
-    `max_seq_len` (optional here): with the default positions (each row's
-    index in its sequence, below it) and at most `bounded_trig.MAX_ANGLE` + 1,
-    every RoPE angle is bounded and the kernels compute their cos/sin tables
-    with `bounded_trig.sin_cos`; otherwise with CUDA's `sinf` / `cosf`.
+    the GPU's SM count (`INTERPRET_CTAS` under the CPU interpreter); and
+    `bounded_angles` (static): the caller knows every RoPE angle is at most
+    `bounded_trig.MAX_ANGLE` (`angles_bounded`), so the kernels compute their
+    cos/sin tables with `bounded_trig.sin_cos`, else with CUDA's `sinf` / `cosf`.
 
     Raises:
       NotImplementedError: dtype, head dimension or block size the kernels do not support.
@@ -71,8 +81,7 @@ def block_local_attention(q, k, v, offsets, *, block_size: int, positions=None, 
             positions = jnp.pad(positions, (0, padded - capacity))
     rope = rope_base is not None
     freqs = reference.rope_frequencies(head_dim, rope_base if rope else 1.0)
-    # The frequencies are at most 1 (base ** 0), so a default position below max_seq_len bounds every angle.
-    bounded = rope and positions is None and max_seq_len is not None and max_seq_len - 1 <= bounded_trig.MAX_ANGLE
+    bounded = rope and bool(bounded_angles)
     plan = schedule.build_plan(offsets.astype(jnp.int32), padded, positions if rope else None)
     q, k, v = manual_axes.match_axes(q, k, v)
     return _attention(q, k, v, freqs, plan, scale, (rope, bounded), grids)[:capacity]

@@ -331,13 +331,33 @@ def test_kernels_lower_for_hopper(dim):
         assert lowered.as_text().count("mosaic_gpu") >= 2
 
 
-@pytest.mark.parametrize("max_seq_len, positions, bounded", [(4096, False, True), (65537, False, True),
-                                                            (65538, False, False), (4096, True, False), (None, False, False)])
-def test_rope_tables_take_bounded_sin_cos_only_when_angles_are_bounded(monkeypatch, max_seq_len, positions, bounded):
-    """Default positions stay below max_seq_len and the frequencies below 1, so the kernels' tables take
-    `bounded_trig.sin_cos` up to max_seq_len - 1 == MAX_ANGLE; given positions or no bound keep CUDA's sin/cos."""
+@pytest.mark.parametrize("rope_base, head_dim, max_seq_len, positions_given, bounded", [
+    (10000.0, 64, 4096, False, True), (10000.0, 128, 65537, False, True), (10000.0, 128, 65538, False, False),
+    (10000.0, 64, 4096, True, False), (10000.0, 64, None, False, False), (None, 64, 4096, False, False),
+    (1.0, 64, 65537, False, True),
+    # a base below 1 makes the last frequency the largest: 0.5 ** (-31/32) = 1.96 at D=64, 898 at D=128 for 1e-3
+    (0.5, 64, 4096, False, True), (0.5, 64, 65537, False, False), (1e-3, 128, 73, False, True),
+    (1e-3, 128, 75, False, False), (1e-6, 64, 128, False, False),
+])
+def test_angles_are_bounded_only_below_max_angle(rope_base, head_dim, max_seq_len, positions_given, bounded):
+    """Every default-position angle is (max_seq_len - 1) x the largest frequency at most: bounded when that is
+    <= MAX_ANGLE; given positions, no bound or no RoPE never."""
     from pallas_kernels._src import bounded_trig
-    from pallas_kernels.block_local_attention import _mgpu, vjp
+    from pallas_kernels.block_local_attention import vjp
+
+    assert vjp.angles_bounded(rope_base, head_dim, max_seq_len, positions_given) is bounded
+    if bounded:  # the rule's bound holds for the frequencies the kernels read
+        largest = float(jnp.max(reference.rope_frequencies(head_dim, rope_base)))
+        assert (max_seq_len - 1) * largest <= bounded_trig.MAX_ANGLE * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("rope_base, positions, bounded", [(10000.0, False, True), (10000.0, True, False),
+                                                          (1e-6, False, False)])
+def test_rope_tables_take_bounded_sin_cos_only_when_angles_are_bounded(monkeypatch, rope_base, positions, bounded):
+    """Through the public op: the kernels' tables take `bounded_trig.sin_cos` (forward and backward) only when
+    `angles_bounded` says so; otherwise CUDA's sin/cos."""
+    from pallas_kernels._src import bounded_trig
+    from pallas_kernels.block_local_attention import _mgpu
 
     calls, sin_cos = [], bounded_trig.sin_cos
     monkeypatch.setattr(_mgpu.bounded_trig, "sin_cos", lambda x: calls.append(x.shape) or sin_cos(x))
@@ -346,13 +366,14 @@ def test_rope_tables_take_bounded_sin_cos_only_when_angles_are_bounded(monkeypat
     pos = jax.ShapeDtypeStruct((80,), jnp.int32) if positions else None
 
     def fwd_bwd(q, k, v, pos):
-        f = lambda q, k, v: vjp.block_local_attention(q, k, v, offsets, block_size=64, rope_base=10000.0, positions=pos,
-                                                      max_seq_len=max_seq_len)
+        f = lambda q, k, v: block_local_attention(q, k, v, offsets, max_seq_len=128, rope_base=rope_base, positions=pos,
+                                                  implementation="pallas")
         out, pullback = jax.vjp(f, q, k, v)
         return out, pullback(out)
 
-    jax.jit(fwd_bwd).trace(x, x, x, pos).lower(lowering_platforms=("cuda",))
-    assert len(calls) == (2 if bounded else 0)  # the forward's and the backward's tables
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        jax.jit(fwd_bwd).trace(x, x, x, pos)
+    assert bool(calls) is bounded  # the forward's and the backward's tables, each trace of them
     assert all(shape == (64, 32) for shape in calls)
 
 
