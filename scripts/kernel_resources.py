@@ -151,13 +151,14 @@ def target() -> str:
     return _offline_compile.h200_device().device_kind
 
 
-def _cell(heading: str) -> int:
+def _column_width(heading: str) -> int:
+    """A table column's width: its heading's, at least 9."""
     return max(len(heading), 9)
 
 
 def heading(width: int) -> str:
     """The table's heading, its case column `width` wide."""
-    return f"{'case':{width}s} kernel " + " ".join(f"{title:>{_cell(title)}s}" for _, title in COLUMNS)
+    return f"{'case':{width}s} kernel " + " ".join(f"{title:>{_column_width(title)}s}" for _, title in COLUMNS)
 
 
 def rows(case: str, result: dict, width: int) -> list[str]:
@@ -166,7 +167,7 @@ def rows(case: str, result: dict, width: int) -> list[str]:
         return [f"{case:{width}s} ERROR {result['error']}"]
     if not result["kernels"]:
         return [f"{case:{width}s} no Mosaic GPU kernel"]
-    return [f"{case:{width}s} {index:6d} " + " ".join(f"{kernel[key]:>{_cell(title)}d}" for key, title in COLUMNS)
+    return [f"{case:{width}s} {index:6d} " + " ".join(f"{kernel[key]:>{_column_width(title)}d}" for key, title in COLUMNS)
             for index, kernel in enumerate(result["kernels"])]
 
 

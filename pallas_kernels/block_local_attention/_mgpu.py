@@ -220,10 +220,9 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Ca
       handoff: with W > 1, `ring_barriers(S, W)`: the issuer of a slack step's (absent) loads
         arrives on its barrier once the slot is free, as a TMA load's completion would.
     """
-    w_count = warpgroups
-    if (slots - 1) % w_count or (w_count > 1) != (handoff is not None):
-        raise ValueError(f"{slots} slots for {w_count} warpgroups (handoff {handoff is not None})")
-    wg = warpgroup(w_count)
+    if (slots - 1) % warpgroups or (warpgroups > 1) != (handoff is not None):
+        raise ValueError(f"{slots} slots for {warpgroups} warpgroups (handoff {handoff is not None})")
+    wg = warpgroup(warpgroups)
     cta = lax.axis_index("cta")
     n_blocks = live_ref[0]
     rounds = lax.div(jnp.maximum(n_blocks - cta + (num_ctas - 1), 0), jnp.int32(num_ctas))
@@ -232,15 +231,15 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Ca
     # Before a warpgroup issues step s + 1's loads into slot (s + 1) % S, the output stores of its
     # step s + 1 - S (its own, the slot's last) must have read the slot: a warpgroup commits one
     # store group per step it computes, so those of its (S - 1) / W - 1 later steps may stay pending.
-    pending = (slots - 1) // w_count - 1
+    pending = (slots - 1) // warpgroups - 1
 
     def slot_of(s) -> Slot:
         index = lax.rem(s, slots)
-        return Slot(index, index if w_count == 1 else index * w_count + lax.rem(s, w_count))
+        return Slot(index, index if warpgroups == 1 else index * warpgroups + lax.rem(s, warpgroups))
 
     def computes(s, cond):
         """`cond` and step s is this warpgroup's."""
-        return cond if w_count == 1 else cond & (lax.rem(s, w_count) == wg)
+        return cond if warpgroups == 1 else cond & (lax.rem(s, warpgroups) == wg)
 
     def issue(when, step, slot, positions):
         """Where `when`: the step's loads into `slot` (its positions too where `positions`), or,
@@ -252,7 +251,7 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Ca
             if rope is not None and positions is not False:
                 pl.when(positions)(lambda: rope.load(step, slot))
 
-        if w_count > 1:
+        if warpgroups > 1:
             pl.when(when & (step.keys == 0))(lambda: plgpu.barrier_arrive(handoff.at[slot.barrier]))
 
     first = block_at(0)
@@ -271,11 +270,11 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Ca
                 plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
                 # Step s + 1: head h + 1 of this block (with its positions where it is a warpgroup's
                 # first step of the block, h + 1 < W), or head 0 of the next block.
-                issue(h + 1 < heads, block.at_head(h + 1), next_slot, False if w_count == 1 else h + 1 < w_count)
+                issue(h + 1 < heads, block.at_head(h + 1), next_slot, False if warpgroups == 1 else h + 1 < warpgroups)
                 issue((h + 1 == heads) & (r + 1 < rounds), nxt, next_slot, True)
 
             if rope is not None:  # a warpgroup's first step of a block with keys: heads 0 .. W - 1
-                first_step = h == 0 if w_count == 1 else h < w_count
+                first_step = h == 0 if warpgroups == 1 else h < warpgroups
                 tables = lax.cond(computes(s, first_step & (block.keys > 0)), lambda: rope.tables(slot),
                                   lambda: tables)
             step = block.at_head(h)
@@ -283,7 +282,7 @@ def walk(table_ref, live_ref, heads: int, num_ctas: int, slots: int, *, load: Ca
 
             @pl.when(computes(s, block.keys == 0))
             def _():
-                if w_count > 1:
+                if warpgroups > 1:
                     plgpu.barrier_wait(handoff.at[slot.barrier])
                 slack(step, slot)
 

@@ -31,11 +31,12 @@ from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN
 def angles_bounded(rope_base: float | None, head_dim: int, max_seq_len: int | None, positions_given: bool) -> bool:
     """Whether every RoPE angle (position x frequency) is at most `bounded_trig.MAX_ANGLE`, known statically:
     default positions (each row's index in its sequence, below `max_seq_len`) times the largest of
-    `reference.rope_frequencies` (1 for a base >= 1, `base ** (-(D/2 - 1) / (D/2))` below it)."""
+    `reference.rope_frequencies` (1 for a base >= 1, the last one below it). False without RoPE
+    (`rope_base` None), with given positions or without a bound."""
     if rope_base is None or positions_given or max_seq_len is None:
         return False
-    half = head_dim // 2
-    largest_frequency = max(1.0, float(rope_base) ** (-(half - 1) / half))
+    with jax.ensure_compile_time_eval():  # a constant of the static arguments, also while a caller is traced
+        largest_frequency = float(jnp.max(reference.rope_frequencies(head_dim, rope_base)))
     return (max_seq_len - 1) * largest_frequency <= bounded_trig.MAX_ANGLE
 
 
