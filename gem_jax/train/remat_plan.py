@@ -43,7 +43,7 @@ from gem_jax.batch import Batch, FeatureSpec
 from gem_jax.data.pipeline import Dataset
 from gem_jax.jagged import pick_capacity
 from gem_jax.model import remat
-from gem_jax.model.config import ModelConfig
+from gem_jax.model.config import ModelConfig, describe_attention
 from gem_jax.model.flops import attention_flops
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.remat import RematConfig, RematPolicy
@@ -422,7 +422,10 @@ def plan_remat(costs: StepCosts, remat_config: RematConfig) -> RematPlan:
                 f"RematConfig.budget_gb = {remat_config.budget_gb:g} GB does not fit the step: the state (parameters, "
                 f"optimizer state, gradients) takes {format_bytes(state)} and the activations with the recompute buffer at "
                 f"least {format_bytes(least.peak_bytes - state)} with every region at its smallest policy, at {costs.tokens} "
-                f"history rows per device; the smallest budget is budget_gb = {math.ceil(least.peak_bytes / 1e3) / 1e6:g}"
+                f"history rows per device, measured with the kernels this process traces for its device "
+                f"({describe_attention(costs.config)[0]}), which decide what the backward keeps: plan a job for "
+                f"another device on that device (or with benchmarks/offline_compile.py for an H200); the smallest budget "
+                f"is budget_gb = {math.ceil(least.peak_bytes / 1e3) / 1e6:g}"
             )
         saved = all(p is RematPolicy.SAVE_ALL for p in policies.values())
         plan = costs.plan(policies, budget, costs.activation_bytes_saved if saved else None)
