@@ -17,7 +17,9 @@ fitted by L-BFGS (scipy) to the mean log loss plus `l2` times the squared effect
 event. It is what a model of exactly the planted form, reading categories, learns from this much data:
 what is left between it and the categories-only ceiling is the cost of estimating 22,000 effects from
 the train split (a converted log gives a model the same inputs: user ids as its user token, item ids,
-categories). Two more fitted rows ask what the user effects are worth: **fitted_no_user**, the same
+categories). **fitted_item_vectors** is the same fit with the recent signal from each item's own latent
+vector (the oracle's): what a model that has also learned the items' latent directions reaches, the
+effects still estimated from the train split. Two more fitted rows ask what the user effects are worth: **fitted_no_user**, the same
 without them (a model with neither a user id nor its events' outcomes), and **fitted_past_outcomes**,
 without them but with the user's click rate over its earlier events as a fourth signal
 (`past_click_logit`: what history rows that carry their events' outcomes tell about the user). Each
@@ -148,10 +150,14 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
     fitted = fitted_row(log.user, log.item, signals, log.click, log.time, is_eval, config.num_users, config.num_items)
     anyone = np.zeros_like(log.user)  # one user: no user effects
     no_user = fitted_row(anyone, log.item, signals, log.click, log.time, is_eval, 1, config.num_items)
+    own = recent_affinity(config, log.item_vectors, log.item, position)  # the recent signal from each item's own vector
+    item_vectors = fitted_row(log.user, log.item, np.stack([own, mid, long], axis=1), log.click, log.time, is_eval,
+                              config.num_users, config.num_items)
     past = past_click_logit(log.click, log.user_offsets, log.user, float(log.click[~is_eval].mean()))
     past_outcomes = fitted_row(anyone, log.item, np.column_stack([signals, past]), log.click, log.time, is_eval, 1, config.num_items)
     rows = {
-        "oracle": report.oracle, "categories_only": oracle_report(by_category, rule).oracle, "fitted": fitted["quality"],
+        "oracle": report.oracle, "categories_only": oracle_report(by_category, rule).oracle,
+        "fitted_item_vectors": item_vectors["quality"], "fitted": fitted["quality"],
         "fitted_past_outcomes": past_outcomes["quality"], "fitted_no_user": no_user["quality"],
         "no_history": report.no_history, "item_mean": report.item_mean,
     }
@@ -166,6 +172,10 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
             "l2": fitted["l2"], "validation_ne": fitted["validation_ne"],
             "weights": dict(zip(("recent", "mid", "long"), fitted["weights"])),
             "true_weights": {"recent": config.recent_weight, "mid": config.mid_weight, "long": config.long_weight},
+        },
+        "fitted_item_vectors": {
+            "l2": item_vectors["l2"], "validation_ne": item_vectors["validation_ne"],
+            "weights": dict(zip(("recent", "mid", "long"), item_vectors["weights"])),
         },
         "fitted_no_user": {"l2": no_user["l2"], "validation_ne": no_user["validation_ne"]},
         "fitted_past_outcomes": {
