@@ -464,7 +464,7 @@ def test_kernel_norms_in_the_model_match_the_reference():
 
     def loss_and_grads(graph, params, inputs, dtype):
         loss = lambda p: jnp.mean(nnx.merge(graph, p)(inputs).astype(dtype) ** 2)  # noqa: E731
-        return jax.value_and_grad(loss)(params)
+        return jax.jit(jax.value_and_grad(loss))(params)
 
     with pytest.MonkeyPatch.context() as patch, plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         patch.setattr(pallas_kernels, "rms_norm", counting)
