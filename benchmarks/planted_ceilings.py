@@ -18,8 +18,8 @@ event. It is what a model of exactly the planted form, reading categories, learn
 what is left between it and the categories-only ceiling is the cost of estimating 22,000 effects from
 the train split (a converted log gives a model the same inputs: user ids as its user token, item ids,
 categories). **fitted_item_vectors** is the same fit with the recent signal from each item's own latent
-vector (the oracle's): what a model that has also learned the items' latent directions reaches, the
-effects still estimated from the train split. Two more fitted rows ask what the user effects are worth: **fitted_no_user**, the same
+vector (the oracle's): a ceiling for a model that has learned the items' latent directions exactly,
+the effects still estimated from the train split. Two more fitted rows ask what the user effects are worth: **fitted_no_user**, the same
 without them (a model with neither a user id nor its events' outcomes), and **fitted_past_outcomes**,
 without them but with the user's click rate over its earlier events as a fourth signal
 (`past_click_logit`: what history rows that carry their events' outcomes tell about the user). Each

@@ -90,10 +90,12 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
   host's 64 GiB disk.
 
 On an 80 GB H100 the step does not fit as configured (XLA's compile for the H200 on a CPU,
-`benchmarks/offline_compile.py` with `data.path` set to the converted log: the train step's peak
-is 92.9 GB even with bf16 moments): `--set model.remat.budget_gb=55` brings it to 68.0 GB with this
-config's float32 moments (60: 76.1 GB, too close to the 77 GB gem-train takes of an H100); planned and
-compiled offline (2026-12-06), not yet run.
+`benchmarks/offline_compile.py` with `data.path` set to the converted log, at the first batch's
+capacity of 394,496 rows: the train step's peak is 91.3 GB even with bf16 moments):
+`--set model.remat.budget_gb=55` brings it to 68.0 GB with this config's float32 moments (60: 76.1 GB,
+too close to the 77 GB gem-train takes of an H100); planned and compiled offline (2026-12-06,
+benchmarks/results/offline_planted_gem_{bf16_moments_f6eae8a,remat55_f4fe84a,remat60_6a45df3}.json),
+not yet run.
 """
 
 import dataclasses

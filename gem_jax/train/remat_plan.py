@@ -252,11 +252,14 @@ class StepCosts:
       activation_bytes_saved: the step's residual bytes with no rematerialization.
       state_bytes: parameters, optimizer state and gradients (`state_bytes`).
       tokens: the history rows per device measured at.
+      kernels: the self-attention's implementation the step was traced with, and why
+        (`describe_attention`'s line): the kernels decide what the backward keeps.
     """
 
     def __init__(self, config: ModelConfig, spec: FeatureSpec, setup: StateSetup, batch: Batch, lengths: np.ndarray, *,
                  row_wise_tables: bool, cost_model: CostModel):
         self.config, self._spec, self._setup, self._batch = config, spec, setup, batch
+        self.kernels = describe_attention(config)[0]
         num_shards = setup.mesh.devices.size
         attention = {name: w.total(np.asarray(lengths)) / num_shards for name, w in attention_flops(config, spec).items()}
         costs = {}
@@ -422,10 +425,9 @@ def plan_remat(costs: StepCosts, remat_config: RematConfig) -> RematPlan:
                 f"RematConfig.budget_gb = {remat_config.budget_gb:g} GB does not fit the step: the state (parameters, "
                 f"optimizer state, gradients) takes {format_bytes(state)} and the activations with the recompute buffer at "
                 f"least {format_bytes(least.peak_bytes - state)} with every region at its smallest policy, at {costs.tokens} "
-                f"history rows per device, measured with the kernels this process traces for its device "
-                f"({describe_attention(costs.config)[0]}), which decide what the backward keeps: plan a job for "
-                f"another device on that device (or with benchmarks/offline_compile.py for an H200); the smallest budget "
-                f"is budget_gb = {math.ceil(least.peak_bytes / 1e3) / 1e6:g}"
+                f"history rows per device, measured with this process's kernels, {costs.kernels}; for a job on another "
+                f"device, plan there or with benchmarks/offline_compile.py; the smallest budget is "
+                f"budget_gb = {math.ceil(least.peak_bytes / 1e3) / 1e6:g}"
             )
         saved = all(p is RematPolicy.SAVE_ALL for p in policies.values())
         plan = costs.plan(policies, budget, costs.activation_bytes_saved if saved else None)
