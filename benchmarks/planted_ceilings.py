@@ -19,12 +19,13 @@ what is left between it and the categories-only ceiling is the cost of estimatin
 the train split (a converted log gives a model the same inputs: user ids as its user token, item ids,
 categories). **fitted_item_vectors** is the same fit with the recent signal from each item's own latent
 vector (the oracle's): a ceiling for a model that has learned the items' latent directions exactly,
-the effects still estimated from the train split. Two more fitted rows ask what the user effects are worth: **fitted_no_user**, the same
-without them (a model with neither a user id nor its events' outcomes), and **fitted_past_outcomes**,
-without them but with the user's click rate over its earlier events as a fourth signal
-(`past_click_logit`: what history rows that carry their events' outcomes tell about the user). Each
-row's share of the oracle's AUC lift over the item-mean baseline is reported beside it. The log is generated in memory
-(`gem_jax.data.planted.generate`), as `gem-data plant` writes it for the same preset and seed.
+the effects still estimated from the train split. Two more fitted rows ask what the user effects are
+worth: **fitted_no_user**, the same without them (a model with neither a user id nor its events'
+outcomes), and **fitted_past_outcomes**, without them but with the user's click rate over its earlier
+events as a fourth signal (`past_click_logit`: what history rows that carry their events' outcomes
+tell about the user). Each row's share of the oracle's AUC lift over the item-mean baseline is reported
+beside it. The log is generated in memory (`gem_jax.data.planted.generate`), as `gem-data plant`
+writes it for the same preset and seed.
 """
 
 from __future__ import annotations
@@ -151,13 +152,13 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
     anyone = np.zeros_like(log.user)  # one user: no user effects
     no_user = fitted_row(anyone, log.item, signals, log.click, log.time, is_eval, 1, config.num_items)
     own = recent_affinity(config, log.item_vectors, log.item, position)  # the recent signal from each item's own vector
-    item_vectors = fitted_row(log.user, log.item, np.stack([own, mid, long], axis=1), log.click, log.time, is_eval,
-                              config.num_users, config.num_items)
+    known_vectors = fitted_row(log.user, log.item, np.stack([own, mid, long], axis=1), log.click, log.time, is_eval,
+                               config.num_users, config.num_items)
     past = past_click_logit(log.click, log.user_offsets, log.user, float(log.click[~is_eval].mean()))
     past_outcomes = fitted_row(anyone, log.item, np.column_stack([signals, past]), log.click, log.time, is_eval, 1, config.num_items)
     rows = {
         "oracle": report.oracle, "categories_only": oracle_report(by_category, rule).oracle,
-        "fitted_item_vectors": item_vectors["quality"], "fitted": fitted["quality"],
+        "fitted_item_vectors": known_vectors["quality"], "fitted": fitted["quality"],
         "fitted_past_outcomes": past_outcomes["quality"], "fitted_no_user": no_user["quality"],
         "no_history": report.no_history, "item_mean": report.item_mean,
     }
@@ -174,8 +175,8 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
             "true_weights": {"recent": config.recent_weight, "mid": config.mid_weight, "long": config.long_weight},
         },
         "fitted_item_vectors": {
-            "l2": item_vectors["l2"], "validation_ne": item_vectors["validation_ne"],
-            "weights": dict(zip(("recent", "mid", "long"), item_vectors["weights"])),
+            "l2": known_vectors["l2"], "validation_ne": known_vectors["validation_ne"],
+            "weights": dict(zip(("recent", "mid", "long"), known_vectors["weights"])),
         },
         "fitted_no_user": {"l2": no_user["l2"], "validation_ne": no_user["validation_ne"]},
         "fitted_past_outcomes": {
