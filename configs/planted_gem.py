@@ -58,7 +58,10 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
   the lift with user effects, 88.3% with the user's past click rate instead, 85.5% with neither
   (`benchmarks/planted_ceilings.py`). Tiny models on a small planted log (with user tokens) went
   from 14% to 37% of the lift with outcomes, mean of five seeds, every seed better
-  (benchmarks/quality.md, "Past outcomes in the history"). Not yet run at this width.
+  (benchmarks/quality.md, "Past outcomes in the history"). At this width, one seed on an H100
+  (2026-12-06, remat budget 55 GB, benchmarks/results/planted_gem_actions_long_range_h100_20261206.json):
+  0.7310 / 0.8778 at step 900 against 0.7289 / 0.8797 without outcomes, within one seed's noise;
+  the run was stopped before step 1800 by the call's time limit (0.203 s a step on the H100).
 - history rows carry their items' category (`data.history_item_features`): the planted
   signals are mostly functions of the history's categories (the mid and long-range terms
   wholly, the recent term half, through the items' latent vectors), and without them the
