@@ -208,10 +208,13 @@ def norm_dense(
     `fp8_saved_input`: a bf16 layer's weight gradient reads an FP8 copy of `norm(x)`
     (`gem_jax.quant.saved_activations.dense_fp8_input`); an `Fp8Linear` keeps FP8 inputs anyway.
     `residual`: return `(layer(norm(x)), x)` for a pre-norm block that adds its branch to the returned `x`
-    (`RMSNorm.keeping_input`: with the norm's kernels its gradient joins the norm's backward pass).
+    (`RMSNorm.keeping_input`, or an `Fp8Linear`'s `keep_input`: with the norm's kernels its gradient joins
+    the norm's backward pass).
     """
     if isinstance(layer, Fp8Linear):
-        out = layer(x, norm=norm)
+        out = layer(x, norm=norm, keep_input=residual)
+        if residual:
+            out, x = out
     else:
         if residual and isinstance(norm, RMSNorm):
             normed, x = norm.keeping_input(x)
@@ -275,10 +278,12 @@ class MLP(nnx.Module):
         return self._down(h)
 
     def residual(self, x: jax.Array, norm: nnx.RMSNorm) -> jax.Array:
-        """`x + self(x, norm=norm)`, the pre-norm residual block (`norm_dense(residual=True)`: with the norm's
-        kernels the residual branch's gradient joins the norm's backward pass)."""
+        """`x + self(x, norm=norm)`, the pre-norm residual block (`norm_dense(residual=True)`, or with FP8 layers
+        `Fp8Linear(keep_input=True)`: with the norm's kernels the residual branch's gradient joins the norm's
+        backward pass)."""
         if self._fp8_pair():
-            return x + self._fp8_forward(x, norm)
+            h, x = self.up(x, norm=norm, add_bias=False, keep_input=True)
+            return x + self._fp8_down(h)
         h, x = norm_dense(norm, self.up, x, fp8_saved_input=self.fp8_saved_activations, residual=True)
         return x + self._down(h)
 
@@ -287,7 +292,10 @@ class MLP(nnx.Module):
 
     def _fp8_forward(self, x: jax.Array, norm: nnx.RMSNorm | None) -> jax.Array:
         """Both layers FP8: the norm in the up layer's quantization pass, the GELU and up bias in the down layer's."""
-        h = self.up(x, norm=norm, add_bias=False)
+        return self._fp8_down(self.up(x, norm=norm, add_bias=False))
+
+    def _fp8_down(self, h: jax.Array) -> jax.Array:
+        """`down(gelu(h + up.bias))` in the down layer's quantization pass, from the up layer's output without its bias."""
         up_bias = None if self.up.bias is None else self.up.bias[...]
         return self.down(h, gelu=True, input_bias=up_bias)
 

@@ -86,7 +86,8 @@ class Fp8Linear(nnx.Module):
         input_bias: jax.Array | None = None,
         add_bias: bool = True,
         key: jax.Array | None = None,
-    ) -> jax.Array:
+        keep_input: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """`inputs [..., in] -> [..., out]`: `self(inputs)`, `self(norm(inputs))` or `self(gelu(inputs + input_bias))`.
 
         With `norm` (an `nnx.RMSNorm` over the last axis of width `in`, its parameter left in
@@ -101,10 +102,14 @@ class Fp8Linear(nnx.Module):
         with the bias before the GELU reads it. The bias's gradient flows back through
         `input_bias`.
 
+        `keep_input` (with `norm`): return `(out, inputs)` for a pre-norm residual block that adds
+        its branch to the returned `inputs`; their gradient joins the norm's backward pass
+        (`fp8_matmul(keep_input=True)`), unless `inputs` are cast to another dtype first.
+
         Raises:
           ValueError: the last axis is not `in_features`, stochastic rounding without a key,
             both `norm` and `gelu`, `input_bias` without `gelu`, or a norm that is not a
-            scaled RMSNorm over `in_features`.
+            scaled RMSNorm over `in_features`, or `keep_input` without `norm`.
         """
         if inputs.shape[-1] != self.in_features:
             raise ValueError(f"inputs last axis {inputs.shape[-1]} != in_features {self.in_features}")
@@ -118,17 +123,25 @@ class Fp8Linear(nnx.Module):
             raise ValueError("Fp8Linear: pass norm= or gelu=True, not both")
         if input_bias is not None and not gelu:
             raise ValueError("Fp8Linear: input_bias is added before the GELU: pass it with gelu=True")
+        if keep_input and norm is None:
+            raise ValueError("Fp8Linear: keep_input passes the input of the norm through: pass it with norm=")
         if norm is not None:
             scale = self._norm_scale(norm, inputs.dtype)
+            through = keep_input and x.dtype == inputs.dtype  # a cast input's two cotangents are summed by XLA
             y = fp8_matmul(
-                x, kernel, key, self.recipe, kernel.dtype, gather=gather, prologue=Prologue.RMSNORM, norm_scale=scale, eps=norm.epsilon
+                x, kernel, key, self.recipe, kernel.dtype, gather=gather, prologue=Prologue.RMSNORM, norm_scale=scale, eps=norm.epsilon,
+                norm_implementation=getattr(norm, "implementation", "xla"), keep_input=through,
             )
+            if through:
+                y, x = y
+                inputs = x.reshape(inputs.shape)
         else:
             prologue = Prologue.GELU if gelu else Prologue.NONE
             y = fp8_matmul(x, kernel, key, self.recipe, kernel.dtype, gather=gather, prologue=prologue, input_bias=input_bias)
         if self.bias is not None and add_bias:
             y = y + self.bias[...].astype(dtype)
-        return y.reshape(*inputs.shape[:-1], self.out_features)
+        out = y.reshape(*inputs.shape[:-1], self.out_features)
+        return (out, inputs) if keep_input else out
 
     def _norm_scale(self, norm: nnx.RMSNorm, input_dtype) -> jax.Array:
         """The gain of `norm` in its compute dtype (as `nnx.RMSNorm` casts it), after checking the norm."""

@@ -35,6 +35,17 @@ def match_axes(*xs: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(to_varying(x, axes) for x in xs)
 
 
+def gradient_of(partial: jax.Array, param: jax.Array) -> jax.Array:
+    """The gradient of an operand `param` (of its dtype) from `partial`, its gradient summed over this
+    device's part of the operands that vary over more manual axes (a kernel's per-device partial sum):
+    `partial` summed over the axes those operands vary over and `param` does not (the transpose of
+    casting `param` to vary over them, as `match_axes` casts it on the way in)."""
+    axes = varying_axes(partial)
+    _, transpose = jax.vjp(lambda p: to_varying(p, axes), param.astype(partial.dtype))
+    (grad,) = transpose(partial)
+    return grad.astype(param.dtype)
+
+
 def call_kernel(kernel, *operands):
     """`kernel(*operands)` with every result cast to vary over the axes any operand varies over."""
     axes = varying_axes(*operands)

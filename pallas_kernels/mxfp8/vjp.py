@@ -59,6 +59,7 @@ from pallas_kernels.mxfp8 import reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent, local_part, quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
 from pallas_kernels.mxfp8.reference import Rounding
+from pallas_kernels.rms_norm import rms_norm_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,15 +201,6 @@ class Prologue(enum.Enum):
     GELU = "gelu"
 
 
-def _apply_prologue(prologue: Prologue, x: jax.Array, param, eps: float) -> jax.Array:
-    """float32 `p(x)` (the identity keeps `x`'s dtype); `param` is the RMSNorm gain or the GELU's input bias."""
-    if prologue is Prologue.RMSNORM:
-        return reference.rmsnorm(x, param, eps)
-    if prologue is Prologue.GELU:
-        return reference.gelu(x, param)
-    return x
-
-
 def fp8_matmul(
     x: jax.Array,
     w: jax.Array,
@@ -221,7 +213,9 @@ def fp8_matmul(
     norm_scale: jax.Array | None = None,
     input_bias: jax.Array | None = None,
     eps: float = 1e-6,
-) -> jax.Array:
+    norm_implementation: str | None = None,
+    keep_input: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`p(x) @ w` with FP8 forward and dgrad GEMMs and a bf16 weight gradient (float32 accumulation).
 
     Equivalent jnp (forward)::
@@ -230,7 +224,9 @@ def fp8_matmul(
 
     with `p` the `prologue`: the identity, `rmsnorm(x) * norm_scale` or `gelu(x + input_bias)`, computed in
     float32 and quantized in the same pass (the normed or activated input is never written in
-    high precision). The backward runs through `p` exactly (`jax.vjp` of its float32 form).
+    high precision). The backward runs through `p` exactly: the GELU by `jax.vjp` of its float32
+    form, the RMSNorm by `pallas_kernels.rms_norm_backward` (the norm's one-pass backward kernel on
+    Hopper, where XLA would run the float32 form's backward as several passes).
     With `recipe.hadamard`, `dequantize(quantize(p(x) R)) @ dequantize(quantize(R^T w))`,
     `dp = (q(dy) @ wq^T) R^T` and `dw = R (deq(xq)^T dy)` (the module docstring's algebra;
     `R` from `hadamard_signs(in)` in blocks of `recipe.block`; `in` must be a multiple of it).
@@ -249,16 +245,22 @@ def fp8_matmul(
       input_bias: `[in]` bias added to `x` in float32 before the GELU, with `Prologue.GELU`
         only, or None (its gradient is returned in its dtype).
       eps: RMSNorm epsilon, added to the mean square.
+      norm_implementation: the RMSNorm backward's implementation (`rms_norm_backward`'s: "xla",
+        "pallas" or None), with `Prologue.RMSNORM`.
+      keep_input: with `Prologue.RMSNORM`, also return `x` itself, for the residual branch of a
+        pre-norm block (`h = x + f(rms_norm(x))`): its cotangent is added to the norm's input
+        gradient inside the backward kernel (`rms_norm(return_input=True)`'s pass-through), where
+        XLA would sum the two cotangents of `x` in a pass of its own.
 
     Returns:
-      `[T, out]` in x.dtype.
+      `[T, out]` in x.dtype; with `keep_input`, `([T, out], x)`.
 
     Raises:
       ValueError: `x` or `w` not 2-D or of different inner sizes (w's rows counted gathered
         with a `gather`), an unknown prologue, or
         `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM, or
-        `input_bias` given without GELU or of the wrong shape, or with `recipe.hadamard`
-        an `in` that is not a multiple of `recipe.block`.
+        `input_bias` given without GELU or of the wrong shape, `keep_input` without RMSNORM, or
+        with `recipe.hadamard` an `in` that is not a multiple of `recipe.block`.
     """
     prologue = Prologue(prologue)
     if x.ndim != 2 or w.ndim != 2:
@@ -270,24 +272,36 @@ def fp8_matmul(
         raise ValueError(f"fp8_matmul: norm_scale is required with Prologue.RMSNORM and only with it (prologue={prologue})")
     if input_bias is not None and prologue is not Prologue.GELU:
         raise ValueError(f"fp8_matmul: input_bias is added before the GELU prologue only (prologue={prologue})")
+    if keep_input and prologue is not Prologue.RMSNORM:
+        raise ValueError(f"fp8_matmul: keep_input passes the input of the RMSNorm prologue through, not of {prologue}")
     for name, param in (("norm_scale", norm_scale), ("input_bias", input_bias)):
         if param is not None and jnp.shape(param) != (x.shape[1],):
             raise ValueError(f"fp8_matmul: {name} must be [{x.shape[1]}], got {jnp.shape(param)}")
     param = norm_scale if prologue is Prologue.RMSNORM else input_bias
-    static = dict(recipe=recipe, gather=gather, w_dtype=jnp.dtype(w_dtype), prologue=prologue, eps=float(eps))
+    norm = _Norm(float(eps), norm_implementation, bool(keep_input))
+    static = dict(recipe=recipe, gather=gather, w_dtype=jnp.dtype(w_dtype), prologue=prologue, norm=norm)
     return shared_lowering.call(_fp8_matmul_by_name, x, param, w, key, static=static)
 
 
-def _fp8_matmul_by_name(x, param, w, key, *, recipe, gather, w_dtype, prologue, eps):
-    return _fp8_matmul(x, param, w, key, recipe, gather, w_dtype, prologue, eps)
+@dataclasses.dataclass(frozen=True)
+class _Norm:
+    """The RMSNorm prologue's options (`fp8_matmul`'s eps, norm_implementation, keep_input)."""
+
+    eps: float
+    implementation: str | None
+    keep_input: bool
+
+
+def _fp8_matmul_by_name(x, param, w, key, *, recipe, gather, w_dtype, prologue, norm):
+    return _fp8_matmul(x, param, w, key, recipe, gather, w_dtype, prologue, norm)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _fp8_matmul(x, param, w, key, recipe, gather, w_dtype, prologue, eps):
-    return _fp8_matmul_fwd(x, param, w, key, recipe, gather, w_dtype, prologue, eps)[0]
+def _fp8_matmul(x, param, w, key, recipe, gather, w_dtype, prologue, norm):
+    return _fp8_matmul_fwd(x, param, w, key, recipe, gather, w_dtype, prologue, norm)[0]
 
 
-def _quantize_input(x, param, recipe, prologue, eps):
+def _quantize_input(x, param, recipe, prologue, eps: float):
     """`quantize(p(x))`, or `quantize(p(x) @ R)` with `recipe.hadamard` (one pass on the kernel path)."""
     opts = dict(block=recipe.act_block, hadamard_signs=_input_signs(x.shape[1], recipe), implementation=recipe.implementation)
     if prologue is Prologue.RMSNORM:
@@ -297,9 +311,9 @@ def _quantize_input(x, param, recipe, prologue, eps):
     return quantize_mxfp8(x, **opts)
 
 
-def _fp8_matmul_fwd(x, param, w, key, recipe, gather, w_dtype, prologue, eps):
+def _fp8_matmul_fwd(x, param, w, key, recipe, gather, w_dtype, prologue, norm):
     del w_dtype
-    xq, sx = _quantize_input(x, param, recipe, prologue, eps)
+    xq, sx = _quantize_input(x, param, recipe, prologue, norm.eps)
     wq, sw = quantize_weight(w, recipe, gather)
     y = mxfp8_matmul(
         xq, sx, wq, sw, b_contracting_dim=0, out_dtype=x.dtype, implementation=recipe.implementation, config=recipe.config
@@ -307,7 +321,7 @@ def _fp8_matmul_fwd(x, param, w, key, recipe, gather, w_dtype, prologue, eps):
     # The prologue's input is kept for its backward (a plain layer keeps only 8-bit data);
     # `w` (the master weight, alive anyway) only lends its sharding to the weight gradient.
     x_kept = None if prologue is Prologue.NONE else x
-    return y, (x_kept, param, xq, sx, wq, sw, key, w)
+    return (y, x) if norm.keep_input else y, (x_kept, param, xq, sx, wq, sw, key, w)
 
 
 def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -316,8 +330,9 @@ def _with_sharding_of(x: jax.Array, like: jax.Array) -> jax.Array:
     return x if jax.typeof(x).sharding.spec == want else jax.sharding.reshard(x, want)
 
 
-def _fp8_matmul_bwd(recipe, gather, w_dtype, prologue, eps, residuals, dy):
+def _fp8_matmul_bwd(recipe, gather, w_dtype, prologue, norm, residuals, cotangents):
     x, param, xq, sx, wq, sw, key, w = residuals
+    dy, dx_in = cotangents if norm.keep_input else (cotangents, None)
     dyq, sdy = quantize_mxfp8(dy, block=recipe.act_block, rounding=recipe.grad_rounding, key=key, implementation=recipe.implementation)
     signs = _input_signs(xq.shape[1], recipe)
     dp = mxfp8_matmul(dyq, sdy, wq, sw, out_dtype=dy.dtype, implementation=recipe.implementation, config=recipe.config)
@@ -333,10 +348,13 @@ def _fp8_matmul_bwd(recipe, gather, w_dtype, prologue, eps, residuals, dy):
     dw = _with_sharding_of(dw, w)
     if prologue is Prologue.NONE:
         return _with_sharding_of(dp, xq), None, dw, None
-    _, prologue_vjp = jax.vjp(lambda x, s: _apply_prologue(prologue, x, s, eps), x, param)
+    if prologue is Prologue.RMSNORM:
+        dx, dparam = rms_norm_backward(x, param, dp, dx_in, eps=norm.eps, implementation=norm.implementation)
+        return _with_sharding_of(dx, xq), dparam, dw, None
+    _, prologue_vjp = jax.vjp(lambda x, b: reference.gelu(x, b), x, param)
     dx, dparam = prologue_vjp(dp.astype(jnp.float32))
     dx = dx.astype(x.dtype)
-    if prologue is Prologue.GELU and param is not None:
+    if param is not None:
         dparam = _bias_gradient(dx, param)
     return _with_sharding_of(dx, xq), dparam, dw, None
 
@@ -352,9 +370,7 @@ def _bias_gradient(dx: jax.Array, bias: jax.Array) -> jax.Array:
     (the transpose of casting `bias` to vary over them).
     """
     partial = jnp.sum(jax.lax.optimization_barrier(dx).astype(jnp.float32), axis=0)
-    _, over_rows = jax.vjp(lambda b: manual_axes.to_varying(b, manual_axes.varying_axes(dx)), bias.astype(jnp.float32))
-    (grad,) = over_rows(partial)
-    return grad.astype(bias.dtype)
+    return manual_axes.gradient_of(partial, bias)
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

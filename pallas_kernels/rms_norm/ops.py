@@ -135,3 +135,60 @@ def _fused_bwd(eps, dtype, tile, interpret, return_input, residuals, cotangents)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def rms_norm_backward(
+    x: jax.Array,
+    scale: jax.Array,
+    dy: jax.Array,
+    dx_in: jax.Array | None = None,
+    *,
+    eps: float = 1e-6,
+    implementation: str | dispatch.Implementation | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The backward of a float32 RMSNorm whose forward ran elsewhere (fused into another pass, e.g. an FP8
+    quantization: `pallas_kernels.mxfp8`'s RMSNorm prologue): `(dx, dscale)`.
+
+    Equivalent jnp, for `y = x * rsqrt(mean(x**2, -1) + eps) * scale` computed in float32::
+
+        _, vjp = jax.vjp(y, x.astype(float32), scale.astype(float32))
+        dx32, dscale = vjp(dy.astype(float32))
+        dx = (dx32 + dx_in.astype(float32)).astype(x.dtype)     # without dx_in: dx32.astype(x.dtype)
+
+    The Pallas path is `rms_norm`'s backward kernel: one pass that recomputes the statistic from `x`,
+    reads `dy` (and `dx_in`, the cotangent of an input passed through, added in float32 before the
+    rounding) and writes `dx`, where XLA runs the composition as several passes (the row sums, the
+    scale's column sums, dx). Its sums run in another order: results may differ by an ulp of x.dtype.
+
+    Args:
+      x: floating `[..., d]`, the norm's input.
+      scale: floating `[d]`, the gain as the forward used it (in float32).
+      dy: floating `[..., d]`, the cotangent of the norm's float32 output.
+      dx_in: x.dtype `[..., d]` or None, a cotangent to add to `dx`.
+      eps: added to the mean square; a finite, non-negative Python number.
+      implementation: as `rms_norm`'s (the kernel for bf16 and float32 x of the widths it takes).
+
+    Returns:
+      `dx` in x.dtype, `[..., d]`, and `dscale` in scale's dtype, `[d]`.
+
+    Raises:
+      ValueError: as `rms_norm`, or `dy` or `dx_in` not of x's shape.
+      ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
+    """
+    _check(x, scale, eps, None, False)
+    for name, cotangent in (("dy", dy), ("dx_in", dx_in)):
+        if cotangent is not None and jnp.shape(cotangent) != x.shape:
+            raise ValueError(f"rms_norm_backward: {name} must have x's shape {x.shape}, got {jnp.shape(cotangent)}")
+    d = x.shape[-1]
+    impl = dispatch.choose(SUPPORT, implementation, [x.dtype], d).implementation
+    if impl is dispatch.Implementation.PALLAS and kernel.kernel_takes(x.shape, x.dtype):
+        cotangents = [dy] if dx_in is None else [dy, dx_in.astype(x.dtype)]
+        x_rows, *cotangents, scale32 = manual_axes.match_axes(*(a.reshape(-1, d) for a in [x, *cotangents]), scale.astype(jnp.float32))
+        dx, partial = kernel.backward(x_rows, scale32, *cotangents, eps=float(eps), tile=kernel.default_tile(d), interpret=dispatch.interpreting())
+        return dx.reshape(x.shape), manual_axes.gradient_of(partial, scale)
+    norm = lambda xf, sf: reference.rms_norm(xf, sf, eps, jnp.float32)
+    _, vjp = jax.vjp(norm, x.astype(jnp.float32), scale.astype(jnp.float32))
+    dx, dscale = vjp(dy.astype(jnp.float32))
+    if dx_in is not None:
+        dx = dx + dx_in.astype(jnp.float32)
+    return dx.astype(x.dtype), dscale.astype(scale.dtype)

@@ -335,3 +335,50 @@ def test_fp8_matmul_refuses_inputs_whose_features_differ_from_the_weight_rows():
         fp8_matmul(x, w, None, Fp8Recipe(), jnp.float32)
     with pytest.raises(ValueError, match="x has 96 input features, w 128 rows"):  # gathered size counts outside too
         fp8_matmul(x, w, None, Fp8Recipe(), jnp.float32, gather=Fp8Gather(0, "fsdp"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kept_input_gradient_joins_the_norm_backward(dtype):
+    """`fp8_matmul(keep_input=True)` returns `x` through the layer, and its cotangent is added in the RMSNorm prologue's
+    backward: the gradients of `y` and of a residual `x` used beside it are those of the layer with `x` used directly
+    (the same quantized products; the sum in float32 before the rounding, where autodiff rounds each part first), on
+    the reference path and on the norm's backward kernel (the interpreter, `norm_implementation="pallas"`)."""
+    recipe = Fp8Recipe(block=128, implementation="xla")
+    x, w, g = _data(70, 128, 96, seed=31)  # 70 rows: not a multiple of the norm kernel's row tile
+    x = (x * 3.0 + 0.5).astype(dtype)
+    scale = 1.0 + 0.3 * jax.random.normal(jax.random.key(8), (128,))
+    h = jax.random.normal(jax.random.key(9), x.shape).astype(dtype)  # the residual's cotangent
+
+    def kept(x, scale, w, implementation):
+        y, x_out = fp8_matmul(x, w, None, recipe, w.dtype, prologue="rmsnorm", norm_scale=scale, norm_implementation=implementation, keep_input=True)
+        return jnp.sum(y.astype(jnp.float32) * g) + jnp.sum(x_out.astype(jnp.float32) * h.astype(jnp.float32))
+
+    def direct(x, scale, w):
+        y = fp8_matmul(x, w, None, recipe, w.dtype, prologue="rmsnorm", norm_scale=scale, norm_implementation="xla")
+        return jnp.sum(y.astype(jnp.float32) * g) + jnp.sum(x.astype(jnp.float32) * h.astype(jnp.float32))
+
+    want = jax.jit(jax.grad(direct, argnums=(0, 1, 2)))(x, scale, w)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        for implementation in ("xla", "pallas"):
+            got = jax.jit(jax.grad(lambda *a, i=implementation: kept(*a, i), argnums=(0, 1, 2)))(x, scale, w)
+            assert got[0].dtype == dtype
+            # dx: one rounding of x's dtype apart (the sum of the two cotangents rounded once or twice)
+            rtol = 1e-5 if dtype == jnp.float32 else 2 ** -7
+            np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=rtol, atol=rtol)
+            np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-4)  # float32 sums in another order
+            np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # the weight gradient does not see the norm's backward
+
+
+def test_layer_keeps_its_input_for_the_residual_only_with_a_norm():
+    """`Fp8Linear(keep_input=True)` returns `(y, x)` with `x` unchanged; it needs `norm=`, and `fp8_matmul` its RMSNorm prologue."""
+    recipe = Fp8Recipe(implementation="xla")
+    layer = Fp8Linear(128, 64, rngs=nnx.Rngs(0), recipe=recipe)
+    norm = nnx.RMSNorm(128, epsilon=1e-6, rngs=nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (5, 40, 128))
+    y, x_out = layer(x, norm=norm, keep_input=True)
+    np.testing.assert_array_equal(np.asarray(x_out), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(layer(x, norm=norm)))
+    with pytest.raises(ValueError, match="keep_input passes the input of the norm through: pass it with norm="):
+        layer(x, keep_input=True)
+    with pytest.raises(ValueError, match="keep_input passes the input of the RMSNorm prologue through, not of Prologue.GELU"):
+        fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="gelu", keep_input=True)

@@ -14,7 +14,7 @@ from rms_norm_bounds import bound_fractions
 from tolerances import check
 
 from pallas_kernels import ImplementationUnavailableError, describe_choice, rms_norm
-from pallas_kernels.rms_norm import kernel, ops, reference
+from pallas_kernels.rms_norm import kernel, ops, reference, rms_norm_backward
 
 EPS = 1e-6
 
@@ -242,3 +242,57 @@ def test_dispatch_and_inputs_the_kernel_takes():
         want = _run("xla", xd, sd, (jnp.ones((8, d), jnp.float32), None))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _backward_alone(implementation, x, scale, dy, dx_in, eps=EPS):
+    """`rms_norm_backward` jitted, in the interpreter (the kernel path on the CPU)."""
+    fn = lambda x, scale, dy, dx_in: rms_norm_backward(x, scale, dy, dx_in, eps=eps, implementation=implementation)  # noqa: E731
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        return jax.jit(fn)(x, scale, dy, dx_in)
+
+
+def _float32_norm_vjp(x, scale, dy, eps=EPS):
+    """`(y, (dx, dscale))` of the float32 form `x * rsqrt(mean(x**2) + eps) * scale`, by autodiff."""
+    y, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, eps, jnp.float32), x.astype(jnp.float32), scale)
+    return y, vjp(dy.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("with_input", [False, True])
+@pytest.mark.parametrize("shape, dtype", [((70, 64), jnp.bfloat16), ((3, 7, 128), jnp.float32), ((1, 1024), jnp.bfloat16)])
+def test_backward_alone_matches_the_float32_forms_gradients(shape, dtype, with_input):
+    """`rms_norm_backward`, the backward of a norm computed elsewhere (an FP8 quantization's prologue): the kernel
+    against the reference, and the reference against autodiff of the float32 form, dx_in added before the rounding;
+    rows not a multiple of the kernel's, a single row at the GEM width, fresh random inputs."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    x, scale = _inputs(shape, dtype, seed)
+    dy, dx_in = _cotangents(shape, jnp.bfloat16, dtype, seed, with_input)
+    got = _backward_alone("pallas", x, scale, dy, dx_in)
+    want = _backward_alone("xla", x, scale, dy, dx_in)
+    assert got[0].dtype == want[0].dtype == dtype and got[0].shape == shape and got[1].dtype == want[1].dtype == jnp.float32
+    y, (dx32, dscale32) = jax.jit(_float32_norm_vjp)(x, scale, dy)
+    exact = (dx32 if dx_in is None else dx32 + dx_in.astype(jnp.float32)).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(want[0]), np.asarray(exact))
+    np.testing.assert_array_equal(np.asarray(want[1]), np.asarray(dscale32))
+    flat = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
+    fractions = bound_fractions((flat(y), (flat(got[0]), got[1])), (flat(y), (flat(want[0]), want[1])), (flat(x), scale), (flat(dy), flat(dx_in)), EPS)
+    for name, (_, fraction) in fractions.items():
+        check(f"seed {seed}: {name}", fraction, 1.0)
+
+
+def test_backward_alone_keeps_nan_rows_in_their_rows_and_takes_no_rows():
+    """A NaN-poisoned row's dx is NaN in its row only (the scale gradient sums every row: NaN); no rows run the
+    reference under "pallas" too; a cotangent of another shape is named."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    x, scale = _inputs((70, 64), jnp.bfloat16, seed)
+    x = x.at[[3, 69], 5].set(jnp.nan)
+    dy, dx_in = _cotangents((70, 64), jnp.bfloat16, jnp.bfloat16, seed, True)
+    clean = np.setdiff1d(np.arange(70), [3, 69])
+    for dx, dscale in (_backward_alone(impl, x, scale, dy, dx_in) for impl in ("pallas", "xla")):
+        dx = np.asarray(dx, np.float32)
+        assert np.isnan(dx[[3, 69]]).all() and np.isfinite(dx[clean]).all() and np.isnan(np.asarray(dscale)).all()
+    none = jnp.zeros((0, 64), jnp.bfloat16)
+    dx, dscale = _backward_alone("pallas", none, scale, none, none)
+    assert dx.shape == (0, 64)
+    np.testing.assert_array_equal(np.asarray(dscale), np.zeros(64))
+    with pytest.raises(ValueError, match=r"rms_norm_backward: dx_in must have x's shape \(70, 64\), got \(70, 32\)"):
+        rms_norm_backward(x, scale, dy, dx_in[:, :32])
