@@ -10,7 +10,7 @@ from pallas_kernels.gdpa import gdpa
 from pallas_kernels.jagged_flash_attention import jagged_flash_attention
 from pallas_kernels.mxfp8 import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
 from pallas_kernels.qk_norm_rope import qk_norm_rope
-from pallas_kernels.rms_norm import rms_norm
+from pallas_kernels.rms_norm import rms_norm, rms_norm_backward
 
 __all__ = [
     "block_local_attention",
@@ -29,5 +29,6 @@ __all__ = [
     "quantize_mxfp8",
     "random_hadamard",
     "rms_norm",
+    "rms_norm_backward",
     "rmsnorm_quantize_mxfp8",
 ]
