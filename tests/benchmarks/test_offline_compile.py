@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from stand_in_gpu import Hopper
+
 import pallas_kernels
 from pallas_kernels._src import dispatch
 
@@ -111,9 +113,6 @@ def test_compare_predicts_the_step_change_from_the_fusion_bytes_that_went(offlin
 
 
 def test_ops_decide_for_the_compiling_for_device_inside_the_block():
-    class Hopper:
-        platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
-
     assert dispatch.default_device() is jax.devices()[0]
     with pallas_kernels.compiling_for(Hopper()):
         assert dispatch.default_device().device_kind == "NVIDIA H200"

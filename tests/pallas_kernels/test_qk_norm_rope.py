@@ -11,6 +11,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from qk_norm_rope_bounds import bound_fractions
 from tolerances import check
+from stand_in_gpu import Hopper
 
 import pallas_kernels
 from pallas_kernels import ImplementationUnavailableError, describe_choice, qk_norm_rope
@@ -18,12 +19,6 @@ from pallas_kernels.block_local_attention.reference import rope_frequencies
 from pallas_kernels.qk_norm_rope import kernel
 
 EPS = 1e-6
-
-
-class _Hopper:
-    """A stand-in H200 for `pallas_kernels.compiling_for`: the ops choose their kernels without a GPU."""
-
-    platform, device_kind, compute_capability, core_count = "gpu", "NVIDIA H200", "9.0", 132
 
 
 def _inputs(t, h, d, dtype, seed):
@@ -207,7 +202,7 @@ def _pallas_calls(t, d, implementation=None, **kwargs):
     """The pallas_calls in the jaxpr of the op's value and gradients at `[T, 3, 2, D]` bf16 on a stand-in H200."""
     qkv, qs, ks, cos, sin = _inputs(t, 2, d, jnp.bfloat16, 0)
     loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in qk_norm_rope(*a, cos, sin, implementation=implementation, **kwargs))  # noqa: E731
-    with pallas_kernels.compiling_for(_Hopper()):
+    with pallas_kernels.compiling_for(Hopper()):
         return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(qkv, qs, ks)).count("pallas_call")
 
 
@@ -221,11 +216,11 @@ def test_head_dims_outside_16_to_256_and_no_tokens_run_the_reference_on_hopper()
 def test_start_up_reasons_say_what_runs():
     """`describe_choice` names the reference where "pallas" meets an input the kernels do not take, and the size limit
     it cannot check where it names the kernels."""
-    explicit = describe_choice("qk_norm_rope", jnp.float16, 128, implementation="pallas", device=_Hopper())
+    explicit = describe_choice("qk_norm_rope", jnp.float16, 128, implementation="pallas", device=Hopper())
     assert explicit.implementation.value == "xla" and "asked for the Pallas kernels, but the kernels take bfloat16 or float32" in explicit.reason
-    assert describe_choice("qk_norm_rope", jnp.bfloat16, 512, implementation="pallas", device=_Hopper()).implementation.value == "xla"
+    assert describe_choice("qk_norm_rope", jnp.bfloat16, 512, implementation="pallas", device=Hopper()).implementation.value == "xla"
     for implementation in (None, "pallas"):
-        chosen = describe_choice("qk_norm_rope", jnp.float32, 128, implementation=implementation, device=_Hopper())
+        chosen = describe_choice("qk_norm_rope", jnp.float32, 128, implementation=implementation, device=Hopper())
         assert chosen.implementation.value == "pallas"
         assert chosen.reason.endswith("(at least one token and under 2**31 elements; else the jnp reference)")
 
@@ -240,7 +235,7 @@ def test_forward_and_backward_lower_for_cuda_without_a_gpu():
         return jnp.sum(jnp.sin(q.astype(jnp.float32))) + jnp.sum(jnp.sin(k.astype(jnp.float32))) + jnp.sum(jnp.sin(v.astype(jnp.float32)))
 
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with pallas_kernels.compiling_for(_Hopper()), jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+    with pallas_kernels.compiling_for(Hopper()), jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
         text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(qkv, qs, ks).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
     assert "qk_norm_rope_forward" in text and "qk_norm_rope_backward" in text
@@ -262,7 +257,7 @@ def test_gradients_keep_their_primals_types_under_shard_map():
 
     specs = (P("gpu"), P(), P(), P("gpu"), P("gpu"))
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs[:3]))
-    with pallas_kernels.compiling_for(_Hopper()):
+    with pallas_kernels.compiling_for(Hopper()):
         traced = f.trace(*(put(x, spec) for x, spec in zip((qkv, qs, ks, cos, sin), specs)))
     assert [o.sharding.spec for o in traced.out_info] == [P("gpu", None, None, None), P(None), P(None)]
     assert str(traced.jaxpr).count("pallas_call") == 2
@@ -283,7 +278,7 @@ def test_no_tokens_under_shard_map_run_the_reference():
     specs = (P("gpu"), P(), P(), P("gpu"), P("gpu"))
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs[:3]))
     args = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip((qkv, qs, ks, cos, sin), specs)]
-    with pallas_kernels.compiling_for(_Hopper()):  # "pallas" as on a Hopper GPU; the program runs on the CPU
+    with pallas_kernels.compiling_for(Hopper()):  # "pallas" as on a Hopper GPU; the program runs on the CPU
         assert str(f.trace(*args).jaxpr).count("pallas_call") == 0
         dqkv, dqs, dks = f(*args)
     assert dqkv.shape == (0, 3, 2, 32)

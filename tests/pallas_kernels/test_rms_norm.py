@@ -12,8 +12,9 @@ from jax._src.ad_checkpoint import saved_residuals
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from rms_norm_bounds import bound_fractions
 from tolerances import check
+from stand_in_gpu import Hopper
 
-from pallas_kernels import ImplementationUnavailableError, describe_choice, rms_norm
+from pallas_kernels import ImplementationUnavailableError, compiling_for, describe_choice, rms_norm
 from pallas_kernels.rms_norm import kernel, ops, reference, rms_norm_backward
 
 EPS = 1e-6
@@ -296,3 +297,20 @@ def test_backward_alone_keeps_nan_rows_in_their_rows_and_takes_no_rows():
     np.testing.assert_array_equal(np.asarray(dscale), np.zeros(64))
     with pytest.raises(ValueError, match=r"rms_norm_backward: dx_in must have x's shape \(70, 64\), got \(70, 32\)"):
         rms_norm_backward(x, scale, dy, dx_in[:, :32])
+
+
+def test_backward_alone_under_shard_map_types_the_gains_gradient_like_the_gain():
+    """Inside shard_map, rows sharded and the gain replicated (the FP8 layer's prologue in the sharded step): the kernel
+    runs and the gain's gradient is typed like the gain (its partial sums summed over the rows' axis). Traced only."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("gpu",))
+    x, scale = _inputs((40, 64), jnp.bfloat16, 0)
+    dy, dx_in = _cotangents((40, 64), jnp.bfloat16, jnp.bfloat16, 0, True)
+    specs = (P("gpu"), P(), P("gpu"), P("gpu"))
+    f = jax.jit(jax.shard_map(lambda *a: rms_norm_backward(*a, eps=EPS), mesh=mesh, in_specs=specs, out_specs=(P("gpu"), P())))
+    with compiling_for(Hopper()):
+        traced = f.trace(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, scale, dy, dx_in), specs)))
+    assert [o.sharding.spec for o in traced.out_info] == [P("gpu", None), P(None)]
+    assert str(traced.jaxpr).count("pallas_call") == 1
