@@ -130,7 +130,7 @@ class Fp8Linear(nnx.Module):
             through = keep_input and x.dtype == inputs.dtype  # a cast input's two cotangents are summed by XLA
             y = fp8_matmul(
                 x, kernel, key, self.recipe, kernel.dtype, gather=gather, prologue=Prologue.RMSNORM, norm_scale=scale, eps=norm.epsilon,
-                norm_implementation=getattr(norm, "implementation", "xla"), keep_input=through,
+                keep_input=through,
             )
             if through:
                 y, x = y

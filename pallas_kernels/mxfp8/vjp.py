@@ -213,7 +213,7 @@ def fp8_matmul(
     norm_scale: jax.Array | None = None,
     input_bias: jax.Array | None = None,
     eps: float = 1e-6,
-    norm_implementation: str | None = None,
+    norm_implementation: str | None = "xla",
     keep_input: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`p(x) @ w` with FP8 forward and dgrad GEMMs and a bf16 weight gradient (float32 accumulation).
@@ -225,8 +225,7 @@ def fp8_matmul(
     with `p` the `prologue`: the identity, `rmsnorm(x) * norm_scale` or `gelu(x + input_bias)`, computed in
     float32 and quantized in the same pass (the normed or activated input is never written in
     high precision). The backward runs through `p` exactly: the GELU by `jax.vjp` of its float32
-    form, the RMSNorm by `pallas_kernels.rms_norm_backward` (the norm's one-pass backward kernel on
-    Hopper, where XLA would run the float32 form's backward as several passes).
+    form, the RMSNorm by `pallas_kernels.rms_norm_backward` (`norm_implementation`).
     With `recipe.hadamard`, `dequantize(quantize(p(x) R)) @ dequantize(quantize(R^T w))`,
     `dp = (q(dy) @ wq^T) R^T` and `dw = R (deq(xq)^T dy)` (the module docstring's algebra;
     `R` from `hadamard_signs(in)` in blocks of `recipe.block`; `in` must be a multiple of it).
@@ -245,8 +244,11 @@ def fp8_matmul(
       input_bias: `[in]` bias added to `x` in float32 before the GELU, with `Prologue.GELU`
         only, or None (its gradient is returned in its dtype).
       eps: RMSNorm epsilon, added to the mean square.
-      norm_implementation: the RMSNorm backward's implementation (`rms_norm_backward`'s: "xla",
-        "pallas" or None), with `Prologue.RMSNORM`.
+      norm_implementation: the RMSNorm backward's implementation, with `Prologue.RMSNORM`
+        (`rms_norm_backward`'s): "xla" (default), the float32 form's autodiff, which XLA runs as
+        several passes; "pallas" (or None: pallas on Hopper), the norm's one-pass backward kernel.
+        Checked against "xla" in the interpreter; its GPU check and timing, not yet run, are
+        `benchmarks/fp8_norm_backward_bench.py`.
       keep_input: with `Prologue.RMSNORM`, also return `x` itself, for the residual branch of a
         pre-norm block (`h = x + f(rms_norm(x))`): its cotangent is added to the norm's input
         gradient inside the backward kernel (`rms_norm(return_input=True)`'s pass-through), where
