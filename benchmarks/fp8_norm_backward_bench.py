@@ -1,11 +1,12 @@
 """The FP8 layer's RMSNorm prologue backward on one Hopper GPU: the norm's backward kernel against XLA's passes.
 
 An FP8 layer with the RMSNorm prologue (`fp8_matmul(prologue="rmsnorm")`, the sequence tower's qkv and
-MLP-in layers and the pooled attention's kv) computes the norm in its input's quantization pass; its
-backward runs `pallas_kernels.rms_norm_backward`. With `norm_implementation="xla"` that is the float32
-form's autodiff backward, which XLA runs as several passes, and the pre-norm block's residual adds its
-cotangent of `x` in a pass of its own; with "pallas" it is the norm's one-pass backward kernel, the
-residual's cotangent added inside it (`keep_input=True`). Run on the GPU machine from the repository root::
+MLP-in layers and the pooled attention's kv) computes the norm in its input's quantization pass, and
+a pre-norm block passes its input through the layer (`keep_input=True`). With the default
+`norm_implementation="xla"` the backward is autodiff of the prologue's float32 form, which XLA runs as
+several passes, the residual's cotangent added to the rounded dx (what the model runs); with "pallas"
+it is `pallas_kernels.rms_norm_backward`, the norm's one-pass backward kernel, the cotangent added
+inside it. Run on the GPU machine from the repository root::
 
     PYTHONPATH=. python3 benchmarks/fp8_norm_backward_bench.py --out benchmarks/results/fp8_norm_backward_h100.json
 
@@ -13,8 +14,9 @@ Checks first, at 70 rows and at `--rows` - 13 (a masked last row tile), width `-
 alone, "pallas" against "xla", within the bounds of tests/support/rms_norm_bounds.py on a random
 subsample of `--bound-rows` rows, and a NaN in three rows of x confined to those rows of dx; then the
 layer (`--out-features` outputs, 128-wide FP8 blocks) forward and backward, the two ways: y bit for bit,
-dx within three bf16 unit roundoffs of |dx| + |h| (the kernel adds the residual's cotangent h before
-rounding, autodiff rounds the norm's dx first, and each rounds its sum), the gain's gradient within float32 summation order, the weight gradient bit for bit. A failed
+dx within four bf16 unit roundoffs of its row's largest |dx| + |h| (autodiff rounds the gradients of the
+norm's two float32 widenings of x to bf16 before summing them, and dx before adding the residual's
+cotangent h; the kernel sums in float32 and rounds once), the gain's gradient within float32 summation order, the weight gradient bit for bit. A failed
 check exits 1 with no timings. Then times, jitted, at `--rows`: the backward alone and the layer's
 forward+backward, each way (`_row_kernels.time_paths`: CUPTI device time and wall time; `xla_over_pallas`).
 Inputs: bf16 x (normal rows scaled by exp(2 N(0,1))), a float32 gain near 1, a float32 kernel of
@@ -66,13 +68,11 @@ def backward_alone(impl: str):
 
 
 def layer(impl: str):
-    """The pre-norm layer `(y, x) = (fp8(rmsnorm(x)) @ w, x)` and its VJP for cotangents `(g, h)`: "pallas" passes x
-    through the layer into the norm's backward kernel; "xla" returns x beside it (autodiff adds h)."""
+    """The pre-norm layer `(y, x) = (fp8(rmsnorm(x)) @ w, x)`, x passed through it, and its VJP for cotangents `(g, h)`,
+    with the norm's backward of `impl`."""
 
     def forward(x, scale, w):
-        if impl == "pallas":
-            return fp8_matmul(x, w, None, RECIPE, w.dtype, prologue="rmsnorm", norm_scale=scale, eps=EPS, norm_implementation="pallas", keep_input=True)
-        return fp8_matmul(x, w, None, RECIPE, w.dtype, prologue="rmsnorm", norm_scale=scale, eps=EPS, norm_implementation="xla"), x
+        return fp8_matmul(x, w, None, RECIPE, w.dtype, prologue="rmsnorm", norm_scale=scale, eps=EPS, norm_implementation=impl, keep_input=True)
 
     def run(x, scale, w, g, h):
         (y, _), vjp = jax.vjp(forward, x, scale, w)
@@ -97,17 +97,17 @@ def check(n: int, d: int, out: int, seed: int, bound_rows: int) -> dict:
     nan_confined = _row_kernels.confined(got[0], dirty[0], bad) and bool(jnp.isnan(dirty[1]).all())
     (y_k, (dx_k, ds_k, dw_k)), (y_x, (dx_x, ds_x, dw_x)) = (jax.jit(layer(impl))(x, scale, w, g, h) for impl in IMPLS)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    # relative to the larger of the two summands' scale: where they cancel, a rounding of either is of its size
-    dx_rel = float(jnp.max(jnp.abs(f32(dx_k) - f32(dx_x)) / (jnp.abs(f32(dx_x)) + jnp.abs(f32(h)))))
+    row_scale = jnp.max(jnp.abs(f32(dx_x)) + jnp.abs(f32(h)), axis=-1, keepdims=True)
+    dx_rel = float(jnp.max(jnp.abs(f32(dx_k) - f32(dx_x)) / row_scale))
     ds_rel = float(jnp.max(jnp.abs(ds_k - ds_x)) / jnp.max(jnp.abs(ds_x)))
     layer_checks = {
         "y_equal": bool(jnp.array_equal(y_k, y_x)),
-        "dx_max_rel_diff": dx_rel,  # <= 3 bf16 unit roundoffs (2**-8) of |dx| + |h|: autodiff's rounding of the norm's dx, each sum's
+        "dx_max_rel_diff": dx_rel,  # of the row's largest |dx| + |h|: at most 4 bf16 unit roundoffs (2**-8)
         "dscale_rel_diff": ds_rel,
         "dw_equal": bool(jnp.array_equal(dw_k, dw_x)),
     }
     ok = nan_confined and all(f <= 1.0 for _, f in fractions.values()) and layer_checks["y_equal"] and layer_checks["dw_equal"]
-    ok = ok and dx_rel <= 3 * 2.0**-8 and ds_rel <= 1e-3
+    ok = ok and dx_rel <= 4 * 2.0**-8 and ds_rel <= 1e-3
     print(f"check {'OK ' if ok else 'BAD'} N={n}: backward bound fractions {({k: round(f, 4) for k, (_, f) in fractions.items()})}; "
           f"NaN confined {nan_confined}; layer {layer_checks}", flush=True)
     errors = {name: {"max_abs_err": err, "bound_fraction": frac} for name, (err, frac) in fractions.items()}

@@ -60,8 +60,8 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
   from 14% to 37% of the lift with outcomes, mean of five seeds, every seed better
   (benchmarks/quality.md, "Past outcomes in the history"). At this width, one seed on an H100
   (2026-12-06, remat budget 55 GB, benchmarks/results/planted_gem_actions_long_range_h100_20261206.json):
-  0.7310 / 0.8778 at step 900 against 0.7289 / 0.8797 without outcomes, within one seed's noise;
-  the run was stopped before step 1800 by the call's time limit (0.203 s a step on the H100).
+  0.7310 / 0.8778 at step 900 against 0.7289 / 0.8797 for the H200 run without outcomes above (another
+  card, tree and norm implementation): no effect shown; stopped at step ~1660 (0.203 s a step on the H100).
 - history rows carry their items' category (`data.history_item_features`): the planted
   signals are mostly functions of the history's categories (the mid and long-range terms
   wholly, the recent term half, through the items' latent vectors), and without them the
@@ -97,8 +97,9 @@ On an 80 GB H100 the step does not fit as configured (XLA's compile for the H200
 capacity of 394,496 rows: the train step's peak is 91.3 GB even with bf16 moments):
 `--set model.remat.budget_gb=55` brings it to 68.0 GB with this config's float32 moments (60: 76.1 GB,
 too close to the 77 GB gem-train takes of an H100); planned and compiled offline (2026-12-06,
-benchmarks/results/offline_planted_gem_{bf16_moments_f6eae8a,remat55_f4fe84a,remat60_6a45df3}.json),
-not yet run.
+benchmarks/results/offline_planted_gem_{bf16_moments_f6eae8a,remat55_f4fe84a,remat60_6a45df3}.json).
+Run with 55 on an H100 on 2026-12-06 (the outcomes run above): it trained at 0.203 s a step, the plan
+estimating a 53 GB peak (the peak itself was not recorded).
 """
 
 import dataclasses

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._src import manual_axes, shared_lowering
+from pallas_kernels._src.dispatch import Implementation
 from pallas_kernels.mxfp8 import reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent, local_part, quantize_gathered, shard_gradient
 from pallas_kernels.mxfp8.ops import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, rmsnorm_quantize_mxfp8
@@ -244,10 +245,12 @@ def fp8_matmul(
       input_bias: `[in]` bias added to `x` in float32 before the GELU, with `Prologue.GELU`
         only, or None (its gradient is returned in its dtype).
       eps: RMSNorm epsilon, added to the mean square.
-      norm_implementation: the RMSNorm backward's implementation, with `Prologue.RMSNORM`
-        (`rms_norm_backward`'s): "xla" (default), the float32 form's autodiff, which XLA runs as
-        several passes; "pallas" (or None: pallas on Hopper), the norm's one-pass backward kernel.
-        Checked against "xla" in the interpreter; its GPU check and timing, not yet run, are
+      norm_implementation: the RMSNorm prologue's backward: "xla" (default), autodiff of its
+        float32 form as the prologue computes it (XLA runs it as several passes; a passed-through
+        input's cotangent is added to the rounded `dx`, as autodiff adds it); "pallas" (or None:
+        pallas on Hopper, else the reference), `pallas_kernels.rms_norm_backward`, the norm's
+        one-pass backward kernel, the cotangent added in float32 before the rounding. Checked
+        against "xla" in the interpreter; its GPU check and timing, not yet run, are
         `benchmarks/fp8_norm_backward_bench.py`.
       keep_input: with `Prologue.RMSNORM`, also return `x` itself, for the residual branch of a
         pre-norm block (`h = x + f(rms_norm(x))`): its cotangent is added to the norm's input
@@ -261,8 +264,11 @@ def fp8_matmul(
       ValueError: `x` or `w` not 2-D or of different inner sizes (w's rows counted gathered
         with a `gather`), an unknown prologue, or
         `norm_scale` missing (RMSNORM), of the wrong shape, or given without RMSNORM, or
-        `input_bias` given without GELU or of the wrong shape, `keep_input` without RMSNORM, or
-        with `recipe.hadamard` an `in` that is not a multiple of `recipe.block`.
+        `input_bias` given without GELU or of the wrong shape, `keep_input` or a
+        `norm_implementation` other than "xla" without RMSNORM, an unknown `norm_implementation`,
+        or with `recipe.hadamard` an `in` that is not a multiple of `recipe.block`.
+      ImplementationUnavailableError: `norm_implementation="pallas"` without a Hopper GPU
+        (outside interpret mode), when the backward is traced.
     """
     prologue = Prologue(prologue)
     if x.ndim != 2 or w.ndim != 2:
@@ -276,6 +282,10 @@ def fp8_matmul(
         raise ValueError(f"fp8_matmul: input_bias is added before the GELU prologue only (prologue={prologue})")
     if keep_input and prologue is not Prologue.RMSNORM:
         raise ValueError(f"fp8_matmul: keep_input passes the input of the RMSNorm prologue through, not of {prologue}")
+    if norm_implementation is not None and norm_implementation not in tuple(Implementation)[:2]:
+        raise ValueError(f"fp8_matmul: norm_implementation must be 'xla', 'pallas' or None, got {norm_implementation!r}")
+    if norm_implementation != "xla" and prologue is not Prologue.RMSNORM:
+        raise ValueError(f"fp8_matmul: norm_implementation chooses the RMSNorm prologue's backward, not {prologue}'s")
     for name, param in (("norm_scale", norm_scale), ("input_bias", input_bias)):
         if param is not None and jnp.shape(param) != (x.shape[1],):
             raise ValueError(f"fp8_matmul: {name} must be [{x.shape[1]}], got {jnp.shape(param)}")
@@ -292,6 +302,11 @@ class _Norm:
     eps: float
     implementation: str | None
     keep_input: bool
+
+    @property
+    def kernel(self) -> bool:
+        """Whether the backward goes through `rms_norm_backward` (any implementation but the default "xla")."""
+        return self.implementation != "xla"
 
 
 def _fp8_matmul_by_name(x, param, w, key, *, recipe, gather, w_dtype, prologue, norm):
@@ -350,13 +365,17 @@ def _fp8_matmul_bwd(recipe, gather, w_dtype, prologue, norm, residuals, cotangen
     dw = _with_sharding_of(dw, w)
     if prologue is Prologue.NONE:
         return _with_sharding_of(dp, xq), None, dw, None
-    if prologue is Prologue.RMSNORM:
+    if prologue is Prologue.RMSNORM and norm.kernel:
         dx, dparam = rms_norm_backward(x, param, dp, dx_in, eps=norm.eps, implementation=norm.implementation)
         return _with_sharding_of(dx, xq), dparam, dw, None
-    _, prologue_vjp = jax.vjp(lambda x, b: reference.gelu(x, b), x, param)
+    # autodiff of the prologue's float32 form; a passed-through input's cotangent added as autodiff would add it
+    p = (lambda x, s: reference.rmsnorm(x, s, norm.eps)) if prologue is Prologue.RMSNORM else reference.gelu
+    _, prologue_vjp = jax.vjp(p, x, param)
     dx, dparam = prologue_vjp(dp.astype(jnp.float32))
     dx = dx.astype(x.dtype)
-    if param is not None:
+    if dx_in is not None:
+        dx = dx + dx_in
+    if prologue is Prologue.GELU and param is not None:
         dparam = _bias_gradient(dx, param)
     return _with_sharding_of(dx, xq), dparam, dw, None
 

@@ -153,7 +153,8 @@ def rms_norm_backward(
 
         _, vjp = jax.vjp(y, x.astype(float32), scale.astype(float32))
         dx32, dscale = vjp(dy.astype(float32))
-        dx = (dx32 + dx_in.astype(float32)).astype(x.dtype)     # without dx_in: dx32.astype(x.dtype)
+        dx = (dx32 + dx_in.astype(x.dtype).astype(float32)).astype(x.dtype)   # without dx_in: dx32.astype(x.dtype)
+        dscale = dscale.astype(scale.dtype)
 
     The Pallas path is `rms_norm`'s backward kernel: one pass that recomputes the statistic from `x`,
     reads `dy` (and `dx_in`, the cotangent of an input passed through, added in float32 before the
@@ -162,9 +163,9 @@ def rms_norm_backward(
 
     Args:
       x: floating `[..., d]`, the norm's input.
-      scale: floating `[d]`, the gain as the forward used it (in float32).
+      scale: floating `[d]`, the gain the forward multiplied by (its values, widened to float32).
       dy: floating `[..., d]`, the cotangent of the norm's float32 output.
-      dx_in: x.dtype `[..., d]` or None, a cotangent to add to `dx`.
+      dx_in: floating `[..., d]` or None, a cotangent to add to `dx` (rounded to x.dtype first, on both paths).
       eps: added to the mean square; a finite, non-negative Python number.
       implementation: as `rms_norm`'s (the kernel for bf16 and float32 x of the widths it takes).
 
@@ -190,5 +191,5 @@ def rms_norm_backward(
     _, vjp = jax.vjp(norm, x.astype(jnp.float32), scale.astype(jnp.float32))
     dx, dscale = vjp(dy.astype(jnp.float32))
     if dx_in is not None:
-        dx = dx + dx_in.astype(jnp.float32)
+        dx = dx + dx_in.astype(x.dtype).astype(jnp.float32)
     return dx.astype(x.dtype), dscale.astype(scale.dtype)

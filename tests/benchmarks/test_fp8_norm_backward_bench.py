@@ -23,7 +23,7 @@ def test_interpret_run_checks_times_and_writes_json(bench, tmp_path, monkeypatch
     for c in record["checks"]:
         assert set(c["errors"]) == {"dx", "dscale"} and all(0 <= e["bound_fraction"] <= 1 for e in c["errors"].values())
         layer = c["layer"]
-        assert layer["y_equal"] and layer["dw_equal"] and 0 < layer["dx_max_rel_diff"] <= 3 * 2.0**-8 and layer["dscale_rel_diff"] <= 1e-3
+        assert layer["y_equal"] and layer["dw_equal"] and 0 < layer["dx_max_rel_diff"] <= 4 * 2.0**-8 and layer["dscale_rel_diff"] <= 1e-3
     # N=40, d=128, bf16: x, dy, the residual's cotangent and dx 10240 bytes each, the gain 512, 10 programs' partials of 512.
     assert record["bytes_moved"] == {"backward": 4 * 10240 + 512 + 10 * 512, "layer": 0}
     for mode in ("backward", "layer_fwd_bwd"):

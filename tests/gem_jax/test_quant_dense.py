@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tolerances import BFLOAT16, DRAW, E4M3, check, check_within, dot_bound, product_rms, rel_err as _rel, sum_worst
 
-from gem_jax.nn.layers import MLP, rms_norm
+from gem_jax.nn.layers import MLP, norm_dense, rms_norm
 from gem_jax.quant import Fp8Gather, Fp8Linear, Fp8Recipe, fp8_matmul, quantize_weight
 from pallas_kernels.mxfp8 import dequantize_mxfp8, hadamard_signs, kernel_matmul, quantize_mxfp8, reference
 from pallas_kernels.mxfp8.fsdp import gathered_extent
@@ -339,10 +339,11 @@ def test_fp8_matmul_refuses_inputs_whose_features_differ_from_the_weight_rows():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kept_input_gradient_joins_the_norm_backward(dtype):
-    """`fp8_matmul(keep_input=True)` returns `x` through the layer, and its cotangent is added in the RMSNorm prologue's
-    backward: the gradients of `y` and of a residual `x` used beside it are those of the layer with `x` used directly
-    (the same quantized products; the sum in float32 before the rounding, where autodiff rounds each part first), on
-    the reference path and on the norm's backward kernel (the interpreter, `norm_implementation="pallas"`)."""
+    """`fp8_matmul(keep_input=True)` returns `x` through the layer, and its cotangent joins the RMSNorm prologue's
+    backward. By default ("xla") the gradients are those of the layer with `x` used directly, bit for bit (the same
+    autodiff, the cotangent added to the rounded dx); with the norm's backward kernel (the interpreter,
+    `norm_implementation="pallas"`) the sum is taken in float32 before the rounding: dx within four unit roundoffs
+    of x's dtype of its row's largest |dx| + |h|, the gain's gradient within float32 summation order, the weight's bit for bit."""
     recipe = Fp8Recipe(block=128, implementation="xla")
     x, w, g = _data(70, 128, 96, seed=31)  # 70 rows: not a multiple of the norm kernel's row tile
     x = (x * 3.0 + 0.5).astype(dtype)
@@ -354,19 +355,49 @@ def test_kept_input_gradient_joins_the_norm_backward(dtype):
         return jnp.sum(y.astype(jnp.float32) * g) + jnp.sum(x_out.astype(jnp.float32) * h.astype(jnp.float32))
 
     def direct(x, scale, w):
-        y = fp8_matmul(x, w, None, recipe, w.dtype, prologue="rmsnorm", norm_scale=scale, norm_implementation="xla")
+        y = fp8_matmul(x, w, None, recipe, w.dtype, prologue="rmsnorm", norm_scale=scale)
         return jnp.sum(y.astype(jnp.float32) * g) + jnp.sum(x.astype(jnp.float32) * h.astype(jnp.float32))
 
     want = jax.jit(jax.grad(direct, argnums=(0, 1, 2)))(x, scale, w)
+    grads = lambda i: jax.jit(jax.grad(lambda *a: kept(*a, i), argnums=(0, 1, 2)))(x, scale, w)  # noqa: E731
+    for a, b in zip(grads("xla"), want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        for implementation in ("xla", "pallas"):
-            got = jax.jit(jax.grad(lambda *a, i=implementation: kept(*a, i), argnums=(0, 1, 2)))(x, scale, w)
-            assert got[0].dtype == dtype
-            # dx: one rounding of x's dtype apart (the sum of the two cotangents rounded once or twice)
-            rtol = 1e-5 if dtype == jnp.float32 else 2 ** -7
-            np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=rtol, atol=rtol)
-            np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-4)  # float32 sums in another order
-            np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # the weight gradient does not see the norm's backward
+        got = grads("pallas")
+    assert got[0].dtype == dtype
+    unit = 2.0**-24 if dtype == jnp.float32 else 2.0**-8
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    # Per row, against the row's largest |dx| + |h|: autodiff rounds each of the norm's two float32 widenings'
+    # gradients of a bf16 x to bf16 before summing them (terms of the row's scale that may cancel), and dx before h.
+    row_scale = np.max(np.abs(f32(want[0])) + np.abs(f32(h)), axis=-1, keepdims=True)
+    assert np.max(np.abs(f32(got[0]) - f32(want[0])) / row_scale) <= 4 * unit + 1e-6
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-4)  # float32 sums in another order
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # the weight gradient does not see the norm's backward
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_pre_norm_residual_blocks_keep_their_gradients(dtype):
+    """`MLP.residual` and `norm_dense(residual=True)` with FP8 layers pass the input through the first layer
+    (`keep_input`): values and every gradient bit for bit those of `x + mlp(x, norm)` and `(layer(x, norm=), x)`."""
+    recipe = Fp8Recipe(implementation="xla")
+    with nnx.use_eager_sharding(False):  # logical axes only, no mesh
+        mlp = MLP(128, 256, rngs=nnx.Rngs(0), fp8=recipe, dtype=dtype)
+        norm = rms_norm(128, rngs=nnx.Rngs(1), dtype=dtype)
+    norm.scale[...] = 1.0 + 0.2 * jax.random.normal(jax.random.key(3), (128,))
+    x = (jax.random.normal(jax.random.key(5), (2, 40, 128)) * 2.0 + 0.5).astype(dtype)
+    loss = lambda out: jnp.sum(jnp.sin(out.astype(jnp.float32)))  # noqa: E731
+    kept = nnx.jit(nnx.value_and_grad(lambda m, n, x: loss(m.residual(x, n)), argnums=(0, 1, 2)))(mlp, norm, x)
+    plain = nnx.jit(nnx.value_and_grad(lambda m, n, x: loss(x + m(x, norm=n)), argnums=(0, 1, 2)))(mlp, norm, x)
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def block(layer, n, x, residual):
+        out = norm_dense(n, layer, x, residual=True) if residual else (layer(x, norm=n), x)
+        return loss(out[0]) + loss(out[1] * 0.5)
+
+    kept, plain = (nnx.jit(nnx.value_and_grad(lambda l, n, x, r=r: block(l, n, x, r), argnums=(0, 1, 2)))(mlp.up, norm, x) for r in (True, False))
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_layer_keeps_its_input_for_the_residual_only_with_a_norm():
@@ -382,3 +413,7 @@ def test_layer_keeps_its_input_for_the_residual_only_with_a_norm():
         layer(x, keep_input=True)
     with pytest.raises(ValueError, match="keep_input passes the input of the RMSNorm prologue through, not of Prologue.GELU"):
         fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="gelu", keep_input=True)
+    with pytest.raises(ValueError, match="norm_implementation must be 'xla', 'pallas' or None, got 'cudnn'"):
+        fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="rmsnorm", norm_scale=jnp.ones(128), norm_implementation="cudnn")
+    with pytest.raises(ValueError, match="norm_implementation chooses the RMSNorm prologue's backward, not Prologue.GELU's"):
+        fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="gelu", norm_implementation="pallas")
