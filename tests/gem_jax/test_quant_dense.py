@@ -411,6 +411,13 @@ def test_layer_keeps_its_input_for_the_residual_only_with_a_norm():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(layer(x, norm=norm)))
     with pytest.raises(ValueError, match="keep_input passes the input of the norm through: pass it with norm="):
         layer(x, keep_input=True)
+    # float32 inputs to a bf16 layer: cast first, so the inputs come back as they are, outside the layer's VJP
+    bf16_layer = Fp8Linear(128, 64, rngs=nnx.Rngs(0), recipe=recipe, dtype=jnp.bfloat16)
+    y16, x_same = bf16_layer(x, norm=norm, keep_input=True)
+    assert x_same is x and y16.dtype == jnp.bfloat16
+    kept_grad = jax.grad(lambda x: jnp.sum(jnp.sin(bf16_layer(x, norm=norm, keep_input=True)[0].astype(jnp.float32))))(x)
+    plain_grad = jax.grad(lambda x: jnp.sum(jnp.sin(bf16_layer(x, norm=norm).astype(jnp.float32))))(x)
+    np.testing.assert_array_equal(np.asarray(kept_grad), np.asarray(plain_grad))
     with pytest.raises(ValueError, match="keep_input passes the input of the RMSNorm prologue through, not of Prologue.GELU"):
         fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="gelu", keep_input=True)
     with pytest.raises(ValueError, match="norm_implementation must be 'xla', 'pallas' or None, got 'cudnn'"):
