@@ -89,14 +89,16 @@ TIMING_METHOD = "ms per call: device = CUPTI kernel time, median of --iters call
 
 def time_paths(mode: str, paths: dict, iters: int) -> dict:
     """`{label: {device_ms, wall_ms, wall_gb_per_s, device_gb_per_s}}` of each path `label: (fn, args, bytes moved)`,
-    and `xla_over_pallas` (the "xla" path's times over the "pallas" one's), printed as they come."""
+    and `xla_over_pallas` (the "xla" path's times over the "pallas" one's), printed as they come. Bytes moved None:
+    a path whose traffic is not counted (GB/s None)."""
     row = {}
     for label, (fn, args, moved) in paths.items():
         dev = _timing.device_ms(fn, args, iters)
         wall = _timing.wall_seconds(fn, *args, iters=iters, reps=5) * 1e3
-        row[label] = {"device_ms": dev, "wall_ms": wall, "wall_gb_per_s": moved / wall / 1e6}
-        row[label]["device_gb_per_s"] = moved / dev / 1e6 if dev else None
-        print(f"  {mode:12s} {label:13s} device {dev or float('nan'):.3f} ms  wall {wall:.3f} ms  ({row[label]['wall_gb_per_s']:.0f} GB/s wall)", flush=True)
+        row[label] = {"device_ms": dev, "wall_ms": wall, "wall_gb_per_s": None if moved is None else moved / wall / 1e6}
+        row[label]["device_gb_per_s"] = moved / dev / 1e6 if dev and moved is not None else None
+        rate = "" if moved is None else f"  ({row[label]['wall_gb_per_s']:.0f} GB/s wall)"
+        print(f"  {mode:12s} {label:13s} device {dev or float('nan'):.3f} ms  wall {wall:.3f} ms{rate}", flush=True)
     row["xla_over_pallas"] = {m: row["xla"][m] / row["pallas"][m] for m in ("device_ms", "wall_ms") if row["xla"][m] and row["pallas"][m]}
     print(f"  {mode:12s} xla / pallas: {row['xla_over_pallas']}", flush=True)
     return row

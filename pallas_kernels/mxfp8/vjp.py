@@ -253,9 +253,9 @@ def fp8_matmul(
         against "xla" in the interpreter; its GPU check and timing, not yet run, are
         `benchmarks/fp8_norm_backward_bench.py`.
       keep_input: with `Prologue.RMSNORM`, also return `x` itself, for the residual branch of a
-        pre-norm block (`h = x + f(rms_norm(x))`): its cotangent is added to the norm's input
-        gradient inside the backward kernel (`rms_norm(return_input=True)`'s pass-through), where
-        XLA would sum the two cotangents of `x` in a pass of its own.
+        pre-norm block (`h = x + f(rms_norm(x))`): its cotangent joins the norm's backward (with
+        the kernel, inside its one pass, as `rms_norm(return_input=True)`; under "xla", added to
+        the rounded `dx` as autodiff adds the two cotangents of `x`).
 
     Returns:
       `[T, out]` in x.dtype; with `keep_input`, `([T, out], x)`.
@@ -282,7 +282,7 @@ def fp8_matmul(
         raise ValueError(f"fp8_matmul: input_bias is added before the GELU prologue only (prologue={prologue})")
     if keep_input and prologue is not Prologue.RMSNORM:
         raise ValueError(f"fp8_matmul: keep_input passes the input of the RMSNorm prologue through, not of {prologue}")
-    if norm_implementation is not None and norm_implementation not in tuple(Implementation)[:2]:
+    if norm_implementation not in (None, Implementation.XLA, Implementation.PALLAS):
         raise ValueError(f"fp8_matmul: norm_implementation must be 'xla', 'pallas' or None, got {norm_implementation!r}")
     if norm_implementation != "xla" and prologue is not Prologue.RMSNORM:
         raise ValueError(f"fp8_matmul: norm_implementation chooses the RMSNorm prologue's backward, not {prologue}'s")

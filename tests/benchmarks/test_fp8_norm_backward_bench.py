@@ -25,10 +25,12 @@ def test_interpret_run_checks_times_and_writes_json(bench, tmp_path, monkeypatch
         layer = c["layer"]
         assert layer["y_equal"] and layer["dw_equal"] and 0 < layer["dx_max_rel_diff"] <= 4 * 2.0**-8 and layer["dscale_rel_diff"] <= 1e-3
     # N=40, d=128, bf16: x, dy, the residual's cotangent and dx 10240 bytes each, the gain 512, 10 programs' partials of 512.
-    assert record["bytes_moved"] == {"backward": 4 * 10240 + 512 + 10 * 512, "layer": 0}
+    assert record["bytes_moved"] == {"backward": 4 * 10240 + 512 + 10 * 512, "layer": None}
     for mode in ("backward", "layer_fwd_bwd"):
         row = record["timing"][mode]
         assert set(row) == {"pallas", "xla", "xla_over_pallas"} and row["pallas"]["wall_ms"] > 0 and row["pallas"]["device_ms"] is None
+    assert record["timing"]["backward"]["xla"]["wall_gb_per_s"] == pytest.approx(record["bytes_moved"]["backward"] / record["timing"]["backward"]["xla"]["wall_ms"] / 1e6)
+    assert record["timing"]["layer_fwd_bwd"]["xla"]["wall_gb_per_s"] is None  # the layer's traffic is not counted
 
 
 def test_a_broken_bound_exits_1_without_timings(bench, tmp_path, monkeypatch):
