@@ -74,7 +74,8 @@ class ModelConfig:
         (default: its one-pass kernels on a Hopper GPU, for the widths they take, "xla"
         elsewhere; the sequence tower's pre-norms then also add the residual branch's gradient
         inside the backward kernel). An FP8
-        layer (`fp8`) takes its pre-norm into its quantization pass instead, under any setting. The
+        layer (`fp8`) takes its pre-norm into its quantization pass instead, under any setting, and
+        runs the norm's backward under this one (`Fp8Linear`). The
         QK-norms before the sequence tower's softmax and causal SiLU attention run in
         `pallas_kernels.qk_norm_rope`, under `attention_implementation`.
       sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).

@@ -93,8 +93,10 @@ class Fp8Linear(nnx.Module):
         With `norm` (an `nnx.RMSNorm` over the last axis of width `in`, its parameter left in
         the norm module) or `gelu=True` (`jax.nn.gelu`, tanh approximation), the norm or GELU
         runs in float32 in the input's quantization pass and its output is never written in
-        high precision; the backward goes through it (`Prologue`). `key` feeds stochastic
-        gradient rounding.
+        high precision; the backward goes through it (`Prologue`), the norm's under the norm's
+        `implementation` (`gem_jax.nn.layers.RMSNorm`: the one-pass backward kernel with "pallas",
+        or None on a Hopper GPU; flax's `nnx.RMSNorm`: "xla"; `fp8_matmul(norm_implementation=)`).
+        `key` feeds stochastic gradient rounding.
 
         An MLP's first layer may leave its bias to the second: `h = up(x, add_bias=False)`
         then `down(h, gelu=True, input_bias=up.bias[...])` adds it in float32 inside the
@@ -130,7 +132,7 @@ class Fp8Linear(nnx.Module):
             through = keep_input and x.dtype == inputs.dtype  # a cast input's two cotangents are summed by XLA
             y = fp8_matmul(
                 x, kernel, key, self.recipe, kernel.dtype, gather=gather, prologue=Prologue.RMSNORM, norm_scale=scale, eps=norm.epsilon,
-                keep_input=through,
+                norm_implementation=getattr(norm, "implementation", "xla"), keep_input=through,
             )
             if through:
                 y, x = y

@@ -425,3 +425,37 @@ def test_layer_keeps_its_input_for_the_residual_only_with_a_norm():
         fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="rmsnorm", norm_scale=jnp.ones(128), norm_implementation="cudnn")
     with pytest.raises(ValueError, match="norm_implementation chooses the RMSNorm prologue's backward, not Prologue.GELU's"):
         fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="gelu", norm_implementation="pallas")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas", None])
+def test_layer_runs_the_norm_backward_its_norm_runs(implementation):
+    """An `Fp8Linear` given `gem_jax.nn.layers.RMSNorm` runs the prologue's backward under the norm's `implementation`
+    (`fp8_matmul(norm_implementation=)`), flax's `nnx.RMSNorm` under "xla": every gradient bit for bit the direct call's
+    (the kernel in the interpreter; None on the CPU is the reference, `rms_norm_backward`'s)."""
+    recipe = Fp8Recipe(block=128, implementation="xla")
+    with nnx.use_eager_sharding(False):
+        layer = Fp8Linear(128, 64, rngs=nnx.Rngs(0), recipe=recipe, dtype=jnp.bfloat16)
+        norm = rms_norm(128, rngs=nnx.Rngs(1), dtype=jnp.bfloat16, implementation=implementation)
+    norm.scale[...] = 1.0 + 0.2 * jax.random.normal(jax.random.key(3), (128,))
+    flax_norm = nnx.RMSNorm(128, epsilon=1e-6, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    flax_norm.scale[...] = norm.scale[...]
+    x = (jax.random.normal(jax.random.key(5), (70, 128)) * 2.0 + 0.5).astype(jnp.bfloat16)
+    h = jax.random.normal(jax.random.key(6), x.shape)
+    loss = lambda y, x_out: jnp.sum(jnp.sin(y.astype(jnp.float32))) + jnp.sum(x_out.astype(jnp.float32) * h)  # noqa: E731
+
+    def through_layer(n, x):
+        return nnx.grad(lambda n, x: loss(*layer(x, norm=n, keep_input=True)), argnums=(1, 0))(n, x)
+
+    def direct(impl):
+        kernel = layer.kernel[...]
+        fn = lambda x, s: loss(*fp8_matmul(x, kernel, None, recipe, kernel.dtype, prologue="rmsnorm", norm_scale=s, norm_implementation=impl, keep_input=True))  # noqa: E731
+        return jax.grad(fn, argnums=(0, 1))(x, norm.scale[...].astype(jnp.bfloat16))
+
+    def check_same(got, want):
+        dx, dnorm = got
+        for a, b in zip((dx, dnorm.scale[...]), want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(a.dtype)))
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        check_same(through_layer(norm, x), direct(implementation))
+    check_same(through_layer(flax_norm, x), direct("xla"))
