@@ -113,13 +113,10 @@ def option_value(text: str) -> bool | int | float | str:
 
 
 def project_xla_options() -> dict[str, bool | int | float | str]:
-    """`scripts/xla_flags.py`'s flags (those a training run sets) as compile options: `{name: value}`."""
-    import importlib.util
+    """`gem_jax.xla_options.XLA_FLAGS` (the flags a training run sets) as compile options: `{name: value}`."""
+    from gem_jax.xla_options import XLA_FLAGS
 
-    spec = importlib.util.spec_from_file_location("xla_flags", REPO / "scripts" / "xla_flags.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return {name: option_value(value) for name, value in (flag.removeprefix("--").split("=", 1) for flag in module.XLA_FLAGS)}
+    return {name: option_value(value) for name, value in (flag.removeprefix("--").split("=", 1) for flag in XLA_FLAGS)}
 
 
 def _operands(rest: str) -> list[str]:

@@ -85,6 +85,7 @@ import numpy as np
 from benchmarks import _hlo_sources, _profile, _timing
 from benchmarks._fit_batch import MAX_TRIES, BatchFitError, StepOutOfMemory, failed_try, memory_before_step
 from gem_jax.device_memory import MEMORY_FRACTION_VARIABLES, claim_device_memory, is_out_of_memory
+from gem_jax.xla_options import add_project_flags
 from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
 from pallas_kernels import Implementation
@@ -403,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--attention names a mode twice: {args.attention}")
 
     claim_device_memory()  # gem-train's share of a GPU (90%) unless the environment gives one; before any device use
+    add_project_flags()  # gem-train's XLA flags unless the environment gives them; before any device use
     cache = compile_cache.enable(compile_cache.cache_dir(None, args.compile_cache or os.environ.get(compile_cache.ENV_VAR) or compile_cache.OFF))
     jax.monitoring.register_event_listener(_count_cache_event)
     base = config_tree.apply_overrides(load_config(args.config), args.overrides)

@@ -7,6 +7,7 @@ import sys
 import time
 
 from gem_jax.device_memory import claim_device_memory, device_memory_share, is_out_of_memory
+from gem_jax.xla_options import add_project_flags
 
 CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
 OUT_OF_MEMORY_EXIT_CODE = 5  # the device ran out of memory: the checkpoints already written are kept
@@ -87,6 +88,7 @@ def train_main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     claim_device_memory()  # 90% of each GPU unless the environment says otherwise, before jax's client starts
+    add_project_flags()  # the project's XLA flags (gem_jax.xla_options) unless the environment gives them
 
     import jax
 

@@ -1,31 +1,20 @@
-"""The XLA flags and environment of a GPU training run, kept in one place.
+"""The XLA flags and environment of a GPU training run, for the launch scripts.
 
 `python scripts/xla_flags.py` prints the `XLA_FLAGS` value; `--env` prints `export`
 lines for the launch scripts (which run it with the project's interpreter,
-scripts/common.sh; it needs only the standard library). Sources: jax's GPU performance tips
-(docs/gpu_performance_tips.md), NVIDIA JAX-Toolbox docs/GPU_performance.md and MaxText's
-A3 launch scripts. Every flag was checked to parse with the pinned jaxlib (0.11.2)
-(`tests/gem_jax/parallel/test_parallel_launch.py`).
+scripts/common.sh; it needs only the standard library and the repository's
+`gem_jax/xla_options.py`, where the flags and their sources are: gem-train adds the same
+flags itself when the environment does not give them).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-# The latency-hiding scheduler overlaps the FSDP all-gathers / reduce-scatters and the
-# embedding all-to-alls with compute. The combine thresholds let XLA merge the many
-# small per-parameter collectives of HSDP into few large ones (at least one DHEN
-# layer's weights; JAX-Toolbox's rule of thumb). Without Triton GEMMs XLA autotunes
-# only cuBLAS's algorithms for each dot, which is what it picked anyway at GEM width: the
-# gem_h200 step compiled in 45.5 s instead of 56.0 s and ran 0.181 s against 0.183 s
-# (benchmarks/results/xla_flags_h200_triton_gemm_20261203.json, benchmarks/step.md).
-XLA_FLAGS = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
-    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
-    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
-    "--xla_gpu_enable_triton_gemm=false",
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gem_jax.xla_options import XLA_FLAGS  # noqa: E402  (the flags and why: gem_jax/xla_options.py)
 
 ENVIRONMENT = {
     # Leave room for NCCL and the Mosaic GPU kernels' scratch (gem-train takes the same share when

@@ -57,11 +57,12 @@ os.environ.setdefault("GEM_COMPILE_CACHE_DIR", "off")
 
 @pytest.fixture(autouse=True)
 def _restore_device_memory_share():
-    """gem-train sets the process's GPU memory share when none is set (`gem_jax.device_memory`); a test that runs
-    it in-process leaves the variables as they were, so no later test sees a share it did not set."""
+    """gem-train sets the process's GPU memory share when none is set (`gem_jax.device_memory`) and adds the
+    project's XLA flags (`gem_jax.xla_options`); a test that runs it in-process leaves the variables as they were,
+    so no later test, nor a process it starts, sees a share or flags it did not set."""
     from gem_jax.device_memory import MEMORY_FRACTION_VARIABLES
 
-    saved = {name: os.environ.get(name) for name in MEMORY_FRACTION_VARIABLES}
+    saved = {name: os.environ.get(name) for name in (*MEMORY_FRACTION_VARIABLES, "XLA_FLAGS")}
     yield
     for name, value in saved.items():
         if value is None:

@@ -133,3 +133,22 @@ def test_a_multi_process_run_reports_the_busiest_device_of_any_process(monkeypat
     assert loop.peak_device_memory() == {"device_peak_gb": 41.5, "device_limit_gb": 127.0}
     monkeypatch.setattr(loop, "peak_memory_gb", lambda devices: {})  # the CPU: nothing to gather
     assert loop.peak_device_memory() == {}
+
+
+def test_the_project_xla_flags_join_the_environment_s_own_which_keep_their_values(monkeypatch):
+    """gem-train (and train_bench) add `gem_jax.xla_options.XLA_FLAGS` ahead of the environment's flags, skipping any
+    the environment names (its value kept), and add nothing when the launch scripts' export already holds them."""
+    from gem_jax import xla_options
+
+    env = {}
+    assert xla_options.add_project_flags(env) == list(xla_options.XLA_FLAGS)
+    assert env["XLA_FLAGS"].split() == list(xla_options.XLA_FLAGS)
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true --xla_force_host_platform_device_count=8"}
+    added = xla_options.add_project_flags(env)
+    assert "--xla_gpu_enable_triton_gemm=false" not in added and len(added) == len(xla_options.XLA_FLAGS) - 1
+    assert env["XLA_FLAGS"].split() == added + ["--xla_gpu_enable_triton_gemm=true", "--xla_force_host_platform_device_count=8"]
+    exported = {"XLA_FLAGS": " ".join(xla_options.XLA_FLAGS) + " "}  # scripts/xla_flags.py --env: "$flags ${XLA_FLAGS:-}"
+    assert xla_options.add_project_flags(exported) == [] and exported["XLA_FLAGS"] == " ".join(xla_options.XLA_FLAGS) + " "
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    xla_options.add_project_flags()  # os.environ by default
+    assert os.environ["XLA_FLAGS"].endswith("--xla_dump_to=/tmp/x") and "--xla_gpu_enable_triton_gemm=false" in os.environ["XLA_FLAGS"]

@@ -1,0 +1,52 @@
+"""The XLA flags of a GPU training run, and how a process adds them to `XLA_FLAGS`; nothing here imports jax.
+
+The latency-hiding scheduler overlaps the FSDP all-gathers / reduce-scatters and the
+embedding all-to-alls with compute. The combine thresholds let XLA merge the many
+small per-parameter collectives of HSDP into few large ones (at least one DHEN
+layer's weights; JAX-Toolbox's rule of thumb). Without Triton GEMMs XLA autotunes
+only cuBLAS's algorithms for each dot, which is what it picked anyway at GEM width: the
+gem_h200 step compiled in 45.5 s instead of 56.0 s and ran 0.181 s against 0.183 s on an H200
+(benchmarks/results/xla_flags_h200_triton_gemm_20261203.json); on an H100 the step compiled in
+34-41 s instead of 53-72 s, and with Triton GEMMs the MLP's bias and GELU left the cuBLAS
+epilogue for a pass of their own (benchmarks/step.md). Sources: jax's GPU performance tips
+(docs/gpu_performance_tips.md), NVIDIA JAX-Toolbox docs/GPU_performance.md and MaxText's A3
+launch scripts. Every flag parses with the pinned jaxlib (0.11.2)
+(`tests/gem_jax/parallel/test_parallel_launch.py`).
+
+`gem-train` and `benchmarks/train_bench.py` add them themselves (`add_project_flags`); the launch
+scripts export them with the rest of a run's environment (`scripts/xla_flags.py --env`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+XLA_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_enable_triton_gemm=false",
+)
+
+
+def flag_name(flag: str) -> str:
+    """`--name` of `--name=value` (or of a bare `--name`)."""
+    return flag.split("=", 1)[0]
+
+
+def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Puts each of `XLA_FLAGS` whose name the environment's `XLA_FLAGS` does not give ahead of the
+    environment's own flags, and returns the flags it added (a flag the environment sets keeps its value).
+
+    Call it before the process's first device use: XLA reads the variable when jax starts its client.
+    `environ`: the mapping to change (default `os.environ`).
+    """
+    environ = os.environ if environ is None else environ
+    given = environ.get("XLA_FLAGS", "").split()
+    names = {flag_name(flag) for flag in given}
+    added = [flag for flag in XLA_FLAGS if flag_name(flag) not in names]
+    if added:
+        environ["XLA_FLAGS"] = " ".join(added + given)
+    return added
