@@ -14,11 +14,15 @@ a Hopper GPU). Run on the GPU machine from the repository root::
 Checks first, at 70 rows and at `--rows` - 13 (a masked last row tile), width `--width`: the backward
 alone, "pallas" against "xla", within the bounds of tests/support/rms_norm_bounds.py on a random
 subsample of `--bound-rows` rows, and a NaN in three rows of x confined to those rows of dx; then the
-layer (`--out-features` outputs, 128-wide FP8 blocks) forward and backward, the two ways: y and the weight
-gradient within `forward_bounds` (the forward is the same code, but each program reduces the norm's mean
-square itself: a cold H100's first run once compiled the two ways to y's differing; counted, and reported), dx within four bf16 unit roundoffs of its row's largest |dx| + |h| (autodiff rounds the gradients of the
-norm's two float32 widenings of x to bf16 before summing them, and dx before adding the residual's
-cotangent h; the kernel sums in float32 and rounds once), the gain's gradient within float32 summation order. A failed
+layer (`--out-features` outputs, 128-wide FP8 blocks) forward and backward, the two ways: dx within
+four bf16 unit roundoffs of its row's largest |dx| + |h| (autodiff rounds the gradients of the norm's
+two float32 widenings of x to bf16 before summing them, and dx before adding the residual's cotangent
+h; the kernel sums in float32 and rounds once), the gain's gradient within float32 summation order.
+y and the weight gradient do not depend on the norm's backward: their differences between the two
+programs are reported (elements differing, the largest difference over the largest value), not checked,
+since each program computes the forward's 1/rms in its own XLA reduction (`rmsnorm_quantize_mxfp8`), whose
+summation order may differ, and a quantized byte with it (on an H100, one run's y and weight gradient
+differed between the programs, by an amount not recorded; other runs matched bit for bit). A failed
 check exits 1 with no timings. Then times, jitted, at `--rows`: the backward alone and the layer's
 forward+backward, each way (`_row_kernels.time_paths`: CUPTI device time and wall time; `xla_over_pallas`).
 Inputs: bf16 x (normal rows scaled by exp(2 N(0,1))), a float32 gain near 1, a float32 kernel of
@@ -83,25 +87,6 @@ def layer(impl: str):
     return run
 
 
-def forward_bounds(x, scale, w, g, y):
-    """Elementwise bounds on how far y and the weight gradient may move between two compiled programs of the same
-    forward: the norm's `1/rms` is reduced by XLA in each (kernel_quantize's docstring), so a byte of the quantized
-    input may sit one E4M3 code away, at most 2**-3 of its 128-wide tile's largest |value| `A[i, b]`. Then
-    `|dy_ij| <= 2**-3 sum_b A[i, b] sum_(k in b) |w_kj|` and `|ddw_kj| <= 2**-3 sum_i A[i, b(k)] |g_ij|`, each
-    widened by E4M3's rounding of w (2**-4) and y's by one bf16 ulp of y (2**-7 |y|), its output rounding;
-    the float32 weight gradient's summation order is far inside the first term. A zero bound is made the smallest
-    normal float32 (no difference is allowed there)."""
-    normed = x.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + EPS) * scale
-    n, d = normed.shape
-    tile_max = jnp.max(jnp.abs(normed).reshape(n, d // RECIPE.block, RECIPE.block), axis=-1)  # A [N, d / 128]
-    w_blocks = jnp.sum(jnp.abs(w).reshape(d // RECIPE.block, RECIPE.block, -1), axis=1)  # [d / 128, out]
-    code = 2.0**-3 * (1 + 2.0**-4)
-    y_bound = code * (tile_max @ w_blocks) + 2.0**-7 * jnp.abs(y.astype(jnp.float32))
-    dw_bound = jnp.repeat(code * (tile_max.T @ jnp.abs(g.astype(jnp.float32))), RECIPE.block, axis=0)
-    tiny = jnp.finfo(jnp.float32).tiny
-    return jnp.maximum(y_bound, tiny), jnp.maximum(dw_bound, tiny)
-
-
 def check(n: int, d: int, out: int, seed: int, bound_rows: int) -> dict:
     """Both ways at `[N, d]` (module docstring); `ok` when every check holds."""
     x, scale, w, dy, g, h = make_inputs(n, d, out, seed)
@@ -121,18 +106,16 @@ def check(n: int, d: int, out: int, seed: int, bound_rows: int) -> dict:
     row_scale = jnp.max(jnp.abs(f32(dx_x)) + jnp.abs(f32(h)), axis=-1, keepdims=True)
     dx_rel = float(jnp.max(jnp.abs(f32(dx_k) - f32(dx_x)) / row_scale))
     ds_rel = float(jnp.max(jnp.abs(ds_k - ds_x)) / jnp.max(jnp.abs(ds_x)))
-    y_bound, dw_bound = forward_bounds(x, scale, w, g, y_x)
     layer_checks = {
-        "y_elements_differing": int(jnp.sum(y_k != y_x)),
-        "y_bound_fraction": float(jnp.max(jnp.abs(f32(y_k) - f32(y_x)) / y_bound)),
         "dx_max_rel_diff": dx_rel,  # of the row's largest |dx| + |h|: at most 4 bf16 unit roundoffs (2**-8)
         "dscale_rel_diff": ds_rel,
+        # Reported, not checked: neither depends on the norm's backward (module docstring).
+        "y_elements_differing": int(jnp.sum(y_k != y_x)),
+        "y_max_diff_of_max": float(jnp.max(jnp.abs(f32(y_k) - f32(y_x))) / jnp.max(jnp.abs(f32(y_x)))),
         "dw_elements_differing": int(jnp.sum(dw_k != dw_x)),
-        "dw_bound_fraction": float(jnp.max(jnp.abs(dw_k - dw_x) / dw_bound)),
+        "dw_max_diff_of_max": float(jnp.max(jnp.abs(dw_k - dw_x)) / jnp.max(jnp.abs(dw_x))),
     }
-    ok = nan_confined and all(f <= 1.0 for _, f in fractions.values())
-    ok = ok and layer_checks["y_bound_fraction"] <= 1.0 and layer_checks["dw_bound_fraction"] <= 1.0
-    ok = ok and dx_rel <= 4 * 2.0**-8 and ds_rel <= 1e-3
+    ok = nan_confined and all(f <= 1.0 for _, f in fractions.values()) and dx_rel <= 4 * 2.0**-8 and ds_rel <= 1e-3
     print(f"check {'OK ' if ok else 'BAD'} N={n}: backward bound fractions {({k: round(f, 4) for k, (_, f) in fractions.items()})}; "
           f"NaN confined {nan_confined}; layer {layer_checks}", flush=True)
     errors = {name: {"max_abs_err": err, "bound_fraction": frac} for name, (err, frac) in fractions.items()}

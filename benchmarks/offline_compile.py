@@ -8,7 +8,7 @@ cuBLAS GEMM rewriting, scheduling, buffer assignment, thunk emission. The step i
 own (`gem_jax.train.setup.setup_training`, abstract state, the benchmark's first batch); inside
 `pallas_kernels.compiling_for` the ops choose and size their Mosaic GPU kernels for that device.
 
-It compiles with the XLA flags a training run sets (`scripts/xla_flags.py`), plus any `--xla`
+It compiles with the XLA flags a training run sets (`gem_jax.xla_options`), plus any `--xla`
 options. The result is the step's kernel list as the GPU runs it (XLA's thunk sequence: every launch, in
 order), and for each fusion kernel its launches, the bytes its operands and result take per
 launch (an upper bound on its HBM traffic where a fusion reads only part of an operand: slices,
@@ -18,7 +18,7 @@ and every Pallas kernel call (Triton and Mosaic GPU custom calls) by the op that
 its operands' and results' bytes (a memory-bound row kernel's traffic).
 
 What differs from the GPU's compile: no autotuning (cuBLAS algorithms are picked at run time
-anyway; Triton GEMMs are off in `scripts/xla_flags.py`), and sorts take XLA's fallback emitter
+anyway; Triton GEMMs are off in `gem_jax.xla_options`), and sorts take XLA's fallback emitter
 instead of CUB (XLA says so in a warning: the deviceless CUB scratch sizes are missing). On
 `configs/gem_h200.py` at the tree measured on the GPU (682d161) it gives the same fusion kernels
 with the same launch counts as the CUPTI profile of `train_bench.py --profile`, and the same
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/gem_h200.py")
     parser.add_argument("--set", nargs="*", default=[], dest="overrides", help="config overrides (gem_jax.train.config_tree)")
-    parser.add_argument("--xla", nargs="*", default=[], help="XLA options on top of scripts/xla_flags.py's, KEY=VALUE")
+    parser.add_argument("--xla", nargs="*", default=[], help="XLA options on top of gem_jax.xla_options's, KEY=VALUE")
     parser.add_argument("--profile", help="a train_bench.py --profile result of the same config: measured ms per fusion kernel")
     parser.add_argument("--compare", help="another result of this script: print and record what changed")
     parser.add_argument("--dump", help="keep XLA's dumps here (default: a temporary folder)")

@@ -6,9 +6,9 @@ small per-parameter collectives of HSDP into few large ones (at least one DHEN
 layer's weights; JAX-Toolbox's rule of thumb). Without Triton GEMMs XLA autotunes
 only cuBLAS's algorithms for each dot, which is what it picked anyway at GEM width: the
 gem_h200 step compiled in 45.5 s instead of 56.0 s and ran 0.181 s against 0.183 s on an H200
-(benchmarks/results/xla_flags_h200_triton_gemm_20261203.json); on an H100 the step compiled in
-34-41 s instead of 53-72 s, and with Triton GEMMs the MLP's bias and GELU left the cuBLAS
-epilogue for a pass of their own (benchmarks/step.md). Sources: jax's GPU performance tips
+(benchmarks/results/xla_flags_h200_triton_gemm_20261203.json). On an H100, with all five flags
+against none, the step compiled in 34-41 s instead of 53-72 s, and without them the MLP's bias and
+GELU left the cuBLAS epilogue for a pass of their own (benchmarks/step.md). Sources: jax's GPU performance tips
 (docs/gpu_performance_tips.md), NVIDIA JAX-Toolbox docs/GPU_performance.md and MaxText's A3
 launch scripts. Every flag parses with the pinned jaxlib (0.11.2)
 (`tests/gem_jax/parallel/test_parallel_launch.py`).
@@ -20,6 +20,7 @@ scripts export them with the rest of a run's environment (`scripts/xla_flags.py 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import MutableMapping
 
 XLA_FLAGS = (
@@ -38,15 +39,30 @@ def flag_name(flag: str) -> str:
 
 def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Puts each of `XLA_FLAGS` whose name the environment's `XLA_FLAGS` does not give ahead of the
-    environment's own flags, and returns the flags it added (a flag the environment sets keeps its value).
+    environment's own flags (its value otherwise untouched: a flag it sets keeps its value), and
+    returns the flags it added.
 
-    Call it before the process's first device use: XLA reads the variable when jax starts its client.
-    `environ`: the mapping to change (default `os.environ`).
+    Adds nothing when `XLA_FLAGS` names a file of flags (a value not starting with "-", as XLA
+    reads it), or, for the process's own environment, once jax has started its backends: XLA read
+    the variable then, and a flag added later would not apply (nor should the executable cache key
+    on it). So call it before the process's first device use. `environ`: the mapping to change
+    (default `os.environ`).
     """
-    environ = os.environ if environ is None else environ
-    given = environ.get("XLA_FLAGS", "").split()
-    names = {flag_name(flag) for flag in given}
+    if environ is None:
+        if _backends_started():
+            return []
+        environ = os.environ
+    given = environ.get("XLA_FLAGS", "")
+    if given.strip() and not given.strip().startswith("-"):
+        return []
+    names = {flag_name(flag) for flag in given.split()}
     added = [flag for flag in XLA_FLAGS if flag_name(flag) not in names]
     if added:
-        environ["XLA_FLAGS"] = " ".join(added + given)
+        environ["XLA_FLAGS"] = " ".join(added) + (" " + given if given else "")
     return added
+
+
+def _backends_started() -> bool:
+    """Whether this process's jax has created its backends (without importing jax)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))

@@ -23,8 +23,9 @@ def test_interpret_run_checks_times_and_writes_json(bench, tmp_path, monkeypatch
     for c in record["checks"]:
         assert set(c["errors"]) == {"dx", "dscale"} and all(0 <= e["bound_fraction"] <= 1 for e in c["errors"].values())
         layer = c["layer"]
-        assert layer["y_elements_differing"] == layer["dw_elements_differing"] == 0  # one machine, one reduction order
-        assert layer["y_bound_fraction"] == layer["dw_bound_fraction"] == 0.0
+        # reported only; on the CPU both programs reduce alike
+        assert layer["y_elements_differing"] == layer["dw_elements_differing"] == 0
+        assert layer["y_max_diff_of_max"] == layer["dw_max_diff_of_max"] == 0.0
         assert 0 < layer["dx_max_rel_diff"] <= 4 * 2.0**-8 and layer["dscale_rel_diff"] <= 1e-3
     # N=40, d=128, bf16: x, dy, the residual's cotangent and dx 10240 bytes each, the gain 512, 10 programs' partials of 512.
     assert record["bytes_moved"] == {"backward": 4 * 10240 + 512 + 10 * 512, "layer": None}
@@ -43,20 +44,3 @@ def test_a_broken_bound_exits_1_without_timings(bench, tmp_path, monkeypatch):
     record = json.loads(out.read_text())
     assert not record["checks_ok"] and "timing" not in record
 
-
-def test_forward_bounds_allow_one_e4m3_code_per_input_byte_and_no_more(bench):
-    """y computed from an input whose every quantized byte moved one E4M3 code (2**-3 of its tile's max, the worst
-    the bound assumes) stays inside `forward_bounds`; the same move doubled does not."""
-    import jax
-    import jax.numpy as jnp
-
-    x, scale, w, dy, g, h = bench.make_inputs(48, 256, 64, seed=3)
-    normed = x.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + bench.EPS) * scale
-    tile_max = jnp.repeat(jnp.max(jnp.abs(normed).reshape(48, 2, 128), axis=-1), 128, axis=1)
-    y = (normed @ w).astype(jnp.bfloat16)
-    y_bound, dw_bound = bench.forward_bounds(x, scale, w, g, y)
-    for factor, inside in ((1.0, True), (2.0, False)):
-        moved = ((normed + factor * 2.0**-3 * tile_max * jnp.sign(w[:, :1].T)) @ w).astype(jnp.bfloat16)
-        assert bool(jnp.all(jnp.abs(moved.astype(jnp.float32) - y.astype(jnp.float32)) <= y_bound)) == inside
-        dw_moved = (factor * 2.0**-3 * tile_max).T @ jnp.abs(g.astype(jnp.float32))
-        assert bool(jnp.all(dw_moved <= dw_bound)) == inside

@@ -164,7 +164,7 @@ def test_bad_inputs_are_refused_before_anything_compiles(offline, repo_root, tmp
 
 def test_xla_flag_values_become_typed_compile_options(offline):
     assert [offline.option_value(v) for v in ("true", "False", "134217728", "0.5", "/tmp/x")] == [True, False, 134217728, 0.5, "/tmp/x"]
-    assert offline.project_xla_options()["xla_gpu_enable_triton_gemm"] is False  # scripts/xla_flags.py's, as training sets them
+    assert offline.project_xla_options()["xla_gpu_enable_triton_gemm"] is False  # gem_jax.xla_options's, as training sets them
 
 
 @pytest.mark.skipif(not _plugin_installed(), reason="the CUDA PJRT plugin is not installed")
@@ -174,7 +174,7 @@ def test_a_program_compiles_for_the_h200_without_one(offline, tmp_path):
     sharding = jax.sharding.SingleDeviceSharding(device)
     x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=sharding)
     compiled = jax.jit(lambda a, b: (a @ b.T + 1.0).astype(jnp.bfloat16)).lower(x, x).compile(
-        compiler_options={"xla_dump_to": str(tmp_path), "xla_gpu_enable_triton_gemm": False}  # as scripts/xla_flags.py sets it
+        compiler_options={"xla_dump_to": str(tmp_path), "xla_gpu_enable_triton_gemm": False}  # as gem_jax.xla_options sets it
     )
     (thunks,) = tmp_path.glob("*thunk_sequence.txt")
     table = offline.kernel_table(compiled.as_text(), thunks.read_text())

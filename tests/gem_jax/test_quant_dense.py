@@ -427,11 +427,17 @@ def test_layer_keeps_its_input_for_the_residual_only_with_a_norm():
         fp8_matmul(x[0], layer.kernel[...], None, recipe, jnp.float32, prologue="gelu", norm_implementation="pallas")
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas", None])
-def test_layer_runs_the_norm_backward_its_norm_runs(implementation):
+@pytest.mark.parametrize("implementation, kernel_calls", [("xla", 0), ("pallas", 1), (None, 0)])
+def test_layer_runs_the_norm_backward_its_norm_runs(implementation, kernel_calls, monkeypatch):
     """An `Fp8Linear` given `gem_jax.nn.layers.RMSNorm` runs the prologue's backward under the norm's `implementation`
-    (`fp8_matmul(norm_implementation=)`), flax's `nnx.RMSNorm` under "xla": every gradient bit for bit the direct call's
-    (the kernel in the interpreter; None on the CPU is the reference, `rms_norm_backward`'s)."""
+    (`fp8_matmul(norm_implementation=)`), flax's `nnx.RMSNorm` under "xla": every gradient bit for bit the direct call's,
+    and the norm's backward kernel traced once under "pallas" (in the interpreter), never under "xla" or None on the
+    CPU (`rms_norm_backward`'s reference)."""
+    from pallas_kernels.rms_norm import kernel as norm_kernel
+
+    traced = []
+    real_backward = norm_kernel.backward
+    monkeypatch.setattr(norm_kernel, "backward", lambda *a, **kw: traced.append(1) or real_backward(*a, **kw))
     recipe = Fp8Recipe(block=128, implementation="xla")
     with nnx.use_eager_sharding(False):
         layer = Fp8Linear(128, 64, rngs=nnx.Rngs(0), recipe=recipe, dtype=jnp.bfloat16)
@@ -457,5 +463,9 @@ def test_layer_runs_the_norm_backward_its_norm_runs(implementation):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(a.dtype)))
 
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        check_same(through_layer(norm, x), direct(implementation))
+        got = through_layer(norm, x)
+        assert len(traced) == kernel_calls
+        check_same(got, direct(implementation))
+    traced.clear()
     check_same(through_layer(flax_norm, x), direct("xla"))
+    assert not traced
