@@ -89,7 +89,7 @@ def plot(all_bars: list[dict], out: Path) -> None:
         ax.invert_yaxis()
         ax.set_title(panel, fontsize=10)
         ax.set_xlabel("device time of one step (ms, CUPTI)")
-        ax.margins(x=0.25)
+        ax.margins(x=0.3)  # room for the step label right of the longest bar
     handles = {}
     for ax in axes[:, 0]:
         for h, label in zip(*ax.get_legend_handles_labels()):
