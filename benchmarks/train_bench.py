@@ -85,7 +85,6 @@ import numpy as np
 from benchmarks import _hlo_sources, _profile, _timing
 from benchmarks._fit_batch import MAX_TRIES, BatchFitError, StepOutOfMemory, failed_try, memory_before_step
 from gem_jax.device_memory import MEMORY_FRACTION_VARIABLES, claim_device_memory, is_out_of_memory
-from gem_jax.xla_options import add_project_flags
 from gem_jax.mesh import Topology
 from gem_jax.model import flops as flops_lib
 from pallas_kernels import Implementation
@@ -94,6 +93,7 @@ from gem_jax.train import compile_cache, config_tree, remat_plan
 from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.train.run_record import code_version
 from gem_jax.train.setup import setup_training
+from gem_jax.xla_options import add_project_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
