@@ -37,6 +37,17 @@ def flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
+def effective_flags(value: str) -> dict[str, str | None] | str:
+    """What XLA takes from an `XLA_FLAGS` value: `{"--name": value}` (the last of a repeated flag; None for a
+    bare `--name`), whatever their order and spacing, or the value itself when it names a file of flags."""
+    if value.strip() and not value.strip().startswith("-"):
+        return value.strip()
+    flags = {}
+    for flag in value.split():
+        flags[flag_name(flag)] = flag.split("=", 1)[1] if "=" in flag else None
+    return flags
+
+
 def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Puts each of `XLA_FLAGS` whose name the environment's `XLA_FLAGS` does not give ahead of the
     environment's own flags (its value otherwise untouched: a flag it sets keeps its value), and
@@ -53,9 +64,9 @@ def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[s
             return []
         environ = os.environ
     given = environ.get("XLA_FLAGS", "")
-    if given.strip() and not given.strip().startswith("-"):
+    names = effective_flags(given)
+    if isinstance(names, str):  # a file of flags
         return []
-    names = {flag_name(flag) for flag in given.split()}
     added = [flag for flag in XLA_FLAGS if flag_name(flag) not in names]
     if added:
         environ["XLA_FLAGS"] = " ".join(added) + (" " + given if given else "")

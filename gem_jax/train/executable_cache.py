@@ -13,8 +13,8 @@ This cache keys each compiled program by what determines it, computed without tr
 - the source of `gem_jax` and `pallas_kernels` (sha256 of every `.py` file's bytes);
 - jax and jaxlib versions, the backend's platform and version, the devices' kinds and ids,
   the process index (each process of a multi-process run compiles for its own devices);
-- `XLA_FLAGS` (its flags, whatever the whitespace between them) and the jax config options
-  that change compiled code.
+- `XLA_FLAGS` (the flags XLA takes from it, whatever their order, spacing and repeats:
+  `gem_jax.xla_options.effective_flags`) and the jax config options that change compiled code.
 
 A hit deserializes the executable (`jax.experimental.serialize_executable`, as MaxText's
 AOT-compiled train steps are saved and loaded); a miss compiles and stores it. Entries are
@@ -39,6 +39,8 @@ from typing import Any
 
 import jax
 from jax.experimental import serialize_executable
+
+from gem_jax.xla_options import effective_flags
 
 SUBDIR = "executables"
 # jax config options that change the compiled program without changing its arguments.
@@ -86,7 +88,7 @@ def program_key(name: str, job: Any, abstract_args: tuple) -> str:
         "process": [jax.process_index(), jax.process_count()],
         "backend": [devices[0].platform, devices[0].client.platform_version],
         "devices": [f"{d.id}:{d.device_kind}" for d in devices],
-        "xla_flags": os.environ.get("XLA_FLAGS", "").split(),  # `export XLA_FLAGS="$flags ${XLA_FLAGS:-}"` adds a space
+        "xla_flags": effective_flags(os.environ.get("XLA_FLAGS", "")),  # order, spacing and repeats aside
         "options": {option: str(getattr(jax.config, option, None)) for option in _JAX_OPTIONS},
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()

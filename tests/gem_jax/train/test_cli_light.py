@@ -165,3 +165,11 @@ def test_the_project_xla_flags_join_the_environment_s_own_which_keep_their_value
     jax.devices()  # this process's backends exist
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     assert xla_options.add_project_flags() == [] and os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+
+
+def test_effective_flags_are_what_xla_takes_from_the_variable():
+    from gem_jax.xla_options import effective_flags
+
+    assert effective_flags("") == {}
+    assert effective_flags(" --a=1  --b --a=2 ") == {"--a": "2", "--b": None}
+    assert effective_flags("/etc/xla_flags.txt ") == "/etc/xla_flags.txt"

@@ -55,11 +55,16 @@ def test_the_key_changes_with_shapes_job_and_source(monkeypatch):
         flags.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
         assert program_key("step", {"width": 4}, _args()) != base
     assert program_key("step", {"width": 4}, _args()) == base
-    with monkeypatch.context() as flags:  # the same flags, spaced otherwise (`export XLA_FLAGS="$f ${XLA_FLAGS:-}"`): the same key
-        flags.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
-        spaced = program_key("step", {"width": 4}, _args())
-        flags.setenv("XLA_FLAGS", "  --xla_cpu_enable_fast_math=false ")
-        assert program_key("step", {"width": 4}, _args()) == spaced
+    with monkeypatch.context() as flags:  # the same flags XLA takes, spaced, ordered or repeated otherwise: the same key
+        flags.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false --xla_cpu_use_thunk_runtime=true")
+        same = program_key("step", {"width": 4}, _args())
+        for value in ("  --xla_cpu_enable_fast_math=false --xla_cpu_use_thunk_runtime=true ",  # `export XLA_FLAGS="$f ${XLA_FLAGS:-}"`
+                      "--xla_cpu_use_thunk_runtime=true --xla_cpu_enable_fast_math=false",  # launch scripts' order against gem-train's
+                      "--xla_cpu_enable_fast_math=true --xla_cpu_use_thunk_runtime=true --xla_cpu_enable_fast_math=false"):  # the last wins
+            flags.setenv("XLA_FLAGS", value)
+            assert program_key("step", {"width": 4}, _args()) == same, value
+        flags.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true --xla_cpu_enable_fast_math=true")
+        assert program_key("step", {"width": 4}, _args()) != same
     monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited")
     assert program_key("step", {"width": 4}, _args()) != base
 
