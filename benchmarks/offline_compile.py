@@ -114,9 +114,9 @@ def option_value(text: str) -> bool | int | float | str:
 
 def project_xla_options() -> dict[str, bool | int | float | str]:
     """`gem_jax.xla_options.XLA_FLAGS` (the flags a training run sets) as compile options: `{name: value}`."""
-    from gem_jax.xla_options import XLA_FLAGS
+    from gem_jax.xla_options import XLA_FLAGS, effective_flags
 
-    return {name: option_value(value) for name, value in (flag.removeprefix("--").split("=", 1) for flag in XLA_FLAGS)}
+    return {name.removeprefix("--"): option_value(value) for name, value in effective_flags(" ".join(XLA_FLAGS)).items()}
 
 
 def _operands(rest: str) -> list[str]:
