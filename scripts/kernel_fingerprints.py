@@ -53,8 +53,8 @@ DUMP_NAME = re.compile(r'mosaic_gpu\.dump_basename = "[^"]*"')
 KERNEL_BYTES = re.compile(r'(kernel_hash|module) = "(?:[^"\\]|\\.)*"')
 
 
-def _rows(d: int, t: int = T) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((t, H, d), jnp.bfloat16)
+def _rows(d: int, t: int = T, heads: int = H) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((t, heads, d), jnp.bfloat16)
 
 
 def _offsets() -> jax.ShapeDtypeStruct:
@@ -85,10 +85,11 @@ def _gdpa(d: int, **kwargs) -> tuple[Callable, tuple]:
     return _with_grads(op), (_rows(d), _rows(d), _rows(d), _offsets(), _offsets())
 
 
-def _block_local(d: int) -> tuple[Callable, tuple]:
+def _block_local(d: int, heads: int = H) -> tuple[Callable, tuple]:
     op = lambda q, k, v, o: block_local_attention(q, k, v, o, max_seq_len=MAX_LEN, rope_base=10000.0,
                                                   implementation="pallas")
-    return _with_grads(op), (_rows(d), _rows(d), _rows(d), _offsets())
+    rows = _rows(d, heads=heads)
+    return _with_grads(op), (rows, rows, rows, _offsets())
 
 
 def _mxfp8_matmul(m: int, n: int, k: int, a_block: tuple[int, int], b_block: tuple[int, int]) -> tuple[Callable, tuple]:
@@ -116,6 +117,9 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "gdpa_silu_causal_d128": lambda: _gdpa(128, activation="silu", causal=True),
     "gdpa_gelu_d64": lambda: _gdpa(64),
     "block_local_rope_d128": lambda: _block_local(128),
+    # The timed shape's 4 heads: each of the backward's two warpgroups computes two heads of a block
+    # with one set of RoPE tables, which it keeps in its registers between them.
+    "block_local_rope_d128_h4": lambda: _block_local(128, heads=4),
     "mxfp8_matmul_k128": lambda: _mxfp8_matmul(256, 384, 512, (1, 128), (128, 128)),
     "mxfp8_matmul_32x32": lambda: _mxfp8_matmul(256, 384, 512, (32, 32), (32, 32)),
 }

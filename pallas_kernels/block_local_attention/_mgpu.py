@@ -59,8 +59,9 @@ A block starts at any packed row, so its operands are copied by TMA into plain
 (untiled) shared memory, which takes any row start, and rewritten in registers
 (RoPE applied, rows past the block zeroed) into the 128-byte swizzled layout
 wgmma reads, over the same bytes of the same slot. Outputs leave through a
-slot's plain view as TMA stores of 64, 32, ..., 1 rows, so no row outside the
-block is ever written. Slack blocks (no keys) load nothing and store zeros.
+slot's plain view as TMA stores of 64 rows, or of 8 and 1 for a partial block
+(`store_block`), so no row outside the block is ever written. Slack blocks (no
+keys) load nothing and store zeros.
 """
 
 
@@ -393,27 +394,58 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
+def matmul_pair(a1, b1, shape1: tuple[int, int], a2, b2, shape2: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    """`(a1 @ b1, a2 @ b2)` of shared-memory operands into fresh float32 accumulators, both wgmmas
+    issued before either is waited for, so the second runs while the first drains."""
+
+    def body(acc1, acc2):
+        plgpu.wgmma(acc1, a1, b1)
+        plgpu.wgmma(acc2, a2, b2)
+        return acc1[...], acc2[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
+
+
+# The TMA box sizes, in rows, a partial block's rows leave in (`store_block`), largest first.
+PARTIAL_BOXES = (8, 1)
+
+
 def store_block(value: jax.Array, plain, dst_ref, step: Step) -> None:
     """Stores rows `[0, rows)` of a `[64, D]` value to `dst_ref[start + i, head]` through `plain`.
 
-    TMA boxes have static sizes, so the rows leave as stores of 64, 32, ..., 1
-    rows (one per set bit of `rows`). The stores join the round's bulk-copy
-    group (`walk` commits it and waits for it before `plain` is reused).
+    TMA boxes have static sizes: a full block leaves as one store of 64 rows,
+    any other as stores of 8 rows and then of 1 (`PARTIAL_BOXES`: at most 7 +
+    7). Each box size is a code path of its own whose address arithmetic ptxas
+    keeps in registers across the kernel's loop: with one store per set bit of
+    `rows` (64, 32, ..., 1: seven sizes) the D=128 backward, at 255 registers a
+    thread, spilled 612 bytes of stores; with these three, 276 (with the
+    backward's delta loaded late; `scripts/kernel_resources.py`, case
+    `block_local_rope_d128_h4`). The stores join the round's bulk-copy group
+    (`walk` commits it and waits for it before `plain` is reused).
     """
     start, rows, head = step.start, step.rows, step.head
     plain[...] = value
     plgpu.commit_smem()
-    done = 0
-    size = BLOCK
-    while size:
 
-        @pl.when(lax.bitwise_and(rows, jnp.int32(size)) != 0)
-        def _(size=size, done=done):
-            plgpu.copy_smem_to_gmem(plain.at[pl.ds(done, size)], dst_ref.at[pl.ds(start + done, size), head],
-                                    commit_group=False)
+    def copy(first, size):
+        plgpu.copy_smem_to_gmem(plain.at[pl.ds(first, size)], dst_ref.at[pl.ds(start + first, size), head],
+                                commit_group=False)
 
-        done = done + lax.bitwise_and(rows, jnp.int32(size))
-        size //= 2
+    full = rows == BLOCK
+    pl.when(full)(lambda: copy(0, BLOCK))
+
+    @pl.when(jnp.logical_not(full))
+    def _():
+        done = jnp.int32(0)
+        for size in PARTIAL_BOXES:
+            count = lax.div(rows - done, jnp.int32(size))
+
+            def store(i, carry, size=size, done=done):
+                copy(done + i * size, size)
+                return carry
+
+            lax.fori_loop(0, count, store, jnp.int32(0))
+            done = done + count * size
 
 
 def zeros(cols: int) -> jax.Array:

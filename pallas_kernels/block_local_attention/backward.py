@@ -12,7 +12,8 @@ operands and `rope_t` the transposed rotation (rotation by minus the angle)::
 
 A work item is one 64-row block with all its heads; each head (a step)
 recomputes the block's softmax (no residual beyond q, k, v), so dQ and dK/dV
-come from one kernel without atomics. RoPE's cos/sin tables are computed once
+come from one kernel without atomics. The step's two independent products, S
+and dP, are issued together (`_mgpu.matmul_pair`). RoPE's cos/sin tables are computed once
 per block by each warpgroup that computes a head of it and kept in its
 registers for its heads of the block (they rotate q and k on the way in and dQ
 and dK on the way out). The transposed products use the transposed frame
@@ -86,13 +87,13 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             plgpu.commit_smem()
 
             # Query frame: softmax statistics, delta, dS and dQ.
-            s = _mgpu.mask_keys(_mgpu.matmul(qs, ks.transpose((1, 0)), shape) * c2, rows, axis=1)
+            s, dp = _mgpu.matmul_pair(qs, ks.transpose((1, 0)), shape, dos, vs.transpose((1, 0)), shape)
+            s = _mgpu.mask_keys(s * c2, rows, axis=1)
             m = s.max(axis=1)
             p = jnp.exp2(s - lax.broadcast_in_dim(m, shape, [0]))
             l = p.sum(axis=1)
             p = p * lax.broadcast_in_dim(1.0 / l, shape, [0])
             lse = m + jnp.log2(l)
-            dp = _mgpu.matmul(dos, vs.transpose((1, 0)), shape)
             delta = (p * dp).sum(axis=1)
             ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
             ds_smem[...] = ds.astype(dtype)
@@ -108,13 +109,13 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             st = _mgpu.mask_keys(_mgpu.matmul(ks, qs.transpose((1, 0)), shape) * c2, rows, axis=0)
             _mgpu.store_block(dq, k_ring[0].at[slot.index], dq_ref, step)  # k is read for the last time
             lse_col = plgpu.load(lse_smem, layout=_mgpu.LAYOUT.reduce(0))
-            delta_col = plgpu.load(delta_smem, layout=_mgpu.LAYOUT.reduce(0))
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse_col, shape, [1]))
             ds_smem[...] = pt.astype(dtype)  # dS (query frame) is no longer read: reuse for P^T
             plgpu.commit_smem()
             dv = _mgpu.matmul(ds_smem, dos, (BLOCK, head_dim))
             dpt = _mgpu.matmul(vs, dos.transpose((1, 0)), shape)
             _mgpu.store_block(dv.astype(dtype), v_ring[0].at[slot.index], dv_ref, step)  # v and dO are done
+            delta_col = plgpu.load(delta_smem, layout=_mgpu.LAYOUT.reduce(0))  # loaded late: fewer live registers
             dst = pt * (dpt - lax.broadcast_in_dim(delta_col, shape, [1]))
             ds_smem[...] = dst.astype(dtype)
             plgpu.commit_smem()
