@@ -44,7 +44,7 @@ from pallas_kernels import block_local_attention, compiling_for, gdpa, jagged_fl
 from pallas_kernels._src import mgpu_common
 from pallas_kernels.mxfp8 import mxfp8_matmul
 
-T, H = 640, 2  # packed rows and heads of every case
+T, H = 640, 2  # packed rows and heads of every case (`block_local_rope_d128_h4`: 4 heads)
 OFFSETS = (0, 1, 200, 200, 457, 600)  # a length-1, a zero-length and non-multiple-of-block sequences
 MAX_LEN = 257
 # The name Mosaic GPU gives a kernel's dump files counts the kernels lowered in this process.

@@ -1,6 +1,7 @@
-"""Mosaic GPU building blocks shared by the attention kernels (JFA and GDPA).
+"""Mosaic GPU building blocks shared by the attention kernels (JFA, GDPA, block-local).
 
-Shared memory in the 128-byte swizzled layout that wgmma and TMA use, and the
+Two wgmmas issued back to back (`matmul_pair`); shared memory in the 128-byte
+swizzled layout that wgmma and TMA use, and the
 output path of a 64-row warpgroup tile: a staging buffer with a swizzled and a
 plain view, and a store that writes exactly a tile's rows `[lo, hi)`, so rows of
 neighbouring jagged sequences are never touched.
@@ -20,6 +21,18 @@ from pallas_kernels._src.dispatch import interpreting  # noqa: F401  (the kernel
 H100_H200_SM_COUNT = 132  # SMs of an H100 / H200 SXM: the persistent grid when the device does not say
 WG_ROWS = 64  # rows of one compute warpgroup's tile (the wgmma M)
 ROW_ALIGN = 8  # TMA copies of swizzled SMEM tiles start at multiples of this many rows
+
+
+def matmul_pair(a1, b1, a2, b2, shape: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    """`(a1 @ b1, a2 @ b2)` of shared-memory operands into fresh f32 `shape` accumulators: both wgmmas
+    issued back to back, then one wait for both (the second runs while the first drains)."""
+
+    def body(r1, r2):
+        plgpu.wgmma(r1, a1, b1)
+        plgpu.wgmma(r2, a2, b2)
+        return r1[...], r2[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
 def sm_count() -> int:

@@ -394,18 +394,6 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def matmul_pair(a1, b1, shape1: tuple[int, int], a2, b2, shape2: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
-    """`(a1 @ b1, a2 @ b2)` of shared-memory operands into fresh float32 accumulators, both wgmmas
-    issued before either is waited for, so the second runs while the first drains."""
-
-    def body(acc1, acc2):
-        plgpu.wgmma(acc1, a1, b1)
-        plgpu.wgmma(acc2, a2, b2)
-        return acc1[...], acc2[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
-
-
 # The TMA box sizes, in rows, a partial block's rows leave in (`store_block`), largest first.
 PARTIAL_BOXES = (8, 1)
 
@@ -415,12 +403,12 @@ def store_block(value: jax.Array, plain, dst_ref, step: Step) -> None:
 
     TMA boxes have static sizes: a full block leaves as one store of 64 rows,
     any other as stores of 8 rows and then of 1 (`PARTIAL_BOXES`: at most 7 +
-    7). Each box size is a code path of its own whose address arithmetic ptxas
-    keeps in registers across the kernel's loop: with one store per set bit of
-    `rows` (64, 32, ..., 1: seven sizes) the D=128 backward, at 255 registers a
-    thread, spilled 612 bytes of stores; with these three, 276 (with the
-    backward's delta loaded late; `scripts/kernel_resources.py`, case
-    `block_local_rope_d128_h4`). The stores join the round's bulk-copy group
+    7). Fewer box sizes, fewer registers: with one store per set bit of `rows`
+    (64, 32, ..., 1: seven sizes, each a code path of its own, whose address
+    arithmetic ptxas likely keeps live across the kernel's loop) the D=128
+    backward, at 255 registers a thread, spilled 612 bytes of stores; with
+    these three, 340, and 276 with the backward's delta loaded late
+    (`scripts/kernel_resources.py`, case `block_local_rope_d128_h4`). The stores join the round's bulk-copy group
     (`walk` commits it and waits for it before `plain` is reused).
     """
     start, rows, head = step.start, step.rows, step.head

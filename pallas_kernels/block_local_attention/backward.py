@@ -13,21 +13,21 @@ operands and `rope_t` the transposed rotation (rotation by minus the angle)::
 A work item is one 64-row block with all its heads; each head (a step)
 recomputes the block's softmax (no residual beyond q, k, v), so dQ and dK/dV
 come from one kernel without atomics. The step's two independent products, S
-and dP, are issued together (`_mgpu.matmul_pair`). RoPE's cos/sin tables are computed once
-per block by each warpgroup that computes a head of it and kept in its
-registers for its heads of the block (they rotate q and k on the way in and dQ
-and dK on the way out). The transposed products use the transposed frame
-(S^T = K Q^T with the row statistics read back as column vectors), as jax's
-`attention_mgpu` backward does. Each gradient leaves through the plain view of
-an operand slot that is no longer read (dQ through k's, dV through v's, dK
-through q's). A fixed grid of CTAs walks the blocks' steps with a three-slot
-TMA ring (`_mgpu.walk`): the next step's q, k, v, dO load while the current one
-computes, and its gradient stores drain while the next computes. Two steps are
-in flight per SM: at D=64 as two one-warpgroup CTAs (110 KiB each); at D=128,
-where even a two-slot ring (142 KiB) leaves no room for a second CTA, as two
-consumer warpgroups of one CTA (214 KiB, 256 threads) taking the CTA's steps
-alternately through its one ring, each with its own dS, lse and delta scratch
-(`config.BACKWARD_WARPGROUPS`).
+and dP, are issued together (`mgpu_common.matmul_pair`). RoPE's cos/sin tables
+are computed once per block by each warpgroup that computes a head of it and
+kept in its registers for its heads of the block (they rotate q and k on the
+way in and dQ and dK on the way out). The transposed products use the
+transposed frame (S^T = K Q^T with the row statistics read back as column
+vectors), as jax's `attention_mgpu` backward does. Each gradient leaves
+through the plain view of an operand slot that is no longer read (dQ through
+k's, dV through v's, dK through q's). A fixed grid of CTAs walks the blocks'
+steps with a three-slot TMA ring (`_mgpu.walk`): the next step's q, k, v, dO
+load while the current one computes, and its gradient stores drain while the
+next computes. Two steps are in flight per SM: at D=64 as two one-warpgroup
+CTAs (110 KiB each); at D=128, where even a two-slot ring (142 KiB) leaves no
+room for a second CTA, as two consumer warpgroups of one CTA (214 KiB, 256
+threads) taking the CTA's steps alternately through its one ring, each with
+its own dS, lse and delta scratch (`config.BACKWARD_WARPGROUPS`).
 Sources: GEM engineering description (Meta, 2025), block-local attention with
 RoPE's backward fused; persistent kernels with a TMA ring, as in
 FlashAttention-3 (Shah et al., 2024).
@@ -87,7 +87,7 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             plgpu.commit_smem()
 
             # Query frame: softmax statistics, delta, dS and dQ.
-            s, dp = _mgpu.matmul_pair(qs, ks.transpose((1, 0)), shape, dos, vs.transpose((1, 0)), shape)
+            s, dp = mgpu_common.matmul_pair(qs, ks.transpose((1, 0)), dos, vs.transpose((1, 0)), shape)
             s = _mgpu.mask_keys(s * c2, rows, axis=1)
             m = s.max(axis=1)
             p = jnp.exp2(s - lax.broadcast_in_dim(m, shape, [0]))

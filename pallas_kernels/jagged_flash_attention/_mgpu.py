@@ -35,17 +35,6 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def matmul_pair(a1, b1, a2, b2, shape: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
-    """`(a1 @ b1, a2 @ b2)` issued back to back into fresh f32 accumulators, one wait."""
-
-    def body(r1, r2):
-        plgpu.wgmma(r1, a1, b1)
-        plgpu.wgmma(r2, a2, b2)
-        return r1[...], r2[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-
-
 def matmul_acc(acc: jax.Array, a: jax.Array, b, staging) -> jax.Array:
     """`acc + a @ b` with `a` in registers (wgmma's register A operand); waits for it.
 

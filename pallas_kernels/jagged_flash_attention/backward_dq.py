@@ -88,7 +88,7 @@ def backward_dq(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool,
                 shape = (WG_ROWS, BWD_BLOCK)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                s, dp = _mgpu.matmul_pair(
+                s, dp = mgpu_common.matmul_pair(
                     q_smem.at[wg], k_smem.at[slot].transpose((1, 0)),
                     do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), shape,
                 )
