@@ -1,6 +1,7 @@
 """Mosaic GPU building blocks shared by the attention kernels (JFA, GDPA, block-local).
 
-Two wgmmas issued back to back (`matmul_pair`); shared memory in the 128-byte
+A wgmma into a fresh accumulator (`matmul`), two issued back to back
+(`matmul_pair`); shared memory in the 128-byte
 swizzled layout that wgmma and TMA use, and the
 output path of a 64-row warpgroup tile: a staging buffer with a swizzled and a
 plain view, and a store that writes exactly a tile's rows `[lo, hi)`, so rows of
@@ -21,6 +22,16 @@ from pallas_kernels._src.dispatch import interpreting  # noqa: F401  (the kernel
 H100_H200_SM_COUNT = 132  # SMs of an H100 / H200 SXM: the persistent grid when the device does not say
 WG_ROWS = 64  # rows of one compute warpgroup's tile (the wgmma M)
 ROW_ALIGN = 8  # TMA copies of swizzled SMEM tiles start at multiples of this many rows
+
+
+def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
+    """`a @ b` of shared-memory operands on the tensor cores into a fresh f32 `shape` accumulator (waits for it)."""
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
 def matmul_pair(a1, b1, a2, b2, shape: tuple[int, int]) -> tuple[jax.Array, jax.Array]:

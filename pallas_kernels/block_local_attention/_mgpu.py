@@ -384,16 +384,6 @@ def mask_keys(s: jax.Array, rows, *, axis: int) -> jax.Array:
     return jnp.where(pos < rows, s, -jnp.inf)
 
 
-def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
-    """`a @ b` of two shared-memory operands into a fresh float32 accumulator."""
-
-    def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
-
-
 # The TMA box sizes, in rows, a partial block's rows leave in (`store_block`), largest first.
 PARTIAL_BOXES = (8, 1)
 

@@ -100,26 +100,26 @@ def backward(q, k, v, dout, freqs, plan: schedule.Plan, *, scale: float, rope: b
             lse_smem[...] = lse
             delta_smem[...] = delta
             plgpu.commit_smem()
-            dq = _mgpu.matmul(ds_smem, ks, (BLOCK, head_dim)) * scale
+            dq = mgpu_common.matmul(ds_smem, ks, (BLOCK, head_dim)) * scale
             if rope:
                 dq = _mgpu.rotate(dq, tables, inverse=True)
             dq = dq.astype(dtype)
 
             # Key frame (rows are keys, columns queries): dV and dK.
-            st = _mgpu.mask_keys(_mgpu.matmul(ks, qs.transpose((1, 0)), shape) * c2, rows, axis=0)
+            st = _mgpu.mask_keys(mgpu_common.matmul(ks, qs.transpose((1, 0)), shape) * c2, rows, axis=0)
             _mgpu.store_block(dq, k_ring[0].at[slot.index], dq_ref, step)  # k is read for the last time
             lse_col = plgpu.load(lse_smem, layout=_mgpu.LAYOUT.reduce(0))
             pt = jnp.exp2(st - lax.broadcast_in_dim(lse_col, shape, [1]))
             ds_smem[...] = pt.astype(dtype)  # dS (query frame) is no longer read: reuse for P^T
             plgpu.commit_smem()
-            dv = _mgpu.matmul(ds_smem, dos, (BLOCK, head_dim))
-            dpt = _mgpu.matmul(vs, dos.transpose((1, 0)), shape)
+            dv = mgpu_common.matmul(ds_smem, dos, (BLOCK, head_dim))
+            dpt = mgpu_common.matmul(vs, dos.transpose((1, 0)), shape)
             _mgpu.store_block(dv.astype(dtype), v_ring[0].at[slot.index], dv_ref, step)  # v and dO are done
             delta_col = plgpu.load(delta_smem, layout=_mgpu.LAYOUT.reduce(0))  # loaded late: fewer live registers
             dst = pt * (dpt - lax.broadcast_in_dim(delta_col, shape, [1]))
             ds_smem[...] = dst.astype(dtype)
             plgpu.commit_smem()
-            dk = _mgpu.matmul(ds_smem, qs, (BLOCK, head_dim)) * scale
+            dk = mgpu_common.matmul(ds_smem, qs, (BLOCK, head_dim)) * scale
             if rope:
                 dk = _mgpu.rotate(dk, tables, inverse=True)
             _mgpu.store_block(dk.astype(dtype), q_ring[0].at[slot.index], dk_ref, step)

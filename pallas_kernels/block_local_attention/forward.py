@@ -77,14 +77,14 @@ def forward(q, k, v, freqs, plan: schedule.Plan, *, scale: float, rope: bool, nu
             rows = step.rows
             qs, ks, vs = _mgpu.swizzle_loaded(operands, (True, True, False), slot, rows, tables)
             plgpu.commit_smem()
-            s = _mgpu.matmul(qs, ks.transpose((1, 0)), (BLOCK, BLOCK))
+            s = mgpu_common.matmul(qs, ks.transpose((1, 0)), (BLOCK, BLOCK))
             s = _mgpu.mask_keys(s * c2, rows, axis=1)
             m = s.max(axis=1)
             p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
             inv_l = 1.0 / p.sum(axis=1)
             p_smem[...] = p.astype(dtype)
             plgpu.commit_smem()
-            out = _mgpu.matmul(p_smem, vs, (BLOCK, head_dim))
+            out = mgpu_common.matmul(p_smem, vs, (BLOCK, head_dim))
             out = (out * lax.broadcast_in_dim(inv_l, out.shape, [0])).astype(dtype)
             _mgpu.store_block(out, q_ring[0].at[slot.index], out_ref, step)  # the QK^T wgmma has read q's slot
 

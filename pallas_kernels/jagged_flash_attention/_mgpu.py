@@ -18,21 +18,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._src import mgpu_common
 from pallas_kernels.jagged_flash_attention import schedule
 from pallas_kernels.jagged_flash_attention.config import ROW_ALIGN, TILE_ROWS, WG_ROWS
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-
-def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
-    """`a @ b` on the tensor cores into a fresh f32 accumulator (waits for it)."""
-
-    def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
 def matmul_acc(acc: jax.Array, a: jax.Array, b, staging) -> jax.Array:
@@ -46,7 +37,7 @@ def matmul_acc(acc: jax.Array, a: jax.Array, b, staging) -> jax.Array:
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
     staging[...] = a
     plgpu.commit_smem()
-    return acc + matmul(staging, b, acc.shape)
+    return acc + mgpu_common.matmul(staging, b, acc.shape)
 
 
 @dataclasses.dataclass(frozen=True)

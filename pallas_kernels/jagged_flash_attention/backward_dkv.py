@@ -110,7 +110,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                 slot = lax.rem(share.gstep + i, NUM_STAGES)
                 shape = (WG_ROWS, BWD_BLOCK)  # key rows x query columns
                 plgpu.barrier_wait(q_bar.at[slot])
-                s_t = _mgpu.matmul(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), shape)
+                s_t = mgpu_common.matmul(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), shape)
                 plgpu.barrier_wait(lse_bar.at[slot])
                 lse = _mgpu.load_col_vector(lse_smem.at[slot])
                 p_t = jnp.exp2(s_t * c2 - lax.broadcast_in_dim(lse, shape, [1]))
@@ -122,7 +122,7 @@ def backward_dkv(q, k, v, dout, lse, delta, plan: schedule.Plan, *, causal: bool
                     p_t = jnp.where(mask, p_t, 0.0)
                 plgpu.barrier_wait(do_bar.at[slot])
                 dv = _mgpu.matmul_acc(dv, p_t.astype(dtype), do_smem.at[slot], a_stage)
-                dp_t = _mgpu.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), shape)
+                dp_t = mgpu_common.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), shape)
                 plgpu.barrier_wait(delta_bar.at[slot])
                 delta = _mgpu.load_col_vector(delta_smem.at[slot])
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))

@@ -95,7 +95,7 @@ def forward(q, k, v, plan: schedule.Plan, *, causal: bool, scale: float, num_cta
                 acc, m_i, l_i = carry
                 slot = lax.rem(share.gstep + i, NUM_STAGES)
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = _mgpu.matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (WG_ROWS, FWD_BLOCK_KV))
+                s = mgpu_common.matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (WG_ROWS, FWD_BLOCK_KV))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
                     shape = (WG_ROWS, FWD_BLOCK_KV)
