@@ -34,18 +34,16 @@ XLA_FLAGS = (
 
 def flag_name(flag: str) -> str:
     """`--name` of `--name=value` (or of a bare `--name`)."""
-    return flag.split("=", 1)[0]
+    return flag.partition("=")[0]
 
 
 def effective_flags(value: str) -> dict[str, str | None] | str:
     """What XLA takes from an `XLA_FLAGS` value: `{"--name": value}` (the last of a repeated flag; None for a
     bare `--name`), whatever their order and spacing, or the value itself when it names a file of flags."""
-    if value.strip() and not value.strip().startswith("-"):
-        return value.strip()
-    flags = {}
-    for flag in value.split():
-        flags[flag_name(flag)] = flag.split("=", 1)[1] if "=" in flag else None
-    return flags
+    value = value.strip()
+    if value and not value.startswith("-"):
+        return value
+    return {name: (text if sep else None) for name, sep, text in (flag.partition("=") for flag in value.split())}
 
 
 def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:

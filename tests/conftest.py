@@ -56,7 +56,7 @@ os.environ.setdefault("GEM_COMPILE_CACHE_DIR", "off")
 
 
 @pytest.fixture(autouse=True)
-def _restore_device_memory_share():
+def _restore_launch_environment():
     """gem-train sets the process's GPU memory share when none is set (`gem_jax.device_memory`) and adds the
     project's XLA flags (`gem_jax.xla_options`); a test that runs it in-process leaves the variables as they were,
     so no later test, nor a process it starts, sees a share or flags it did not set."""

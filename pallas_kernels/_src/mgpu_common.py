@@ -1,11 +1,10 @@
 """Mosaic GPU building blocks shared by the attention kernels (JFA, GDPA, block-local).
 
-A wgmma into a fresh accumulator (`matmul`), two issued back to back
-(`matmul_pair`); shared memory in the 128-byte
-swizzled layout that wgmma and TMA use, and the
-output path of a 64-row warpgroup tile: a staging buffer with a swizzled and a
-plain view, and a store that writes exactly a tile's rows `[lo, hi)`, so rows of
-neighbouring jagged sequences are never touched.
+A wgmma into a fresh accumulator (`matmul`), or two issued back to back
+(`matmul_pair`); shared memory in the 128-byte swizzled layout that wgmma and
+TMA use, and the output path of a 64-row warpgroup tile: a staging buffer with a
+swizzled and a plain view, and a store that writes exactly a tile's rows `[lo,
+hi)`, so rows of neighbouring jagged sequences are never touched.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
 
 def matmul_pair(a1, b1, a2, b2, shape: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
     """`(a1 @ b1, a2 @ b2)` of shared-memory operands into fresh f32 `shape` accumulators: both wgmmas
-    issued back to back, then one wait for both (the second runs while the first drains)."""
+    issued back to back, then one wait for both, instead of a wait after each."""
 
     def body(r1, r2):
         plgpu.wgmma(r1, a1, b1)

@@ -393,13 +393,12 @@ def store_block(value: jax.Array, plain, dst_ref, step: Step) -> None:
 
     TMA boxes have static sizes: a full block leaves as one store of 64 rows,
     any other as stores of 8 rows and then of 1 (`PARTIAL_BOXES`: at most 7 +
-    7). Fewer box sizes, fewer registers: with one store per set bit of `rows`
-    (64, 32, ..., 1: seven sizes, each a code path of its own, whose address
-    arithmetic ptxas likely keeps live across the kernel's loop) the D=128
-    backward, at 255 registers a thread, spilled 612 bytes of stores; with
-    these three, 340, and 276 with the backward's delta loaded late
-    (`scripts/kernel_resources.py`, case `block_local_rope_d128_h4`). The stores join the round's bulk-copy group
-    (`walk` commits it and waits for it before `plain` is reused).
+    7). Each box size is a code path of its own, and fewer of them leave the
+    D=128 backward fewer registers to spill: with one store per set bit of
+    `rows` (seven sizes) it spilled 612 bytes of stores a thread, with these
+    three 340 (`scripts/kernel_resources.py`; benchmarks/long_history.md, "The
+    backward's stores and registers"). The stores join the round's bulk-copy
+    group (`walk` commits it and waits for it before `plain` is reused).
     """
     start, rows, head = step.start, step.rows, step.head
     plain[...] = value
