@@ -72,6 +72,19 @@ def param_roles(plan: ShardingPlan) -> dict:
     return jax.tree_util.tree_map_with_path(role, plan.logical, is_leaf=_is_spec)
 
 
+def cast_param_paths(plan: ShardingPlan, params: dict, compute_dtype) -> tuple[str, ...]:
+    """The paths (`path_str`) of the parameters `gather_param` casts to `compute_dtype`: every DENSE and
+    EXPERT leaf of `params` (arrays or `jax.ShapeDtypeStruct`s, `plan`'s tree) of a floating dtype other
+    than `compute_dtype`, in `jax.tree.leaves` order (empty for "float32" steps of float32 weights)."""
+    dtype = jnp.dtype(compute_dtype)
+    roles = jax.tree.leaves(param_roles(plan), is_leaf=lambda x: isinstance(x, Role))
+    return tuple(
+        path_str(path)
+        for (path, leaf), role in zip(jax.tree_util.tree_leaves_with_path(params), roles, strict=True)
+        if role is not Role.TABLE and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype
+    )
+
+
 def _psum(x, axes):
     return jax.lax.psum(x, axes) if axes else x
 

@@ -262,6 +262,7 @@ class Checkpointer:
           CheckpointSpaceError: the peak does not fit in the free space (needed, free, the
             path and what to change named), or a shard exceeds the write bound.
         """
+        abstract_state = _checkpointed(abstract_state)
         self._copy_bytes = disk_space.checkpoint_bytes(abstract_state)
         largest = disk_space.largest_shard_bytes(abstract_state)
         if largest >= self.write_buffer_gb * 1e9:
@@ -343,6 +344,7 @@ class Checkpointer:
         if not (force or self.should_save(step)):
             return False
         start = time.perf_counter()
+        state = _checkpointed(state)
         if force:
             self._finish_write()
         steps = self.all_steps()
@@ -675,8 +677,15 @@ def _free(tree) -> None:
             leaf.delete()
 
 
+def _checkpointed(state):
+    """What a checkpoint of `state` holds: a `TrainState` without its `compute_params`, any other tree whole."""
+    return state.checkpointed() if isinstance(state, TrainState) else state
+
+
 def _restore_args(abstract_state: TrainState) -> ocp.args.PyTreeRestore:
-    """Orbax's restore of the state onto `abstract_state`'s shapes, dtypes and shardings."""
+    """Orbax's restore of the state onto `abstract_state`'s shapes, dtypes and shardings, without its
+    `compute_params` (checkpoints hold none: `StateSetup.add_compute_params` rebuilds them)."""
+    abstract_state = _checkpointed(abstract_state)
     return ocp.args.PyTreeRestore(item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
 
 

@@ -36,6 +36,7 @@ from gem_jax.train.preemption import Preempted, StopSignals
 from gem_jax.train.capacity_plan import planned_capacities
 from gem_jax.train.programs import Programs, start_programs
 from gem_jax.train.setup import setup_training
+from gem_jax.train.state import StateSetup
 from gem_jax.train.window import TrainWindow
 from gem_jax.train.workdir_lock import WorkdirLock
 from gem_jax.units import format_bytes
@@ -153,7 +154,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
                 ready, bucket = state_thread.submit(training.initial_state), goodput.INIT
             else:
                 quarantine = workdir / "corrupt_checkpoints"
-                ready = state_thread.submit(checkpointer.restore_latest, training.state.abstract, train_iter, quarantine_dir=quarantine, fallback=fallback)
+                ready = state_thread.submit(_restore_latest, checkpointer, training.state, train_iter, quarantine_dir=quarantine, fallback=fallback)
                 bucket = goodput.RESTORE
             # Planned from the newest checkpoint: should the restore fall back to an older one, a batch of the
             # steps between needing an unplanned capacity is compiled when it comes (`Programs.train_step`).
@@ -303,6 +304,12 @@ def _describe(training) -> None:
     print(f"gem-train: {describe_capacities(training.dataset.token_buckets, training.per_device_batch)}", flush=True)
 
 
+def _restore_latest(checkpointer: Checkpointer, setup: StateSetup, data_iterator, **kwargs):
+    """`checkpointer.restore_latest` onto `setup`'s shardings, the state's compute copy rebuilt (checkpoints hold none)."""
+    restored = checkpointer.restore_latest(setup.abstract, data_iterator, **kwargs)
+    return restored if restored is None else (restored[0], setup.add_compute_params(restored[1]))
+
+
 def _start_programs(training, train_steps: range, last_step: int, chrono) -> Programs:
     """Every train and eval program the steps `train_steps` and their evals run, lowered now and
     compiling in threads when it returns (`gem_jax.train.programs.start_programs`; `_finish_programs` waits)."""
@@ -352,7 +359,7 @@ def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
     sizes = {"params": disk_space.array_bytes(abstract.params), "opt_state": disk_space.array_bytes(abstract.opt_state)}
     checkpoint_dir = Path(workdir) / "checkpoints"
     on_disk = sum(1 for p in checkpoint_dir.iterdir() if p.name.isdigit()) if checkpoint_dir.is_dir() else 0
-    plan = disk_space.plan_space(abstract, config.checkpoint.max_to_keep, on_disk, checkpoint_dir)
+    plan = disk_space.plan_space(abstract.checkpointed(), config.checkpoint.max_to_keep, on_disk, checkpoint_dir)
     steps = ", ".join(f"{capacity} ({count} steps)" for capacity, count in train.items())
     print(
         f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {steps} "

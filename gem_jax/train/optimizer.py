@@ -86,6 +86,12 @@ class OptimConfig:
         `embedding_learning_rate / sqrt(0.1)` times the gradient (plain SGD), and from 0
         about `embedding_learning_rate` in each coordinate, whatever the gradient's scale
         (`benchmarks/quality.md`).
+      keep_compute_params: keep the dense weights' copy in the model's compute dtype in the
+        train state (`gem_jax.train.state.TrainState.compute_params`), written by this
+        optimizer's pass as it updates them, instead of cast from the float32 weights by every
+        step's forward. The same values (the cast's own rounding); at `configs/gem_h200.py`
+        8.8 GB less traffic a step and 2.4 GB more peak memory (`benchmarks/step.md`). No
+        effect on a float32 model, and none on checkpoints (the copy is rebuilt on restore).
     """
 
     learning_rate: float = 2e-3
@@ -98,6 +104,7 @@ class OptimConfig:
     moments_dtype: str = "float32"
     embedding_accumulator: str = "row"
     embedding_initial_accumulator: float = ADAGRAD_INITIAL_ACCUMULATOR
+    keep_compute_params: bool = True
 
     def __post_init__(self):
         check_float(self, "learning_rate", positive=True)
@@ -107,6 +114,7 @@ class OptimConfig:
         check_float(self, "embedding_learning_rate", positive=True)
         check_float(self, "grad_clip_norm", minimum=0.0)
         check_bool(self, "sparse_embedding_updates")
+        check_bool(self, "keep_compute_params")
         check_float(self, "embedding_initial_accumulator", minimum=0.0)
         if self.moments_dtype not in MOMENTS_DTYPES:
             raise ValueError(f"OptimConfig.moments_dtype must be one of {MOMENTS_DTYPES}, got {self.moments_dtype!r}")

@@ -6,7 +6,8 @@ differing field) when anything that changes results differs: reusing a workdir a
 config change would otherwise resume or re-report the old run under the new name.
 Fields that only change how a run is observed or how far it goes (logging intervals,
 checkpoint cadence, `loop.num_steps`, prefetching), or how the same values are computed
-(remat budgets, the RMSNorm implementation), may change between starts (`MAY_CHANGE`).
+(remat budgets, the RMSNorm implementation, the kept bfloat16 weights), may change between starts
+(`MAY_CHANGE`).
 `start_new_run` moves an earlier run's files aside (nothing is deleted) for
 `gem-train --force-new`.
 """
@@ -35,11 +36,13 @@ ARCHIVE_DIR = "previous_runs"
 # Config leaves that change how a step computes its values, not what they are, so they may change
 # between starts: `model.remat`, what the backward recomputes instead of keeping (the same values
 # up to the recomputation's rounding: a run stopped for memory may resume under another budget),
-# and `model.norm_implementation`, flax's RMSNorm or the one-pass kernels (the same function and
-# parameters up to the order of float32 sums: a run may resume on another machine or setting).
+# `model.norm_implementation`, flax's RMSNorm or the one-pass kernels (the same function and
+# parameters up to the order of float32 sums: a run may resume on another machine or setting),
+# and `optim.keep_compute_params`, whether the step's bfloat16 weights are kept in the state or cast
+# by the forward (the same values up to the float32 rounding of the update's arithmetic).
 # Each start records the ones it ran with in its `version`, so a run resumed under another setting
 # says so in `resumed_with` (from that start on).
-COMPUTED_WITH = ("model.remat", "model.norm_implementation")
+COMPUTED_WITH = ("model.remat", "model.norm_implementation", "optim.keep_compute_params")
 
 # Config leaves that may change between starts of one run: they do not change the
 # trained parameters of any step both starts reach.
@@ -58,8 +61,10 @@ MAY_CHANGE = (
 # `optim.embedding_accumulator` made "row" the default, and started it at 0.1 before
 # `optim.embedding_initial_accumulator` could change that; history rows carried no item
 # features before `data.history_item_features` (and the spec's field of that name); the RMSNorms
-# were flax's before `model.norm_implementation` (whose "xla" is flax's computation bit for bit).
+# were flax's before `model.norm_implementation` (whose "xla" is flax's computation bit for bit);
+# every forward cast the float32 weights before `optim.keep_compute_params`.
 RECORDED_BEFORE_FIELD = {
+    "config.optim.keep_compute_params": False,
     "config.optim.embedding_accumulator": "element",
     "config.optim.embedding_initial_accumulator": 0.1,
     "config.data.history_item_features": False,

@@ -3,6 +3,13 @@
 `jax.eval_shape` gives the state's shapes without allocating; the model's logical axis
 annotations and the config's rules give each leaf a `NamedSharding`; the init is then
 jitted with those `out_shardings`, so no device ever holds an unsharded copy.
+
+With a compute dtype narrower than the parameters' (bfloat16 steps of float32 weights), the
+state may keep the dense weights' compute-dtype copy between steps (`TrainState.compute_params`):
+the float32 master weights of mixed-precision training (Micikevicius et al., 2018, "Mixed
+Precision Training"), whose low-precision copy the optimizer's pass writes as it updates them
+(as Apex's and DeepSpeed's fused optimizers do), instead of every step's forward reading the
+float32 weights again to cast them (`gem_jax.parallel.spmd.gather_param`).
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gem_jax.nn.layers import EmbeddingTable
 from gem_jax.parallel import rules as rules_lib
-from gem_jax.pytree import mirrored_params, mirrors_rows, path_keys
-from gem_jax.parallel.spmd import ShardedModel
+from gem_jax.pytree import mirrored_params, mirrors_rows, path_keys, path_str
+from gem_jax.parallel.spmd import ShardedModel, cast_param_paths
 
 
 @struct.dataclass
@@ -31,11 +38,21 @@ class TrainState:
       step: int32 scalar, optimizer steps taken.
       params: the model's parameters as a nested dict of arrays (`nnx.to_pure_dict`).
       opt_state: the optax state of `params`.
+      compute_params: None, or the compute-dtype copy of `params`' dense weights, by
+        parameter path (`"seq/layers/0/mlp/up/kernel"`: `StateSetup.copied`), each
+        `params`' leaf cast (round to nearest) with its sharding: what the step's forward
+        uses in their place. Derived from `params`, so never checkpointed (`checkpointed`)
+        and rebuilt on restore (`StateSetup.add_compute_params`).
     """
 
     step: jax.Array
     params: dict
     opt_state: optax.OptState
+    compute_params: dict | None = None
+
+    def checkpointed(self) -> TrainState:
+        """The state a checkpoint holds: without `compute_params`."""
+        return self.replace(compute_params=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +67,8 @@ class StateSetup:
       mesh: the device mesh.
       plan: every parameter's sharding and the tables' placements.
       compute_dtype: dtype dense weights are cast to before use in a step.
+      copied: the paths of the parameters the state keeps a `compute_dtype` copy of
+        (`TrainState.compute_params`); empty: the state keeps none.
     """
 
     graphdef: nnx.GraphDef
@@ -58,6 +77,15 @@ class StateSetup:
     mesh: Mesh
     plan: rules_lib.ShardingPlan
     compute_dtype: str = "float32"
+    copied: tuple[str, ...] = ()
+
+    def add_compute_params(self, state: TrainState) -> TrainState:
+        """`state` with its `compute_params` made from its `params` (a restored or user-built state); unchanged
+        when this setup keeps no copy. Jitted onto `shardings`; `state` is not donated."""
+        if not self.copied:
+            return state
+        make = jax.jit(lambda params: compute_params(params, self.copied, self.compute_dtype), out_shardings=self.shardings.compute_params)
+        return state.replace(compute_params=make(state.params))
 
     def sharded_model(self) -> ShardedModel:
         """The model's sharded forward pass and loss (`gem_jax.parallel.spmd`)."""
@@ -87,11 +115,28 @@ def mirror_param_shardings(opt_state, params, param_shardings, default):
     return jax.tree.unflatten(jax.tree.structure(opt_state), picked)
 
 
-def _init_fn(model_factory: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int):
+def compute_params(params: dict, copied: tuple[str, ...], dtype) -> dict | None:
+    """`TrainState.compute_params` of `params`: each leaf of a path in `copied` cast to `dtype`; None when `copied` is empty."""
+    if not copied:
+        return None
+    leaves = {path_str(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    return {path: leaves[path].astype(dtype) for path in copied}
+
+
+def forward_params(state: TrainState) -> dict:
+    """The parameter tree a step's forward uses: `state.params` with each copied leaf replaced by its copy."""
+    if state.compute_params is None:
+        return state.params
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: state.compute_params.get(path_str(path), leaf), state.params)
+
+
+def _init_fn(model_factory: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int,
+             copied: tuple[str, ...] = (), compute_dtype: str = "float32"):
     def init() -> TrainState:
         with nnx.use_eager_sharding(False):
             params = nnx.to_pure_dict(nnx.split(model_factory(nnx.Rngs(seed)))[1])
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                          compute_params=compute_params(params, copied, compute_dtype))
 
     return init
 
@@ -103,11 +148,15 @@ def state_setup(
     rules: rules_lib.Rules,
     *,
     compute_dtype: str = "float32",
+    keep_compute_params: bool = False,
 ) -> StateSetup:
     """The shapes and shardings of a train state on `mesh`, without allocating it.
 
-    Enough to restore a checkpoint onto `mesh` (`setup.abstract` is the target) or to
-    place existing parameters (`setup.shardings`). Arguments as `create_train_state`.
+    Enough to restore a checkpoint onto `mesh` (`setup.abstract.checkpointed()` is the
+    target) or to place existing parameters (`setup.shardings`). Arguments as
+    `create_train_state`; `keep_compute_params`: the state keeps the `compute_dtype` copy
+    of every weight the step casts to it (`gem_jax.parallel.spmd.cast_param_paths`; none
+    when `compute_dtype` is the weights' own).
 
     Raises:
       ValueError: an embedding table of the model exchanges its rows in another dtype
@@ -120,11 +169,15 @@ def state_setup(
     plan = rules_lib.plan_sharding(abstract_model, dict(mesh.shape), rules)
     param_shardings = plan.shardings(mesh)
     abstract = jax.eval_shape(_init_fn(model_factory, optimizer, 0))
+    copied = cast_param_paths(plan, abstract.params, compute_dtype) if keep_compute_params else ()
+    abstract = abstract.replace(compute_params=jax.eval_shape(lambda p: compute_params(p, copied, compute_dtype), abstract.params))
     replicated = rules_lib.replicated(mesh)
     opt_shardings = mirror_param_shardings(abstract.opt_state, abstract.params, param_shardings, replicated)
-    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    by_path = {path_str(path): sharding for path, sharding in jax.tree_util.tree_leaves_with_path(param_shardings)}
+    copy_shardings = {path: by_path[path] for path in copied} if copied else None
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, compute_params=copy_shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype)
+    return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype, copied)
 
 
 def check_exchange_dtypes(model: nnx.Module, compute_dtype: str) -> None:
@@ -152,6 +205,7 @@ def create_train_state(
     seed: int,
     *,
     compute_dtype: str = "float32",
+    keep_compute_params: bool = False,
 ) -> tuple[TrainState, StateSetup]:
     """Initialises the model and optimizer state sharded over `mesh`.
 
@@ -164,8 +218,10 @@ def create_train_state(
       compute_dtype: the model's compute dtype; dense weights are cast to it on
         their shard before the FSDP all-gather. The model's embedding tables must
         exchange their rows in it (`EmbeddingTable.exchange_dtype`, or None).
+      keep_compute_params: keep the `compute_dtype` copy of the dense weights in the
+        state (`TrainState.compute_params`).
     """
-    setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype)
+    setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype, keep_compute_params=keep_compute_params)
     return init_train_state(model_factory, optimizer, setup, seed), setup
 
 
@@ -176,4 +232,5 @@ def init_train_state(
 
     Arguments as `create_train_state`; the same seed gives the same state on any mesh.
     """
-    return jax.jit(_init_fn(model_factory, optimizer, seed), out_shardings=setup.shardings)()
+    init = _init_fn(model_factory, optimizer, seed, setup.copied, setup.compute_dtype)
+    return jax.jit(init, out_shardings=setup.shardings)()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -11,7 +12,7 @@ import optax
 from gem_jax.batch import Batch
 from gem_jax.parallel.placement import BatchPlacement
 from gem_jax.train import metrics, sparse_tables
-from gem_jax.train.state import StateSetup, TrainState
+from gem_jax.train.state import StateSetup, TrainState, compute_params, forward_params
 
 
 def make_train_step(
@@ -26,6 +27,10 @@ def make_train_step(
     `<table>/overflow` (check them with `gem_jax.nn.embeddings.check_lookup_stats`),
     and for sharded tables `<table>/sent_rows` (int32) and `<table>/sent_bytes` (float32).
 
+    The forward uses `state.compute_params` in place of the weights they copy
+    (`gem_jax.train.state.forward_params`); their gradients are widened to the weights'
+    dtype, the values the cast's own derivative gives, and the step writes the next copy.
+
     With `sparse_embedding_updates`, unsharded tables are updated row by row
     (`gem_jax.train.sparse_tables`: the same update, without a dense table gradient);
     `optimizer` must then be row-wise on the tables (`gem_jax.train.optimizer`'s is).
@@ -33,12 +38,14 @@ def make_train_step(
     model = setup.sharded_model()
 
     def train_step(state: TrainState, batch: Batch):
+        forward = forward_params(state)
         if sparse_embedding_updates:
-            (loss, (bce, stats)), sparse = sparse_tables.sparse_value_and_grad(model, state.params, batch)
-            params, opt_state = sparse_tables.apply_sparse_updates(optimizer, sparse, state.params, state.opt_state)
-            grads = sparse.grads
+            (loss, (bce, stats)), sparse = sparse_tables.sparse_value_and_grad(model, forward, batch)
+            grads = as_param_dtypes(sparse.grads, state.params)
+            params, opt_state = sparse_tables.apply_sparse_updates(optimizer, dataclasses.replace(sparse, grads=grads), state.params, state.opt_state)
         else:
-            (loss, (bce, stats, _)), grads = jax.value_and_grad(model.loss, has_aux=True)(state.params, batch)
+            (loss, (bce, stats, _)), grads = jax.value_and_grad(model.loss, has_aux=True)(forward, batch)
+            grads = as_param_dtypes(grads, state.params)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         labels, weights = batch.labels.reshape(-1, batch.labels.shape[-1]), batch.weights.reshape(-1)
@@ -50,11 +57,17 @@ def make_train_step(
             "grad_norm": optax.tree.norm(grads),
             **stats,
         }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), out
+        copies = compute_params(params, setup.copied, setup.compute_dtype)  # written by the update's pass
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, compute_params=copies), out
 
     return jax.jit(
         train_step, in_shardings=(setup.shardings, placement.sharding), out_shardings=(setup.shardings, None), donate_argnums=0
     )
+
+
+def as_param_dtypes(grads: dict, params: dict) -> dict:
+    """`grads` with every leaf in its parameter's dtype (a copied weight's gradient arrives in the copy's)."""
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
 def make_eval_step(setup: StateSetup, placement: BatchPlacement) -> Callable:

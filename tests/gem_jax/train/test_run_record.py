@@ -185,13 +185,24 @@ def test_a_record_written_before_the_norm_setting_reads_as_flax_norms(tmp_path, 
         run_record.check_run(tmp_path, run_record.make_record(wider, {}, None), has_checkpoints=True, write=False)
 
 
+def test_a_record_written_before_kept_bf16_weights_reads_as_casting_and_may_restart_with_them(tmp_path, tiny_config):
+    """Before `optim.keep_compute_params` every forward cast the float32 weights: such a record reads as False, and a
+    restart that keeps the bfloat16 weights (the default) continues it (the same values)."""
+    record = run_record.make_record(tiny_config, {}, None)
+    del record["config"]["optim"]["keep_compute_params"]
+    run_record.write_record(tmp_path, record)
+    assert run_record.read_record(tmp_path)["config"]["optim"]["keep_compute_params"] is False
+    assert run_record.check_run(tmp_path, run_record.make_record(tiny_config, {}, None), has_checkpoints=True, write=False)
+
+
 def test_a_restart_under_another_norm_implementation_or_remat_budget_is_noted_once(tmp_path, tiny_config):
     """The settings that change how values are computed (`COMPUTED_WITH`) may change on a restart; each start's are in
     its `version`, so the change is appended to `resumed_with` once, and the first start's stay in `version`."""
     run_record.check_run(tmp_path, run_record.make_record(tiny_config, {}, None), has_checkpoints=False)
     first = run_record.read_record(tmp_path)["version"]["computed_with"]
     assert first["model.norm_implementation"] == tiny_config.model.norm_implementation  # None: the default
-    assert all(path == "model.norm_implementation" or path.startswith("model.remat.") for path in first)
+    assert all(path in ("model.norm_implementation", "optim.keep_compute_params") or path.startswith("model.remat.") for path in first)
+    assert first["optim.keep_compute_params"] is True
     assert len(first) > 1  # the remat budget's leaves too
     kernels = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, norm_implementation="pallas"))
     for _ in range(2):
