@@ -238,7 +238,7 @@ def main() -> None:
     if args.values == "random":
         state = randomize(state)
     setup_s = time.perf_counter() - start
-    abstract = training.state.abstract
+    abstract = training.state.abstract.checkpointed()  # what a checkpoint holds: no compute copy
     step = device_step(args.step_seconds, args.sleep)
     record = {
         "config": args.config,
@@ -256,7 +256,7 @@ def main() -> None:
         "checkpoint_bytes_estimate": disk_space.checkpoint_bytes(abstract),
         "state_array_bytes": disk_space.array_bytes(abstract),
         "state_bytes_per_device": {str(d): b for d, b in snapshot.device_bytes(abstract).items()},
-        "snapshot_fits_before_steps": snapshot.fits(state),
+        "snapshot_fits_before_steps": snapshot.fits(state.checkpointed()),
         "variants": {},
     }
     print(json.dumps({k: v for k, v in record.items() if k != "variants"}, default=str), flush=True)

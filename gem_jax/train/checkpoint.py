@@ -323,9 +323,11 @@ class Checkpointer:
             return sorted(self.manager.all_steps())
 
     def restore_state(self, step: int, abstract_state: TrainState) -> TrainState:
-        """Restores only the train state of `step` (not the data position), onto `abstract_state`'s shardings."""
+        """Restores only the train state of `step` (not the data position), onto `abstract_state`'s shardings
+        (a `TrainState`'s compute copy made from the restored parameters)."""
         with self._lock:
-            return self.manager.restore(step, args=ocp.args.Composite(state=_restore_args(abstract_state))).state
+            saved = self.manager.restore(step, args=ocp.args.Composite(state=_restore_args(abstract_state))).state
+        return _restored(saved, abstract_state)
 
     def save(self, step: int, state: TrainState, data_iterator: grain.DatasetIterator, *, force: bool = False) -> bool:
         """Starts a save when `should_save(step)` (or `force`); returns whether it did.
@@ -372,7 +374,8 @@ class Checkpointer:
         return True
 
     def restore(self, step: int, abstract_state: TrainState, data_iterator: grain.DatasetIterator) -> TrainState:
-        """Restores `step` onto the shardings carried by `abstract_state`; moves `data_iterator` in place.
+        """Restores `step` onto the shardings carried by `abstract_state` (a `TrainState`'s compute copy made
+        from the restored parameters); moves `data_iterator` in place.
 
         Raises:
           FileNotFoundError: no checkpoint for `step`.
@@ -384,7 +387,7 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(state=_restore_args(abstract_state), data=grain.checkpoint.CheckpointRestore(data_iterator)),
             )
-        return restored.state
+        return _restored(restored.state, abstract_state)
 
     def wait(self) -> None:
         """Waits for the save in flight and the checksum manifests of the steps this process saved.
@@ -678,13 +681,19 @@ def _free(tree) -> None:
 
 
 def _checkpointed(state):
-    """What a checkpoint of `state` holds: a `TrainState` without its `compute_params`, any other tree whole."""
+    """What a checkpoint of `state` holds: a `TrainState`'s `SavedState` (no compute copy), any other tree whole."""
     return state.checkpointed() if isinstance(state, TrainState) else state
 
 
+def _restored(saved, abstract_state):
+    """The state restored onto `abstract_state`: a `TrainState` with its compute copy rebuilt
+    (`SavedState.train_state`), any other tree as read."""
+    return saved.train_state(abstract_state) if isinstance(abstract_state, TrainState) else saved
+
+
 def _restore_args(abstract_state: TrainState) -> ocp.args.PyTreeRestore:
-    """Orbax's restore of the state onto `abstract_state`'s shapes, dtypes and shardings, without its
-    `compute_params` (checkpoints hold none: `StateSetup.add_compute_params` rebuilds them)."""
+    """Orbax's restore of what a checkpoint holds of `abstract_state` (`_checkpointed`), onto its shapes, dtypes and
+    shardings."""
     abstract_state = _checkpointed(abstract_state)
     return ocp.args.PyTreeRestore(item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
 

@@ -36,7 +36,6 @@ from gem_jax.train.preemption import Preempted, StopSignals
 from gem_jax.train.capacity_plan import planned_capacities
 from gem_jax.train.programs import Programs, start_programs
 from gem_jax.train.setup import setup_training
-from gem_jax.train.state import StateSetup
 from gem_jax.train.window import TrainWindow
 from gem_jax.train.workdir_lock import WorkdirLock
 from gem_jax.units import format_bytes
@@ -154,7 +153,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
                 ready, bucket = state_thread.submit(training.initial_state), goodput.INIT
             else:
                 quarantine = workdir / "corrupt_checkpoints"
-                ready = state_thread.submit(_restore_latest, checkpointer, training.state, train_iter, quarantine_dir=quarantine, fallback=fallback)
+                ready = state_thread.submit(checkpointer.restore_latest, training.state.abstract, train_iter, quarantine_dir=quarantine, fallback=fallback)
                 bucket = goodput.RESTORE
             # Planned from the newest checkpoint: should the restore fall back to an older one, a batch of the
             # steps between needing an unplanned capacity is compiled when it comes (`Programs.train_step`).
@@ -302,12 +301,6 @@ def _describe(training) -> None:
     for line in training.describe_exchanges():
         print(f"gem-train: {line}", flush=True)
     print(f"gem-train: {describe_capacities(training.dataset.token_buckets, training.per_device_batch)}", flush=True)
-
-
-def _restore_latest(checkpointer: Checkpointer, setup: StateSetup, data_iterator, **kwargs):
-    """`checkpointer.restore_latest` onto `setup`'s shardings, the state's compute copy rebuilt (checkpoints hold none)."""
-    restored = checkpointer.restore_latest(setup.abstract, data_iterator, **kwargs)
-    return restored if restored is None else (restored[0], setup.add_compute_params(restored[1]))
 
 
 def _start_programs(training, train_steps: range, last_step: int, chrono) -> Programs:

@@ -148,7 +148,8 @@ def setup_training(
       dataset: an already loaded data set (default: `load_dataset(config.data)`).
       devices: the mesh's devices (default: all).
       init_state: False returns None for the state (restore it from a checkpoint
-        onto `training.state.abstract` instead, or initialise it later with
+        onto `training.state.abstract` instead, which rebuilds the state's compute copy
+        (`gem_jax.train.checkpoint.Checkpointer.restore`), or initialise it later with
         `training.initial_state()`, e.g. while programs compile).
 
     Returns:

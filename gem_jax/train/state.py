@@ -42,7 +42,7 @@ class TrainState:
         parameter path (`"seq/layers/0/mlp/up/kernel"`: `StateSetup.copied`), each
         `params`' leaf cast (round to nearest) with its sharding: what the step's forward
         uses in their place. Derived from `params`, so never checkpointed (`checkpointed`)
-        and rebuilt on restore (`StateSetup.add_compute_params`).
+        and rebuilt on restore (`SavedState.train_state`).
     """
 
     step: jax.Array
@@ -50,9 +50,31 @@ class TrainState:
     opt_state: optax.OptState
     compute_params: dict | None = None
 
-    def checkpointed(self) -> TrainState:
-        """The state a checkpoint holds: without `compute_params`."""
-        return self.replace(compute_params=None)
+    def checkpointed(self) -> SavedState:
+        """What a checkpoint holds of this state: all of it but `compute_params`."""
+        return SavedState(step=self.step, params=self.params, opt_state=self.opt_state)
+
+
+@struct.dataclass
+class SavedState:
+    """A checkpoint's train state: `TrainState`'s step, parameters and optimizer state (the tree checkpoints
+    have always held); `train_state` makes the `TrainState` of it."""
+
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+
+    def train_state(self, abstract: TrainState) -> TrainState:
+        """The `TrainState` of this restored state, its `compute_params` made from its parameters as `abstract`
+        (the restore target: a `TrainState` of `jax.ShapeDtypeStruct`s with shardings) has them: the same
+        paths, dtype and shardings; none when `abstract` has none."""
+        copies = None
+        if abstract.compute_params:
+            paths = tuple(abstract.compute_params)
+            dtype = abstract.compute_params[paths[0]].dtype
+            shardings = {path: leaf.sharding for path, leaf in abstract.compute_params.items()}
+            copies = jax.jit(lambda params: compute_params(params, paths, dtype), out_shardings=shardings)(self.params)
+        return TrainState(step=self.step, params=self.params, opt_state=self.opt_state, compute_params=copies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +100,6 @@ class StateSetup:
     plan: rules_lib.ShardingPlan
     compute_dtype: str = "float32"
     copied: tuple[str, ...] = ()
-
-    def add_compute_params(self, state: TrainState) -> TrainState:
-        """`state` with its `compute_params` made from its `params` (a restored or user-built state); unchanged
-        when this setup keeps no copy. Jitted onto `shardings`; `state` is not donated."""
-        if not self.copied:
-            return state
-        make = jax.jit(lambda params: compute_params(params, self.copied, self.compute_dtype), out_shardings=self.shardings.compute_params)
-        return state.replace(compute_params=make(state.params))
 
     def sharded_model(self) -> ShardedModel:
         """The model's sharded forward pass and loss (`gem_jax.parallel.spmd`)."""
@@ -152,8 +166,8 @@ def state_setup(
 ) -> StateSetup:
     """The shapes and shardings of a train state on `mesh`, without allocating it.
 
-    Enough to restore a checkpoint onto `mesh` (`setup.abstract.checkpointed()` is the
-    target) or to place existing parameters (`setup.shardings`). Arguments as
+    Enough to restore a checkpoint onto `mesh` (`setup.abstract` is the target) or to
+    place existing parameters (`setup.shardings`). Arguments as
     `create_train_state`; `keep_compute_params`: the state keeps the `compute_dtype` copy
     of every weight the step casts to it (`gem_jax.parallel.spmd.cast_param_paths`; none
     when `compute_dtype` is the weights' own).
