@@ -233,7 +233,8 @@ def create_train_state(
         their shard before the FSDP all-gather. The model's embedding tables must
         exchange their rows in it (`EmbeddingTable.exchange_dtype`, or None).
       keep_compute_params: keep the `compute_dtype` copy of the dense weights in the
-        state (`TrainState.compute_params`).
+        state (`TrainState.compute_params`). False here; the trainer passes
+        `OptimConfig.keep_compute_params` (True by default).
     """
     setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype, keep_compute_params=keep_compute_params)
     return init_train_state(model_factory, optimizer, setup, seed), setup
