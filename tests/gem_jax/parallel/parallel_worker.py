@@ -418,18 +418,21 @@ def barrier(name: str) -> None:
 
 
 def process(out: Path, workdir: Path) -> None:
-    """One of two processes: train 3 steps (checkpoint after 2), restore step 2, replay step 3 bit-exactly."""
+    """One of two processes: train 3 steps (checkpoint after 2), restore step 2, replay step 3 bit-exactly; in
+    bfloat16 with the state's bfloat16 weights (`TrainState.compute_params`), which the restore rebuilds."""
     from gem_jax.parallel import distributed
     from gem_jax.train.checkpoint import CheckpointConfig, Checkpointer
 
     layout = distributed.initialize()
     config, spec = tiny_setup()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype="bfloat16"))
     optimizer = make_optimizer(config.optim)
     factory = lambda rngs: GEMModel(spec, config.model, rngs=rngs)  # noqa: E731
     mesh = make_mesh(Topology(1, 2, 2, experts_per_node=2))
     dataset = load_dataset(config.data)
     placement = BatchPlacement(mesh, dataset.token_buckets)
-    state, setup = create_train_state(factory, optimizer, mesh, config.rules, 0)
+    state, setup = create_train_state(factory, optimizer, mesh, config.rules, 0, compute_dtype="bfloat16", keep_compute_params=True)
+    assert state.compute_params, "a bfloat16 state keeps its copy"
     iterator = dataset.train_iterator()
     batch = placement.put(next(iterator))
     step = make_train_step(setup, optimizer, placement).lower(state, batch).compile()  # every batch has this shape
