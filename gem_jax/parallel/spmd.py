@@ -72,16 +72,26 @@ def param_roles(plan: ShardingPlan) -> dict:
     return jax.tree_util.tree_map_with_path(role, plan.logical, is_leaf=_is_spec)
 
 
+def casts(role: Role, dtype, compute_dtype) -> bool:
+    """Whether `gather_param` casts a parameter of `role` and `dtype` to `compute_dtype` (None: keep): DENSE and
+    EXPERT parameters of a floating dtype other than it."""
+    return (
+        role is not Role.TABLE
+        and compute_dtype is not None
+        and jnp.issubdtype(dtype, jnp.floating)
+        and jnp.dtype(dtype) != jnp.dtype(compute_dtype)
+    )
+
+
 def cast_param_paths(plan: ShardingPlan, params: dict, compute_dtype) -> tuple[str, ...]:
-    """The paths (`path_str`) of the parameters `gather_param` casts to `compute_dtype`: every DENSE and
-    EXPERT leaf of `params` (arrays or `jax.ShapeDtypeStruct`s, `plan`'s tree) of a floating dtype other
-    than `compute_dtype`, in `jax.tree.leaves` order (empty for "float32" steps of float32 weights)."""
-    dtype = jnp.dtype(compute_dtype)
+    """The paths (`path_str`) of the leaves of `params` (arrays or `jax.ShapeDtypeStruct`s, `plan`'s tree) that
+    `gather_param` casts to `compute_dtype` (`casts`), in `jax.tree.leaves` order; empty for "float32" steps
+    of float32 weights."""
     roles = jax.tree.leaves(param_roles(plan), is_leaf=lambda x: isinstance(x, Role))
     return tuple(
         path_str(path)
         for (path, leaf), role in zip(jax.tree_util.tree_leaves_with_path(params), roles, strict=True)
-        if role is not Role.TABLE and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype
+        if casts(role, leaf.dtype, compute_dtype)
     )
 
 
@@ -107,7 +117,7 @@ def gather_param(
     """
     if role is Role.TABLE:
         return x
-    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+    if casts(role, x.dtype, dtype):
         x = x.astype(dtype)
     mentioned = {a for entry in spec for a in _entry_axes(entry)}
     unmentioned = tuple(a for a in live_axes(axis_sizes) if a not in mentioned)

@@ -89,8 +89,6 @@ class StateSetup:
       mesh: the device mesh.
       plan: every parameter's sharding and the tables' placements.
       compute_dtype: dtype dense weights are cast to before use in a step.
-      copied: the paths of the parameters the state keeps a `compute_dtype` copy of
-        (`TrainState.compute_params`); empty: the state keeps none.
     """
 
     graphdef: nnx.GraphDef
@@ -99,7 +97,12 @@ class StateSetup:
     mesh: Mesh
     plan: rules_lib.ShardingPlan
     compute_dtype: str = "float32"
-    copied: tuple[str, ...] = ()
+
+    @property
+    def copied(self) -> tuple[str, ...]:
+        """The paths of the parameters the state keeps a `compute_dtype` copy of (`TrainState.compute_params`),
+        in `jax.tree.leaves` order; empty when it keeps none."""
+        return tuple(self.abstract.compute_params or ())
 
     def sharded_model(self) -> ShardedModel:
         """The model's sharded forward pass and loss (`gem_jax.parallel.spmd`)."""
@@ -191,7 +194,7 @@ def state_setup(
     copy_shardings = {path: by_path[path] for path in copied} if copied else None
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, compute_params=copy_shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype, copied)
+    return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype)
 
 
 def check_exchange_dtypes(model: nnx.Module, compute_dtype: str) -> None:
