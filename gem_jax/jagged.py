@@ -151,8 +151,38 @@ def validate(jagged: Jagged) -> None:
 CAPACITY_MULTIPLE = 128
 
 
-def _round_up(rows: float) -> int:
-    return CAPACITY_MULTIPLE * max(1, math.ceil(math.ceil(rows) / CAPACITY_MULTIPLE))
+def capacity_multiple(capacity: int) -> int:
+    """The power of two a token capacity of `capacity` rows is a multiple of (`round_capacity`).
+
+    `CAPACITY_MULTIPLE`, or the largest power of two not above `sqrt(capacity)` when that is
+    larger (256 at 65,536 to 262,143 rows, 512 up to 1,048,575, ...).
+
+    Why: XLA's GPU compiler sums a column reduction over many rows (the bias and norm-weight
+    gradients, a sum over every token) in two passes (its tree-reduction rewriter): `k`
+    partial sums of `n / k` rows each, `n / k` a divisor of `n` near `sqrt(n)`. When `n` has
+    no such divisor (`166528 = 128 * 1301`, 1301 prime) it pads the operand first, and the
+    pad keeps the first pass out of the fusion that computes the operand: the gradient is
+    written, then read again by a reduction of its own. A multiple of this power of two always
+    has the divisor (checked by compiling for an H200 at 260 capacities from 256 rows to 3.5
+    million, `benchmarks/step.md`, "Capacities XLA can split").
+    """
+    return max(CAPACITY_MULTIPLE, 1 << (math.isqrt(max(capacity, 1)).bit_length() - 1))
+
+
+def round_capacity(rows: float) -> int:
+    """The smallest capacity `>= rows` (and `>= 1`) that is a multiple of its `capacity_multiple`.
+
+    Rounds up by less than `max(CAPACITY_MULTIPLE, sqrt(capacity))` rows: above 16,384 rows
+    under `1 / sqrt(capacity)` of the capacity (0.25% at `configs/gem_h200.py`'s 166,656).
+    Non-decreasing in `rows`.
+    """
+    needed = max(1, math.ceil(rows))
+    multiple = CAPACITY_MULTIPLE
+    while True:
+        capacity = multiple * math.ceil(needed / multiple)
+        if capacity_multiple(capacity) <= multiple:
+            return capacity
+        multiple = capacity_multiple(capacity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +192,13 @@ class TokenBuckets:
     A batch of n examples whose history lengths have mean `mean_length` and
     standard deviation `std_length` holds about `E = n * mean_length` rows,
     with standard deviation `sqrt(n) * std_length` (central limit theorem).
-    Its capacities, each rounded up to a multiple of `CAPACITY_MULTIPLE`, are
+    Its capacities, each rounded up by `round_capacity` (to a multiple of `CAPACITY_MULTIPLE`, or
+    of a larger power of two near the capacity's square root that XLA's reductions over it want), are
 
     - fine: `E * step**k` for the integers k that cover
       `E +- sigmas * sqrt(n) * std_length`; a batch in that range leaves less
       than `1 - 1/step` of its capacity as slack, plus the rounding (under
-      `CAPACITY_MULTIPLE / capacity`);
+      `capacity_multiple(capacity) / capacity`);
     - coarse: halvings below the fine range down to `CAPACITY_MULTIPLE` rows
       (short last batches of an epoch), doublings above it, and the full
       `n * max_seq_len` last, so that every batch fits.
@@ -216,7 +247,7 @@ class TokenBuckets:
         return cls(float(lengths.mean()), float(lengths.std()), max_seq_len, step, sigmas)
 
     def capacities(self, batch_size: int) -> tuple[int, ...]:
-        """Sorted capacities (rows, multiples of `CAPACITY_MULTIPLE`) of a batch of `batch_size` examples.
+        """Sorted capacities (rows, each a multiple of its `capacity_multiple`) of a batch of `batch_size` examples.
 
         Raises:
           ValueError: `batch_size < 1`.
@@ -243,7 +274,7 @@ class TokenBuckets:
         """Unrounded fine capacities (rows) of a batch of `batch_size` examples, and its full `batch_size * max_seq_len` rounded up."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        full = _round_up(batch_size * self.max_seq_len)
+        full = round_capacity(batch_size * self.max_seq_len)
         spread = self.sigmas * math.sqrt(batch_size) * self.std_length
         anchor = max(batch_size * self.mean_length, CAPACITY_MULTIPLE)
         low = max(anchor - spread, CAPACITY_MULTIPLE)
@@ -254,8 +285,8 @@ class TokenBuckets:
 
 
 def _rounded_capacities(rows, full: int) -> tuple[int, ...]:
-    """`rows` rounded up to multiples of `CAPACITY_MULTIPLE`, at most `full`, sorted and distinct."""
-    return tuple(sorted({min(_round_up(r), full) for r in rows}))
+    """`rows` rounded up by `round_capacity`, at most `full`, sorted and distinct."""
+    return tuple(sorted({min(round_capacity(r), full) for r in rows}))
 
 
 def check_bucket_settings(step: float, sigmas: float, names: tuple[str, str] = ("TokenBuckets.step", "TokenBuckets.sigmas")) -> None:

@@ -230,7 +230,7 @@ def gelu(x: jax.Array) -> jax.Array:
 
     Differentiated as written, the tanh is a residual: the forward writes it beside the output
     and the backward reads it beside `x` and the cotangent, one extra tensor of `x`'s size each
-    way (at `configs/gem_h200.py` a `[166528, 4096]` bf16 tensor, 1.4 GB, per sequence layer).
+    way (at `configs/gem_h200.py` a `[166656, 4096]` bf16 tensor, 1.4 GB, per sequence layer).
     Under `jax.checkpoint` the only residual is `x`, which the backward reads anyway; the
     forward is then a plain GELU after its GEMM, which XLA's GPU compiler moves into the
     cuBLAS epilogue (`benchmarks/step.md`, "Reading the step without a GPU"). The same values

@@ -185,6 +185,34 @@ def test_a_program_compiles_for_the_h200_without_one(offline, tmp_path):
     assert add["grid"][0] * add["threads"][0] * 4 == 4096 * 4096  # four elements a thread (vectorised)
 
 
+@pytest.mark.skipif(not _plugin_installed(), reason="the CUDA PJRT plugin is not installed")
+def test_xla_splits_a_bias_gradient_over_a_rounded_capacity_without_padding_and_fuses_it(offline):
+    """The sum over tokens of a GELU's input gradient, beside the gradient itself: at a capacity of
+    `round_capacity` XLA's tree-reduction rewriter finds an exact split and computes both in one pass;
+    at 166528 rows (128 * 1301, the capacity a multiple of 128 gave) it pads and reduces in a pass of its own."""
+    from gem_jax.jagged import capacity_multiple, round_capacity
+
+    sharding = jax.sharding.SingleDeviceSharding(offline.h200_device())
+    options = offline.project_xla_options()
+
+    def gelu_input_gradient_and_bias_gradient(x, dy):
+        dx = jax.vjp(jax.nn.gelu, x)[1](dy)[0]
+        return dx, jnp.sum(dx.astype(jnp.float32), axis=0)
+
+    def compiled(rows: int) -> str:
+        x = jax.ShapeDtypeStruct((rows, 512), jnp.bfloat16, sharding=sharding)
+        return jax.jit(gelu_input_gradient_and_bias_gradient).lower(x, x).compile(compiler_options=options).as_text()
+
+    assert " pad(" in compiled(166528)
+    # Worst cases: a capacity multiple times a prime (no other divisor), from 16 thousand to 4 million rows.
+    for rows in (166528, 256 * 1021, 512 * 2039, 1024 * 4093, 128 * 131, 24_000, 3_000_001):
+        capacity = round_capacity(rows)
+        text = compiled(capacity)
+        assert " pad(" not in text, (rows, capacity, capacity_multiple(capacity))
+        fusions = [line for line in text.splitlines() if f"bf16[{capacity},512]" in line and " fusion(" in line]
+        assert len(fusions) == 1 and "reduce" in fusions[0].split(" = ")[0], (capacity, fusions)  # dx and the first partial sums, one kernel
+
+
 # Pallas kernels as XLA's text shows them: Triton and Mosaic GPU custom calls named by the op path that traced them,
 # one taking a cuBLAS GEMM's output as `name#0` (element 0 of its tuple result, beside the workspace).
 KERNELS_HLO = """\

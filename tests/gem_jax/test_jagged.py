@@ -6,7 +6,17 @@ import numpy as np
 import pytest
 
 from gem_jax import jagged
-from gem_jax.jagged import CAPACITY_MULTIPLE, Jagged, JaggedError, TokenBuckets, from_lengths, offsets_from_lengths, pick_capacity
+from gem_jax.jagged import (
+    CAPACITY_MULTIPLE,
+    Jagged,
+    JaggedError,
+    TokenBuckets,
+    capacity_multiple,
+    from_lengths,
+    offsets_from_lengths,
+    pick_capacity,
+    round_capacity,
+)
 from pallas_kernels import jagged_layout
 
 
@@ -189,12 +199,28 @@ def test_token_buckets_bound_the_slack_of_every_total_in_the_fine_range(seed):
     i = caps.index(fine[0])
     assert caps[i : i + len(fine)] == fine  # a contiguous run of the capacities
     full = n * max_len
-    assert list(caps) == sorted(set(caps)) and all(c % CAPACITY_MULTIPLE == 0 for c in caps)
-    assert caps[-1] == -(-full // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE and pick_capacity(full, caps) == caps[-1]
+    assert list(caps) == sorted(set(caps)) and all(c % capacity_multiple(c) == 0 for c in caps)
+    assert caps[-1] == round_capacity(full) and pick_capacity(full, caps) == caps[-1]
     spread = buckets.sigmas * np.sqrt(n) * buckets.std_length
     for total in np.unique(np.linspace(max(n * mean - spread, CAPACITY_MULTIPLE), min(n * mean + spread, full), 2000).astype(int)):
         capacity = pick_capacity(int(total), caps)
-        assert 1 - total / capacity < 1 - 1 / buckets.step + CAPACITY_MULTIPLE / capacity, (total, capacity)
+        assert 1 - total / capacity < 1 - 1 / buckets.step + capacity_multiple(capacity) / capacity, (total, capacity)
+
+
+def test_round_capacity_rounds_to_a_power_of_two_near_the_square_root_of_large_capacities():
+    # 128 * 1301 (1301 prime) has no divisor near its square root: it moves up to 256 * 651.
+    assert [round_capacity(r) for r in (0, 1, 128, 129, 16384, 16385, 166528, 262144, 262145)] == [
+        128, 128, 128, 256, 16384, 16512, 166656, 262144, 262656,
+    ]
+    assert [capacity_multiple(c) for c in (128, 65535, 65536, 166656, 262144, 1 << 20)] == [128, 128, 256, 256, 512, 1024]
+    previous = 0
+    for rows in np.unique(np.geomspace(1, 5e6, 4000).astype(int)):
+        capacity = round_capacity(int(rows))
+        multiple = capacity_multiple(capacity)
+        assert capacity % multiple == 0 and capacity >= rows and capacity >= previous, rows
+        assert capacity - rows < max(CAPACITY_MULTIPLE, np.sqrt(capacity)), rows  # the slack it adds
+        assert multiple <= max(CAPACITY_MULTIPLE, np.sqrt(capacity)) < 2 * multiple, rows
+        previous = capacity
 
 
 def test_token_buckets_from_lengths_and_errors():
