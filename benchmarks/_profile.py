@@ -22,6 +22,7 @@ Mosaic GPU give their GPU kernels (the names CUPTI reports, as in Nsight Systems
 from __future__ import annotations
 
 import collections
+import math
 import re
 
 GROUPS = (
@@ -117,6 +118,69 @@ def breakdown(kernels: list[tuple[str, float]], top: int = 20) -> dict:
         "groups_ms": groups,
         "top_kernels": [{"name": n, "group": classify(n), "calls": len(t), "ms": sum(t)} for n, t in longest],
     }
+
+
+def idle_between_kernels(activities: list[tuple[str, float, float]], top: int = 15) -> dict:
+    """Where one step's device sits idle: the gaps between its kernels, by what runs after each gap.
+
+    A gap before a kernel is time the device waited for the host to launch it: a kernel outside
+    XLA's command buffers (CUDA graphs) is launched one by one, and one after a host
+    synchronisation waits for the host's round trip.
+
+    Args:
+      activities: `(name, start_us, duration_us)` of every kernel, copy and memset of the step on one
+        device, on any stream (a profiler trace's device activities), in any order.
+      top: how many of the longest gaps to list.
+
+    Returns:
+      `{"span_ms": first start to last end, "busy_ms": time any activity runs (overlaps counted
+      once), "idle_ms": span - busy, "gaps": count of gaps, "gaps_over_us": {10, 50, 100: count},
+      "idle_by_next_group_ms": {group (`classify`) of the activity after a gap: idle ms},
+      "longest_gaps": [{"us", "before", "after"}]}`, longest first.
+
+    Raises:
+      ValueError: no activities, or a negative or non-finite start or duration (named with its activity).
+    """
+    if not activities:
+        raise ValueError("no device activities to measure idle time in")
+    for name, start, duration in activities:
+        if not (math.isfinite(start) and math.isfinite(duration) and duration >= 0):
+            raise ValueError(f"activity {name!r} has start {start!r} us and duration {duration!r} us; expected finite, duration >= 0")
+    ordered = sorted(activities, key=lambda a: (a[1], a[1] + a[2]))
+    busy, gaps = 0.0, []
+    last_name, run_start, run_end = ordered[0][0], ordered[0][1], ordered[0][1] + ordered[0][2]
+    for name, start, duration in ordered[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            gaps.append((start - run_end, last_name, name))
+            run_start = start
+        if start + duration >= run_end:
+            run_end, last_name = start + duration, name
+    busy += run_end - run_start
+    span = run_end - ordered[0][1]
+    by_group = dict.fromkeys(GROUPS, 0.0)
+    for us, _, after in gaps:
+        by_group[classify(after)] += us / 1e3
+    return {
+        "span_ms": span / 1e3,
+        "busy_ms": busy / 1e3,
+        "idle_ms": (span - busy) / 1e3,
+        "gaps": len(gaps),
+        "gaps_over_us": {limit: sum(us > limit for us, _, _ in gaps) for limit in (10, 50, 100)},
+        "idle_by_next_group_ms": by_group,
+        "longest_gaps": [{"us": us, "before": b, "after": a} for us, b, a in sorted(gaps, key=lambda g: -g[0])[:top]],
+    }
+
+
+def format_idle(result: dict) -> str:
+    """A printable summary of `idle_between_kernels`'s result."""
+    lines = [
+        f"device span {result['span_ms']:.2f} ms: busy {result['busy_ms']:.2f}, idle {result['idle_ms']:.2f} in "
+        f"{result['gaps']} gaps ({', '.join(f'{n} over {k} us' for k, n in result['gaps_over_us'].items())})",
+        "  idle before: " + ", ".join(f"{LABELS[g]} {ms:.2f} ms" for g, ms in result["idle_by_next_group_ms"].items() if ms),
+    ]
+    lines += [f"    {g['us']:8.1f} us  {g['before'][:60]} -> {g['after'][:60]}" for g in result["longest_gaps"]]
+    return "\n".join(lines)
 
 
 def format_breakdown(result: dict) -> str:

@@ -1,8 +1,10 @@
-"""Timing helpers shared by the benchmark scripts: wall clock and CUPTI device time."""
+"""Timing helpers shared by the benchmark scripts: wall clock, CUPTI device time, a profiler trace's device timeline."""
 
 from __future__ import annotations
 
+import glob
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -86,3 +88,29 @@ def cupti_kernels(run: Callable[[], Any]) -> tuple[Any, list[tuple[str, float]] 
     finally:
         timings = ext._cupti_get_timings(True)
     return result, [(str(name), float(ms)) for name, ms in timings] if timings else None
+
+
+def traced_device_activities(run: Callable[[], Any], device: int = 0) -> tuple[Any, list[tuple[str, float, float]] | None]:
+    """Runs `run()` once under `jax.profiler.trace`: `(its result, [(name, start_us, duration_us)])`.
+
+    The activities are what the trace's `/device:GPU:<device>` plane records on its streams
+    (`Stream #...` lines: kernels, copies, memsets), with their start times, so the gaps between
+    them can be measured (`_profile.idle_between_kernels`); None where the trace has no such
+    plane (not a GPU). Like `cupti_kernels`, no warm-up call of its own: `run` may donate.
+    """
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            result = jax.block_until_ready(run())
+        (xspace,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        data = ProfileData.from_file(xspace)
+    plane = data.find_plane_with_name(f"/device:GPU:{device}")
+    if plane is None:
+        return result, None
+    return result, [
+        (event.name, event.start_ns / 1e3, event.duration_ns / 1e3)
+        for line in plane.lines
+        if line.name.startswith("Stream")
+        for event in line.events
+    ]

@@ -33,7 +33,10 @@ the config's norms (by default the kernels on Hopper). With a `padded` peer each
 
 `--profile` adds the CUPTI kernel breakdown of one warm step (after the timed steps) to
 each run: milliseconds per kernel group and the 60 longest kernels (`benchmarks/_profile.py`),
-each fusion with the model lines it runs (`benchmarks/_hlo_sources.py`). It needs a GPU; elsewhere the run says it was skipped.
+each fusion with the model lines it runs (`benchmarks/_hlo_sources.py`); and, from one more
+warm step under the profiler's trace, the device's idle time between kernels (`profile.idle`:
+the gaps, by the kind of kernel each precedes, the longest named). It needs a GPU; elsewhere
+the run says it was skipped.
 
 Start-up: `time_to_first_step_s` (top level) runs from the process start to the end of
 the first run's first step; each run has `setup_to_first_step_s` (from building the job)
@@ -152,6 +155,25 @@ def profile_step(train_step, state, batch, hlo_text: str) -> tuple:
     return state, result
 
 
+def idle_step(train_step, state, batch) -> tuple:
+    """One warm step under the profiler's trace: `(state, where the device sat idle)` (`_profile.idle_between_kernels`).
+
+    The trace's timeline, unlike CUPTI's durations, has each kernel's start: the gaps between
+    kernels and what runs after each are the step's device idle time. Says why when skipped
+    (no GPU timeline) or failed, as `profile_step` does.
+    """
+    try:
+        (state, _), activities = _timing.traced_device_activities(lambda: train_step(state, batch))
+    except Exception as exc:  # the timed steps stand without it
+        traceback.print_exc()
+        return state, {"error": repr(exc)[:2000]}
+    if not activities:
+        return state, {"skipped": "the profiler trace has no GPU timeline"}
+    result = _profile.idle_between_kernels(activities)
+    print(_profile.format_idle(result), flush=True)
+    return state, result
+
+
 def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int, warmup: int, num_batches: int, profile: bool) -> dict:
     """Trains `warmup` + `steps` steps on the first `num_devices` devices; returns the measurements.
 
@@ -223,6 +245,8 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         breakdown = None
         if profile:
             state, breakdown = profile_step(train_step, state, batches[steps % num_batches], compiled.as_text())
+            if jax.devices()[0].platform == "gpu":
+                state, breakdown["idle"] = idle_step(train_step, state, batches[(steps + 1) % num_batches])
     except jax.errors.JaxRuntimeError as error:
         if not is_out_of_memory(error):
             raise

@@ -72,3 +72,33 @@ def test_breakdown_sums_groups_and_ranks_kernels_by_total_time(profile):
 def test_breakdown_rejects_bad_times(profile, bad):
     with pytest.raises(ValueError, match="loop_add_fusion"):
         profile.breakdown([("loop_add_fusion", bad)])
+
+
+def test_idle_between_kernels_counts_each_gap_once_across_streams_and_names_what_follows(profile):
+    gemm = "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_TNT"
+    activities = [  # (name, start us, duration us), out of order, two streams overlapping
+        ("loop_add_fusion", 0.0, 10.0),
+        ("input_reduce_fusion", 5.0, 20.0),  # overlaps the first: busy 0-25
+        (gemm, 85.0, 100.0),  # 60 us gap before the GEMM
+        ("loop_convert_fusion", 100.0, 10.0),  # inside the GEMM's run
+        ("gdpa_fwd_mosaic_gpu_kernel", 190.0, 10.0),  # 5 us gap after the GEMM (ends at 185)
+        ("rms_norm_forward", 310.0, 30.0),  # 110 us gap (the Mosaic kernel ends at 200)
+    ]
+    result = profile.idle_between_kernels(activities, top=2)
+    assert result["span_ms"] == pytest.approx(0.340) and result["busy_ms"] == pytest.approx(0.165)
+    assert result["idle_ms"] == pytest.approx(0.175) and result["gaps"] == 3
+    assert result["gaps_over_us"] == {10: 2, 50: 2, 100: 1}
+    assert result["idle_by_next_group_ms"]["gemm"] == pytest.approx(0.060)
+    assert result["idle_by_next_group_ms"]["pallas"] == pytest.approx(0.115)  # 5 + 110 us
+    assert sum(result["idle_by_next_group_ms"].values()) == pytest.approx(result["idle_ms"])
+    assert result["longest_gaps"] == [
+        {"us": 110.0, "before": "gdpa_fwd_mosaic_gpu_kernel", "after": "rms_norm_forward"},
+        {"us": 60.0, "before": "input_reduce_fusion", "after": gemm},
+    ]
+    assert "idle 0.17" in profile.format_idle(result)
+
+
+@pytest.mark.parametrize("activities", [[], [("loop_add_fusion", 0.0, float("nan"))], [("loop_add_fusion", 0.0, -1.0)]])
+def test_idle_between_kernels_rejects_an_empty_or_bad_timeline(profile, activities):
+    with pytest.raises(ValueError, match="loop_add_fusion" if activities else "no device activities"):
+        profile.idle_between_kernels(activities)
