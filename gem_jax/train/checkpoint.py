@@ -228,7 +228,11 @@ class Checkpointer:
                 # Deferral is decided by `should_save`, not by Orbax's own in-progress check.
                 enable_should_save_is_saving_in_progress_check=False,
                 enable_async_checkpointing=config.async_save,
-                async_options=ocp.AsyncOptions(post_finalization_callback=self._on_committed) if config.async_save else None,
+                # The step's temporary directory is made in `save` itself, not by a thread of its own: a save that
+                # fails (a full disk) then leaves no thread that creates the directory after `_write_failed` removed it.
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._on_committed, create_directories_asynchronously=False)
+                if config.async_save
+                else None,
                 read_only=read_only,
                 create=not read_only,
                 cleanup_tmp_directories=not read_only,
