@@ -17,7 +17,7 @@ import pallas_kernels
 from gem_jax.jagged import segment_ids
 from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, attention_implementations
-from gem_jax.nn.layers import dense, norm_dense, rms_norm, tie_key_to_query
+from gem_jax.nn.layers import dense, norm_dense, norm_dense_parts, rms_norm, tie_key_to_query
 
 
 class CrossAttention(nnx.Module):
@@ -48,14 +48,14 @@ class CrossAttention(nnx.Module):
         cfg = self.config
         h, hd = cfg.num_heads, cfg.head_dim
         q = self.q_norm(norm_dense(self.q_in, self.q, x).reshape(x.shape[0], h, hd))
-        kv = norm_dense(self.kv_in, self.kv, context).reshape(context.shape[0], 2, h, hd)
+        keys, values = (part.reshape(context.shape[0], h, hd) for part in norm_dense_parts(self.kv_in, self.kv, context, 2))
         context_len = jnp.maximum(context_offsets[1:] - context_offsets[:-1], 1).astype(jnp.float32)
-        seq_scale = jnp.append(jax.lax.rsqrt(context_len), 0.0).astype(kv.dtype)  # 0 for slack rows
+        seq_scale = jnp.append(jax.lax.rsqrt(context_len), 0.0).astype(values.dtype)  # 0 for slack rows
         row_scale = seq_scale[segment_ids(context_offsets, context.shape[0])]
         attn = pallas_kernels.gdpa(
             q,
-            self.k_norm(kv[:, 0]),
-            kv[:, 1] * row_scale[:, None, None],
+            self.k_norm(keys),
+            values * row_scale[:, None, None],
             x_offsets,
             context_offsets,
             max_seq_len_q=max_len_x,

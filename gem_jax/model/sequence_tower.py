@@ -18,7 +18,7 @@ import pallas_kernels
 from gem_jax.jagged import Jagged
 from gem_jax.model import remat
 from gem_jax.model.config import Fp8Region, ModelConfig, SequenceAttention, attention_implementations
-from gem_jax.nn.layers import MLP, RopeTable, dense, norm_dense, rms_norm, rope_table, tie_key_to_query
+from gem_jax.nn.layers import MLP, RopeTable, dense, norm_dense, norm_dense_parts, rms_norm, rope_table, tie_key_to_query
 
 
 class SelfAttentionBlock(nnx.Module):
@@ -115,13 +115,15 @@ class PooledAttention(nnx.Module):
     def __call__(self, x: jax.Array, history: Jagged) -> jax.Array:
         cfg = self.config
         t = x.shape[0]
-        kv = norm_dense(self.norm, self.kv, x, fp8_saved_input=cfg.fp8_saved_activations)
-        kv = kv.reshape(t, 2, cfg.num_heads, cfg.head_dim)
+        keys, values = (
+            part.reshape(t, cfg.num_heads, cfg.head_dim)
+            for part in norm_dense_parts(self.norm, self.kv, x, 2, fp8_saved_input=cfg.fp8_saved_activations)
+        )
         q = self.queries[...].astype(x.dtype)
         pooled = pallas_kernels.gdpa(
             q,
-            self.k_norm(kv[:, 0]),
-            kv[:, 1],
+            self.k_norm(keys),
+            values,
             None,
             history.offsets,
             max_seq_len_q=cfg.num_pooled_queries,

@@ -200,6 +200,46 @@ def rms_norm(dim: int, *, rngs: nnx.Rngs, dtype: jnp.dtype | None = None, implem
     return RMSNorm(dim, implementation=implementation, epsilon=1e-6, dtype=dtype, scale_init=scale_init, rngs=rngs)
 
 
+def norm_dense_parts(
+    norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, parts: int, *, fp8_saved_input: bool = False
+) -> list[jax.Array]:
+    """`norm_dense(norm, layer, x)` as `parts` equal column blocks (a fused projection's keys and values):
+    `[..., out / parts]` each.
+
+    With an `nnx.Linear` each block is a GEMM of its own on its columns of the kernel (and of the
+    bias), so it comes out contiguous: slices of the fused product are copied out by an XLA pass
+    before a kernel that takes them (`pallas_kernels.gdpa`, `rms_norm`), and their gradients are
+    stacked back by another, where here the blocks' input gradients are summed by the GEMMs
+    (cuBLAS adds the second into the first's output) and their kernel gradients are small. At
+    `configs/gem_h200.py` the two fused key-value projections (`CrossAttention`,
+    `PooledAttention`) lose four `[166656, 2, 8, 128]` passes (`benchmarks/step.md`).
+
+    The same values as `jnp.split(norm_dense(...), parts, axis=-1)`, which is what an `Fp8Linear`
+    (one quantization of the normed rows for the whole width) and `fp8_saved_input` (one FP8 copy
+    of them) return, up to the order of a narrower GEMM's sums; the kernel's and bias's gradients
+    are the fused ones' columns. The input's gradient adds the blocks' GEMM products, each rounded
+    to the compute dtype first: within a few units of its last place of the fused GEMM's one rounding.
+
+    Raises:
+      ValueError: `parts` < 1 or not dividing the layer's output width.
+    """
+    width = layer.kernel.shape[-1]
+    if parts < 1 or width % parts:
+        raise ValueError(f"norm_dense_parts: {parts} parts do not divide the layer's {width} output columns")
+    if isinstance(layer, Fp8Linear) or fp8_saved_input:
+        return jnp.split(norm_dense(norm, layer, x, fp8_saved_input=fp8_saved_input), parts, axis=-1)
+    kernel = layer.kernel[...]
+    bias = layer.bias[...] if layer.bias is not None else None
+    normed, kernel, bias = layer.promote_dtype((norm(x), kernel, bias), dtype=layer.dtype)
+    block = width // parts
+    outs = []
+    for k in range(parts):
+        columns = slice(k * block, (k + 1) * block)
+        y = layer.dot_general(normed, kernel[:, columns], (((normed.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
+        outs.append(y if bias is None else y + bias[columns])
+    return outs
+
+
 def norm_dense(
     norm: nnx.RMSNorm, layer: nnx.Linear | Fp8Linear, x: jax.Array, *, fp8_saved_input: bool = False, residual: bool = False
 ) -> jax.Array | tuple[jax.Array, jax.Array]:

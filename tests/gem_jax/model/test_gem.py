@@ -13,7 +13,7 @@ from gem_jax.batch import Batch, HistoryField, random_batch
 from gem_jax.jagged import from_lengths
 from gem_jax.model.config import Fp8Region, ModelConfig, describe_attention
 from gem_jax.model.gem import GEMModel
-from gem_jax.nn.layers import EmbeddingTable, RMSNorm, apply_rope, gelu, rope_table
+from gem_jax.nn.layers import EmbeddingTable, RMSNorm, apply_rope, dense, gelu, norm_dense, norm_dense_parts, rms_norm, rope_table
 from jax._src.ad_checkpoint import saved_residuals
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.train.config_tree import ConfigError, apply_overrides
@@ -109,6 +109,50 @@ def test_gelu_is_jax_gelu_bit_for_bit_and_keeps_only_its_input(dtype):
     kept = [aval for aval, _ in saved_residuals(lambda x: jnp.sum(gelu(x)), x)]
     assert [(a.shape, a.dtype) for a in kept] == [(x.shape, x.dtype)]
     assert len(saved_residuals(lambda x: jnp.sum(jax.nn.gelu(x)), x)) > 1
+
+
+@pytest.mark.parametrize("dtype,use_bias", [(jnp.float32, True), (jnp.bfloat16, False), (jnp.bfloat16, True)])
+def test_norm_dense_parts_are_the_fused_products_columns_with_their_gradients(dtype, use_bias):
+    rngs = nnx.Rngs(3)
+    with nnx.use_eager_sharding(False):
+        norm = rms_norm(64, rngs=rngs, dtype=dtype, implementation="xla")
+        layer = dense(64, 3 * 32, ("embed", "heads"), rngs=rngs, use_bias=use_bias, dtype=dtype)
+    if use_bias:
+        layer.bias[...] = jax.random.normal(jax.random.key(1), layer.bias.shape)
+    x = jax.random.normal(jax.random.key(2), (37, 64), jnp.float32)  # rows not a multiple of any block
+    cotangents = [jax.random.normal(jax.random.key(10 + k), (37, 32), dtype) for k in range(3)]
+    graphdef, params = nnx.split((norm, layer))
+
+    def fused(x, params):
+        norm, layer = nnx.merge(graphdef, params)
+        return jnp.split(norm_dense(norm, layer, x), 3, axis=-1)
+
+    def parts(x, params):
+        return norm_dense_parts(*nnx.merge(graphdef, params), x, 3)
+
+    (want, want_vjp), (got, got_vjp) = jax.vjp(fused, x, params), jax.vjp(parts, x, params)
+    assert [g.shape for g in got] == [(37, 32)] * 3 and all(g.dtype == jnp.dtype(dtype) for g in got)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # Input, norm-scale, kernel and bias gradients. The input's sums three GEMMs' products, each rounded to
+    # `dtype` first: within 4 units of the last place (`eps`) of the array's largest value.
+    for a, b in zip(jax.tree.leaves(got_vjp(cotangents)), jax.tree.leaves(want_vjp(cotangents)), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        b = np.asarray(b, np.float32)
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0, atol=4 * np.abs(b).max() * float(jnp.finfo(dtype).eps))
+    with pytest.raises(ValueError, match="5 parts do not divide the layer's 96 output columns"):
+        norm_dense_parts(norm, layer, x, 5)
+
+
+def test_norm_dense_parts_of_an_fp8_layer_split_its_one_product():
+    rngs = nnx.Rngs(4)
+    with nnx.use_eager_sharding(False):
+        norm = rms_norm(64, rngs=rngs, dtype=jnp.bfloat16, implementation="xla")
+        layer = dense(64, 64, ("embed", "heads"), rngs=rngs, use_bias=False, fp8=Fp8Recipe(block=32), dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(5), (40, 64), jnp.bfloat16)
+    keys, values = norm_dense_parts(norm, layer, x, 2)
+    fused = norm_dense(norm, layer, x)
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate([keys, values], -1), np.float32), np.asarray(fused, np.float32))
 
 
 def test_rope_preserves_norm_and_relative_positions():
