@@ -209,7 +209,9 @@ def test_tiny_model_gradients_within_the_fp8_bound():
         dots[on] = step.as_text().count(" dot(")
     (loss_off, g_off), (loss_on, g_on) = out[False], out[True]
     assert float(loss_on) == float(loss_off)  # the forward is untouched
-    assert dots[True] == dots[False] > 50  # the backward recomputes elementwise work only, no matmul
+    # The backward recomputes elementwise work only, no matmul. The pooled attention's key-value projection is one GEMM
+    # with an FP8 copy of its input and two without (`layers.norm_dense_parts`): one dot fewer forward, two backward.
+    assert dots[True] == dots[False] - 3 > 50
     errors = {jax.tree_util.keystr(k): _rel(a, b) for (k, a), b in zip(jax.tree.leaves_with_path(g_on), jax.tree.leaves(g_off)) if np.any(b)}
     # Every parameter's gradient is within E4M3's rounding (worst measured: 2.8%, the first MLP-down kernel).
     worst = max(errors, key=errors.get)
