@@ -146,7 +146,7 @@ def idle_between_kernels(activities: list[tuple[str, float, float]], top: int = 
     for name, start, duration in activities:
         if not (math.isfinite(start) and math.isfinite(duration) and duration >= 0):
             raise ValueError(f"activity {name!r} has start {start!r} us and duration {duration!r} us; expected finite, duration >= 0")
-    ordered = sorted(activities, key=lambda a: (a[1], a[1] + a[2]))
+    ordered = sorted(activities, key=lambda a: (a[1], -a[2]))  # at one start, the longest first: it names what follows a gap
     busy, gaps = 0.0, []
     last_name, run_start, run_end = ordered[0][0], ordered[0][1], ordered[0][1] + ordered[0][2]
     for name, start, duration in ordered[1:]:

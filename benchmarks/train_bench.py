@@ -96,6 +96,7 @@ from gem_jax.train import compile_cache, config_tree, remat_plan
 from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.train.run_record import code_version
 from gem_jax.train.setup import setup_training
+from gem_jax import xla_options
 from gem_jax.xla_options import add_project_flags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,22 +156,29 @@ def profile_step(train_step, state, batch, hlo_text: str) -> tuple:
     return state, result
 
 
+PROFILE_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
+COMMAND_BUFFERS_UNDER_TRACE = False  # set by `main` when it adds PROFILE_COMMAND_BUFFERS before the backends start
+
+
 def idle_step(train_step, state, batch) -> tuple:
     """One warm step under the profiler's trace: `(state, where the device sat idle)` (`_profile.idle_between_kernels`).
 
     The trace's timeline, unlike CUPTI's durations, has each kernel's start: the gaps between
-    kernels and what runs after each are the step's device idle time. Says why when skipped
-    (no GPU timeline) or failed, as `profile_step` does.
+    kernels and what runs after each are the step's device idle time. `main` compiles with
+    `PROFILE_COMMAND_BUFFERS` under `--profile`, so the traced step keeps its CUDA graphs
+    (`command_buffers_under_trace` records it). Says why when skipped (no GPU timeline) or
+    failed, as `profile_step` does.
     """
     try:
         (state, _), activities = _timing.traced_device_activities(lambda: train_step(state, batch))
+        if not activities:
+            return state, {"skipped": "the profiler trace has no GPU timeline"}
+        result = _profile.idle_between_kernels(activities)
+        print(_profile.format_idle(result), flush=True)
     except Exception as exc:  # the timed steps stand without it
         traceback.print_exc()
         return state, {"error": repr(exc)[:2000]}
-    if not activities:
-        return state, {"skipped": "the profiler trace has no GPU timeline"}
-    result = _profile.idle_between_kernels(activities)
-    print(_profile.format_idle(result), flush=True)
+    result["command_buffers_under_trace"] = COMMAND_BUFFERS_UNDER_TRACE
     return state, result
 
 
@@ -245,7 +253,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         breakdown = None
         if profile:
             state, breakdown = profile_step(train_step, state, batches[steps % num_batches], compiled.as_text())
-            if jax.devices()[0].platform == "gpu":
+            if jax.devices()[0].platform == "gpu" and "error" not in breakdown:  # after an error the state may be gone
                 state, breakdown["idle"] = idle_step(train_step, state, batches[(steps + 1) % num_batches])
     except jax.errors.JaxRuntimeError as error:
         if not is_out_of_memory(error):
@@ -429,6 +437,14 @@ def main(argv: list[str] | None = None) -> None:
 
     claim_device_memory()  # gem-train's share of a GPU (90%) unless the environment gives one; before any device use
     add_project_flags()  # gem-train's XLA flags unless the environment gives them; before any device use
+    if args.profile and not xla_options.backends_started() and isinstance(xla_options.effective_flags(os.environ.get("XLA_FLAGS", "")), dict):
+        # The idle measurement's step runs under the profiler's trace, where XLA runs every CUDA graph's
+        # kernels one launch at a time unless told otherwise: with this flag the traced step launches as
+        # the timed ones do. Changes no executable's behaviour outside a trace (but the compile cache key).
+        # Not when XLA_FLAGS names a file of flags (XLA reads the file, not the variable's text).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + PROFILE_COMMAND_BUFFERS).strip()
+        global COMMAND_BUFFERS_UNDER_TRACE
+        COMMAND_BUFFERS_UNDER_TRACE = True
     cache = compile_cache.enable(compile_cache.cache_dir(None, args.compile_cache or os.environ.get(compile_cache.ENV_VAR) or compile_cache.OFF))
     jax.monitoring.register_event_listener(_count_cache_event)
     base = config_tree.apply_overrides(load_config(args.config), args.overrides)

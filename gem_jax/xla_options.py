@@ -58,7 +58,7 @@ def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[s
     (default `os.environ`).
     """
     if environ is None:
-        if _backends_started():
+        if backends_started():
             return []
         environ = os.environ
     given = environ.get("XLA_FLAGS", "")
@@ -71,7 +71,7 @@ def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[s
     return added
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
     """Whether this process's jax has created its backends (without importing jax)."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     return bool(getattr(bridge, "_backends", None))

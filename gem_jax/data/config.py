@@ -120,7 +120,7 @@ class DataConfig:
       capacity_step: ratio of consecutive token capacities near a batch's
         expected rows, in (1, 2]; it bounds the slack of a batch in that range
         to under `1 - 1/capacity_step` (1.04: under 3.9%, plus the rounding of
-        capacities to 128 rows). The data set's train length distribution sets
+        capacities, `gem_jax.jagged.round_capacity`). The data set's train length distribution sets
         the expected rows (`Dataset.token_buckets`, `gem_jax.jagged.TokenBuckets`);
         each device's rows take the smallest capacity that holds them
         (`gem_jax.parallel.placement.stack_batch`). Smaller steps mean less

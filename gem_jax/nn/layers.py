@@ -221,13 +221,16 @@ def norm_dense_parts(
     to the compute dtype first: within a few units of its last place of the fused GEMM's one rounding.
 
     Raises:
-      ValueError: `parts` < 1 or not dividing the layer's output width.
+      ValueError: `parts` < 1 or not dividing the layer's output width, or an `nnx.Linear` with a
+        `preferred_element_type`.
     """
     width = layer.kernel.shape[-1]
     if parts < 1 or width % parts:
         raise ValueError(f"norm_dense_parts: {parts} parts do not divide the layer's {width} output columns")
     if isinstance(layer, Fp8Linear) or fp8_saved_input:
         return jnp.split(norm_dense(norm, layer, x, fp8_saved_input=fp8_saved_input), parts, axis=-1)
+    if layer.preferred_element_type is not None:  # `nnx.Linear.__call__`'s other option, which `dense` never sets
+        raise ValueError("norm_dense_parts: a layer with preferred_element_type is not split (its call passes it to dot_general)")
     kernel = layer.kernel[...]
     bias = layer.bias[...] if layer.bias is not None else None
     normed, kernel, bias = layer.promote_dtype((norm(x), kernel, bias), dtype=layer.dtype)

@@ -79,6 +79,7 @@ def test_idle_between_kernels_counts_each_gap_once_across_streams_and_names_what
     activities = [  # (name, start us, duration us), out of order, two streams overlapping
         ("loop_add_fusion", 0.0, 10.0),
         ("input_reduce_fusion", 5.0, 20.0),  # overlaps the first: busy 0-25
+        ("memset", 85.0, 0.0),  # an empty activity where the GEMM starts: the GEMM is named after the gap
         (gemm, 85.0, 100.0),  # 60 us gap before the GEMM
         ("loop_convert_fusion", 100.0, 10.0),  # inside the GEMM's run
         ("gdpa_fwd_mosaic_gpu_kernel", 190.0, 10.0),  # 5 us gap after the GEMM (ends at 185)
