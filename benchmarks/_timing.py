@@ -97,6 +97,9 @@ def traced_device_activities(run: Callable[[], Any], device: int = 0) -> tuple[A
     (`Stream #...` lines: kernels, copies, memsets), with their start times, so the gaps between
     them can be measured (`_profile.idle_between_kernels`); None where the trace has no such
     plane (not a GPU). Like `cupti_kernels`, no warm-up call of its own: `run` may donate.
+
+    Raises:
+      ValueError: the trace did not write exactly one `.xplane.pb` file; what `run()` raises.
     """
     from jax.profiler import ProfileData
 

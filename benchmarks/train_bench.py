@@ -97,7 +97,6 @@ from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.train.run_record import code_version
 from gem_jax.train.setup import setup_training
 from gem_jax import xla_options
-from gem_jax.xla_options import add_project_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -157,7 +156,6 @@ def profile_step(train_step, state, batch, hlo_text: str) -> tuple:
 
 
 PROFILE_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
-COMMAND_BUFFERS_UNDER_TRACE = False  # set by `main` when it adds PROFILE_COMMAND_BUFFERS before the backends start
 
 
 def idle_step(train_step, state, batch) -> tuple:
@@ -178,7 +176,7 @@ def idle_step(train_step, state, batch) -> tuple:
     except Exception as exc:  # the timed steps stand without it
         traceback.print_exc()
         return state, {"error": repr(exc)[:2000]}
-    result["command_buffers_under_trace"] = COMMAND_BUFFERS_UNDER_TRACE
+    result["command_buffers_under_trace"] = xla_options.flag_in_effect(PROFILE_COMMAND_BUFFERS)  # set before the backends started
     return state, result
 
 
@@ -436,15 +434,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--attention names a mode twice: {args.attention}")
 
     claim_device_memory()  # gem-train's share of a GPU (90%) unless the environment gives one; before any device use
-    add_project_flags()  # gem-train's XLA flags unless the environment gives them; before any device use
-    if args.profile and not xla_options.backends_started() and isinstance(xla_options.effective_flags(os.environ.get("XLA_FLAGS", "")), dict):
-        # The idle measurement's step runs under the profiler's trace, where XLA runs every CUDA graph's
-        # kernels one launch at a time unless told otherwise: with this flag the traced step launches as
-        # the timed ones do. Changes no executable's behaviour outside a trace (but the compile cache key).
-        # Not when XLA_FLAGS names a file of flags (XLA reads the file, not the variable's text).
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + PROFILE_COMMAND_BUFFERS).strip()
-        global COMMAND_BUFFERS_UNDER_TRACE
-        COMMAND_BUFFERS_UNDER_TRACE = True
+    xla_options.add_project_flags()  # gem-train's XLA flags unless the environment gives them; before any device use
+    if args.profile:
+        # The idle measurement's step runs under the profiler's trace, where XLA runs every CUDA graph's kernels one
+        # launch at a time unless told otherwise: with this flag the traced step launches as the timed ones do. It
+        # changes no executable outside a trace (only the compile cache key); a value the environment gives stays.
+        xla_options.add_project_flags(flags=(PROFILE_COMMAND_BUFFERS,))
     cache = compile_cache.enable(compile_cache.cache_dir(None, args.compile_cache or os.environ.get(compile_cache.ENV_VAR) or compile_cache.OFF))
     jax.monitoring.register_event_listener(_count_cache_event)
     base = config_tree.apply_overrides(load_config(args.config), args.overrides)

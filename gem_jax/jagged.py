@@ -152,7 +152,7 @@ CAPACITY_MULTIPLE = 128
 
 
 def capacity_multiple(capacity: int) -> int:
-    """The power of two a token capacity of `capacity` rows is a multiple of (`round_capacity`).
+    """The power of two (an int) a token capacity of `capacity` rows (an int) is a multiple of (`round_capacity`).
 
     `CAPACITY_MULTIPLE`, or the largest power of two not above `sqrt(capacity)` when that is
     larger (256 at 65,536 to 262,143 rows, 512 up to 1,048,575, ...).
@@ -175,6 +175,15 @@ def round_capacity(rows: float) -> int:
     Rounds up by less than `max(CAPACITY_MULTIPLE, sqrt(capacity))` rows: above 16,384 rows
     under `1 / sqrt(capacity)` of the capacity (0.25% at `configs/gem_h200.py`'s 166,656).
     Non-decreasing in `rows`.
+
+    Args:
+      rows: the rows (tokens) a capacity must hold, a finite number (0 or less gives the smallest capacity).
+
+    Returns:
+      The capacity in rows, an int.
+
+    Raises:
+      ValueError, OverflowError: `rows` is NaN or infinite (from `math.ceil`).
     """
     needed = max(1, math.ceil(rows))
     multiple = CAPACITY_MULTIPLE

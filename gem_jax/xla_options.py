@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 
 XLA_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -37,6 +37,14 @@ def flag_name(flag: str) -> str:
     return flag.partition("=")[0]
 
 
+def flag_in_effect(flag: str, environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether the environment's `XLA_FLAGS` (`environ`, default `os.environ`) gives `flag` (`--name=value`)
+    exactly that value; False when it names a file of flags (not read here)."""
+    names = effective_flags((os.environ if environ is None else environ).get("XLA_FLAGS", ""))
+    name, _, value = flag.partition("=")
+    return isinstance(names, dict) and name in names and names[name] == (value or None)
+
+
 def effective_flags(value: str) -> dict[str, str | None] | str:
     """What XLA takes from an `XLA_FLAGS` value: `{"--name": value}` (the last of a repeated flag; None for a
     bare `--name`), whatever their order and spacing, or the value itself when it names a file of flags."""
@@ -46,10 +54,10 @@ def effective_flags(value: str) -> dict[str, str | None] | str:
     return {name: (text if sep else None) for name, sep, text in (flag.partition("=") for flag in value.split())}
 
 
-def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
-    """Puts each of `XLA_FLAGS` whose name the environment's `XLA_FLAGS` does not give ahead of the
-    environment's own flags (its value otherwise untouched: a flag it sets keeps its value), and
-    returns the flags it added.
+def add_project_flags(environ: MutableMapping[str, str] | None = None, flags: Sequence[str] = XLA_FLAGS) -> list[str]:
+    """Puts each of `flags` (default the project's `XLA_FLAGS`) whose name the environment's `XLA_FLAGS`
+    does not give ahead of the environment's own flags (its value otherwise untouched: a flag it sets
+    keeps its value), and returns the flags it added.
 
     Adds nothing when `XLA_FLAGS` names a file of flags (a value not starting with "-", as XLA
     reads it), or, for the process's own environment, once jax has started its backends: XLA read
@@ -58,20 +66,20 @@ def add_project_flags(environ: MutableMapping[str, str] | None = None) -> list[s
     (default `os.environ`).
     """
     if environ is None:
-        if backends_started():
+        if _backends_started():
             return []
         environ = os.environ
     given = environ.get("XLA_FLAGS", "")
     names = effective_flags(given)
     if isinstance(names, str):  # a file of flags
         return []
-    added = [flag for flag in XLA_FLAGS if flag_name(flag) not in names]
+    added = [flag for flag in flags if flag_name(flag) not in names]
     if added:
         environ["XLA_FLAGS"] = " ".join(added) + (" " + given if given else "")
     return added
 
 
-def backends_started() -> bool:
+def _backends_started() -> bool:
     """Whether this process's jax has created its backends (without importing jax)."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     return bool(getattr(bridge, "_backends", None))

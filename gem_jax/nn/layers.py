@@ -220,6 +220,16 @@ def norm_dense_parts(
     are the fused ones' columns. The input's gradient adds the blocks' GEMM products, each rounded
     to the compute dtype first: within a few units of its last place of the fused GEMM's one rounding.
 
+    Args:
+      norm: the RMSNorm before the layer.
+      layer: the fused projection, kernel `[in, out]` (float parameters, computed in `layer.dtype`).
+      x: `[..., in]`, any float dtype.
+      parts: how many equal column blocks, dividing `out`.
+      fp8_saved_input: as `norm_dense`'s.
+
+    Returns:
+      `parts` arrays `[..., out / parts]` in the layer's compute dtype, in column order.
+
     Raises:
       ValueError: `parts` < 1 or not dividing the layer's output width, or an `nnx.Linear` with a
         `preferred_element_type`.

@@ -37,6 +37,21 @@ def test_the_project_xla_flags_join_the_environment_s_own_which_keep_their_value
     assert xla_options.add_project_flags() == [] and os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
 
 
+def test_other_flags_join_the_same_way_and_flag_in_effect_reads_their_value():
+    """`add_project_flags(flags=...)` adds a benchmark's own flag by the same rule; `flag_in_effect` says whether the
+    variable gives a flag exactly its value (train_bench records it for the traced step's CUDA graphs)."""
+    from gem_jax import xla_options
+
+    flag = "--xla_enable_command_buffers_during_profiling=true"
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    assert not xla_options.flag_in_effect(flag, env)
+    assert xla_options.add_project_flags(env, flags=(flag,)) == [flag] and env["XLA_FLAGS"] == flag + " --xla_dump_to=/tmp/x"
+    assert xla_options.flag_in_effect(flag, env)
+    given = {"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=false"}
+    assert xla_options.add_project_flags(given, flags=(flag,)) == [] and not xla_options.flag_in_effect(flag, given)
+    assert not xla_options.flag_in_effect(flag, {"XLA_FLAGS": "/etc/xla_flags.txt"})  # a file of flags is not read
+
+
 def test_effective_flags_are_what_xla_takes_from_the_variable():
     from gem_jax.xla_options import effective_flags
 
