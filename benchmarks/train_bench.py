@@ -18,7 +18,9 @@ dispatches the next step while the device runs this one (`pipelined_mfu_per_devi
 `local_mfu_pipelined`, `speedup_vs_padded_peer_pipelined`). It is a job's step when the job's host
 work between dispatches (the next batch, its checks and transfer) keeps ahead of the device, the
 host pipeline excluded as above. The difference is what a step run alone waits for its own
-dispatch and its result's return.
+dispatch and its result's return. `pipelined_dispatch_s` is the median time the host spends
+in one of those dispatches (until the call returns): near the step time, the host, not the
+device, sets the pace.
 
 `--attention` names one or more modes, run one after the other in this process; the first
 is reported at the top level of the JSON, the others under `peers`:
@@ -33,9 +35,10 @@ the config's norms (by default the kernels on Hopper). With a `padded` peer each
 
 `--profile` adds the CUPTI kernel breakdown of one warm step (after the timed steps) to
 each run: milliseconds per kernel group and the 60 longest kernels (`benchmarks/_profile.py`),
-each fusion with the model lines it runs (`benchmarks/_hlo_sources.py`); and, from one more
-warm step under the profiler's trace, the device's idle time between kernels (`profile.idle`:
-the gaps, by the kind of kernel each precedes, the longest named). It needs a GPU; elsewhere
+each fusion with the model lines it runs (`benchmarks/_hlo_sources.py`); and, from three more
+warm steps dispatched back to back under the profiler's trace, the device's idle time between
+kernels, inside the steps and between them (`profile.idle`: the gaps, by the kind of kernel
+each precedes, the longest named). It needs a GPU; elsewhere
 the run says it was skipped.
 
 Start-up: `time_to_first_step_s` (top level) runs from the process start to the end of
@@ -158,21 +161,33 @@ def profile_step(train_step, state, batch, hlo_text: str) -> tuple:
 PROFILE_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
 
 
-def idle_step(train_step, state, batch) -> tuple:
-    """One warm step under the profiler's trace: `(state, where the device sat idle)` (`_profile.idle_between_kernels`).
+IDLE_STEPS = 3
+
+
+def idle_step(train_step, state, batches: list) -> tuple:
+    """`IDLE_STEPS` warm steps dispatched back to back under the profiler's trace: `(state, where the device sat idle)`.
 
     The trace's timeline, unlike CUPTI's durations, has each kernel's start: the gaps between
-    kernels and what runs after each are the step's device idle time. `main` compiles with
-    `PROFILE_COMMAND_BUFFERS` under `--profile`, so the traced step keeps its CUDA graphs
+    kernels and what runs after each are the device's idle time (`_profile.idle_between_kernels`),
+    inside the steps and between them, where the next step's first kernel waits on its
+    dispatch (`steps_traced`; `span_ms` covers all of them). `main` compiles with
+    `PROFILE_COMMAND_BUFFERS` under `--profile`, so the traced steps keep their CUDA graphs
     (`command_buffers_under_trace` records it). Says why when skipped (no GPU timeline) or
     failed, as `profile_step` does.
     """
+
+    def steps():
+        current = state
+        for i in range(IDLE_STEPS):
+            current, _ = train_step(current, batches[i % len(batches)])
+        return current
+
     try:
-        (state, _), activities = _timing.traced_device_activities(lambda: train_step(state, batch))
+        state, activities = _timing.traced_device_activities(steps)
         if not activities:
             return state, {"skipped": "the profiler trace has no GPU timeline"}
-        result = _profile.idle_between_kernels(activities)
-        print(_profile.format_idle(result), flush=True)
+        result = {"steps_traced": IDLE_STEPS, **_profile.idle_between_kernels(activities)}
+        print(f"{IDLE_STEPS} steps back to back:", _profile.format_idle(result), flush=True)
     except Exception as exc:  # the timed steps stand without it
         traceback.print_exc()
         return state, {"error": repr(exc)[:2000]}
@@ -242,9 +257,11 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         check_lookup_stats(fetched, setup.plan.tables, where="timed steps")
         # The same steps dispatched back to back with one block at the end, as gem-train runs a log window:
         # the host launches step i + 1 while the device runs step i, so no step waits on its own dispatch.
-        t0 = time.perf_counter()
+        t0, dispatch = time.perf_counter(), []
         for i in range(steps):
+            t_call = time.perf_counter()
             state, metrics = train_step(state, batches[i % num_batches])
+            dispatch.append(time.perf_counter() - t_call)
         jax.block_until_ready(state)
         pipelined = (time.perf_counter() - t0) / steps
         check_lookup_stats(jax.device_get(metrics), setup.plan.tables, where="pipelined steps")
@@ -252,7 +269,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         if profile:
             state, breakdown = profile_step(train_step, state, batches[steps % num_batches], compiled.as_text())
             if jax.devices()[0].platform == "gpu" and "error" not in breakdown:  # after an error the state may be gone
-                state, breakdown["idle"] = idle_step(train_step, state, batches[(steps + 1) % num_batches])
+                state, breakdown["idle"] = idle_step(train_step, state, batches)
     except jax.errors.JaxRuntimeError as error:
         if not is_out_of_memory(error):
             raise
@@ -290,6 +307,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "tflops_per_s_per_device": step_flops / median / num_devices / 1e12,
         "mfu_per_device": (step_flops / median / num_devices / peak) if peak else None,
         "pipelined_step_s": pipelined,
+        "pipelined_dispatch_s": float(np.median(dispatch)),
         "pipelined_mfu_per_device": (step_flops / pipelined / num_devices / peak) if peak else None,
         "loss_first_last": [losses[0], losses[-1]],
         "overflow": {k: int(v) for k, v in fetched.items() if k.endswith("/overflow")},

@@ -26,6 +26,7 @@ def test_train_bench_writes_comparable_json_with_peer_and_skipped_profile(repo_r
         assert key in run, key
     assert run["num_devices"] == 1 and run["median_step_s"] > 0 and np.isfinite(run["loss_first_last"]).all()
     assert run["pipelined_step_s"] > 0 and run["pipelined_mfu_per_device"] is None and record["local_mfu_pipelined"] is None  # no CPU peak
+    assert 0 < run["pipelined_dispatch_s"] < 2 * run["pipelined_step_s"]  # a median over the 2 dispatched steps, within their total
     assert run["remat_plan"] is None  # no rematerialization asked for
     assert run["per_device_batch"] == 16 and run["failed_tries"] == [] and record["fit_batch"] is False
     device = run["device_memory_bytes"]
@@ -302,3 +303,21 @@ def test_both_step_times_give_their_mfu_from_the_same_flop_count(repo_root, tmp_
     assert run["mfu_per_device"] == pytest.approx(flops / run["median_step_s"] / peak)
     assert run["pipelined_mfu_per_device"] == pytest.approx(flops / run["pipelined_step_s"] / peak)
     assert record["local_mfu"] == run["mfu_per_device"] and record["local_mfu_pipelined"] == run["pipelined_mfu_per_device"]
+
+
+def test_idle_step_traces_steps_back_to_back_threading_the_state(train_bench, monkeypatch):
+    calls = []
+
+    def train_step(state, batch):
+        calls.append((state, batch))
+        return state + 1, {"loss": 0.0}
+
+    def traced(run):  # no GPU here: the trace's timeline is two steps' kernels with a gap between them
+        return run(), [("fusion", 0.0, 100.0), ("nvjet_gemm", 100.0, 50.0), ("fusion", 400.0, 100.0), ("nvjet_gemm", 500.0, 50.0)]
+
+    monkeypatch.setattr(train_bench._timing, "traced_device_activities", traced)
+    state, idle = train_bench.idle_step(train_step, 10, ["a", "b"])
+    assert calls == [(10, "a"), (11, "b"), (12, "a")][: train_bench.IDLE_STEPS] and state == 10 + train_bench.IDLE_STEPS
+    assert idle["steps_traced"] == train_bench.IDLE_STEPS
+    assert idle["span_ms"] == pytest.approx(0.55) and idle["idle_ms"] == pytest.approx(0.25)
+    assert idle["longest_gaps"][0] == {"us": pytest.approx(250.0), "before": "nvjet_gemm", "after": "fusion"}
