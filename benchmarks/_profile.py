@@ -136,6 +136,8 @@ def idle_between_kernels(activities: list[tuple[str, float, float]], top: int = 
       `{"span_ms": first start to last end, "busy_ms": time any activity runs (overlaps counted
       once), "idle_ms": span - busy, "gaps": count of gaps, "gaps_over_us": {10, 50, 100: count},
       "idle_by_next_group_ms": {group (`classify`) of the activity after a gap: idle ms},
+      "memsets" and "copies": {"count", "ms"} of the activities named `Memset...` and `Memcpy...`
+      (their durations summed: part of busy, not of the kernels' time),
       "longest_gaps": [{"us", "before", "after"}]}`, longest first.
 
     Raises:
@@ -161,6 +163,11 @@ def idle_between_kernels(activities: list[tuple[str, float, float]], top: int = 
     by_group = dict.fromkeys(GROUPS, 0.0)
     for us, _, after in gaps:
         by_group[classify(after)] += us / 1e3
+
+    def named(prefix: str) -> dict:
+        durations = [duration for name, _, duration in activities if name.lower().startswith(prefix)]
+        return {"count": len(durations), "ms": sum(durations) / 1e3}
+
     return {
         "span_ms": span / 1e3,
         "busy_ms": busy / 1e3,
@@ -168,6 +175,8 @@ def idle_between_kernels(activities: list[tuple[str, float, float]], top: int = 
         "gaps": len(gaps),
         "gaps_over_us": {limit: sum(us > limit for us, _, _ in gaps) for limit in (10, 50, 100)},
         "idle_by_next_group_ms": by_group,
+        "memsets": named("memset"),
+        "copies": named("memcpy"),
         "longest_gaps": [{"us": us, "before": b, "after": a} for us, b, a in sorted(gaps, key=lambda g: -g[0])[:top]],
     }
 
@@ -178,6 +187,7 @@ def format_idle(result: dict) -> str:
         f"device span {result['span_ms']:.2f} ms: busy {result['busy_ms']:.2f}, idle {result['idle_ms']:.2f} in "
         f"{result['gaps']} gaps ({', '.join(f'{n} over {k} us' for k, n in result['gaps_over_us'].items())})",
         "  idle before: " + ", ".join(f"{LABELS[g]} {ms:.2f} ms" for g, ms in result["idle_by_next_group_ms"].items() if ms),
+        f"  memsets {result['memsets']['count']} ({result['memsets']['ms']:.2f} ms), copies {result['copies']['count']} ({result['copies']['ms']:.2f} ms)",
     ]
     lines += [f"    {g['us']:8.1f} us  {g['before'][:60]} -> {g['after'][:60]}" for g in result["longest_gaps"]]
     return "\n".join(lines)

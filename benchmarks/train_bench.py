@@ -20,7 +20,9 @@ work between dispatches (the next batch, its checks and transfer) keeps ahead of
 host pipeline excluded as above. The difference is what a step run alone waits for its own
 dispatch and its result's return. `pipelined_dispatch_s` is the median time the host spends
 in one of those dispatches (until the call returns): near the step time, the host, not the
-device, sets the pace.
+device, sets the pace. `pipelined_steady_step_s` times the same steps from the end of the first
+to the end of the last (None for one step): the pace once the device runs, without the wait for
+the first step's dispatch that `pipelined_step_s` includes.
 
 `--attention` names one or more modes, run one after the other in this process; the first
 is reported at the top level of the JSON, the others under `peers`:
@@ -257,13 +259,22 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         check_lookup_stats(fetched, setup.plan.tables, where="timed steps")
         # The same steps dispatched back to back with one block at the end, as gem-train runs a log window:
         # the host launches step i + 1 while the device runs step i, so no step waits on its own dispatch.
-        t0, dispatch = time.perf_counter(), []
+        # The wait for step 0's metrics, once step 1 is queued behind it, marks when the device ran its first
+        # step: the steps after it are the steady pace, without the first dispatch's ramp.
+        t0, dispatch, first_done = time.perf_counter(), [], None
         for i in range(steps):
             t_call = time.perf_counter()
             state, metrics = train_step(state, batches[i % num_batches])
             dispatch.append(time.perf_counter() - t_call)
+            if i == 0:
+                first_metrics = metrics
+            elif i == 1:
+                jax.block_until_ready(first_metrics)
+                first_done = time.perf_counter()
         jax.block_until_ready(state)
-        pipelined = (time.perf_counter() - t0) / steps
+        end = time.perf_counter()
+        pipelined = (end - t0) / steps
+        steady = (end - first_done) / (steps - 1) if first_done is not None else None
         check_lookup_stats(jax.device_get(metrics), setup.plan.tables, where="pipelined steps")
         breakdown = None
         if profile:
@@ -308,6 +319,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "mfu_per_device": (step_flops / median / num_devices / peak) if peak else None,
         "pipelined_step_s": pipelined,
         "pipelined_dispatch_s": float(np.median(dispatch)),
+        "pipelined_steady_step_s": steady,
         "pipelined_mfu_per_device": (step_flops / pipelined / num_devices / peak) if peak else None,
         "loss_first_last": [losses[0], losses[-1]],
         "overflow": {k: int(v) for k, v in fetched.items() if k.endswith("/overflow")},

@@ -79,7 +79,8 @@ def test_idle_between_kernels_counts_each_gap_once_across_streams_and_names_what
     activities = [  # (name, start us, duration us), out of order, two streams overlapping
         ("loop_add_fusion", 0.0, 10.0),
         ("input_reduce_fusion", 5.0, 20.0),  # overlaps the first: busy 0-25
-        ("memset", 85.0, 0.0),  # an empty activity where the GEMM starts: the GEMM is named after the gap
+        ("Memset 0", 85.0, 0.0),  # an empty activity where the GEMM starts: the GEMM is named after the gap
+        ("MemcpyD2D", 102.0, 4.0),  # inside the GEMM's run
         (gemm, 85.0, 100.0),  # 60 us gap before the GEMM
         ("loop_convert_fusion", 100.0, 10.0),  # inside the GEMM's run
         ("gdpa_fwd_mosaic_gpu_kernel", 190.0, 10.0),  # 5 us gap after the GEMM (ends at 185)
@@ -92,6 +93,7 @@ def test_idle_between_kernels_counts_each_gap_once_across_streams_and_names_what
     assert result["idle_by_next_group_ms"]["gemm"] == pytest.approx(0.060)
     assert result["idle_by_next_group_ms"]["pallas"] == pytest.approx(0.115)  # 5 + 110 us
     assert sum(result["idle_by_next_group_ms"].values()) == pytest.approx(result["idle_ms"])
+    assert result["memsets"] == {"count": 1, "ms": 0.0} and result["copies"] == {"count": 1, "ms": pytest.approx(0.004)}
     assert result["longest_gaps"] == [
         {"us": 110.0, "before": "gdpa_fwd_mosaic_gpu_kernel", "after": "rms_norm_forward"},
         {"us": 60.0, "before": "input_reduce_fusion", "after": gemm},
