@@ -12,17 +12,18 @@ directly, without grain): a few global batches are built on the host and
 put on the devices once, then cycled, so the timing is the device step (host pipeline
 excluded). Each step is timed on its own (dispatch to
 `block_until_ready`); the median is reported (`median_step_s`, and `mfu_per_device` from it).
-Then the same number of steps is dispatched back to back with one `block_until_ready` at the end,
-as `gem-train` runs the steps of a log window: `pipelined_step_s` is their mean, in which the host
-dispatches the next step while the device runs this one (`pipelined_mfu_per_device`,
-`local_mfu_pipelined`, `speedup_vs_padded_peer_pipelined`). It is a job's step when the job's host
-work between dispatches (the next batch, its checks and transfer) keeps ahead of the device, the
-host pipeline excluded as above. The difference is what a step run alone waits for its own
-dispatch and its result's return. `pipelined_dispatch_s` is the median time the host spends
-in one of those dispatches (until the call returns): near the step time, the host, not the
-device, sets the pace. `pipelined_steady_step_s` times the same steps from the end of the first
-to the end of the last (None for one step): the pace once the device runs, without the wait for
-the first step's dispatch that `pipelined_step_s` includes.
+Then the same number of steps is dispatched back to back, as `gem-train` runs the steps of a log
+window, waiting only for the first step's metrics (once the second is queued behind it) and for the
+last step's state: `pipelined_step_s` is their mean, in which the host dispatches the next step
+while the device runs this one (`pipelined_mfu_per_device`, `local_mfu_pipelined`,
+`speedup_vs_padded_peer_pipelined`); `pipelined_steady_step_s` times them from the end of the first
+to the end of the last (None for one step), the pace once the device runs. It is a job's step when
+the job's host work between dispatches (the next batch, its checks and transfer) keeps ahead of the
+device, the host pipeline excluded as above. The difference from `median_step_s` is what a step run
+alone waits for its own dispatch and its result's return. `pipelined_dispatch_s` is the median time
+the host spends in one of those dispatches (until the call returns): near the step time, the host
+waits, on the device or on its own launches; `pipelined_dispatch_min_s`, the shortest, is the
+host's own cost of a dispatch while it is ahead of the device.
 
 `--attention` names one or more modes, run one after the other in this process; the first
 is reported at the top level of the JSON, the others under `peers`:
@@ -319,6 +320,7 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         "mfu_per_device": (step_flops / median / num_devices / peak) if peak else None,
         "pipelined_step_s": pipelined,
         "pipelined_dispatch_s": float(np.median(dispatch)),
+        "pipelined_dispatch_min_s": float(np.min(dispatch)),
         "pipelined_steady_step_s": steady,
         "pipelined_mfu_per_device": (step_flops / pipelined / num_devices / peak) if peak else None,
         "loss_first_last": [losses[0], losses[-1]],

@@ -26,7 +26,7 @@ def test_train_bench_writes_comparable_json_with_peer_and_skipped_profile(repo_r
         assert key in run, key
     assert run["num_devices"] == 1 and run["median_step_s"] > 0 and np.isfinite(run["loss_first_last"]).all()
     assert run["pipelined_step_s"] > 0 and run["pipelined_mfu_per_device"] is None and record["local_mfu_pipelined"] is None  # no CPU peak
-    assert 0 < run["pipelined_dispatch_s"] < 2 * run["pipelined_step_s"]  # a median over the 2 dispatched steps, within their total
+    assert 0 < run["pipelined_dispatch_min_s"] <= run["pipelined_dispatch_s"] < 2 * run["pipelined_step_s"]  # over the 2 dispatched steps
     assert 0 < run["pipelined_steady_step_s"] < 2 * run["pipelined_step_s"]  # the second step alone, from the first's end
     assert run["remat_plan"] is None  # no rematerialization asked for
     assert run["per_device_batch"] == 16 and run["failed_tries"] == [] and record["fit_batch"] is False
