@@ -40,8 +40,9 @@ the config's norms (by default the kernels on Hopper). With a `padded` peer each
 each run: milliseconds per kernel group and the 60 longest kernels (`benchmarks/_profile.py`),
 each fusion with the model lines it runs (`benchmarks/_hlo_sources.py`); and, from three more
 warm steps dispatched back to back under the profiler's trace, the device's idle time between
-kernels, inside the steps and between them (`profile.idle`: the gaps, by the kind of kernel
-each precedes, the longest named). It needs a GPU; elsewhere
+kernels, inside the steps and between them (`profile.idle`: `steps_traced`, the span, busy and
+idle time, the gaps by the kind of kernel each precedes, the longest named, and the memsets' and
+copies' count and time). It needs a GPU; elsewhere
 the run says it was skipped.
 
 Start-up: `time_to_first_step_s` (top level) runs from the process start to the end of
@@ -83,6 +84,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -164,6 +166,31 @@ def profile_step(train_step, state, batch, hlo_text: str) -> tuple:
 PROFILE_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
 
 
+def time_when_ready(tree) -> Callable[[], float]:
+    """Waits for `tree` in a thread of its own; the returned function joins it and gives when it was ready
+    (`time.perf_counter()` seconds), or raises what the wait raised. The wait releases the GIL, so the
+    caller keeps dispatching meanwhile."""
+    ready: list = []
+
+    def wait():
+        try:
+            jax.block_until_ready(tree)
+            ready.append(time.perf_counter())
+        except Exception as exc:  # handed to the caller by the join
+            ready.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+
+    def join() -> float:
+        waiter.join()
+        if isinstance(ready[0], Exception):
+            raise ready[0]
+        return ready[0]
+
+    return join
+
+
 IDLE_STEPS = 3
 
 
@@ -176,26 +203,27 @@ def idle_step(train_step, state, batches: list) -> tuple:
     dispatch (`steps_traced`; `span_ms` covers all of them). `main` compiles with
     `PROFILE_COMMAND_BUFFERS` under `--profile`, so the traced steps keep their CUDA graphs
     (`command_buffers_under_trace` records it). Says why when skipped (no GPU timeline) or
-    failed, as `profile_step` does.
+    failed, as `profile_step` does; after a failure the state returned is the last one the steps
+    wrote, which may be unusable (a failed step's donated input).
     """
+    latest = [state]  # each step donates the one before it
 
     def steps():
-        current = state
         for i in range(IDLE_STEPS):
-            current, _ = train_step(current, batches[i % len(batches)])
-        return current
+            latest.append(train_step(latest[-1], batches[i % len(batches)])[0])
+        return latest[-1]
 
     try:
-        state, activities = _timing.traced_device_activities(steps)
+        _, activities = _timing.traced_device_activities(steps)
         if not activities:
-            return state, {"skipped": "the profiler trace has no GPU timeline"}
+            return latest[-1], {"skipped": "the profiler trace has no GPU timeline"}
         result = {"steps_traced": IDLE_STEPS, **_profile.idle_between_kernels(activities)}
         print(f"{IDLE_STEPS} steps back to back:", _profile.format_idle(result), flush=True)
     except Exception as exc:  # the timed steps stand without it
         traceback.print_exc()
-        return state, {"error": repr(exc)[:2000]}
+        return latest[-1], {"error": repr(exc)[:2000]}
     result["command_buffers_under_trace"] = xla_options.flag_in_effect(PROFILE_COMMAND_BUFFERS)  # set before the backends started
-    return state, result
+    return latest[-1], result
 
 
 def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int, warmup: int, num_batches: int, profile: bool) -> dict:
@@ -260,22 +288,18 @@ def run(config: TrainConfig, num_devices: int, per_device_batch: int, steps: int
         check_lookup_stats(fetched, setup.plan.tables, where="timed steps")
         # The same steps dispatched back to back with one block at the end, as gem-train runs a log window:
         # the host launches step i + 1 while the device runs step i, so no step waits on its own dispatch.
-        # The wait for step 0's metrics, once step 1 is queued behind it, marks when the device ran its first
-        # step: the steps after it are the steady pace, without the first dispatch's ramp.
-        t0, dispatch, first_done = time.perf_counter(), [], None
+        # A thread notes when step 0's metrics are ready: the steps after it are the steady pace.
+        t0, dispatch = time.perf_counter(), []
         for i in range(steps):
             t_call = time.perf_counter()
             state, metrics = train_step(state, batches[i % num_batches])
             dispatch.append(time.perf_counter() - t_call)
             if i == 0:
-                first_metrics = metrics
-            elif i == 1:
-                jax.block_until_ready(first_metrics)
-                first_done = time.perf_counter()
+                first_done = time_when_ready(metrics)
         jax.block_until_ready(state)
         end = time.perf_counter()
         pipelined = (end - t0) / steps
-        steady = (end - first_done) / (steps - 1) if first_done is not None else None
+        steady = (end - first_done()) / (steps - 1) if steps > 1 else None
         check_lookup_stats(jax.device_get(metrics), setup.plan.tables, where="pipelined steps")
         breakdown = None
         if profile:

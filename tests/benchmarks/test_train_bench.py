@@ -313,7 +313,7 @@ def test_idle_step_traces_steps_back_to_back_threading_the_state(train_bench, mo
         calls.append((state, batch))
         return state + 1, {"loss": 0.0}
 
-    def traced(run):  # no GPU here: the trace's timeline is two steps' kernels with a gap between them
+    def traced(run):  # no GPU here: a timeline of two kernels pairs with a gap between them
         return run(), [("fusion", 0.0, 100.0), ("nvjet_gemm", 100.0, 50.0), ("fusion", 400.0, 100.0), ("nvjet_gemm", 500.0, 50.0)]
 
     monkeypatch.setattr(train_bench._timing, "traced_device_activities", traced)
@@ -322,3 +322,20 @@ def test_idle_step_traces_steps_back_to_back_threading_the_state(train_bench, mo
     assert idle["steps_traced"] == train_bench.IDLE_STEPS
     assert idle["span_ms"] == pytest.approx(0.55) and idle["idle_ms"] == pytest.approx(0.25)
     assert idle["longest_gaps"][0] == {"us": pytest.approx(250.0), "before": "nvjet_gemm", "after": "fusion"}
+
+
+def test_time_when_ready_gives_when_the_tree_was_ready_or_raises_its_error(train_bench, monkeypatch):
+    import time
+
+    import jax.numpy as jnp
+
+    before = time.perf_counter()
+    join = train_bench.time_when_ready({"loss": jnp.ones(3) * 2})
+    assert before <= join() <= time.perf_counter()
+
+    def fail(tree):
+        raise RuntimeError("the step failed")
+
+    monkeypatch.setattr(train_bench.jax, "block_until_ready", fail)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        train_bench.time_when_ready({"loss": jnp.ones(3)})()
