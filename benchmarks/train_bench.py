@@ -13,8 +13,8 @@ put on the devices once, then cycled, so the timing is the device step (host pip
 excluded). Each step is timed on its own (dispatch to
 `block_until_ready`); the median is reported (`median_step_s`, and `mfu_per_device` from it).
 Then the same number of steps is dispatched back to back, as `gem-train` runs the steps of a log
-window, waiting only for the first step's metrics (once the second is queued behind it) and for the
-last step's state: `pipelined_step_s` is their mean, in which the host dispatches the next step
+window, with one wait at the end for the last step's state (a thread of its own notes when the
+first step's metrics are ready): `pipelined_step_s` is their mean, in which the host dispatches the next step
 while the device runs this one (`pipelined_mfu_per_device`, `local_mfu_pipelined`,
 `speedup_vs_padded_peer_pipelined`); `pipelined_steady_step_s` times them from the end of the first
 to the end of the last (None for one step), the pace once the device runs. It is a job's step when
