@@ -167,9 +167,19 @@ PROFILE_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
 
 
 def time_when_ready(tree) -> Callable[[], float]:
-    """Waits for `tree` in a thread of its own; the returned function joins it and gives when it was ready
-    (`time.perf_counter()` seconds), or raises what the wait raised. The wait releases the GIL, so the
-    caller keeps dispatching meanwhile."""
+    """Waits for `tree` in a thread of its own, so the caller keeps dispatching meanwhile (the wait,
+    `jax.block_until_ready`, releases the GIL).
+
+    Args:
+      tree: a pytree of jax arrays, e.g. a step's metrics still being computed.
+
+    Returns:
+      A function that joins the thread and gives when `tree` was ready, in `time.perf_counter()`
+      seconds (float).
+
+    Raises:
+      Through the returned function: whatever the wait raised (a failed step's error).
+    """
     ready: list = []
 
     def wait():
