@@ -37,6 +37,10 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
 - 1800 steps (1.07 epochs of the 1.73M train events): what fits a 10-minute job beside planting,
   start-up and the two evals, at the 0.18-0.19 s a step measured above; 1200 steps reached
   0.7223 / 0.8863 (69% of the AUC lift).
+- a flatter dense rate did not help: with the cosine stretched to 3,360 steps (the rate ending at
+  55% of the peak instead of 10%) and past outcomes in the history, 0.7339 / 0.8745 at step 1800
+  on an H100 (2026-12-07, benchmarks/results/planted_gem_actions_flat_lr_long_range_h100_20261207.json),
+  against 0.7372 / 0.8701 as configured: train NE ended equal to eval NE (0.870) either way.
 - dense AdamW peak 3e-4, a third of the MovieLens run's: d = 1024 transformer blocks are usually
   trained at 1e-4 to 5e-4 with batches of this size.
 - linear warm-up over 120 steps (7% of the run), then cosine decay to 10% of the peak at the
