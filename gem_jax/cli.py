@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from gem_jax.device_memory import claim_device_memory, device_memory_share, is_out_of_memory
 from gem_jax.xla_options import add_project_flags
 
 CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
 OUT_OF_MEMORY_EXIT_CODE = 5  # the device ran out of memory: the checkpoints already written are kept
+RESUME = "run the same command again to resume"
+RESUME_WITHOUT_FORCE_NEW = "run the same command without --force-new to resume (with it, the run would start over)"
 
 
 class _ConfigFields(argparse.Action):
@@ -26,6 +29,30 @@ class _ConfigFields(argparse.Action):
         print("config fields for --set (path: type = default of the schema; a config file sets its own):")
         print("\n".join(f"  {line}" for line in config_tree.override_help(TrainConfig)))
         parser.exit()
+
+
+def _steps(text: str) -> int:
+    """`--stop-after-steps N`: an int >= 1."""
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {steps}")
+    return steps
+
+
+def _workdir_error(workdir: str) -> str | None:
+    """Why `workdir` cannot be a run's directory (it, or a folder it would be made in, is a file), or None."""
+    path = Path(workdir)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if folder.is_dir():
+                return None
+            if folder == path:
+                return f"--workdir {workdir}: a file of that name exists; a workdir must be a directory (or not exist yet)"
+            return f"--workdir {workdir}: {folder} is a file, so no directory can be made under it"
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
             "(NaN/Inf); 4 a checkpoint could not be written (e.g. the disk filled up: the last good checkpoint stays intact, "
             "the summary says what was saved; free space and run the same command again); 5 the device ran out of memory "
             "(the message says what to change; the checkpoints already written are kept); 75 stopped before loop.num_steps, by a signal or by --stop-after-steps, with a checkpoint: "
-            "run the same command again to resume"
+            "run the same command again to resume (without --force-new, which would start the run over)"
         ),
     )
 
@@ -63,15 +90,16 @@ def train_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard logs and run.json")
     parser.add_argument(
-        "--set", nargs="+", default=[], metavar="PATH=VALUE", dest="overrides",
-        help="override config fields, e.g. --set loop.num_steps=3 model.embed_dim=128 (see --help-config)",
+        "--set", nargs="+", action="extend", default=[], metavar="PATH=VALUE", dest="overrides",
+        help="override config fields, e.g. --set loop.num_steps=3 model.embed_dim=128 (see --help-config); repeatable: "
+        "the overrides of every --set apply in order, and a later value for the same field wins",
     )
     parser.add_argument("--force-new", action="store_true", help="start a new run even if the workdir holds another (it is moved to previous_runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the default when stdout is not a terminal)")
     parser.add_argument(
-        "--stop-after-steps", type=int, default=None, metavar="N",
-        help="stop after N steps of this start with a checkpoint, as a preemption does: exit status 75 while the run "
-        "is not finished (run the command again to go on), 0 once it is",
+        "--stop-after-steps", type=_steps, default=None, metavar="N",
+        help="stop after N (>= 1) steps of this start with a checkpoint, as a preemption does: exit status 75 while the run "
+        "is not finished (run the command again, without --force-new, to go on), 0 once it is",
     )
     parser.add_argument(
         "--compile-cache", default=None, metavar="DIR|off",
@@ -87,6 +115,9 @@ def train_main(argv: list[str] | None = None) -> None:
         "then exit without compiling or training",
     )
     args = parser.parse_args(argv)
+    workdir_error = _workdir_error(args.workdir)
+    if workdir_error:  # before --compile-cache, whose default lies under it
+        parser.error(workdir_error)
     claim_device_memory()  # 90% of each GPU unless the environment says otherwise, before jax's client starts
     add_project_flags()  # the project's XLA flags (gem_jax.xla_options) unless the environment gives them
 
@@ -147,7 +178,8 @@ def train_main(argv: list[str] | None = None) -> None:
             chrono=chrono,
         )
     except Preempted as error:
-        print(f"gem-train: {error}", file=sys.stderr, flush=True)
+        message = str(error).replace(RESUME, RESUME_WITHOUT_FORCE_NEW) if args.force_new else str(error)
+        print(f"gem-train: {message}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
     except (
         RunMismatchError, WorkdirLockedError, CorruptCheckpointError, BadRowError, DataFormatError, DataConfigError,
@@ -169,7 +201,7 @@ def train_main(argv: list[str] | None = None) -> None:
         print(f"gem-train: {out_of_memory_message(error)}", file=sys.stderr, flush=True)
         sys.exit(OUT_OF_MEMORY_EXIT_CODE)
     if not summary["finished"]:  # --stop-after-steps: stopped like a preemption, the run goes on when started again
-        print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); run the same command again to resume", file=sys.stderr, flush=True)
+        print(f"gem-train: stopped after step {summary['step']} of {config.loop.num_steps} (--stop-after-steps); {RESUME_WITHOUT_FORCE_NEW if args.force_new else RESUME}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
 
 

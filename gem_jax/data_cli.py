@@ -61,12 +61,14 @@ def _on_bad_row(args):
 def _inspect(args) -> None:
     from gem_jax.data.ingest import inspect
     from gem_jax.data.ingest.manifest import MANIFEST
+    from gem_jax.data.ingest.readers import expand_inputs
 
     converted = len(args.inputs) == 1 and (Path(args.inputs[0]) / MANIFEST).is_file()
     if converted:
         report = inspect.inspect_converted(args.inputs[0])
     else:
         if not (args.user and args.item and args.time):
+            expand_inputs(args.inputs)  # a path that does not exist (or holds no event files) is said first
             raise ValueError("raw inputs need --user, --item and --time (or pass one converted directory)")
         report = inspect.inspect_raw(args.inputs, _schema(args), _on_bad_row(args))
     if args.batch_size:
@@ -136,11 +138,24 @@ def _plant(args) -> None:
 
 
 def _oracle(args) -> None:
+    from gem_jax.data.ingest.manifest import MANIFEST
     from gem_jax.data.ingest.split import SplitRule
     from gem_jax.data.planted import TRUTH, read_truth
     from gem_jax.train.oracle import oracle_report
 
-    print(oracle_report(read_truth(Path(args.directory) / TRUTH), SplitRule.parse(args.split)).summary())
+    directory = Path(args.directory)
+    if not (directory / TRUTH).is_file():
+        if not directory.exists():
+            what = "no such directory"
+        elif not directory.is_dir():
+            what = "not a directory"
+        elif (directory / MANIFEST).is_file():
+            what = f"a converted directory, which holds no {TRUTH} (pass the planted log it was converted from)"
+        else:
+            what = f"holds no {TRUTH}"
+        raise ValueError(f"{directory}: {what}; the directory must be a planted log written by gem-data plant (holding {TRUTH})")
+    rule = SplitRule.parse(args.split)
+    print(oracle_report(read_truth(directory / TRUTH), rule).summary())
 
 
 def main(argv: list[str] | None = None) -> None:

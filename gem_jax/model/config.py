@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from gem_jax.checks import check_float, check_int
 from gem_jax.model.remat import RematConfig, region_names
 from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels import Implementation, ImplementationUnavailableError, describe_choice
@@ -111,6 +112,7 @@ class ModelConfig:
     Raises:
       ValueError: a field out of range, or a `remat` pattern that matches no region
         of this model (named).
+      TypeError: a size that is not an int, or a `rope_base` that is not a number (named).
     """
 
     embed_dim: int = 64
@@ -157,21 +159,28 @@ class ModelConfig:
         if len(set(regions)) != len(regions):
             raise ValueError(f"fp8_regions names a region twice: {[r.name for r in regions]}")
         object.__setattr__(self, "fp8_regions", regions)
+        # Sizes before anything divides by them; 0 layers is an ablation that trains (no self-attention blocks,
+        # no DHEN layers). fp8_block is the recipe's to check (32 or 128), when fp8 is on.
+        for name, minimum in (
+            ("embed_dim", 1), ("num_heads", 1), ("num_seq_layers", 0), ("mlp_ratio", 1), ("num_pooled_queries", 1),
+            ("num_dhen_layers", 0), ("head_hidden", 1), ("attention_window", 0), ("attention_block_size", 1),
+            ("fp8_block", None),
+        ):
+            check_int(self, name, minimum=minimum)
+        check_float(self, "rope_base", positive=True)
         if self.fp8 and self.fp8_recipe.hadamard and self.embed_dim % self.fp8_block:  # the recipe checks fp8_block
             # Every FP8 layer's input width is a multiple of embed_dim (d, mlp_ratio d, 3 F d in DHEN mixing).
             raise ValueError(
                 f"fp8_hadamard rotates each FP8 layer's input features in blocks of fp8_block={self.fp8_block}; "
                 f"embed_dim {self.embed_dim} is not a multiple of it"
             )
-        if self.attention_window < 0 or self.attention_block_size < 1:
-            raise ValueError(
-                f"attention_window must be >= 0 and attention_block_size >= 1; "
-                f"got {self.attention_window}, {self.attention_block_size}"
-            )
         if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}")
+            raise ValueError(f"ModelConfig.embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}")
         if (self.embed_dim // self.num_heads) % 2:
-            raise ValueError(f"head_dim {self.embed_dim // self.num_heads} must be even for RoPE")
+            raise ValueError(
+                f"ModelConfig head_dim = embed_dim // num_heads = {self.embed_dim} // {self.num_heads} = "
+                f"{self.embed_dim // self.num_heads} must be even for RoPE"
+            )
         self.remat.check_regions(self.region_names)
 
     @property

@@ -137,7 +137,7 @@ def write_planted(log: PlantedLog, directory: str | os.PathLike, fmt: Format = F
     out = Path(directory)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not (overwrite and (out / INFO).is_file()):
-            what = "holds a planted log; pass overwrite (--overwrite) to replace it" if (out / INFO).is_file() else "is not empty and holds no planted log: choose another directory"
+            what = "holds a planted log; pass --overwrite to replace it" if (out / INFO).is_file() else "is not empty and holds no planted log: choose another directory"
             raise DataFormatError(f"{out} {what}")
     work = out.with_name(out.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)

@@ -163,7 +163,7 @@ def test_csv_output_and_the_cli(tmp_path, capsys):
     assert files.events.name == "events.csv" and files.items.name == "items.csv"
     header = files.events.read_text().splitlines()[0]
     assert header == '"user_id","item_id","ts","click","action"'
-    with pytest.raises(DataFormatError, match="holds a planted log"):
+    with pytest.raises(DataFormatError, match="holds a planted log; pass --overwrite to replace it"):
         write_planted(generate(config), out, Format.CSV)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x").write_text("")
@@ -178,6 +178,34 @@ def test_csv_output_and_the_cli(tmp_path, capsys):
     assert saved == json.loads(json.dumps(report.to_json()))
     data_cli.main(["oracle", str(tmp_path / "cli"), "--split", "last:5"])
     assert "each user's last 5 event(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit:  # planting again into the log needs --overwrite, named as the flag
+        data_cli.main(["plant", "--out", str(tmp_path / "cli"), "--small", "--preset", "short-range", "--seed", "3"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip() == f"gem-data plant: error: {tmp_path / 'cli'} holds a planted log; pass --overwrite to replace it"
+
+
+def test_oracle_refuses_a_directory_without_a_truth_file_naming_it(tmp_path, capsys):
+    """A missing path, a file, a converted directory or any other folder: exit 2 naming the path and what oracle
+    takes (a planted log from gem-data plant, holding truth.parquet), no pyarrow traceback."""
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "converted").mkdir()
+    (tmp_path / "converted" / "manifest.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        "nosuch": "no such directory",
+        "afile": "not a directory",
+        "converted": "a converted directory, which holds no truth.parquet (pass the planted log it was converted from)",
+        "empty": "holds no truth.parquet",
+    }
+    for name, what in cases.items():
+        with pytest.raises(SystemExit) as exit:
+            data_cli.main(["oracle", str(tmp_path / name)])
+        assert exit.value.code == 2, name
+        err = capsys.readouterr().err
+        assert err.strip() == (
+            f"gem-data oracle: error: {tmp_path / name}: {what}; "
+            "the directory must be a planted log written by gem-data plant (holding truth.parquet)"
+        )
 
 
 def test_the_face_exports_resolve():

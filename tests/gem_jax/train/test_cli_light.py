@@ -134,3 +134,67 @@ def test_a_multi_process_run_reports_the_busiest_device_of_any_process(monkeypat
     monkeypatch.setattr(loop, "peak_memory_gb", lambda devices: {})  # the CPU: nothing to gather
     assert loop.peak_device_memory() == {}
 
+
+
+def test_a_workdir_that_is_a_file_is_refused_naming_workdir(repo_root, tmp_path, capsys):
+    """Checked before --compile-cache, whose default lies under the workdir: the message names --workdir, exit 2."""
+    import pytest
+
+    from gem_jax import cli
+
+    (tmp_path / "afile").write_text("")
+    config = str(repo_root / "configs" / "movielens_tiny.py")
+    for workdir, what in (
+        (tmp_path / "afile", "a file of that name exists; a workdir must be a directory (or not exist yet)"),
+        (tmp_path / "afile" / "run", f"{tmp_path / 'afile'} is a file, so no directory can be made under it"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            cli.train_main(["--config", config, "--workdir", str(workdir), "--dry-run"])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1] == f"gem-train: error: --workdir {workdir}: {what}"
+        assert "--compile-cache" not in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_stop_after_steps_below_one_is_refused_at_parsing(repo_root, tmp_path, capsys):
+    import pytest
+
+    from gem_jax import cli
+
+    for value, what in (("0", "must be >= 1, got 0"), ("-3", "must be >= 1, got -3"), ("two", "expected an int, got 'two'")):
+        with pytest.raises(SystemExit) as exited:
+            cli.train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path / "run"), "--stop-after-steps", value])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"gem-train: error: argument --stop-after-steps: {what}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_under_force_new_says_to_resume_without_it(repo_root, tmp_path, monkeypatch, capsys):
+    """Run again with --force-new, a stopped run would be moved aside and start over: the stop message (by
+    --stop-after-steps or by a signal) says to drop the flag; without the flag it says to run the same command."""
+    import pytest
+
+    from gem_jax import cli
+    from gem_jax.train import loop
+    from gem_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+    argv = ["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--no-progress", "--stop-after-steps", "2"]
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda *args, **kwargs: {"finished": False, "step": 2})
+    for flags, resume in (([], "run the same command again to resume"), (["--force-new"], cli.RESUME_WITHOUT_FORCE_NEW)):
+        with pytest.raises(SystemExit) as exited:
+            cli.train_main(argv + flags)
+        assert exited.value.code == PREEMPTED_EXIT_CODE == 75
+        assert capsys.readouterr().err.splitlines()[-1] == f"gem-train: stopped after step 2 of 6 (--stop-after-steps); {resume}"
+    assert cli.RESUME_WITHOUT_FORCE_NEW == "run the same command without --force-new to resume (with it, the run would start over)"
+
+    def preempted(*args, **kwargs):
+        raise Preempted(3, "SIGTERM", "step 3 (x/checkpoints/3)")
+
+    monkeypatch.setattr(loop, "train_and_evaluate", preempted)
+    for flags, resume in (([], "run the same command again to resume"), (["--force-new"], cli.RESUME_WITHOUT_FORCE_NEW)):
+        with pytest.raises(SystemExit) as exited:
+            cli.train_main(argv + flags)
+        assert exited.value.code == 75
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"gem-train: stopped on SIGTERM after step 3; newest checkpoint: step 3 (x/checkpoints/3); {resume}"
+        )

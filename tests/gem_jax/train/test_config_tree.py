@@ -153,3 +153,66 @@ def test_a_config_file_that_does_not_run_is_refused_naming_file_and_line(tmp_pat
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"gem-train: error: {path}, line {line}: {what}" and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_repeated_set_options_accumulate_in_order(repo_root, tmp_path, monkeypatch, capsys):
+    """Every --set applies, in the order given; a later value for the same field wins, as within one --set."""
+    from gem_jax.train import loop
+
+    seen = []
+    monkeypatch.setattr(loop, "dry_run", lambda config, workdir: seen.append(config))
+    train_main(
+        ["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path / "run"), "--dry-run",
+         "--set", "optim.learning_rate=0.003", "--set", "loop.num_steps=9", "model.embed_dim=16", "--set", "loop.num_steps=7"]
+    )
+    (config,) = seen
+    assert config.optim.learning_rate == 0.003 and config.model.embed_dim == 16 and config.loop.num_steps == 7
+    with pytest.raises(SystemExit) as done:
+        train_main(["--help"])
+    assert done.value.code == 0
+    assert "repeatable: the overrides of every --set apply in order, and a later value for the same field wins" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.embed_dim=0", "ModelConfig.embed_dim must be >= 1, got 0"),
+        ("model.embed_dim=-4", "ModelConfig.embed_dim must be >= 1, got -4"),
+        ("model.embed_dim=-1", "ModelConfig.embed_dim must be >= 1, got -1"),
+        ("model.num_heads=0", "ModelConfig.num_heads must be >= 1, got 0"),
+        ("model.num_seq_layers=-1", "ModelConfig.num_seq_layers must be >= 0, got -1"),
+        ("model.mlp_ratio=0", "ModelConfig.mlp_ratio must be >= 1, got 0"),
+        ("model.num_pooled_queries=0", "ModelConfig.num_pooled_queries must be >= 1, got 0"),
+        ("model.num_dhen_layers=-1", "ModelConfig.num_dhen_layers must be >= 0, got -1"),
+        ("model.head_hidden=0", "ModelConfig.head_hidden must be >= 1, got 0"),
+        ("model.rope_base=0", "ModelConfig.rope_base must be > 0, got 0.0"),
+        ("model.rope_base=-1e4", "ModelConfig.rope_base must be > 0, got -10000.0"),
+        ("model.attention_window=-1", "ModelConfig.attention_window must be >= 0, got -1"),
+        ("model.attention_block_size=0", "ModelConfig.attention_block_size must be >= 1, got 0"),
+        ("model.embed_dim=18", "ModelConfig head_dim = embed_dim // num_heads = 18 // 2 = 9 must be even for RoPE"),
+    ],
+)
+def test_model_sizes_out_of_range_are_refused_naming_the_field(repo_root, tmp_path, capsys, override, message):
+    """Each bad size is refused where the config is built (exit 2, the override and field named), not by a
+    ZeroDivisionError, a complex-number TypeError or a zero-size checkpoint later."""
+    with pytest.raises(SystemExit) as done:
+        train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path / "run"), "--dry-run", "--set", override])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"gem-train: error: override {override!r}: {message}" and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_config_checks_types_and_keeps_zero_layer_ablations():
+    from gem_jax.model.config import ModelConfig
+
+    with pytest.raises(TypeError, match=r"ModelConfig.embed_dim must be an int, got 64.0 \(float\)"):
+        ModelConfig(embed_dim=64.0)
+    with pytest.raises(TypeError, match=r"ModelConfig.rope_base must be a number, got '1e4' \(str\)"):
+        ModelConfig(rope_base="1e4")
+    with pytest.raises(ValueError, match="ModelConfig.rope_base must be finite, got inf"):
+        ModelConfig(rope_base=float("inf"))
+    # No self-attention blocks or no DHEN layers: ablations that build and train.
+    assert ModelConfig(num_seq_layers=0, num_dhen_layers=0).region_names[0] == "history_context"

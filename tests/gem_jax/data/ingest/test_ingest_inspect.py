@@ -73,3 +73,18 @@ def test_cli_refuses_bad_input_with_exit_2(tmp_path, capsys):
     assert "line 14: wrong number of fields: 4 fields, the header has 6" in capsys.readouterr().err
     data_cli.main(["convert", str(tmp_path / "log.csv"), "--out", str(tmp_path / "out"), *FLAGS, "--on-bad-row", "skip", "--quiet"])
     assert "skipped 1 row(s) of" in capsys.readouterr().out
+
+
+def test_inspect_names_a_path_that_does_not_exist_before_asking_for_columns(tmp_path, capsys):
+    """Without --user/--item/--time a missing path is named as missing, not answered with the schema flags it would need."""
+    with pytest.raises(SystemExit) as exit:
+        data_cli.main(["inspect", str(tmp_path / "nosuch") + "/"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"gem-data inspect: error: {tmp_path / 'nosuch'}/: no such file or directory" in err
+    assert "--user" not in err and "Traceback" not in err
+    (tmp_path / "log.csv").write_text(LOG)  # an existing raw file still needs the columns
+    with pytest.raises(SystemExit) as exit:
+        data_cli.main(["inspect", str(tmp_path / "log.csv")])
+    assert exit.value.code == 2
+    assert "raw inputs need --user, --item and --time" in capsys.readouterr().err
