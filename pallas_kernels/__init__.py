@@ -7,6 +7,7 @@ from pallas_kernels._src.dispatch import Choice, Implementation, ImplementationU
 from pallas_kernels.block_local_attention import block_local_attention
 from pallas_kernels.choice import describe_choice, implementations
 from pallas_kernels.gdpa import gdpa
+from pallas_kernels.gelu_grad_matmul import gelu_grad_matmul
 from pallas_kernels.jagged_flash_attention import jagged_flash_attention
 from pallas_kernels.mxfp8 import dequantize_mxfp8, gelu_quantize_mxfp8, mxfp8_matmul, quantize_mxfp8, random_hadamard, rmsnorm_quantize_mxfp8
 from pallas_kernels.qk_norm_rope import qk_norm_rope
@@ -21,6 +22,7 @@ __all__ = [
     "dequantize_mxfp8",
     "describe_choice",
     "gdpa",
+    "gelu_grad_matmul",
     "gelu_quantize_mxfp8",
     "implementations",
     "jagged_flash_attention",

@@ -12,12 +12,13 @@ import jax
 from pallas_kernels._src import dispatch
 from pallas_kernels.block_local_attention import ops as block_local_ops
 from pallas_kernels.gdpa import ops as gdpa_ops
+from pallas_kernels.gelu_grad_matmul import ops as gelu_grad_matmul_ops
 from pallas_kernels.jagged_flash_attention import ops as jfa_ops
 from pallas_kernels.mxfp8 import ops as mxfp8_ops
 from pallas_kernels.qk_norm_rope import ops as qk_norm_rope_ops
 from pallas_kernels.rms_norm import ops as rms_norm_ops
 
-_OPS = {op.name: op for op in (jfa_ops.SUPPORT, gdpa_ops.SUPPORT, block_local_ops.SUPPORT, mxfp8_ops.SUPPORT, *mxfp8_ops.QUANTIZE_SUPPORTS, qk_norm_rope_ops.SUPPORT, rms_norm_ops.SUPPORT)}
+_OPS = {op.name: op for op in (jfa_ops.SUPPORT, gdpa_ops.SUPPORT, block_local_ops.SUPPORT, mxfp8_ops.SUPPORT, *mxfp8_ops.QUANTIZE_SUPPORTS, qk_norm_rope_ops.SUPPORT, rms_norm_ops.SUPPORT, gelu_grad_matmul_ops.SUPPORT)}
 
 
 def _support(op_name: str) -> dispatch.OpSupport:
@@ -48,9 +49,9 @@ def describe_choice(
 
     Args:
       op_name: "jagged_flash_attention", "gdpa", "block_local_attention", "mxfp8_matmul",
-        "quantize_mxfp8", "rmsnorm_quantize_mxfp8", "gelu_quantize_mxfp8", "qk_norm_rope" or "rms_norm".
+        "quantize_mxfp8", "rmsnorm_quantize_mxfp8", "gelu_quantize_mxfp8", "qk_norm_rope", "rms_norm" or "gelu_grad_matmul".
       dtype: the inputs' dtype (e.g. jnp.bfloat16).
-      head_dim: the attention head dim D (None for the mxfp8 ops; the normalised width d for rms_norm).
+      head_dim: the attention head dim D (None for the mxfp8 ops and gelu_grad_matmul; the normalised width d for rms_norm).
       implementation: the setting the op will get (None: the op chooses).
       device: the device to decide for (default: the first device).
 

@@ -35,9 +35,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._src import dispatch, manual_axes, mgpu_common
+from pallas_kernels._src import manual_axes, persistent_gemm
 
-_NUM_COMPUTE_WGS = 2
+_NUM_COMPUTE_WGS = persistent_gemm.NUM_COMPUTE_WGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +71,13 @@ class TuningConfig:
             raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
         if self.k_blocks_per_step < 1:
             raise ValueError(f"k_blocks_per_step must be >= 1, got {self.k_blocks_per_step}")
-        if self.cluster not in (None, "m", "n"):
+        if self.cluster not in persistent_gemm.CLUSTERS:
             raise ValueError(f'cluster must be None, "m" or "n", got {self.cluster!r}')
 
     @property
     def m_multiple(self) -> int:
         """M must be a multiple of this."""
-        return _CTA_M * (2 if self.cluster == "m" else 1)
+        return _CTA_M * persistent_gemm.cluster_shape(self.cluster)[0]
 
     def k_multiple(self, block_k: int) -> int:
         """K must be a multiple of this."""
@@ -86,7 +86,7 @@ class TuningConfig:
     @property
     def n_multiple(self) -> int:
         """N must be a multiple of this."""
-        return self.tile_n * (2 if self.cluster == "n" else 1)
+        return self.tile_n * persistent_gemm.cluster_shape(self.cluster)[1]
 
 
 def default_config(block_k: int) -> TuningConfig:
@@ -101,13 +101,8 @@ def default_config(block_k: int) -> TuningConfig:
     return TuningConfig(tile_n=128, max_concurrent_steps=4, cluster="n", k_blocks_per_step=1)
 
 
-_WG_M = 64  # rows per compute warpgroup: one wgmma row group
-_CTA_M = _NUM_COMPUTE_WGS * _WG_M
-
-
-def _num_sms() -> int:
-    """Persistent-grid size: the SM count on a GPU; a few simulated SMs in CPU interpret mode."""
-    return mgpu_common.sm_count() if dispatch.default_device().platform == "gpu" else 4
+_WG_M = persistent_gemm.WG_M  # rows per compute warpgroup: one wgmma row group
+_CTA_M = persistent_gemm.CTA_M
 
 
 def scaled_matmul(
@@ -151,8 +146,7 @@ def scaled_matmul(
         raise ValueError(f"scale shapes {row_scales.shape}, {col_scales.shape} do not match a={a.shape}, b={b.shape}")
     per_step = config.k_blocks_per_step
     k_steps = k // (block_k * per_step)
-    cl_m = 2 if config.cluster == "m" else 1
-    cl_n = 2 if config.cluster == "n" else 1
+    cl_m, cl_n = persistent_gemm.cluster_shape(config.cluster)
     m_iters, n_iters = m // (_CTA_M * cl_m), n // (tile_n * cl_n)
     steps = min(config.max_concurrent_steps, k_steps)
     fp8_transforms = (plgpu.TilingTransform((8, block_k)), plgpu.SwizzleTransform(block_k))  # one K row = block_k bytes
@@ -203,11 +197,7 @@ def scaled_matmul(
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _tile_loop(info):
                 (lin,) = info.index
-                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, config.grid_tile_width)
-                if cl_m == 2:
-                    mi = mi * 2 + cta
-                if cl_n == 2:
-                    ni = ni * 2 + cta
+                mi, ni = persistent_gemm.tile_index(lin, m_iters, n_iters, config.grid_tile_width, config.cluster, cta)
                 m_sl = pl.ds(mi * _CTA_M, _CTA_M)
                 n_sl = pl.ds(ni * tile_n, tile_n)
                 wg_rows = pl.ds(wg * _WG_M, _WG_M)
@@ -261,7 +251,7 @@ def scaled_matmul(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     cluster_size = cl_m * cl_n
-    num_ctas = min(_num_sms() // cluster_size, m_iters * n_iters) * cluster_size
+    num_ctas = persistent_gemm.num_ctas(m_iters * n_iters, config.cluster)
     matmul = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
