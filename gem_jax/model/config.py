@@ -79,6 +79,12 @@ class ModelConfig:
         runs the norm's backward under this one (`Fp8Linear`). The
         QK-norms before the sequence tower's softmax and causal SiLU attention run in
         `pallas_kernels.qk_norm_rope`, under `attention_implementation`.
+      mlp_implementation: what runs the backward of the sequence tower's MLPs' GELU (their layers in the
+        compute dtype; FP8 layers and `fp8_saved_activations` compute theirs otherwise): "xla" (default:
+        autodiff with the GELU recomputed), "pallas" (`gem_jax.nn.gelu_backward`: the down-projection's
+        input-gradient GEMM with the GELU's gradient and the up-projection bias's in its epilogue,
+        `pallas_kernels.gelu_grad_matmul`) or None ("pallas" where its kernel takes the layers' inputs:
+        bfloat16 on a Hopper GPU; else "xla").
       sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).
       attention_window: events before each event that SLIDING_WINDOW attends to (>= 0).
       attention_block_size: events per BLOCK_LOCAL block (>= 1; the kernels take 64).
@@ -125,6 +131,7 @@ class ModelConfig:
     rope_base: float = 10_000.0
     attention_implementation: Implementation | None = None
     norm_implementation: Implementation | None = None
+    mlp_implementation: Implementation | None = Implementation.XLA
     sequence_attention: SequenceAttention = SequenceAttention.FULL
     attention_window: int = 256
     attention_block_size: int = 64
@@ -147,6 +154,13 @@ class ModelConfig:
                 raise ValueError(f"norm_implementation must be {names} or None, got {self.norm_implementation!r}") from None
             if self.norm_implementation is Implementation.CUDNN:
                 raise ValueError("norm_implementation must be 'xla', 'pallas' or None: RMSNorm has no cuDNN implementation")
+        if self.mlp_implementation is not None:
+            try:
+                object.__setattr__(self, "mlp_implementation", Implementation(self.mlp_implementation))
+            except ValueError:
+                raise ValueError(f"mlp_implementation must be 'xla', 'pallas' or None, got {self.mlp_implementation!r}") from None
+            if self.mlp_implementation is Implementation.CUDNN:
+                raise ValueError("mlp_implementation must be 'xla', 'pallas' or None: the GELU backward has no cuDNN implementation")
         for flag in ("fp8_hadamard", "tied_qk_init"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -244,8 +258,8 @@ def attention_implementations(config: ModelConfig) -> AttentionImplementations:
 
 
 def describe_attention(config: ModelConfig) -> list[str]:
-    """One line per attention op of the model, and one for its RMSNorms: the implementation each runs on this
-    machine and why.
+    """One line per attention op of the model, one for its RMSNorms and one for its MLPs' GELU backward: the
+    implementation each runs on this machine and why.
 
     Uses `pallas_kernels.describe_choice`, the same decision the ops make for the
     model's compute dtype and head dim (the width for the norms; FP8 layers, when on, are named too).
@@ -266,6 +280,7 @@ def describe_attention(config: ModelConfig) -> list[str]:
     if config.sequence_attention is not SequenceAttention.BLOCK_LOCAL:
         ops.append(("QK-norm and RoPE", "qk_norm_rope", chosen.qk_norm_rope, d, attention))
     ops.append((f"RMSNorm (width {config.embed_dim})", "rms_norm", config.norm_implementation, config.embed_dim, "norm_implementation"))
+    ops.append(("MLP GELU backward (sequence tower)", "gelu_grad_matmul", config.mlp_implementation, None, "mlp_implementation"))
     lines = []
     for label, op, implementation, width, setting in ops:
         try:

@@ -43,7 +43,7 @@ class SelfAttentionBlock(nnx.Module):
         self.norm_mlp = rms_norm(d, rngs=rngs, dtype=config.dtype, implementation=config.norm_implementation)
         self.mlp = MLP(
             d, config.mlp_ratio * d, rngs=rngs, fp8=config.fp8_for(Fp8Region.SEQ_MLP), dtype=config.dtype,
-            fp8_saved_activations=config.fp8_saved_activations,
+            fp8_saved_activations=config.fp8_saved_activations, gelu_backward=config.mlp_implementation,
         )
 
     def __call__(self, x: jax.Array, history: Jagged, rope: RopeTable) -> jax.Array:

@@ -7,6 +7,7 @@ Every parameter carries logical axis names (`embed`, `mlp`, `heads`, `table_rows
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -15,7 +16,7 @@ from flax import nnx
 
 import pallas_kernels
 from gem_jax import shard_context
-from gem_jax.nn import embeddings
+from gem_jax.nn import embeddings, gelu_backward
 from gem_jax.pytree import path_str
 from gem_jax.quant.dense import Fp8Linear
 from gem_jax.quant.saved_activations import dense_fp8_input, gelu_dense_fp8_input
@@ -301,6 +302,11 @@ class MLP(nnx.Module):
     second layer's input quantization pass (and a pre-norm passed to the call in the first's).
     `fp8_saved_activations` keeps only FP8 copies of the bf16 layers' inputs and of the
     hidden pre-activation for the backward (`gem_jax.quant.saved_activations`).
+    `gelu_backward`: what runs the GELU's backward of a layer pair in the compute dtype (not FP8, not
+    `fp8_saved_activations`): "xla", autodiff with the GELU recomputed (`gelu`); "pallas", the
+    down-projection's input-gradient GEMM with the GELU's gradient and the up-projection bias's in
+    its epilogue (`gem_jax.nn.gelu_backward`); None, "pallas" where its kernel takes the layer's
+    inputs (bfloat16 on a Hopper GPU, rows a multiple of 128, widths of its tiles), else "xla".
     """
 
     def __init__(
@@ -314,8 +320,10 @@ class MLP(nnx.Module):
         dtype: jnp.dtype | None = None,
         float32_output: bool = False,
         fp8_saved_activations: bool = False,
+        gelu_backward: pallas_kernels.Implementation | None = pallas_kernels.Implementation.XLA,
     ):
         self.fp8_saved_activations = fp8_saved_activations
+        self.gelu_backward = gelu_backward
         self.up = dense(dim, hidden, ("embed", "mlp"), rngs=rngs, fp8=fp8, dtype=dtype)
         self.down = dense(hidden, out or dim, ("mlp", "embed"), rngs=rngs, fp8=fp8, dtype=dtype, float32_output=float32_output)
 
@@ -324,6 +332,8 @@ class MLP(nnx.Module):
         saved = self.fp8_saved_activations
         if self._fp8_pair():
             return self._fp8_forward(x, norm)
+        if self._fused_gelu_backward(x):
+            return self._bias_gelu_down(norm(x) if norm is not None else x)
         if norm is not None:
             h = norm_dense(norm, self.up, x, fp8_saved_input=saved)
         else:
@@ -337,8 +347,31 @@ class MLP(nnx.Module):
         if self._fp8_pair():
             h, x = self.up(x, norm=norm, add_bias=False, keep_input=True)
             return x + self._fp8_down(h)
+        if self._fused_gelu_backward(x):
+            normed, x = norm.keeping_input(x) if isinstance(norm, RMSNorm) else (norm(x), x)
+            return x + self._bias_gelu_down(normed)
         h, x = norm_dense(norm, self.up, x, fp8_saved_input=self.fp8_saved_activations, residual=True)
         return x + self._down(h)
+
+    def _fused_gelu_backward(self, x: jax.Array) -> bool:
+        """Whether this call runs `gem_jax.nn.gelu_backward` (see `gelu_backward` in the class docstring)."""
+        if self.gelu_backward is pallas_kernels.Implementation.XLA or self.fp8_saved_activations:
+            return False
+        plain = all(type(layer) is nnx.Linear and layer.bias is not None for layer in (self.up, self.down))
+        if not plain or self.down.dot_general is not jax.lax.dot_general or self.down.preferred_element_type is not None:
+            return False  # a float32-output layer (`dense(float32_output=True)`) or FP8 layers compute otherwise
+        hidden, out = self.down.kernel.shape
+        dtype = self.down.dtype or x.dtype
+        rows = math.prod(x.shape[:-1])
+        return gelu_backward.takes(self.gelu_backward, rows, hidden, out, dtype)
+
+    def _bias_gelu_down(self, x: jax.Array) -> jax.Array:
+        """`down(gelu(up(x)))` with the GELU's backward in the down-projection's GEMM (`gem_jax.nn.gelu_backward`)."""
+        up, down = self.up, self.down
+        x, up_kernel, up_bias = up.promote_dtype((x, up.kernel[...], up.bias[...]), dtype=up.dtype)
+        h = up.dot_general(x, up_kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=up.precision)
+        down_kernel, down_bias = down.promote_dtype((down.kernel[...], down.bias[...]), dtype=h.dtype)
+        return gelu_backward.bias_gelu_dense(h, up_bias, down_kernel, down_bias, implementation=self.gelu_backward)
 
     def _fp8_pair(self) -> bool:
         return isinstance(self.up, Fp8Linear) and isinstance(self.down, Fp8Linear)

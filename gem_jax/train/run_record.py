@@ -38,11 +38,13 @@ ARCHIVE_DIR = "previous_runs"
 # up to the recomputation's rounding: a run stopped for memory may resume under another budget),
 # `model.norm_implementation`, flax's RMSNorm or the one-pass kernels (the same function and
 # parameters up to the order of float32 sums: a run may resume on another machine or setting),
+# `model.mlp_implementation`, autodiff or the one-pass kernel for the MLPs' GELU backward (the same
+# gradients up to rounding),
 # and `optim.keep_compute_params`, whether the step's bfloat16 weights are kept in the state or cast
 # by the forward (the same values up to the float32 rounding of the update's arithmetic).
 # Each start records the ones it ran with in its `version`, so a run resumed under another setting
 # says so in `resumed_with` (from that start on).
-COMPUTED_WITH = ("model.remat", "model.norm_implementation", "optim.keep_compute_params")
+COMPUTED_WITH = ("model.remat", "model.norm_implementation", "model.mlp_implementation", "optim.keep_compute_params")
 
 # Config leaves that may change between starts of one run: they do not change the
 # trained parameters of any step both starts reach.
@@ -61,7 +63,8 @@ MAY_CHANGE = (
 # `optim.embedding_accumulator` made "row" the default, and started it at 0.1 before
 # `optim.embedding_initial_accumulator` could change that; history rows carried no item
 # features before `data.history_item_features` (and the spec's field of that name); the RMSNorms
-# were flax's before `model.norm_implementation` (whose "xla" is flax's computation bit for bit);
+# were flax's before `model.norm_implementation` (whose "xla" is flax's computation bit for bit), and the
+# MLPs' GELU backward autodiff's before `model.mlp_implementation`;
 # every forward cast the float32 weights before `optim.keep_compute_params`.
 RECORDED_BEFORE_FIELD = {
     "config.optim.keep_compute_params": False,
@@ -70,6 +73,7 @@ RECORDED_BEFORE_FIELD = {
     "config.data.history_item_features": False,
     "spec.history_item_features": False,
     "config.model.norm_implementation": "XLA",  # enums are recorded by name
+    "config.model.mlp_implementation": "XLA",
 }
 
 # Config leaves that no longer exist, dropped from a record on reading (`read_record`): each

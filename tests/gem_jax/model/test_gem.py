@@ -431,12 +431,18 @@ def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
     assert lines[0].startswith("self-attention (full): xla") and lines[1].startswith("GELU attention (GDPA): xla")
     assert lines[2].startswith("QK-norm and RoPE: xla")
     assert lines[3].startswith("RMSNorm (width 16): xla (no Hopper GPU for the Pallas kernels (found cpu)")
-    assert lines[4].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
-    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[4]
+    assert lines[4].startswith("MLP GELU backward (sequence tower): xla (asked for the jnp reference)")
+    assert lines[5].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
+    rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[5]
     assert rotated.startswith("FP8 dense layers (32-wide blocks, random Hadamard rotation; seq_attention")
-    assert lines[5].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
-    assert len(describe_attention(CONFIG)) == 4
-    assert len(describe_attention(dataclasses.replace(CONFIG, sequence_attention="block_local"))) == 3  # RoPE in its kernel
+    assert lines[6].startswith("FP8 saved activations (E4M3, 1x128 blocks)")
+    assert len(describe_attention(CONFIG)) == 5
+    assert len(describe_attention(dataclasses.replace(CONFIG, sequence_attention="block_local"))) == 4  # RoPE in its kernel
+    assert describe_attention(dataclasses.replace(CONFIG, mlp_implementation=None))[4].startswith(
+        "MLP GELU backward (sequence tower): xla (no Hopper GPU for the Pallas kernels (found cpu)"
+    )
+    with pytest.raises(pallas_kernels.ImplementationUnavailableError, match=r"^model.mlp_implementation=pallas: gelu_grad_matmul: "):
+        describe_attention(dataclasses.replace(CONFIG, mlp_implementation="pallas"))
     assert describe_attention(dataclasses.replace(CONFIG, norm_implementation="xla"))[3].startswith("RMSNorm (width 16): xla (asked for the jnp reference)")
     with pytest.raises(pallas_kernels.ImplementationUnavailableError, match=r"^model.norm_implementation=pallas: rms_norm: implementation='pallas' runs Pallas kernels for Hopper"):
         describe_attention(dataclasses.replace(CONFIG, norm_implementation="pallas"))
