@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=240, help="steps per variant")
     parser.add_argument("--step-seconds", type=float, default=0.2, help="device time of one step")
     parser.add_argument("--sleep", action="store_true", help="steps sleep instead of running matmuls on the device")
-    parser.add_argument("--set", nargs="*", default=[], help="config overrides for every variant, as gem-train --set")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], help="config overrides for every variant, as gem-train --set")
     parser.add_argument("--variants", nargs="+", default=["blocking", "snapshot", "uncompressed"], choices=sorted(VARIANTS))
     parser.add_argument("--values", choices=("random", "init"), default="random", help="state values: random, or as initialised")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the timed first save")

@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/gem_sharded.py")
     parser.add_argument("--table", default="embed/item")
-    parser.add_argument("--set", nargs="*", default=[], dest="overrides", help="config overrides, as gem-train --set")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], dest="overrides", help="config overrides, as gem-train --set")
     parser.add_argument("--out", help="JSON report path (default: stdout only)")
     args = parser.parse_args(argv)
     from benchmarks._lowered import restart_with_fake_devices

@@ -122,7 +122,7 @@ def job_record(status: int, seconds: float, output: str, workdir: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="PATH=VALUE", help="as gem-train --set")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="PATH=VALUE", help="as gem-train --set")
     parser.add_argument("--workdir", default=None, help="the job's workdir (default: a new temporary directory)")
     parser.add_argument("--compile-cache", default="off", metavar="DIR|off", help="gem-train --compile-cache (default off: a cold start)")
     parser.add_argument("--restart-steps", type=int, default=0, metavar="N", help="then restart from the last checkpoint for N more steps")

@@ -71,7 +71,7 @@ def measure(config, seq_layers: int, dhen_layers: int, compile_too: bool) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/gem_h200.py")
-    parser.add_argument("--set", nargs="*", default=[], dest="overrides")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], dest="overrides")
     parser.add_argument("--layers", nargs="+", default=["1,1", "2,1", "4,1", "4,2"], help="num_seq_layers,num_dhen_layers pairs")
     parser.add_argument("--compile", action="store_true", help="also compile the first setting's program")
     parser.add_argument("--out", default=None)

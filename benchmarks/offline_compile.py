@@ -437,7 +437,7 @@ def _inputs(args) -> tuple[dict, dict | None, dict | None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/gem_h200.py")
-    parser.add_argument("--set", nargs="*", default=[], dest="overrides", help="config overrides (gem_jax.train.config_tree)")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], dest="overrides", help="config overrides (gem_jax.train.config_tree)")
     parser.add_argument("--xla", nargs="*", default=[], help="XLA options on top of gem_jax.xla_options's, KEY=VALUE")
     parser.add_argument("--profile", help="a train_bench.py --profile result of the same config: measured ms per fusion kernel")
     parser.add_argument("--compare", help="another result of this script: print and record what changed")

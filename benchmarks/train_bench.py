@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
         help=f"jax's persistent compilation cache (default: ${compile_cache.ENV_VAR}, else off)",
     )
     parser.add_argument(
-        "--set", dest="overrides", nargs="+", default=[], metavar="PATH=VALUE",
+        "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="PATH=VALUE",
         help="config overrides, as gem-train's --set (e.g. model.fp8=True model.fp8_block=128)",
     )
     parser.add_argument("--out", required=True)

@@ -14,13 +14,13 @@ def test_train_bench_writes_comparable_json_with_peer_and_skipped_profile(repo_r
     train_bench.main([
         "--config", str(repo_root / "configs" / "gem_h200_tiny.py"), "--devices", "1", "--per-device-batch", "16",
         "--steps", "2", "--warmup", "1", "--attention", "xla", "padded", "--profile", "--out", str(out),
-        "--set", "optim.learning_rate=0.002",
+        "--set", "optim.learning_rate=0.002", "--set", "loop.log_every=7",  # repeated --set options all apply
     ])
     record = json.loads(out.read_text())
     for key in ("config", "model", "max_seq_len", "runs", "git_commit", "date", "time_to_first_step_s", "peers"):
         assert key in record, key
     assert record["attention"] == "xla" and record["max_seq_len"] == 16
-    assert record["overrides"] == ["optim.learning_rate=0.002"]
+    assert record["overrides"] == ["optim.learning_rate=0.002", "loop.log_every=7"]
     (run,) = record["runs"]
     for key in ("num_devices", "median_step_s", "mfu_per_device", "peak_bytes_in_use_device0", "slack_fraction_mean", "compile_s", "setup_to_first_step_s"):
         assert key in run, key
