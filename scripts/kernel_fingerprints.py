@@ -42,6 +42,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from pallas_kernels import block_local_attention, compiling_for, gdpa, jagged_flash_attention
 from pallas_kernels._src import mgpu_common
+from pallas_kernels.gelu_grad_matmul import gelu_grad_matmul
 from pallas_kernels.mxfp8 import mxfp8_matmul
 
 T, H = 640, 2  # packed rows and heads of every case (`block_local_rope_d128_h4`: 4 heads)
@@ -105,6 +106,13 @@ def _mxfp8_matmul(m: int, n: int, k: int, a_block: tuple[int, int], b_block: tup
     return op, args
 
 
+def _gelu_grad_matmul(m: int, n: int, k: int) -> tuple[Callable, tuple]:
+    """The GELU-backward GEMM of `dy [m, k]`, `w [n, k]` and `h [m, n]`, bf16 (a backward itself: no VJP)."""
+    op = lambda dy, w, h: gelu_grad_matmul(dy, w, h, implementation="pallas")
+    bf16 = jnp.bfloat16
+    return op, (jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((n, k), bf16), jax.ShapeDtypeStruct((m, n), bf16))
+
+
 CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "jfa_d128": lambda: _jfa(128),
     "jfa_d64": lambda: _jfa(64),
@@ -122,6 +130,7 @@ CASES: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     "block_local_rope_d128_h4": lambda: _block_local(128, heads=4),
     "mxfp8_matmul_k128": lambda: _mxfp8_matmul(256, 384, 512, (1, 128), (128, 128)),
     "mxfp8_matmul_32x32": lambda: _mxfp8_matmul(256, 384, 512, (32, 32), (32, 32)),
+    "gelu_grad_matmul": lambda: _gelu_grad_matmul(384, 512, 320),
 }
 
 

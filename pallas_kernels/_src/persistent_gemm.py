@@ -11,6 +11,9 @@ tiles ("n": they share the A tile). Used by `pallas_kernels.mxfp8.kernel_matmul`
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._src import dispatch, mgpu_common
@@ -50,3 +53,20 @@ def tile_index(lin, m_iters: int, n_iters: int, grid_tile_width: int, cluster: s
     if cl_n == 2:
         ni = ni * 2 + cta
     return mi, ni
+
+
+
+class Tile(NamedTuple):
+    """One output tile of the persistent loop, for one warpgroup: its CTA-tile indices and `pl.ds` slices."""
+
+    mi: Any  # row index in CTA tiles (traced)
+    ni: Any  # column index in CTA tiles (traced)
+    rows: Any  # pl.ds of the tile's CTA_M rows
+    columns: Any  # pl.ds of its tile_n columns
+    wg_rows: Any  # pl.ds of warpgroup `wg`'s WG_M rows inside the tile
+
+
+def tile(lin, m_iters: int, n_iters: int, tile_n: int, grid_tile_width: int, cluster: str | None, cta, wg) -> Tile:
+    """The output tile `lin` (`tile_index`'s) and warpgroup `wg`'s rows in it (`wg` is `lax.axis_index("wg")`)."""
+    mi, ni = tile_index(lin, m_iters, n_iters, grid_tile_width, cluster, cta)
+    return Tile(mi, ni, pl.ds(mi * CTA_M, CTA_M), pl.ds(ni * tile_n, tile_n), pl.ds(wg * WG_M, WG_M))
