@@ -1,5 +1,5 @@
 """The GELU-backward GEMM (`pallas_kernels.gelu_grad_matmul`) on one Hopper GPU: the fused Pallas kernel against
-the XLA path the model runs today and the plain cuBLAS GEMM.
+the model's autodiff path and the plain cuBLAS GEMM.
 
 Run on the GPU machine from the repository root::
 
@@ -20,10 +20,17 @@ exactly those cells of dh and their dbias columns; every other value bit for bit
 (or does not compile) is recorded under "variant_checks" and not timed.
 
 Then times, jitted, device time from CUPTI and wall time (`_row_kernels.time_paths`): "pallas" (the default config)
-and "pallas_<variant>" for each variant; "xla", the model's path today (`g = jnp.dot(dy, w.T)` in bf16 by cuBLAS,
-then `dh = (g.astype(f32) * gelu_tanh_grad(h)).astype(bf16)` and `dbias = dh.astype(f32).sum(0)` in one jit: XLA
-fuses the second pass); and "gemm", `jnp.dot(dy, w.T)` alone (the floor the epilogue should approach). Writes GPU,
-jax version, shapes, ms, TFLOP/s (2 M N K / time) and the ratios xla / pallas and pallas / gemm to `--out`.
+and "pallas_<variant>" for each variant; "xla", the model's path under `model.mlp_implementation="xla"`: autodiff
+of `gelu(h + bias) @ w` with the GELU recomputed, XLA's bf16 GEMM and its fused pass for dh and the bias's partial
+sums, the peer the kernel replaces in the train step; "jnp", the op's documented composition (`g = jnp.dot(dy, w.T)`,
+`dh = (g.astype(f32) * gelu_tanh_grad(h)).astype(bf16)`, `dbias = dh.astype(f32).sum(0)`), which XLA compiles to
+slower passes (4.85 against 3.45-3.69 ms on an H100: the first record's "xla" was this one); and "gemm",
+`jnp.dot(dy, w.T)` alone (the floor the epilogue should approach). Writes GPU, jax version, shapes, ms, TFLOP/s
+(2 M N K / time) and the ratios xla / pallas and pallas / gemm to `--out`.
+
+The "two_ctas" variants (`TuningConfig.ctas_per_sm=2`: one warpgroup per CTA, two CTAs per SM, so one CTA's epilogue
+runs under the other's wgmmas) time as "pallas_two_ctas" and "pallas_two_ctas_n64"; near the GEMM's time they show
+two CTAs resident per SM, near or above twice the default's that one was (registers or SMEM: check with Nsight Compute).
 
 Without a GPU the script says so, checks the kernel in the Pallas interpreter at 384 x 384 x 192, writes no
 timings and exits 0; `--interpret` runs the checks of the variants in the interpreter too (a CPU check of this script).
@@ -45,6 +52,8 @@ from gelu_grad_matmul_bounds import dbias_check, dh_check  # noqa: E402
 
 from benchmarks import _row_kernels  # noqa: E402
 from pallas_kernels.gelu_grad_matmul import TuningConfig, default_config, gelu_grad_matmul, gelu_tanh_grad  # noqa: E402
+from gem_jax.nn.layers import gelu  # noqa: E402
+from pallas_kernels.gelu_grad_matmul.kernel import two_cta_config  # noqa: E402
 
 SMALL = (384, 384, 192)  # M, N, K of the CPU check: 9 tiles on the interpreter's 4 SMs, 3 K steps
 BOUND_ROWS = 4096
@@ -57,8 +66,14 @@ VARIANTS = {  # name: config, each checked and timed besides the default
     # Opt-in (--configs): whether the pipeline keeps the last K step's SMEM slot until that wgmma has finished
     # when the next tile's prologue refills the slots is unverified (module docstring of kernel.py).
     "delay_release1": TuningConfig(delay_release=1),
+    # The epilogue under the other CTA's wgmmas: one warpgroup per CTA, two CTAs per SM (kernel.two_cta_config;
+    # CUTLASS's pingpong overlap by occupancy). Unmeasured: whether two CTAs are resident (255 registers a thread
+    # per ptxas, 100 KiB of SMEM each) and whether 2 ring slots a CTA hide the loads.
+    "two_ctas": two_cta_config(),
+    # The same at 128 x 64 tiles with 3 slots and an own h buffer (230 registers, no spills; 108 KiB of SMEM).
+    "two_ctas_n64": TuningConfig(tile_n=64, max_concurrent_steps=3, ctas_per_sm=2),
 }
-DEFAULT_VARIANTS = ("tile_n256", "cluster_n", "cluster_m", "shared_h_5_stages", "approx_math")
+DEFAULT_VARIANTS = ("tile_n256", "cluster_n", "cluster_m", "shared_h_5_stages", "approx_math", "two_ctas", "two_ctas_n64")
 
 
 def make_inputs(m: int, n: int, k: int, seed: int):
@@ -75,7 +90,16 @@ def op(implementation: str, config: TuningConfig | None = None):
 
 
 def model_path(dy, w, h):
-    """The XLA path the model runs today: a bf16 GEMM (bf16 g), then one fused pass for dh and dbias."""
+    """The model's path under `mlp_implementation="xla"`: autodiff of `gelu(h + bias) @ w` (the GELU recomputed,
+    `gem_jax.nn.layers.gelu`) for the gradients of h and of the bias (here zero): XLA's bf16 GEMM, then its
+    fused pass for dh with the bias's partial sums, as in the train step."""
+    bias = jnp.zeros((h.shape[1],), h.dtype)
+    _, vjp = jax.vjp(lambda h, bias: jnp.dot(gelu(h + bias), w), h, bias)
+    return vjp(dy)
+
+
+def jnp_composition(dy, w, h):
+    """The op's documented jnp equivalent (float32 derivative, the rounded dh's column sums), as XLA compiles it."""
     g = jnp.dot(dy, w.T)
     dh = (g.astype(jnp.float32) * gelu_tanh_grad(h)).astype(jnp.bfloat16)
     return dh, dh.astype(jnp.float32).sum(axis=0)
@@ -131,7 +155,8 @@ def timings(shape, iters: int, variants: dict[str, TuningConfig]) -> dict:
     moved = bytes_moved(m, n, k)
     paths = {"pallas": (op("pallas"), (dy, w, h), moved["pallas"])}
     paths |= {f"pallas_{name}": (op("pallas", config), (dy, w, h), moved["pallas"]) for name, config in variants.items()}
-    paths |= {"xla": (jax.jit(model_path), (dy, w, h), moved["xla"]), "gemm": (jax.jit(gemm), (dy, w, h), moved["gemm"])}
+    paths |= {"xla": (jax.jit(model_path), (dy, w, h), moved["xla"]), "jnp": (jax.jit(jnp_composition), (dy, w, h), moved["xla"])}
+    paths |= {"gemm": (jax.jit(gemm), (dy, w, h), moved["gemm"])}
     row = _row_kernels.time_paths("dgelu_bgrad", paths, iters)
     flops = 2 * m * n * k
     for label in paths:
