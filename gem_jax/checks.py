@@ -1,4 +1,5 @@
-"""Type and range checks for config dataclass fields, raising errors that name the field.
+"""Type and range checks for config dataclass fields, raising errors that name the field, and the
+check of an output directory named on a command line.
 
 Config dataclasses call these from `__post_init__`, so a bad value is refused where
 the config is built (a config file, `--set`, `run.json`), not steps later.
@@ -7,6 +8,7 @@ the config is built (a config file, `--set`, `run.json`), not steps later.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 
@@ -55,3 +57,26 @@ def check_bool(obj: Any, name: str) -> None:
     value = getattr(obj, name)
     if not isinstance(value, bool):
         raise TypeError(f"{_where(obj, name)} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def output_directory_problem(path: str, option: str) -> str | None:
+    """Why `path`, given as `option` (e.g. "--workdir"), cannot be a directory a command writes into, or None.
+
+    Refused: an empty path (an unset shell variable would name the current directory), a file, a path
+    under a file, and a symbolic link whose target is missing. A directory, or a path that does not
+    exist yet under directories, is fine.
+    """
+    if not path.strip():
+        return f"{option} is empty: name a directory"
+    target = Path(path)
+    if target.is_symlink() and not target.exists():
+        return f"{option} {path}: a symbolic link to a missing target ({target.readlink()})"
+    for folder in (target, *target.parents):
+        if folder.exists():
+            if folder.is_dir():
+                return None
+            if folder == target:
+                return f"{option} {path}: a file of that name exists; it must be a directory (or not exist yet)"
+            return f"{option} {path}: {folder} is a file, so no directory can be made under it"
+    return None
+

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
+from gem_jax.checks import output_directory_problem
 from gem_jax.device_memory import claim_device_memory, device_memory_share, is_out_of_memory
 from gem_jax.xla_options import add_project_flags
 
@@ -40,19 +40,6 @@ def _steps(text: str) -> int:
     if steps < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {steps}")
     return steps
-
-
-def _workdir_error(workdir: str) -> str | None:
-    """Why `workdir` cannot be a run's directory (it, or a folder it would be made in, is a file), or None."""
-    path = Path(workdir)
-    for folder in (path, *path.parents):
-        if folder.exists():
-            if folder.is_dir():
-                return None
-            if folder == path:
-                return f"--workdir {workdir}: a file of that name exists; a workdir must be a directory (or not exist yet)"
-            return f"--workdir {workdir}: {folder} is a file, so no directory can be made under it"
-    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,7 +102,7 @@ def train_main(argv: list[str] | None = None) -> None:
         "then exit without compiling or training",
     )
     args = parser.parse_args(argv)
-    workdir_error = _workdir_error(args.workdir)
+    workdir_error = output_directory_problem(args.workdir, "--workdir")
     if workdir_error:  # before --compile-cache, whose default lies under it
         parser.error(workdir_error)
     claim_device_memory()  # 90% of each GPU unless the environment says otherwise, before jax's client starts

@@ -17,6 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from gem_jax.checks import output_directory_problem
+
 
 def _schema_flags(parser: argparse.ArgumentParser, required: bool) -> None:
     group = parser.add_argument_group("columns (the event schema)")
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     oracle_parser.add_argument("--split", default="time:0.9", help="as gem-data convert --split (default time:0.9)")
 
     args = parser.parse_args(argv)
+    if args.command in ("convert", "plant") and (problem := output_directory_problem(args.out, "--out")):
+        parser.error(problem)
     run = {"inspect": _inspect, "convert": _convert, "plant": _plant, "oracle": _oracle}[args.command]
     try:
         run(args)

@@ -6,12 +6,14 @@ import dataclasses
 import enum
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from gem_jax.checks import check_float, check_int
 from gem_jax.model.remat import RematConfig, region_names
 from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels import Implementation, ImplementationUnavailableError, describe_choice
+from pallas_kernels.gelu_grad_matmul import ops as gelu_grad_ops
 
 
 class SequenceAttention(enum.Enum):
@@ -53,6 +55,7 @@ class Fp8Region(enum.Enum):
 
 
 SEQUENCE_TOWER_FP8 = (Fp8Region.SEQ_ATTENTION, Fp8Region.SEQ_MLP, Fp8Region.POOLED)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")  # the model's activation dtypes (float64: references under x64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +91,7 @@ class ModelConfig:
       sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).
       attention_window: events before each event that SLIDING_WINDOW attends to (>= 0).
       attention_block_size: events per BLOCK_LOCAL block (>= 1; the kernels take 64).
-      compute_dtype: activations' dtype ("float32" on CPU, "bfloat16" on GPU).
+      compute_dtype: activations' dtype, one of `COMPUTE_DTYPES` ("float32" on CPU, "bfloat16" on GPU).
       fp8: run the dense layers of `fp8_regions` through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in the compute dtype.
       fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).
@@ -161,6 +164,8 @@ class ModelConfig:
                 raise ValueError(f"mlp_implementation must be 'xla', 'pallas' or None, got {self.mlp_implementation!r}") from None
             if self.mlp_implementation is Implementation.CUDNN:
                 raise ValueError("mlp_implementation must be 'xla', 'pallas' or None: the GELU backward has no cuDNN implementation")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"ModelConfig.compute_dtype must be one of {', '.join(map(repr, COMPUTE_DTYPES))}, got {self.compute_dtype!r}")
         for flag in ("fp8_hadamard", "tied_qk_init"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -257,6 +262,34 @@ def attention_implementations(config: ModelConfig) -> AttentionImplementations:
     return AttentionImplementations(softmax=implementation, gelu=implementation, block_local=implementation, qk_norm_rope=implementation)
 
 
+def _mlp_gelu_backward_line(config: ModelConfig) -> str:
+    """The start-up line of `mlp_implementation`: what the sequence MLPs' GELU backward runs, for their widths
+    and compute dtype (`gem_jax.nn.gelu_backward.takes`'s decision at a capacity of 128 rows).
+
+    Raises:
+      ImplementationUnavailableError, ValueError: "pallas" this machine cannot run, or for layers its kernel
+        does not take, naming the setting and the layers.
+    """
+    label, setting = "MLP GELU backward (sequence tower)", f"model.mlp_implementation={getattr(config.mlp_implementation, 'value', None)}"
+    if config.fp8_for(Fp8Region.SEQ_MLP) is not None or config.fp8_saved_activations:
+        return f"{label}: the FP8 path (FP8 layers or FP8 saved activations compute it; {setting} unused)"
+    d, hidden = config.embed_dim, config.mlp_ratio * config.embed_dim
+    try:
+        choice = describe_choice("gelu_grad_matmul", config.compute_dtype, implementation=config.mlp_implementation)
+        if choice.implementation is Implementation.PALLAS and not gelu_grad_ops.runs_kernel(
+            jax.ShapeDtypeStruct((128, d), config.compute_dtype),
+            jax.ShapeDtypeStruct((hidden, d), config.compute_dtype),
+            jax.ShapeDtypeStruct((128, hidden), config.compute_dtype),
+            implementation=config.mlp_implementation,
+        ):
+            return f"{label}: xla (the kernel takes bfloat16 layers of widths its tiles divide; these are {config.compute_dtype}, {d} -> {hidden} -> {d})"
+    except ImplementationUnavailableError as error:
+        raise ImplementationUnavailableError(f"{setting}: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"{setting}: {error} (the sequence MLPs: {config.compute_dtype}, {d} -> {hidden} -> {d})") from None
+    return f"{label}: {choice.implementation.value} ({choice.reason})"
+
+
 def describe_attention(config: ModelConfig) -> list[str]:
     """One line per attention op of the model, one for its RMSNorms and one for its MLPs' GELU backward: the
     implementation each runs on this machine and why.
@@ -280,7 +313,6 @@ def describe_attention(config: ModelConfig) -> list[str]:
     if config.sequence_attention is not SequenceAttention.BLOCK_LOCAL:
         ops.append(("QK-norm and RoPE", "qk_norm_rope", chosen.qk_norm_rope, d, attention))
     ops.append((f"RMSNorm (width {config.embed_dim})", "rms_norm", config.norm_implementation, config.embed_dim, "norm_implementation"))
-    ops.append(("MLP GELU backward (sequence tower)", "gelu_grad_matmul", config.mlp_implementation, None, "mlp_implementation"))
     lines = []
     for label, op, implementation, width, setting in ops:
         try:
@@ -288,6 +320,7 @@ def describe_attention(config: ModelConfig) -> list[str]:
         except ImplementationUnavailableError as error:  # name the setting that asked for it
             raise ImplementationUnavailableError(f"model.{setting}={getattr(implementation, 'value', implementation)}: {error}") from None
         lines.append(f"{label}: {choice.implementation.value} ({choice.reason})")
+    lines.append(_mlp_gelu_backward_line(config))
     if config.fp8:
         choice = describe_choice("mxfp8_matmul", "float8_e4m3fn")
         regions = ", ".join(r.value for r in config.fp8_regions) or "none"

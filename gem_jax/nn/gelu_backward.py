@@ -45,8 +45,12 @@ def bias_gelu_dense(
       `[..., K]` in `h`'s dtype.
 
     Raises:
-      ValueError: from `pallas_kernels.gelu_grad_matmul` in the backward (its shapes and rows).
+      ValueError: operands of different dtypes; from `pallas_kernels.gelu_grad_matmul` in the backward (its
+        shapes and rows).
     """
+    dtypes = {name: jnp.result_type(x) for name, x in (("h", h), ("up_bias", up_bias), ("kernel", kernel), ("bias", bias))}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"bias_gelu_dense: h, up_bias, kernel and bias must share one dtype (the compute dtype), got {dtypes}")
     h, up_bias, kernel, bias = manual_axes.match_axes(h, up_bias, kernel, bias)
     return _bias_gelu_dense(h, up_bias, kernel, bias, implementation)
 

@@ -107,6 +107,8 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+            return float(value)  # a float, if not a finite one: the field's own check names that
         raise ConfigError(f"{where}: expected a float, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -166,48 +168,64 @@ def apply_overrides(config: Any, overrides: Iterable[str]) -> Any:
     `path` is dotted (`loop.num_steps`, `data.synthetic.num_items`); the value is parsed
     to the declared type of that field (enum members by name, `None` where allowed,
     tuples as `(1, 2)` or `1,2`, a variable-length tuple of one item also as the bare item).
+    All overrides of one dataclass are applied together and it is checked once, so fields
+    that must agree change together (`model.embed_dim=18 model.num_heads=3`); a later value
+    of a field replaces an earlier one.
 
     Raises:
-      ConfigError: a malformed override, an unknown field (the valid names are listed)
-        or a value of the wrong type, each naming the override.
+      ConfigError: a malformed override, an unknown field (the valid names are listed),
+        a value of the wrong type, or a config the overrides make invalid, each naming
+        the overrides.
     """
+    items = []
     for override in overrides:
         if "=" not in override:
             raise ConfigError(f"override {override!r} is not of the form path=value (e.g. loop.num_steps=10)")
         path, text = override.split("=", 1)
-        keys = path.strip().split(".")
-        value = _parse_literal(text)
-        config = _replace_path(config, keys, value, override)
-    return config
+        items.append((path.strip().split("."), _parse_literal(text), override))
+    return _replace_fields(config, items) if items else config
 
 
-def _replace_path(obj: Any, keys: Sequence[str], value: Any, override: str) -> Any:
+def _replace_fields(obj: Any, items: Sequence[tuple[Sequence[str], Any, str]]) -> Any:
+    """`obj` with every `(keys, value, override)` of `items` applied, in one `dataclasses.replace`."""
     if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
-        raise ConfigError(f"override {override!r}: {type(obj).__name__} has no fields to set")
+        raise ConfigError(f"override {items[0][2]!r}: {type(obj).__name__} has no fields to set")
     names = [f.name for f in dataclasses.fields(obj) if f.init]
-    key = keys[0]
-    if key not in names:
-        raise ConfigError(f"override {override!r}: {type(obj).__name__} has no field {key!r}; fields: {', '.join(names)}")
-    if len(keys) > 1:
-        inner = getattr(obj, key)
+    types_ = _field_types(type(obj))
+    changes: dict[str, Any] = {}
+    nested: dict[str, list] = {}
+    for keys, value, override in items:
+        key = keys[0]
+        if key not in names:
+            raise ConfigError(f"override {override!r}: {type(obj).__name__} has no field {key!r}; fields: {', '.join(names)}")
+        if len(keys) > 1:
+            nested.setdefault(key, []).append((keys[1:], value, override))
+            continue
+        nested.pop(key, None)  # a whole value given later replaces the earlier overrides inside it
+        changes[key] = _decode_field(types_[key], value, override)
+    for key, inner_items in nested.items():
+        inner = changes.get(key, getattr(obj, key))
         if inner is None:  # an optional part that is off: `data.bbs.minibatch_size=64` turns it on with its defaults
-            inner = _default_of(_field_types(type(obj))[key], override)
-        new = _replace_path(inner, keys[1:], value, override)
-    else:
-        tp = _field_types(type(obj))[key]
-        if typing.get_origin(tp) is tuple or tp is tuple:
-            if isinstance(value, str) and "," in value:
-                value = tuple(_parse_literal(v) for v in value.split(","))
-            elif not isinstance(value, (tuple, list)) and typing.get_args(tp)[1:] == (Ellipsis,):
-                value = (value,)  # a variable-length tuple: one bare item is a 1-tuple
-        try:
-            new = _decode(tp, value, override.split("=", 1)[0])
-        except ConfigError as error:
-            raise ConfigError(f"override {override!r}: {error}") from None
+            inner = _default_of(types_[key], inner_items[0][2])
+        changes[key] = _replace_fields(inner, inner_items)
     try:
-        return dataclasses.replace(obj, **{key: new})
+        return dataclasses.replace(obj, **changes)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"override {override!r}: {error}") from error
+        named = ", ".join(repr(override) for _, _, override in items)
+        raise ConfigError(f"{'override' if len(items) == 1 else 'overrides'} {named}: {error}") from error
+
+
+def _decode_field(tp: Any, value: Any, override: str) -> Any:
+    """`value` as the field type `tp` (tuples from `1,2` or a bare item), naming `override` on error."""
+    if typing.get_origin(tp) is tuple or tp is tuple:
+        if isinstance(value, str) and "," in value:
+            value = tuple(_parse_literal(v) for v in value.split(","))
+        elif not isinstance(value, (tuple, list)) and typing.get_args(tp)[1:] == (Ellipsis,):
+            value = (value,)  # a variable-length tuple: one bare item is a 1-tuple
+    try:
+        return _decode(tp, value, override.split("=", 1)[0])
+    except ConfigError as error:
+        raise ConfigError(f"override {override!r}: {error}") from None
 
 
 def _default_of(tp: Any, override: str) -> Any:

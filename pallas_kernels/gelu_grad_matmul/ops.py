@@ -14,12 +14,12 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16),)
 SUPPORT = dispatch.OpSupport(
     "gelu_grad_matmul",
     kernel_dtypes=KERNEL_DTYPES,
-    size_limit="N a multiple of the CTA tile's columns (128 by default) and K of 64",
 )
 
 
-def _check(dy, w, h) -> None:
-    """A ValueError naming the argument, its shape and what is expected, for invalid inputs."""
+def _check(dy, w, h, *, rows: bool = True) -> None:
+    """A ValueError naming the argument, its shape and what is expected, for invalid inputs (with `rows`, also
+    a row count that is not a multiple of 128)."""
     for name, x in (("dy", dy), ("w", w), ("h", h)):
         if jnp.ndim(x) != 2 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             raise ValueError(f"gelu_grad_matmul: {name} must be a 2-D floating array, got shape {jnp.shape(x)} {jnp.result_type(x)}")
@@ -28,8 +28,19 @@ def _check(dy, w, h) -> None:
         raise ValueError(f"gelu_grad_matmul: w must be [N, K] with dy's K = {k} (the down-projection kernel, [hidden, out]), got shape {w.shape}")
     if h.shape != (m, n):
         raise ValueError(f"gelu_grad_matmul: h must be [M, N] = {(m, n)} (dy's rows, w's rows), got shape {h.shape}")
-    if m % ROW_MULTIPLE:
-        raise ValueError(f"gelu_grad_matmul: dy's rows M must be a multiple of {ROW_MULTIPLE}, got dy shape {dy.shape}")
+    if rows and (problem := _row_problem(dy)):
+        raise ValueError(f"gelu_grad_matmul: {problem}")
+
+
+def _check_config(config) -> kernel.TuningConfig:
+    if config is not None and not isinstance(config, kernel.TuningConfig):
+        raise ValueError(f"gelu_grad_matmul: config must be a kernel.TuningConfig or None, got {config!r}")
+    return kernel.default_config() if config is None else config
+
+
+def _row_problem(dy) -> str | None:
+    m = dy.shape[0]
+    return None if m % ROW_MULTIPLE == 0 else f"dy's rows M must be a multiple of {ROW_MULTIPLE}, got dy shape {dy.shape}"
 
 
 def gelu_grad_matmul(
@@ -81,9 +92,7 @@ def gelu_grad_matmul(
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
     """
     _check(dy, w, h)
-    if config is not None and not isinstance(config, kernel.TuningConfig):
-        raise ValueError(f"gelu_grad_matmul: config must be a kernel.TuningConfig or None, got {config!r}")
-    config = kernel.default_config() if config is None else config
+    config = _check_config(config)
     requested = dispatch.parse(implementation)
     choice = dispatch.choose(SUPPORT, requested, [dy.dtype, w.dtype, h.dtype])
     m, n = dy.shape[0], w.shape[0]
@@ -103,16 +112,20 @@ def runs_kernel(dy, w, h, *, implementation: str | dispatch.Implementation | Non
     """Whether `gelu_grad_matmul(dy, w, h, implementation=..., config=...)` runs the kernel (arrays or
     `jax.ShapeDtypeStruct`s): for a caller that keeps its own path where the op would run the reference.
 
+    Under None, inputs the kernel does not take (dtype, widths, a row count that is not a multiple of 128)
+    give False.
+
     Raises:
-      ValueError: as `gelu_grad_matmul` (shapes; "pallas" asked for inputs the kernel does not take).
+      ValueError: shapes that do not fit together, a config that is not a `kernel.TuningConfig`, or
+        "pallas" asked for inputs the kernel does not take (naming why).
       ImplementationUnavailableError: "pallas" without a Hopper GPU (outside interpret mode).
     """
-    _check(dy, w, h)
-    config = kernel.default_config() if config is None else config
+    _check(dy, w, h, rows=False)
+    config = _check_config(config)
     requested = dispatch.parse(implementation)
     if dispatch.choose(SUPPORT, requested, [dy.dtype, w.dtype, h.dtype]).implementation is not dispatch.Implementation.PALLAS:
         return False
-    problem = _kernel_problem(dy, w, h, config)
+    problem = _row_problem(dy) or _kernel_problem(dy, w, h, config)
     if problem is not None and requested is dispatch.Implementation.PALLAS:
         raise ValueError(f"gelu_grad_matmul: implementation='pallas': {problem}")
     return problem is None and dy.shape[0] > 0

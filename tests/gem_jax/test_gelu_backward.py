@@ -138,6 +138,41 @@ def test_the_kernel_runs_only_where_it_takes_the_layer():
         gelu_backward.takes(PALLAS, 128, 128, 64, jnp.bfloat16)
 
 
+def test_none_keeps_autodiff_for_rows_the_kernel_does_not_take():
+    """Under None a row count off the kernel's 128 is autodiff's to run (a model called outside the trainer's rounded
+    capacities), not an error; "pallas" is refused, and mismatched shapes are errors under any setting."""
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        assert not gelu_backward.takes(None, 100, 128, 64, jnp.bfloat16)
+    dy, w = jax.ShapeDtypeStruct((100, 64), jnp.bfloat16), jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"h must be \[M, N\] = \(100, 128\)"):
+        gelu_grad_ops.runs_kernel(dy, w, jax.ShapeDtypeStruct((100, 96), jnp.bfloat16))
+    with pytest.raises(ValueError, match="config must be a kernel.TuningConfig"):
+        gelu_grad_ops.runs_kernel(dy, w, jax.ShapeDtypeStruct((100, 128), jnp.bfloat16), config="bad")
+    mlp, norm = _mlp(None)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((100, 64)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(mlp(x, norm=norm), np.float32), np.asarray(_mlp(XLA)[0](x, norm=norm), np.float32))
+
+
+def test_start_up_refuses_pallas_for_layers_the_kernel_does_not_take():
+    """The start-up line names what runs: "pallas" for float32 layers or a hidden width off the tiles is refused
+    there, naming the setting and the layers, not in the first backward; FP8 MLPs say the setting is unused."""
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        line = describe_attention(ModelConfig(embed_dim=64, mlp_implementation="pallas", compute_dtype="bfloat16"))[-1]
+        assert line.startswith("MLP GELU backward (sequence tower): pallas (asked for the Pallas kernels"), line
+        with pytest.raises(ValueError, match=r"^model.mlp_implementation=pallas: gelu_grad_matmul: implementation='pallas': the kernel takes bfloat16 .* \(the sequence MLPs: float32, 64 -> 128 -> 64\)"):
+            describe_attention(ModelConfig(embed_dim=64, mlp_implementation="pallas", compute_dtype="float32"))
+        with pytest.raises(ValueError, match=r"w's rows N must be a multiple of 128 .* \(the sequence MLPs: bfloat16, 48 -> 96 -> 48\)"):
+            describe_attention(ModelConfig(embed_dim=48, num_heads=2, mlp_implementation="pallas", compute_dtype="bfloat16"))
+    fp8 = describe_attention(ModelConfig(embed_dim=64, fp8=True, fp8_block=32, mlp_implementation="xla"))
+    assert any(line.startswith("MLP GELU backward (sequence tower): the FP8 path") for line in fp8)
+
+
+def test_operands_of_mixed_dtypes_are_refused():
+    (h, up_bias, kernel, bias), _ = _operands(np.random.default_rng(5), 128, 48, 24, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"must share one dtype .*'up_bias': dtype\('float32'\)"):
+        gelu_backward.bias_gelu_dense(h, up_bias.astype(jnp.float32), kernel, bias, implementation=XLA)
+
+
 def test_model_config_names_the_setting():
     config = ModelConfig(mlp_implementation="pallas")
     assert config.mlp_implementation is PALLAS

@@ -431,7 +431,7 @@ def test_start_up_lines_name_each_attention_path_and_the_fp8_options():
     assert lines[0].startswith("self-attention (full): xla") and lines[1].startswith("GELU attention (GDPA): xla")
     assert lines[2].startswith("QK-norm and RoPE: xla")
     assert lines[3].startswith("RMSNorm (width 16): xla (no Hopper GPU for the Pallas kernels (found cpu)")
-    assert lines[4].startswith("MLP GELU backward (sequence tower): xla (asked for the jnp reference)")
+    assert lines[4].startswith("MLP GELU backward (sequence tower): the FP8 path")  # the MLPs run in FP8 here
     assert lines[5].startswith("FP8 dense layers (128-wide blocks; seq_attention, seq_mlp, pooled): xla")
     rotated = describe_attention(dataclasses.replace(CONFIG, embed_dim=32, fp8=True, fp8_hadamard=True))[5]
     assert rotated.startswith("FP8 dense layers (32-wide blocks, random Hadamard rotation; seq_attention")

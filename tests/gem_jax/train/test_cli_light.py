@@ -143,17 +143,39 @@ def test_a_workdir_that_is_a_file_is_refused_naming_workdir(repo_root, tmp_path,
     from gem_jax import cli
 
     (tmp_path / "afile").write_text("")
+    (tmp_path / "broken").symlink_to(tmp_path / "gone")
     config = str(repo_root / "configs" / "movielens_tiny.py")
     for workdir, what in (
-        (tmp_path / "afile", "a file of that name exists; a workdir must be a directory (or not exist yet)"),
-        (tmp_path / "afile" / "run", f"{tmp_path / 'afile'} is a file, so no directory can be made under it"),
+        (tmp_path / "afile", f"--workdir {tmp_path / 'afile'}: a file of that name exists; it must be a directory (or not exist yet)"),
+        (tmp_path / "afile" / "run", f"--workdir {tmp_path / 'afile' / 'run'}: {tmp_path / 'afile'} is a file, so no directory can be made under it"),
+        (tmp_path / "broken", f"--workdir {tmp_path / 'broken'}: a symbolic link to a missing target ({tmp_path / 'gone'})"),
+        ("", "--workdir is empty: name a directory"),  # an unset shell variable: not the current directory
     ):
         with pytest.raises(SystemExit) as exited:
             cli.train_main(["--config", config, "--workdir", str(workdir), "--dry-run"])
         assert exited.value.code == 2
         err = capsys.readouterr().err
-        assert err.splitlines()[-1] == f"gem-train: error: --workdir {workdir}: {what}"
+        assert err.splitlines()[-1] == f"gem-train: error: {what}"
         assert "--compile-cache" not in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_gem_data_out_under_a_file_is_refused_naming_out(tmp_path, capsys):
+    import pytest
+
+    from gem_jax import data_cli
+
+    (tmp_path / "afile").write_text("")
+    for argv, what in (
+        (["plant", "--out", str(tmp_path / "afile" / "log"), "--small"], f"{tmp_path / 'afile'} is a file, so no directory can be made under it"),
+        (["plant", "--out", str(tmp_path / "afile"), "--small"], "a file of that name exists; it must be a directory (or not exist yet)"),
+        (["convert", "x.csv", "--user", "u", "--item", "i", "--time", "t", "--label", "c", "--out", str(tmp_path / "afile")], "a file of that name exists"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            data_cli.main(argv)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err.startswith(f"gem-data: error: --out {argv[argv.index('--out') + 1]}: {what}"), err
+    assert (tmp_path / "afile").read_text() == ""
 
 
 def test_stop_after_steps_below_one_is_refused_at_parsing(repo_root, tmp_path, capsys):

@@ -42,6 +42,32 @@ def test_overrides_parse_to_the_field_types(repo_root):
     assert config_tree.diff(config_tree.to_tree(config), config_tree.to_tree(out))[0][0] == "checkpoint.async_save"
 
 
+def test_overrides_of_one_config_apply_together_and_later_values_win(repo_root):
+    """Fields that must agree change in one step (each alone would be refused: 18 with 2 heads gives an odd head
+    size, 3 heads do not divide 16); the config is then checked once, naming every override that made it; a later
+    value of a field replaces an earlier one, and a whole part given after edits inside it replaces them."""
+    config = load_config(repo_root / "configs" / "movielens_tiny.py")
+    out = config_tree.apply_overrides(config, ["model.embed_dim=18", "model.num_heads=3"])
+    assert (out.model.embed_dim, out.model.num_heads) == (18, 3)
+    assert config_tree.apply_overrides(config, ["model.num_heads=3", "loop.num_steps=5", "model.embed_dim=18"]).model.head_dim == 6
+    assert config_tree.apply_overrides(config, ["loop.num_steps=5", "loop.num_steps=7"]).loop.num_steps == 7
+    with pytest.raises(config_tree.ConfigError, match=r"^overrides 'model.embed_dim=20', 'model.num_heads=3': ModelConfig.embed_dim 20 is not a multiple"):
+        config_tree.apply_overrides(config, ["model.embed_dim=20", "model.num_heads=3", "loop.num_steps=5"])
+
+    @dataclasses.dataclass(frozen=True)
+    class Part:
+        size: int = 1
+        name: str = "a"
+
+    @dataclasses.dataclass(frozen=True)
+    class Whole:
+        part: Part | None = None
+
+    assert config_tree.apply_overrides(Whole(), ["part.size=4", "part.name=b"]).part == Part(4, "b")  # turned on
+    assert config_tree.apply_overrides(Whole(), ["part.size=4", "part=None"]).part is None
+    assert config_tree.apply_overrides(Whole(), ["part=None", "part.size=4"]).part == Part(4, "a")
+
+
 def test_tuple_and_optional_fields():
     @dataclasses.dataclass(frozen=True)
     class Inner:
