@@ -201,8 +201,8 @@ def test_a_restart_under_another_norm_implementation_or_remat_budget_is_noted_on
     run_record.check_run(tmp_path, run_record.make_record(tiny_config, {}, None), has_checkpoints=False)
     first = run_record.read_record(tmp_path)["version"]["computed_with"]
     assert first["model.norm_implementation"] == tiny_config.model.norm_implementation  # None: the default
-    assert all(path in ("model.norm_implementation", "optim.keep_compute_params") or path.startswith("model.remat.") for path in first)
-    assert first["optim.keep_compute_params"] is True
+    assert all(path in ("model.norm_implementation", "model.mlp_implementation", "optim.keep_compute_params") or path.startswith("model.remat.") for path in first)
+    assert first["optim.keep_compute_params"] is True and first["model.mlp_implementation"] == "XLA"
     assert len(first) > 1  # the remat budget's leaves too
     kernels = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, norm_implementation="pallas"))
     for _ in range(2):
