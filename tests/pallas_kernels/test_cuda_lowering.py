@@ -16,8 +16,8 @@ def fingerprints(load_script):
 
 
 # Kernels per case with gradients: forward and the two backward passes (block-local's backward is
-# one kernel); forward-only cases and the FP8 GEMM (no VJP of its own) lower one.
-KERNELS = {"jfa_forward_only": 1, "jfa": 3, "gdpa": 3, "block_local": 2, "mxfp8_matmul": 1}
+# one kernel); forward-only cases and the GEMMs (the FP8 one and the GELU backward: no VJP of their own) lower one.
+KERNELS = {"jfa_forward_only": 1, "jfa": 3, "gdpa": 3, "block_local": 2, "mxfp8_matmul": 1, "gelu_grad_matmul": 1}
 CASES = ["jfa_d64", "block_local_rope_d128"]
 
 
