@@ -98,8 +98,11 @@ def final_eval(run: dict[str, list[dict]]) -> dict | None:
     return None
 
 
-def lift_fraction(value: float, baseline: float, oracle: float) -> float:
-    """Where `value` sits from `baseline` (0) to `oracle` (1); NaN when they are equal."""
+def lift_fraction(value: float | None, baseline: float, oracle: float) -> float | None:
+    """Where `value` sits from `baseline` (0) to `oracle` (1); NaN when they are equal; None when `value` is
+    (an eval whose examples are of one class has no AUC or NE)."""
+    if value is None:
+        return None
     if oracle == baseline:
         return float("nan")
     return (value - baseline) / (oracle - baseline) + 0.0  # + 0.0: the baseline of a falling metric reads 0, not -0
@@ -140,8 +143,32 @@ def planted_table(oracle: dict, rows: list[dict]) -> str:
     """`planted_rows` as a Markdown table, under the rows of `planted_levels`."""
     lines = [f"split {oracle['split']}, {oracle['eval_events']} eval events", "", "| run | step | AUC | NE | AUC lift fraction | NE lift fraction |", "|---|---|---|---|---|---|"]
     lines += [f"| {v['name']} | | {v['auc']:.4f} | {v['ne']:.4f} | {v['auc_lift_fraction']:.3g} | {v['ne_lift_fraction']:.3g} |" for v in planted_levels(oracle)]
-    lines += [f"| {r['run']} | {r['step']} | {r['auc']:.4f} | {r['ne']:.4f} | {r['auc_lift_fraction']:.3f} | {r['ne_lift_fraction']:.3f} |" for r in rows]
+    lines += [
+        f"| {r['run']} | {r['step']} | {_number(r['auc'], '.4f')} | {_number(r['ne'], '.4f')} | {_number(r['auc_lift_fraction'], '.3f')} | "
+        f"{_number(r['ne_lift_fraction'], '.3f')} |"
+        for r in rows
+    ]
     return "\n".join(lines)
+
+
+def _number(value: float | None, spec: str) -> str:
+    """`value` formatted with `spec`; "n/a" for None (a metric a run logged as undefined)."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def _ratio_change(value: float | None, reference: float | None) -> float | None:
+    """`value / reference - 1`; None when either is None (undefined: one class)."""
+    return None if value is None or reference is None else value / reference - 1
+
+
+def mean_train_ne(name: str, records: list[dict], key: str) -> float | None:
+    """The mean of `key` (a train NE) over `records`, leaving out the windows that logged it as None (all their
+    examples of one class: `gem_jax.train.window.pooled_task_metrics`), which it says; None when all did."""
+    values = [r[key] for r in records if r[key] is not None]
+    if len(values) < len(records):
+        print(f"compare_runs: run {name!r}: {key} is undefined (null: one class) in {len(records) - len(values)} of the last {len(records)} train records; "
+              + ("the mean is over the others" if values else "no mean"))
+    return float(np.mean(values)) if values else None
 
 
 def read_oracle(planted: Path) -> dict:
@@ -448,7 +475,7 @@ def main() -> None:
         raise SystemExit(f"compare_runs: the reference run {reference!r} logs no NE (no ne_<task> key in {paths[reference] / 'metrics.jsonl'})")
     window = {name: run["train"][-args.loss_window:] for name, run in runs.items()}
     loss = {name: float(np.mean([r["loss"] for r in records])) for name, records in window.items()}
-    train_ne = {name: {task: float(np.mean([r[f"ne_{names[name][task]}"] for r in records])) for task in tasks} for name, records in window.items()}
+    train_ne = {name: {task: mean_train_ne(name, records, f"ne_{names[name][task]}") for task in tasks} for name, records in window.items()}
     # A final eval is the eval of the run's last train step; an earlier one is not compared.
     final = {name: record for name, run in runs.items() if (record := final_eval(run)) is not None}
     without_eval = [name for name in runs if name not in final]
@@ -460,7 +487,7 @@ def main() -> None:
 
     def eval_change(metric: str) -> dict:
         return {
-            name: {task: record[f"{metric}_{names[name][task]}"] / compared[reference][f"{metric}_{task}"] - 1 for task in tasks}
+            name: {task: _ratio_change(record[f"{metric}_{names[name][task]}"], compared[reference][f"{metric}_{task}"]) for task in tasks}
             for name, record in compared.items()
         }
 
@@ -478,7 +505,7 @@ def main() -> None:
         "train_loss_relative_change_vs_reference": {name: loss[name] / loss[reference] - 1 for name in runs},
         "final_train_ne": train_ne,
         "train_ne_relative_change_vs_reference": {
-            name: {task: train_ne[name][task] / train_ne[reference][task] - 1 for task in tasks} for name in runs
+            name: {task: _ratio_change(train_ne[name][task], train_ne[reference][task]) for task in tasks} for name in runs
         },
         "curves": {name: {"train": run["train"], "eval": run["eval"]} for name, run in runs.items()},
     }
@@ -498,8 +525,11 @@ def main() -> None:
             ax.axhline(level["ne"], color="grey", linestyle=style, linewidth=1, label=f"{level['name']} eval NE")
     for name, run in runs.items():
         key = f"ne_{names[name][tasks[0]]}"
-        line = ax.plot([r["step"] for r in run["train"]], [r[key] for r in run["train"]], label=f"{name} train NE")[0]
-        ax.plot([r["step"] for r in run["eval"]], [r[key] for r in run["eval"]], "o--", color=line.get_color(), label=f"{name} eval NE")
+        def curve(records: list[dict]) -> list[float]:
+            return [np.nan if r[key] is None else r[key] for r in records]  # undefined (one class): a gap
+
+        line = ax.plot([r["step"] for r in run["train"]], curve(run["train"]), label=f"{name} train NE")[0]
+        ax.plot([r["step"] for r in run["eval"]], curve(run["eval"]), "o--", color=line.get_color(), label=f"{name} eval NE")
     ax.set_xlabel("step")
     ax.set_ylabel(f"NE, {tasks[0]} task")
     ax.set_title(args.title)

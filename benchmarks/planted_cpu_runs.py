@@ -70,7 +70,7 @@ def main() -> None:
         summary = train_and_evaluate(apply_overrides(base, overrides), root / name, progress=False)
         results[name] = {"overrides": overrides[1:], "actions": "noactions" not in name, "auc": summary["auc_click"], "ne": summary["ne_click"],
                          # step -> train NE (each log the mean since the last)
-                         "train_ne": {r["step"]: round(r["ne_click"], 4) for r in read_run(root / name)["train"]}}
+                         "train_ne": {r["step"]: None if r["ne_click"] is None else round(r["ne_click"], 4) for r in read_run(root / name)["train"]}}
         print(name, results[name]["auc"], results[name]["ne"], flush=True)
     args.out.write_text(json.dumps({
         "log": "long-range preset, 300 users, 200 items, 20 categories, seed 0; split " + SPLIT,

@@ -136,14 +136,20 @@ def train_main(argv: list[str] | None = None) -> None:
         require_path(config.data)
     except (FileNotFoundError, TypeError, ValueError) as error:  # ConfigError, ConfigFileError and DataConfigError are ValueErrors
         parser.error(str(error))
+    # Neither the workdir nor the cache is made here: a dry run writes nothing, and a start refused before
+    # it compiles leaves the filesystem as it was (jax makes the cache directory at its first compile).
     try:
-        cache = compile_cache.enable(compile_cache.cache_dir(args.workdir, args.compile_cache))
+        cache = compile_cache.cache_dir(args.workdir, args.compile_cache)
+        if cache is not None and (problem := output_directory_problem(str(cache), "--compile-cache")):
+            raise ValueError(problem.removeprefix("--compile-cache "))
+        if not args.dry_run:  # a dry run compiles nothing
+            cache = compile_cache.enable(cache, create=False)
     except (ValueError, OSError) as error:
         parser.error(f"--compile-cache: {error}")
     layout = distributed.initialize()
     process = f", process {jax.process_index()} of {jax.process_count()} ({layout.source})" if layout else ""
     print(f"gem-train: {run_record.describe_devices({**run_record.device_record(), 'jax': jax.__version__}, process)}", flush=True)
-    print(f"gem-train: compilation cache {cache or 'off'}", flush=True)
+    print(f"gem-train: compilation cache {cache or 'off'}{' (unused: --dry-run compiles nothing)' if args.dry_run and cache else ''}", flush=True)
     try:
         for line in describe_attention(config.model):
             print(f"gem-train: {line}", flush=True)

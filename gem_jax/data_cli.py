@@ -20,6 +20,17 @@ from pathlib import Path
 from gem_jax.checks import output_directory_problem
 
 
+def _positive_int(text: str) -> int:
+    """An option's int value, >= 1 (`--batch-size`, `--gpus`, `--max-seq-len`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _schema_flags(parser: argparse.ArgumentParser, required: bool) -> None:
     group = parser.add_argument_group("columns (the event schema)")
     group.add_argument("--user", required=required, help="user id column")
@@ -61,11 +72,15 @@ def _on_bad_row(args):
 
 
 def _inspect(args) -> None:
+    from gem_jax.data.bbs import check_shard_split
     from gem_jax.data.ingest import inspect
     from gem_jax.data.ingest.manifest import MANIFEST
     from gem_jax.data.ingest.readers import expand_inputs
 
     converted = len(args.inputs) == 1 and (Path(args.inputs[0]) / MANIFEST).is_file()
+    layout_where = f"--batch-size {args.batch_size} on --gpus {args.gpus}"
+    if args.batch_size is not None:  # before a pass over the log
+        check_shard_split(args.batch_size, args.gpus, layout_where)
     if converted:
         report = inspect.inspect_converted(args.inputs[0])
     else:
@@ -73,8 +88,8 @@ def _inspect(args) -> None:
             expand_inputs(args.inputs)  # a path that does not exist (or holds no event files) is said first
             raise ValueError("raw inputs need --user, --item and --time (or pass one converted directory)")
         report = inspect.inspect_raw(args.inputs, _schema(args), _on_bad_row(args))
-    if args.batch_size:
-        inspect.add_layout(report, args.batch_size, args.gpus, args.max_seq_len)
+    if args.batch_size is not None:
+        inspect.add_layout(report, args.batch_size, args.gpus, args.max_seq_len, where=layout_where)
     print(inspect.format_report(report))
     figure = args.figure or (Path(args.inputs[0]) / "length_histogram.png" if converted else None)
     if figure is not None:
@@ -170,9 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     inspect_parser = commands.add_parser("inspect", help="counts, label rates, sequence lengths, padding and GPU balance of a raw log or a converted directory")
     inspect_parser.add_argument("inputs", nargs="+", help="event files, directories or globs; or one converted directory")
     _schema_flags(inspect_parser, required=False)
-    inspect_parser.add_argument("--batch-size", type=int, help="global batch size for the padding and balance estimate")
-    inspect_parser.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (default 1)")
-    inspect_parser.add_argument("--max-seq-len", type=int, help="longest history kept (default: the longest sequence)")
+    inspect_parser.add_argument("--batch-size", type=_positive_int, help="global batch size (>= 1) for the padding and balance estimate; a multiple of --gpus, with an even share per GPU when --gpus > 1")
+    inspect_parser.add_argument("--gpus", type=_positive_int, default=1, help="data-parallel GPUs (>= 1, default 1)")
+    inspect_parser.add_argument("--max-seq-len", type=_positive_int, help="longest history kept (>= 1; default: the longest sequence)")
     inspect_parser.add_argument("--figure", help="save the length histogram here (default for a converted directory: DIR/length_histogram.png)")
 
     convert_parser = commands.add_parser("convert", help="vocabularies, split and per-user sequences in sharded ArrayRecord files")

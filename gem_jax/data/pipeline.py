@@ -536,7 +536,7 @@ def _examples_dataset(
     if spec.history_item_features:
         if not spec.item_features:
             raise DataConfigError(
-                f"{info.name}: data.history_item_features is set, but the data set has no item features for its history "
+                f"{config.path or info.path or info.name}: data.history_item_features is set, but the data set has no item features for its history "
                 "rows to carry; set it to False, or convert the log with --item-table and --item-feature"
             )
         names = ", ".join(f.name for f in spec.item_features)

@@ -20,7 +20,10 @@ def item_mean_label_auc(dataset: Dataset, candidate_item: np.ndarray, labels: np
       candidate_item: int `[N]`, the eval examples' candidate items.
       labels: float32 `[N, K]`, K = `len(dataset.task_names)`.
       weights: float32 `[N]`; weight-0 (padding) examples are left out.
+
+    A task whose eval examples are all of one class has None (AUC is undefined).
     """
     items = np.asarray(candidate_item)
     scores = np.stack([dataset.item_mean_label(k)[items] for k in range(len(dataset.task_names))], axis=1)
-    return {f"baseline_auc_{name}": auc(scores[:, k], labels[:, k], weights) for k, name in enumerate(dataset.task_names)}
+    values = {f"baseline_auc_{name}": auc(scores[:, k], labels[:, k], weights) for k, name in enumerate(dataset.task_names)}
+    return {key: None if np.isnan(value) else value for key, value in values.items()}  # one class: undefined, as the model's AUC

@@ -47,15 +47,17 @@ def cache_dir(workdir: str | Path | None, explicit: str | None = None) -> Path |
     return Path(workdir) / DEFAULT_SUBDIR
 
 
-def enable(directory: str | Path | None, *, min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0) -> Path | None:
+def enable(directory: str | Path | None, *, min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0, create: bool = True) -> Path | None:
     """Points jax's persistent compilation cache at `directory` (None: leaves it off).
 
     Call before the first jit compile of the process. Every compiled program of at least
     `min_compile_time_s` seconds and `min_entry_size_bytes` bytes is stored (defaults:
     all of them, so that a warm start compiles nothing; small ones cost milliseconds).
+    With `create` False the directory is not made now: jax makes it when it first uses the
+    cache (`gem-train`: a start refused before compiling leaves no cache behind).
 
     Returns:
-      The directory (created), or None.
+      The directory (absolute; created unless `create` is False), or None.
 
     Raises:
       ValueError: negative thresholds.
@@ -65,7 +67,8 @@ def enable(directory: str | Path | None, *, min_compile_time_s: float = 0.0, min
     if directory is None:
         return None
     directory = Path(directory).expanduser().absolute()
-    directory.mkdir(parents=True, exist_ok=True)
+    if create:
+        directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))

@@ -30,7 +30,8 @@ from gem_jax.train.checkpoint import Checkpointer, CheckpointWriteError
 from gem_jax.train.config import TrainConfig
 from gem_jax.train.divergence import FiniteTracker
 from gem_jax.train.executable_cache import ExecutableCache
-from gem_jax.train.metric_log import MetricLogger, train_line
+from gem_jax.train.metric_log import MetricLogger, eval_line, format_metric, train_line
+from gem_jax.train.metrics import one_class_note
 from gem_jax.train.optimizer import learning_rate_schedule
 from gem_jax.train.preemption import Preempted, StopSignals
 from gem_jax.train.capacity_plan import planned_capacities
@@ -218,7 +219,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
                             goodput=chrono.seconds()[goodput.TRAIN_STEP] / wall,
                         )
                         logger.log(done, "train", record)
-                        progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=f"{record[f'ne_{dataset.task_names[0]}']:.3f}")
+                        progress_bar.set_postfix(loss=f"{record['loss']:.4f}", ne=format_metric(record[f"ne_{dataset.task_names[0]}"], ".3f"))
                         tqdm.write(train_line(done, record, dataset.task_names))
                     if done - len(fetched) > start:  # the run's first window holds the first steps' start-up: not steady state
                         steady["seconds"] += step_seconds
@@ -233,7 +234,7 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
                     with chrono.measure(goodput.EVAL):
                         eval_record = training.evaluate(state.params, eval_step=programs.eval_step, capacity=programs.eval_capacity)
                     logger.log(done, "eval", eval_record)
-                    tqdm.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in eval_record.items() if isinstance(v, float)))
+                    tqdm.write(eval_line(done, eval_record, dataset.task_names))
                 progress_bar.update(1)
                 if step == start:
                     chrono.watch_compiles()  # from here on every compile is one the run should not need
@@ -259,6 +260,8 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
                 eval_record = training.evaluate(state.params, baseline=True, eval_step=programs.eval_step, capacity=programs.eval_capacity)
             eval_keys = set(eval_record)
             summary.update(eval_record)
+            if (note := one_class_note(eval_record, dataset.task_names)) is not None:
+                print(f"gem-train: step {final_step}: {note}", flush=True)
             if trains:
                 logger.log(final_step, "eval", eval_record)
         if steady["seconds"]:
@@ -405,7 +408,7 @@ def print_summary(summary: dict, chrono: goodput.Chrono | None = None, written: 
     timing = set(chrono.record()) if chrono is not None else set()
     for key, value in summary.items():
         if key not in timing:
-            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+            table.add_row(key, format_metric(value, ".4f") if value is None or isinstance(value, float) else str(value))
     console = Console()
     console.print(table)
     if chrono is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gem_jax.train.metrics import one_class_note
 from gem_jax.train.tensorboard_events import EventWriter
 
 # Counters printed on the train line only when non-zero (they are always in metrics.jsonl).
@@ -92,11 +93,29 @@ class MetricLogger:
         self.tensorboard.close()
 
 
+def format_metric(value, spec: str) -> str:
+    """`value` formatted with `spec`; "n/a" for an undefined metric (None, or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def eval_line(step: int, record: dict, task_names) -> str:
+    """The stdout line of an eval record: its float metrics (n/a where undefined), then, when a task's
+    eval examples are all of one class, the one-line reason its AUC and NE are n/a."""
+    line = f"step {step}: " + ", ".join(
+        f"{k}={format_metric(v, '.4f')}" for k, v in record.items() if v is None or (isinstance(v, float) and not isinstance(v, bool))
+    )
+    note = one_class_note(record, task_names)
+    return line if note is None else f"{line}\nstep {step}: {note}"
+
+
 def train_line(step: int, record: dict, task_names) -> str:
-    """The stdout line of a train record: loss, gradient norm, learning rate, per-task NE, speed,
-    balance; the lookup counters only when non-zero (per-task BCE and the rest are in metrics.jsonl)."""
+    """The stdout line of a train record: loss, gradient norm, learning rate, per-task NE (n/a where the
+    window holds one class), speed, balance; the lookup counters only when non-zero (per-task BCE and the
+    rest are in metrics.jsonl)."""
     parts = [f"loss={record['loss']:.4f}", f"gnorm={record['grad_norm']:.3g}", f"lr={record['learning_rate']:.3g}"]
-    parts.append("ne=" + "/".join(f"{record[f'ne_{name}']:.3f}" for name in task_names))
+    parts.append("ne=" + "/".join(format_metric(record[f"ne_{name}"], ".3f") for name in task_names))
     parts.append(f"ex/s={record['examples_per_s']:.4g}")
     parts.append(f"TFLOP/s={record['tflops_per_s']:.3g}")
     if "mfu" in record:

@@ -9,6 +9,8 @@ Calibration (the same paper) is the mean predicted probability over the observed
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,10 @@ from scipy import special
 
 from gem_jax.model.loss import bce_per_example, weighted_bce
 
-__all__ = ["EvalAccumulator", "auc", "bce_per_example", "binary_entropy", "calibration", "normalized_entropy", "weighted_bce"]
+__all__ = [
+    "EvalAccumulator", "auc", "bce_per_example", "binary_entropy", "calibration", "normalized_entropy", "one_class_note",
+    "pooled_normalized_entropy", "weighted_bce",
+]
 
 
 def binary_entropy(p):
@@ -27,8 +32,41 @@ def binary_entropy(p):
 
 
 def normalized_entropy(mean_bce, base_rate):
-    """NE from the mean BCE and the label base rate (per task)."""
+    """NE from the mean BCE and the label base rate (per task).
+
+    The rate is clipped to [1e-7, 1 - 1e-7]: a rate of exactly 0 or 1 (one class) gives a huge
+    number, not an NE; `pooled_normalized_entropy` says None there instead.
+    """
     return mean_bce / binary_entropy(base_rate)
+
+
+def pooled_normalized_entropy(mean_bce: float, positives: float, negatives: float) -> float | None:
+    """One task's NE over a set of examples: their mean BCE over the entropy of their pooled base rate
+    `positives / (positives + negatives)` (counts or weight sums of the examples labelled 1 and 0).
+
+    Returns:
+      The NE as a float; None when the set holds one class only (no positives or no negatives):
+      the base rate's entropy is 0 and NE is undefined.
+    """
+    if positives <= 0 or negatives <= 0:
+        return None
+    rate = positives / (positives + negatives)
+    return float(mean_bce / -(rate * math.log(rate) + (1 - rate) * math.log1p(-rate)))
+
+
+def one_class_note(record: dict, task_names) -> str | None:
+    """The one-line reason an eval record (`EvalAccumulator.result`) holds no AUC and NE for some task, or None.
+
+    E.g. "eval: AUC and NE of task click are undefined: all 40 eval examples are labelled 0 (no positives)".
+    """
+    notes = []
+    for name in task_names:
+        classes = record.get(f"eval_positives_{name}"), record.get("eval_examples")
+        if record.get(f"auc_{name}") is None and record.get(f"ne_{name}") is None and None not in classes:
+            positives, examples = classes
+            which = "0 (no positives)" if positives == 0 else "1 (no negatives)"
+            notes.append(f"AUC and NE of task {name} are undefined: all {examples} eval examples are labelled {which}")
+    return "eval: " + "; ".join(notes) if notes else None
 
 
 def calibration(logits: np.ndarray, labels: np.ndarray) -> float:
@@ -88,17 +126,27 @@ class EvalAccumulator:
         self.labels.append(np.asarray(labels))
         self.weights.append(np.asarray(weights))
 
-    def result(self) -> dict[str, float]:
+    def result(self) -> dict[str, float | int | None]:
+        """`eval_examples`, and per task `eval_positives_<task>`, `auc_<task>`, `ne_<task>` (pooled over
+        the whole eval set), `bce_<task>` and `calibration_<task>`.
+
+        AUC and NE of a task whose eval examples are all of one class are None (undefined:
+        `one_class_note` says why); so is its calibration when none is positive.
+        """
         logits = np.concatenate(self.logits)
         labels = np.concatenate(self.labels)
         weights = np.concatenate(self.weights)
         keep = weights > 0
         logits, labels = logits[keep], labels[keep]
-        out = {"eval_examples": int(keep.sum())}
+        out: dict[str, float | int | None] = {"eval_examples": int(keep.sum())}
         bce = bce_per_example(logits, labels)
         for k, name in enumerate(self.task_names):
-            out[f"auc_{name}"] = auc(logits[:, k], labels[:, k])
-            out[f"ne_{name}"] = float(normalized_entropy(bce[:, k].mean(), labels[:, k].mean()))
-            out[f"bce_{name}"] = float(bce[:, k].mean())
-            out[f"calibration_{name}"] = calibration(logits[:, k], labels[:, k])
+            positives = int((labels[:, k] > 0.5).sum())
+            negatives = len(labels) - positives
+            mean_bce = float(bce[:, k].mean()) if len(labels) else None
+            out[f"eval_positives_{name}"] = positives
+            out[f"auc_{name}"] = auc(logits[:, k], labels[:, k]) if positives and negatives else None
+            out[f"ne_{name}"] = pooled_normalized_entropy(mean_bce, positives, negatives) if mean_bce is not None else None
+            out[f"bce_{name}"] = mean_bce
+            out[f"calibration_{name}"] = calibration(logits[:, k], labels[:, k]) if positives else None
         return out

@@ -6,12 +6,11 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from gem_jax.batch import Batch
 from gem_jax.parallel.placement import BatchPlacement
-from gem_jax.train import metrics, sparse_tables
+from gem_jax.train import sparse_tables
 from gem_jax.train.state import StateSetup, TrainState, compute_params, forward_params
 
 
@@ -22,8 +21,9 @@ def make_train_step(
 
     `batch` is a stacked per-device batch (`placement.put(host_batch)`). The loss is
     the sum over tasks of the weighted mean BCE over the global batch. Metrics (float32
-    scalars or `[K]`): loss, per-task BCE and NE against the batch's base rate, the
-    global gradient norm; int32 lookup counters `<table>/out_of_range` and
+    scalars or `[K]`): loss, per-task BCE, the weight of the batch's real examples
+    (`examples`) and per task of its positives and negatives (`positives`, `negatives`:
+    a log window's NE is pooled from them, `gem_jax.train.window`), the global gradient norm; int32 lookup counters `<table>/out_of_range` and
     `<table>/overflow` (check them with `gem_jax.nn.embeddings.check_lookup_stats`),
     and for sharded tables `<table>/sent_rows` (int32) and `<table>/sent_bytes` (float32).
 
@@ -49,11 +49,12 @@ def make_train_step(
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         labels, weights = batch.labels.reshape(-1, batch.labels.shape[-1]), batch.weights.reshape(-1)
-        base_rate = (weights[:, None] * labels).sum(0) / jnp.maximum(weights.sum(), 1.0)
         out = {
             "loss": loss,
             "bce": bce,
-            "ne": metrics.normalized_entropy(bce, base_rate),
+            "examples": weights.sum(),
+            "positives": (weights[:, None] * labels).sum(0),
+            "negatives": (weights[:, None] * (1 - labels)).sum(0),
             "grad_norm": optax.tree.norm(grads),
             **stats,
         }

@@ -11,6 +11,7 @@ from gem_jax.batch import Batch, LocalBatch
 from gem_jax.data.balance import load_imbalance, padding_waste, shard_loads
 from gem_jax.model.flops import Workload
 from gem_jax.nn.embeddings import check_lookup_stats
+from gem_jax.train.metrics import pooled_normalized_entropy
 
 
 class TrainWindow:
@@ -60,7 +61,8 @@ class TrainWindow:
           learning_rate: at the window's last step.
 
         Returns:
-          loss, grad_norm, bce_<task>, ne_<task> (window means), examples_per_s,
+          loss, grad_norm (window means), bce_<task> and ne_<task> (pooled over the window's
+          examples, `pooled_task_metrics`: ne_<task> is None where the window holds one class), examples_per_s,
           tflops_per_s, mfu (with a peak), learning_rate, load_imbalance_mean/max,
           slack_fraction and the lookup counters (`lookup_counters`).
 
@@ -70,11 +72,9 @@ class TrainWindow:
         """
         for offset, metrics in enumerate(fetched):
             check_lookup_stats(metrics, self.tables, where=f"train step {step - len(fetched) + offset + 1}")
-        mean = {k: np.mean([np.asarray(m[k]) for m in fetched], axis=0) for k in ("loss", "grad_norm", "bce", "ne")}
+        mean = {k: np.mean([np.asarray(m[k]) for m in fetched], axis=0) for k in ("loss", "grad_norm")}
         record = {"loss": float(mean["loss"]), "grad_norm": float(mean["grad_norm"])}
-        for k, name in enumerate(self.task_names):
-            record[f"bce_{name}"] = float(mean["bce"][k])
-            record[f"ne_{name}"] = float(mean["ne"][k])
+        record.update(pooled_task_metrics(fetched, self.task_names))
         record["examples_per_s"] = self.examples / seconds
         record["tflops_per_s"] = self.flops / seconds / 1e12
         if self.peak:
@@ -88,6 +88,31 @@ class TrainWindow:
         record.update(lookup_counters(fetched))
         self._reset()
         return record
+
+
+def pooled_task_metrics(window: list[dict], task_names) -> dict[str, float | None]:
+    """`bce_<task>` and `ne_<task>` of a log window's train steps, pooled over the window's examples.
+
+    `bce_<task>`: the window's mean BCE per example (each step's mean BCE weighted by its
+    examples' weight); `ne_<task>`: that over the entropy of the window's base rate (its
+    positives over its examples), not a mean of per-step NEs, which a batch without a
+    positive would blow up. Where the window's examples are all of one class (rate exactly
+    0 or 1) NE is undefined: None (`metric_log.train_line` prints n/a). A window without a
+    real example has None for both.
+    """
+    examples = np.array([float(np.asarray(m["examples"])) for m in window], np.float64)
+    bce = np.array([np.asarray(m["bce"], np.float64) for m in window])  # [steps, K]
+    positives = np.sum([np.asarray(m["positives"], np.float64) for m in window], axis=0)
+    negatives = np.sum([np.asarray(m["negatives"], np.float64) for m in window], axis=0)
+    total = examples.sum()
+    # a step's BCE is its weighted BCE sum over max(its weight, 1) (`gem_jax.model.loss.weighted_bce`)
+    bce_sums = (bce * np.maximum(examples, 1.0)[:, None]).sum(axis=0)
+    record: dict[str, float | None] = {}
+    for k, name in enumerate(task_names):
+        mean_bce = float(bce_sums[k] / total) if total > 0 else None
+        record[f"bce_{name}"] = mean_bce
+        record[f"ne_{name}"] = None if mean_bce is None else pooled_normalized_entropy(mean_bce, float(positives[k]), float(negatives[k]))
+    return record
 
 
 def lookup_counters(window: list[dict]) -> dict[str, int | float]:

@@ -37,7 +37,9 @@ class WorkdirLock:
     """Context manager holding `<workdir>/.lock.<process_index>` for one process of a run.
 
     Args:
-      workdir: the run's workdir (created if missing).
+      workdir: the run's workdir (created if missing; on exit, the directories the lock
+        created are removed again when they are empty: a start refused before it wrote
+        anything leaves the filesystem as it was).
       process_index: this process's index in a multi-process run (each process
         holds its own lock file, so a second run is refused on every process).
 
@@ -48,19 +50,32 @@ class WorkdirLock:
     def __init__(self, workdir: str | Path, process_index: int = 0):
         self.path = Path(workdir) / f"{LOCK_PREFIX}.{process_index}"
         self.owner = f"{socket.gethostname()} {os.getpid()}"
+        self.created: list[Path] = []  # the directories `__enter__` made, deepest first
 
     def __enter__(self) -> WorkdirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
+        for _ in range(3):
+            self._make_workdir()
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
+            except FileNotFoundError:  # another process of the run removed the empty workdir it had made: again
+                continue
             with os.fdopen(fd, "w") as f:
                 f.write(self.owner + "\n")
             return self
         raise WorkdirLockedError(f"{self.path}: could not take the workdir lock (another run took it at the same time)")
+
+    def _make_workdir(self) -> None:
+        """Makes the workdir and the missing directories above it, noting them (deepest first) for `__exit__`."""
+        missing = []
+        for folder in (self.path.parent, *self.path.parent.parents):
+            if folder.exists():
+                break
+            missing.append(folder)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.created += [f for f in missing if f not in self.created]
 
     def _take_over_if_stale(self) -> None:
         try:
@@ -90,3 +105,8 @@ class WorkdirLock:
                 self.path.unlink()
         except FileNotFoundError:
             pass
+        for folder in self.created:  # deepest first; one holding anything (a run's files) stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break

@@ -62,6 +62,22 @@ def test_a_run_without_its_final_eval_is_compared_on_train_metrics(compare_main,
     assert summary["train_loss_relative_change_vs_reference"]["other"] == pytest.approx(-0.5)
 
 
+def test_an_undefined_ne_is_left_out_of_the_train_mean_and_has_no_change(compare_main, monkeypatch, tmp_path, capsys):
+    """gem-train logs NE as null where a window's (or the eval set's) examples of a task are of one class."""
+    reference = _write_run(tmp_path / "ref", [3.0, 2.0, 1.0], [1.0, None, 0.8], eval_ne=0.8)
+    other = _write_run(tmp_path / "other", [3.0, 2.0, 1.0], [None, None, None])
+    with open(other / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 30, "kind": "eval", "ne_primary": None, "bce_primary": 0.4}) + "\n")
+    summary = _compare(compare_main, monkeypatch, tmp_path, [("ref", reference), ("other", other)], window=3)
+    printed = capsys.readouterr().out
+    assert summary["final_train_ne"] == {"ref": {"primary": pytest.approx(0.9)}, "other": {"primary": None}}
+    assert "run 'ref': ne_primary is undefined (null: one class) in 1 of the last 3 train records; the mean is over the others" in printed
+    assert "run 'other': ne_primary is undefined (null: one class) in 3 of the last 3 train records; no mean" in printed
+    assert summary["train_ne_relative_change_vs_reference"]["other"] == {"primary": None}
+    assert summary["ne_relative_change_vs_reference"]["other"] == {"primary": None}
+    assert (tmp_path / "ne.png").stat().st_size > 0
+
+
 def test_a_run_that_logged_no_train_step_is_refused(compare_main, monkeypatch, tmp_path):
     reference = _write_run(tmp_path / "ref", [2.0], [0.9])
     empty = _write_run(tmp_path / "empty", [], [])

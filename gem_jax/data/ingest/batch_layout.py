@@ -57,7 +57,7 @@ class LayoutReport:
     batches: int
 
 
-def layout_report(lengths, batch_size: int, gpus: int, max_seq_len: int | None = None, *, workload: Callable[[np.ndarray], np.ndarray] | None = None, batches: int = 64, seed: int = 0) -> LayoutReport:
+def layout_report(lengths, batch_size: int, gpus: int, max_seq_len: int | None = None, *, workload: Callable[[np.ndarray], np.ndarray] | None = None, batches: int = 64, seed: int = 0, where: str = "layout_report") -> LayoutReport:
     """Padding and balance of batches of sequences with these lengths.
 
     Each user's sequence (cut to its last `max_seq_len` events) is one sample;
@@ -72,14 +72,15 @@ def layout_report(lengths, batch_size: int, gpus: int, max_seq_len: int | None =
       max_seq_len: the longest history kept; None: the longest length.
       workload: maps int lengths `[n]` to float FLOPs `[n]` (default `transformer_workload()`;
         `gem_jax.model.flops.train_workload(...)` fits).
+      where: what the errors name as the settings given (e.g. "--batch-size 10 on --gpus 4").
 
     Raises:
       ValueError: no lengths, or a batch that does not split (`check_shard_split`).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
-        raise ValueError("layout_report: no sequences")
-    check_shard_split(batch_size, gpus, "layout_report")
+        raise ValueError(f"{where}: no sequences")
+    check_shard_split(batch_size, gpus, where)
     max_seq_len = int(max_seq_len or lengths.max())
     lengths = np.minimum(lengths, max_seq_len)
     workload = workload or transformer_workload()

@@ -179,6 +179,33 @@ def _vocab_name(feature: FeatureColumn) -> str:
     return f"{feature.side.value}_feature.{feature.name}"
 
 
+def vocab_names(schema: EventSchema) -> list[str]:
+    """The vocabularies a conversion under `schema` builds (or reuses): user, item, action, one per feature."""
+    return ["user", "item", *(["action"] if schema.action else []), *(_vocab_name(f) for f in schema.features)]
+
+
+def check_vocab_from(directory: str | os.PathLike, names: list[str]) -> None:
+    """`--vocab-from directory` is a converted directory holding the vocabulary files `names` (`vocab/<name>.csv`).
+
+    Raises:
+      DataFormatError: it does not exist, is not a converted directory, or lacks one of the files (named).
+    """
+    where = f"--vocab-from {directory}"
+    path = Path(directory)
+    if not path.exists():
+        raise DataFormatError(f"{where}: no such directory; name a directory gem-data convert wrote")
+    if not path.is_dir():
+        raise DataFormatError(f"{where}: not a directory; name a directory gem-data convert wrote")
+    if not (path / manifest_lib.MANIFEST).is_file():
+        raise DataFormatError(f"{where}: not a converted directory (no {manifest_lib.MANIFEST}); name a directory gem-data convert wrote")
+    missing = [f"vocab/{name}.csv" for name in names if not (path / "vocab" / f"{name}.csv").is_file()]
+    if missing:
+        raise DataFormatError(
+            f"{where}: lacks {', '.join(missing)}: this conversion's columns need a vocabulary the reused one has none of "
+            "(convert it with the same --action and feature columns, or leave --vocab-from out)"
+        )
+
+
 def bucket_of(ids: pa.Array, num_buckets: int) -> np.ndarray:
     """int64 `[n]` bucket of each non-empty string id: a multiplicative hash of its UTF-8 bytes, mod B.
 
@@ -413,6 +440,8 @@ def convert(
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataFormatError(f"{out} exists and is not a converted log (no {manifest_lib.MANIFEST}); choose another --out: only a converted log is ever replaced")
 
+    if options.vocab_from is not None:  # a wrong path fails now, not after pass 1
+        check_vocab_from(options.vocab_from, vocab_names(schema))
     require_columns(files, list(event_kinds(schema)))  # a misspelt column fails now, not after a pass over the log
     for side, side_files in table_files.items():
         require_columns(side_files, [schema.key(side)] + [f.name for f in schema.side_features(side)])

@@ -127,9 +127,10 @@ def inspect_converted(directory: str | os.PathLike) -> InspectReport:
     )
 
 
-def add_layout(report: InspectReport, batch_size: int, gpus: int, max_seq_len: int | None = None) -> None:
-    """Fills `report.layout` for global batches of `batch_size` on `gpus` GPUs (`layout_report`)."""
-    report.layout = layout_report(report.lengths, batch_size, gpus, max_seq_len)
+def add_layout(report: InspectReport, batch_size: int, gpus: int, max_seq_len: int | None = None, *, where: str = "add_layout") -> None:
+    """Fills `report.layout` for global batches of `batch_size` on `gpus` GPUs (`layout_report`; `where`
+    names the settings in its errors, e.g. the command line's options)."""
+    report.layout = layout_report(report.lengths, batch_size, gpus, max_seq_len, where=where)
     report.layout_setting = f"batch {batch_size} on {gpus} GPU(s), histories up to {max_seq_len or int(report.lengths.max())} events"
 
 

@@ -303,7 +303,25 @@ def require_columns(files: Sequence[InputFile], columns: Sequence[str]) -> None:
                 raise DataFormatError(f"{file}: not a readable Parquet file ({error})") from error
         missing = [c for c in columns if c not in present]
         if missing:
-            raise DataFormatError(f"{file}: missing column(s) {missing}; the {'header' if file.format is Format.CSV else 'file'} has {present}")
+            hint = _delimiter_hint(file, present) if file.format is Format.CSV else ""
+            raise DataFormatError(f"{file}: missing column(s) {missing}; the {'header' if file.format is Format.CSV else 'file'} has {present}{hint}")
+
+
+# Delimiters a header read as one column may hold instead: how each is named to --delimiter.
+_OTHER_DELIMITERS = {"\t": "'\\t' (a tab)", ";": "';'", ",": "','"}
+
+
+def _delimiter_hint(file: InputFile, header: Sequence[str]) -> str:
+    """A hint naming `--delimiter` when a CSV header read as one column holds another delimiter, else ""."""
+    if len(header) != 1:
+        return ""
+    found = [d for d in _OTHER_DELIMITERS if d != file.delimiter and d in header[0]]
+    if not found:
+        return ""
+    return (
+        f"; the header reads as one column split at {file.delimiter!r} but holds {_OTHER_DELIMITERS[found[0]]}: "
+        f"if the file is separated by it, pass --delimiter {_OTHER_DELIMITERS[found[0]].split(' ')[0]}"
+    )
 
 
 def parquet_column_types(file: InputFile, columns: Sequence[str]) -> dict[str, str]:

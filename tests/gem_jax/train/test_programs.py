@@ -155,14 +155,16 @@ def test_array_bytes_counts_params_and_optimizer_state_from_shapes():
     assert sizes == [48, 28, 80]
 
 
-def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(repo_root, tmp_path, capsys):
+def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(repo_root, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GEM_COMPILE_CACHE_DIR", raising=False)  # the default cache, WORKDIR/jax_cache: not made either
     workdir = tmp_path / "run"
     train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(workdir), "--dry-run", "--set", *SEVERAL_CAPACITIES])
     out = capsys.readouterr().out
     assert '"capacity_step": 1.05' in out  # the resolved config
     assert re.search(r"would compile \d+ programs: train steps at token capacities \d+ \(\d+ steps\)", out)
     assert "a checkpoint holds" in out
-    assert not workdir.exists()
+    assert f"gem-train: compilation cache {workdir / 'jax_cache'} (unused: --dry-run compiles nothing)" in out
+    assert not workdir.exists() and list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture(scope="module")

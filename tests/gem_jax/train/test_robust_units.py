@@ -1,5 +1,6 @@
 """Unit tests of the robustness pieces: workdir lock, checksum manifests, config validation, run identity, train line."""
 
+import json
 import os
 import socket
 import subprocess
@@ -11,7 +12,7 @@ from gem_jax.data.config import DataConfig
 from gem_jax.train import config_tree, integrity, run_record
 from gem_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from gem_jax.train.config import LoopConfig, TrainConfig
-from gem_jax.train.metric_log import MetricLogger, train_line
+from gem_jax.train.metric_log import MetricLogger, eval_line, train_line
 from gem_jax.train.optimizer import OptimConfig, learning_rate_schedule
 from gem_jax.train.workdir_lock import WorkdirLock, WorkdirLockedError
 
@@ -41,6 +42,18 @@ def test_lock_of_another_host_is_refused_with_the_file_to_remove(tmp_path):
     (tmp_path / ".lock.0").write_text("other-host 123\n")
     with pytest.raises(WorkdirLockedError, match=f"process 123 on host other-host.*remove {tmp_path / '.lock.0'}"):
         WorkdirLock(tmp_path).__enter__()
+
+
+def test_a_refused_start_removes_the_directories_the_lock_made_and_a_run_keeps_them(tmp_path):
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ValueError, match="refused"):
+        with WorkdirLock(tmp_path / "runs" / "a" / "b"):
+            assert (tmp_path / "runs" / "a" / "b" / ".lock.0").exists()
+            raise ValueError("refused")  # e.g. the data set is not found: nothing was written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+    with WorkdirLock(tmp_path / "runs" / "a" / "b"):
+        (tmp_path / "runs" / "a" / "b" / "run.json").write_text("{}")
+    assert [p.name for p in (tmp_path / "runs" / "a" / "b").iterdir()] == ["run.json"]  # a run's files stay, the lock goes
 
 
 def test_force_new_keeps_the_lock_in_place(tmp_path):
@@ -166,6 +179,29 @@ def test_train_line_is_short_and_shows_only_nonzero_counters():
         "step 12: loss=1.6441 gnorm=3.43 lr=0.005 ne=1.436/1.416 ex/s=2.355 TFLOP/s=6.06e-07 "
         "imbalance=0.000/0.000 slack=7.4% embed/item/overflow=3"
     )
+
+
+def test_an_undefined_ne_reads_n_a_in_the_lines_and_null_in_metrics_jsonl(tmp_path):
+    """A window (or eval set) whose examples of a task are of one class has no NE: None, printed n/a, logged null."""
+    record = {
+        "loss": 0.7, "grad_norm": 1.0, "bce_like": 0.69, "ne_like": 1.355, "bce_love": 0.01, "ne_love": None,
+        "examples_per_s": 2.0, "tflops_per_s": 1e-6, "learning_rate": 0.005,
+        "load_imbalance_mean": 0.0, "load_imbalance_max": 0.0, "slack_fraction": 0.5,
+    }
+    assert train_line(3, record, ["like", "love"]).startswith("step 3: loss=0.7000 gnorm=1 lr=0.005 ne=1.355/n/a ex/s=2 ")
+    evaluated = {"eval_examples": 4, "eval_positives_like": 2, "auc_like": 0.75, "ne_like": 0.9, "bce_like": 0.6,
+                 "calibration_like": 1.0, "eval_positives_love": 0, "auc_love": None, "ne_love": None, "bce_love": 0.01,
+                 "calibration_love": None}
+    assert eval_line(8, evaluated, ["like", "love"]).splitlines() == [
+        "step 8: auc_like=0.7500, ne_like=0.9000, bce_like=0.6000, calibration_like=1.0000, auc_love=n/a, ne_love=n/a, "
+        "bce_love=0.0100, calibration_love=n/a",
+        "step 8: eval: AUC and NE of task love are undefined: all 4 eval examples are labelled 0 (no positives)",
+    ]
+    logger = MetricLogger(tmp_path)
+    logger.log(3, "train", record)
+    logger.close()
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert logged["ne_love"] is None and logged["ne_like"] == 1.355
 
 
 def test_learning_rate_schedule_warms_up_then_decays():

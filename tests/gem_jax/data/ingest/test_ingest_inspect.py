@@ -88,3 +88,59 @@ def test_inspect_names_a_path_that_does_not_exist_before_asking_for_columns(tmp_
         data_cli.main(["inspect", str(tmp_path / "log.csv")])
     assert exit.value.code == 2
     assert "raw inputs need --user, --item and --time" in capsys.readouterr().err
+
+
+def test_layout_options_are_checked_when_parsed_and_named_in_the_split_error(tmp_path, capsys):
+    (tmp_path / "log.csv").write_text(LOG)
+    for flag, value in (("--batch-size", "0"), ("--batch-size", "-4"), ("--gpus", "0"), ("--max-seq-len", "0")):
+        with pytest.raises(SystemExit) as exit:
+            data_cli.main(["inspect", str(tmp_path / "log.csv"), *FLAGS, flag, value])
+        assert exit.value.code == 2
+        assert f"gem-data inspect: error: argument {flag}: must be >= 1, got {int(value)}" in capsys.readouterr().err
+    for batch, gpus, what in (("10", "4", "a batch of 10 samples does not split into 4 equal shards"), ("12", "4", "the shard size 12 / 4 = 3 is odd")):
+        with pytest.raises(SystemExit) as exit:
+            data_cli.main(["inspect", str(tmp_path / "log.csv"), *FLAGS, "--batch-size", batch, "--gpus", gpus])
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert f"gem-data inspect: error: --batch-size {batch} on --gpus {gpus}: {what}" in err
+        assert "layout_report" not in err and "Traceback" not in err
+
+
+def test_a_header_of_one_column_holding_another_delimiter_names_the_delimiter_option(tmp_path, capsys):
+    (tmp_path / "tabs.csv").write_text(LOG.replace(",", "\t"))
+    (tmp_path / "semicolons.csv").write_text(LOG.replace(",", ";"))
+    for name, hint in (("tabs.csv", "holds '\\t' (a tab): if the file is separated by it, pass --delimiter '\\t'"),
+                       ("semicolons.csv", "holds ';': if the file is separated by it, pass --delimiter ';'")):
+        with pytest.raises(SystemExit) as exit:
+            data_cli.main(["inspect", str(tmp_path / name), *FLAGS])
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name}: missing column(s) ['user', 'item', 'ts', 'genre', 'click', 'stars']" in err
+        assert f"the header reads as one column split at ',' but {hint}" in err
+    data_cli.main(["inspect", str(tmp_path / "tabs.csv"), *FLAGS, "--delimiter", "\\t"])  # the hint's option reads it
+    assert "events 12, users 4, items 3" in capsys.readouterr().out
+    (tmp_path / "other.csv").write_text("uid,iid,ts\nu1,a,1\n")  # several columns, none with a tab: no hint
+    with pytest.raises(SystemExit):
+        data_cli.main(["inspect", str(tmp_path / "other.csv"), *FLAGS])
+    assert "--delimiter" not in capsys.readouterr().err
+
+
+def test_vocab_from_is_checked_before_the_log_is_read(tmp_path, capsys):
+    (tmp_path / "log.csv").write_text(LOG)
+    data_cli.main(["convert", str(tmp_path / "log.csv"), "--out", str(tmp_path / "first"), "--user", "user", "--item", "item", "--time", "ts",
+                   "--label", "click", "--split", "last:1", "--quiet"])
+    capsys.readouterr()
+    (tmp_path / "raw").mkdir()
+    for vocab_from, what in (
+        ("data/nosuch", "no such directory; name a directory gem-data convert wrote"),
+        (str(tmp_path / "log.csv"), "not a directory"),
+        (str(tmp_path / "raw"), "not a converted directory (no manifest.json)"),
+        (str(tmp_path / "first"), "lacks vocab/item_feature.genre.csv: this conversion's columns need a vocabulary the reused one has none of"),
+    ):
+        with pytest.raises(SystemExit) as exit:
+            data_cli.main(["convert", str(tmp_path / "log.csv"), "--out", str(tmp_path / "out"), *FLAGS, "--vocab-from", vocab_from, "--quiet"])
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert f"gem-data convert: error: --vocab-from {vocab_from}: {what}" in err
+        assert "not a vocabulary file" not in err and "Traceback" not in err
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()  # refused before pass 1
