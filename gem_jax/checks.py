@@ -1,5 +1,5 @@
 """Type and range checks for config dataclass fields, raising errors that name the field, and the
-check of an output directory named on a command line.
+checks of command-line values (a count of at least one, an output directory).
 
 Config dataclasses call these from `__post_init__`, so a bad value is refused where
 the config is built (a config file, `--set`, `run.json`), not steps later.
@@ -7,6 +7,7 @@ the config is built (a config file, `--set`, `run.json`), not steps later.
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 from typing import Any
@@ -79,4 +80,19 @@ def output_directory_problem(path: str, option: str) -> str | None:
                 return f"{option} {path}: a file of that name exists; it must be a directory (or not exist yet)"
             return f"{option} {path}: {folder} is a file, so no directory can be made under it"
     return None
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type` for an option's count: an int >= 1 (`--stop-after-steps`, `--batch-size`, ...).
+
+    Raises:
+      argparse.ArgumentTypeError: not an int, or below 1 (argparse names the option).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from gem_jax.checks import output_directory_problem
+from gem_jax.checks import output_directory_problem, positive_int
 from gem_jax.device_memory import claim_device_memory, device_memory_share, is_out_of_memory
 from gem_jax.xla_options import add_project_flags
 
@@ -29,17 +29,6 @@ class _ConfigFields(argparse.Action):
         print("config fields for --set (path: type = default of the schema; a config file sets its own):")
         print("\n".join(f"  {line}" for line in config_tree.override_help(TrainConfig)))
         parser.exit()
-
-
-def _steps(text: str) -> int:
-    """`--stop-after-steps N`: an int >= 1."""
-    try:
-        steps = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if steps < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {steps}")
-    return steps
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,7 +73,7 @@ def train_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force-new", action="store_true", help="start a new run even if the workdir holds another (it is moved to previous_runs/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the default when stdout is not a terminal)")
     parser.add_argument(
-        "--stop-after-steps", type=_steps, default=None, metavar="N",
+        "--stop-after-steps", type=positive_int, default=None, metavar="N",
         help="stop after N (>= 1) steps of this start with a checkpoint, as a preemption does: exit status 75 while the run "
         "is not finished (run the command again, without --force-new, to go on), 0 once it is",
     )

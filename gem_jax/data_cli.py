@@ -17,18 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gem_jax.checks import output_directory_problem
-
-
-def _positive_int(text: str) -> int:
-    """An option's int value, >= 1 (`--batch-size`, `--gpus`, `--max-seq-len`)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from gem_jax.checks import output_directory_problem, positive_int
 
 
 def _schema_flags(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -185,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     inspect_parser = commands.add_parser("inspect", help="counts, label rates, sequence lengths, padding and GPU balance of a raw log or a converted directory")
     inspect_parser.add_argument("inputs", nargs="+", help="event files, directories or globs; or one converted directory")
     _schema_flags(inspect_parser, required=False)
-    inspect_parser.add_argument("--batch-size", type=_positive_int, help="global batch size (>= 1) for the padding and balance estimate; a multiple of --gpus, with an even share per GPU when --gpus > 1")
-    inspect_parser.add_argument("--gpus", type=_positive_int, default=1, help="data-parallel GPUs (>= 1, default 1)")
-    inspect_parser.add_argument("--max-seq-len", type=_positive_int, help="longest history kept (>= 1; default: the longest sequence)")
+    inspect_parser.add_argument("--batch-size", type=positive_int, help="global batch size (>= 1) for the padding and balance estimate; a multiple of --gpus, with an even share per GPU when --gpus > 1")
+    inspect_parser.add_argument("--gpus", type=positive_int, default=1, help="data-parallel GPUs (>= 1, default 1)")
+    inspect_parser.add_argument("--max-seq-len", type=positive_int, help="longest history kept (>= 1; default: the longest sequence)")
     inspect_parser.add_argument("--figure", help="save the length histogram here (default for a converted directory: DIR/length_histogram.png)")
 
     convert_parser = commands.add_parser("convert", help="vocabularies, split and per-user sequences in sharded ArrayRecord files")
