@@ -242,16 +242,25 @@ def norm_dense_parts(
         return jnp.split(norm_dense(norm, layer, x, fp8_saved_input=fp8_saved_input), parts, axis=-1)
     if layer.preferred_element_type is not None:  # `nnx.Linear.__call__`'s other option, which `dense` never sets
         raise ValueError("norm_dense_parts: a layer with preferred_element_type is not split (its call passes it to dot_general)")
-    kernel = layer.kernel[...]
-    bias = layer.bias[...] if layer.bias is not None else None
-    normed, kernel, bias = layer.promote_dtype((norm(x), kernel, bias), dtype=layer.dtype)
+    normed, kernel, bias = _promoted(layer, norm(x))
     block = width // parts
     outs = []
     for k in range(parts):
         columns = slice(k * block, (k + 1) * block)
-        y = layer.dot_general(normed, kernel[:, columns], (((normed.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
+        y = _matmul(layer, normed, kernel[:, columns])
         outs.append(y if bias is None else y + bias[columns])
     return outs
+
+
+def _promoted(layer: nnx.Linear, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`(x, kernel, bias)` in the layer's compute dtype, as `nnx.Linear.__call__` promotes them."""
+    bias = layer.bias[...] if layer.bias is not None else None
+    return layer.promote_dtype((x, layer.kernel[...], bias), dtype=layer.dtype)
+
+
+def _matmul(layer: nnx.Linear, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """`x @ kernel` over x's last axis, as `nnx.Linear.__call__` computes it (without the bias)."""
+    return layer.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
 
 
 def norm_dense(
@@ -368,8 +377,8 @@ class MLP(nnx.Module):
     def _bias_gelu_down(self, x: jax.Array) -> jax.Array:
         """`down(gelu(up(x)))` with the GELU's backward in the down-projection's GEMM (`gem_jax.nn.gelu_backward`)."""
         up, down = self.up, self.down
-        x, up_kernel, up_bias = up.promote_dtype((x, up.kernel[...], up.bias[...]), dtype=up.dtype)
-        h = up.dot_general(x, up_kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=up.precision)
+        x, up_kernel, up_bias = _promoted(up, x)
+        h = _matmul(up, x, up_kernel)
         down_kernel, down_bias = down.promote_dtype((down.kernel[...], down.bias[...]), dtype=h.dtype)
         return gelu_backward.bias_gelu_dense(h, up_bias, down_kernel, down_bias, implementation=self.gelu_backward)
 

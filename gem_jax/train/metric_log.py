@@ -104,7 +104,7 @@ def eval_line(step: int, record: dict, task_names) -> str:
     """The stdout line of an eval record: its float metrics (n/a where undefined), then, when a task's
     eval examples are all of one class, the one-line reason its AUC and NE are n/a."""
     line = f"step {step}: " + ", ".join(
-        f"{k}={format_metric(v, '.4f')}" for k, v in record.items() if v is None or (isinstance(v, float) and not isinstance(v, bool))
+        f"{k}={format_metric(v, '.4f')}" for k, v in record.items() if v is None or isinstance(v, float)
     )
     note = one_class_note(record, task_names)
     return line if note is None else f"{line}\nstep {step}: {note}"

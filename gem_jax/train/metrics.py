@@ -9,8 +9,6 @@ Calibration (the same paper) is the mean predicted probability over the observed
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,9 +38,10 @@ def normalized_entropy(mean_bce, base_rate):
     return mean_bce / binary_entropy(base_rate)
 
 
-def pooled_normalized_entropy(mean_bce: float, positives: float, negatives: float) -> float | None:
+def pooled_normalized_entropy(mean_bce: float | None, positives: float, negatives: float) -> float | None:
     """One task's NE over a set of examples: their mean BCE over the entropy of their pooled base rate
-    `positives / (positives + negatives)` (counts or weight sums of the examples labelled 1 and 0).
+    `positives / (positives + negatives)` (counts or weight sums of the examples labelled 1 and 0),
+    `normalized_entropy` of that rate.
 
     Returns:
       The NE as a float; None when the set holds one class only (no positives or no negatives):
@@ -50,8 +49,7 @@ def pooled_normalized_entropy(mean_bce: float, positives: float, negatives: floa
     """
     if positives <= 0 or negatives <= 0:
         return None
-    rate = positives / (positives + negatives)
-    return float(mean_bce / -(rate * math.log(rate) + (1 - rate) * math.log1p(-rate)))
+    return float(normalized_entropy(mean_bce, positives / (positives + negatives)))
 
 
 def one_class_note(record: dict, task_names) -> str | None:
@@ -146,7 +144,7 @@ class EvalAccumulator:
             mean_bce = float(bce[:, k].mean()) if len(labels) else None
             out[f"eval_positives_{name}"] = positives
             out[f"auc_{name}"] = auc(logits[:, k], labels[:, k]) if positives and negatives else None
-            out[f"ne_{name}"] = pooled_normalized_entropy(mean_bce, positives, negatives) if mean_bce is not None else None
+            out[f"ne_{name}"] = pooled_normalized_entropy(mean_bce, positives, negatives)  # None without examples too
             out[f"bce_{name}"] = mean_bce
             out[f"calibration_{name}"] = calibration(logits[:, k], labels[:, k]) if positives else None
         return out

@@ -62,10 +62,9 @@ def tile_index(lin, m_iters: int, n_iters: int, grid_tile_width: int, cluster: s
 
 
 class Tile(NamedTuple):
-    """One output tile of the persistent loop, for one warpgroup: its CTA-tile indices and `pl.ds` slices."""
+    """One output tile of the persistent loop, for one warpgroup: its CTA-tile row index and `pl.ds` slices."""
 
-    mi: Any  # row index in CTA tiles (traced)
-    ni: Any  # column index in CTA tiles (traced)
+    mi: Any  # row index in CTA tiles (traced): a per-row-tile output's index
     rows: Any  # pl.ds of the tile's CTA_M rows
     columns: Any  # pl.ds of its tile_n columns
     wg_rows: Any  # pl.ds of warpgroup `wg`'s WG_M rows inside the tile
@@ -74,4 +73,4 @@ class Tile(NamedTuple):
 def tile(lin, m_iters: int, n_iters: int, tile_n: int, grid_tile_width: int, cluster: str | None, cta, wg) -> Tile:
     """The output tile `lin` (`tile_index`'s) and warpgroup `wg`'s rows in it (`wg` is `lax.axis_index("wg")`)."""
     mi, ni = tile_index(lin, m_iters, n_iters, grid_tile_width, cluster, cta)
-    return Tile(mi, ni, pl.ds(mi * CTA_M, CTA_M), pl.ds(ni * tile_n, tile_n), pl.ds(wg * WG_M, WG_M))
+    return Tile(mi, pl.ds(mi * CTA_M, CTA_M), pl.ds(ni * tile_n, tile_n), pl.ds(wg * WG_M, WG_M))

@@ -248,7 +248,7 @@ def gelu_grad_matmul(dy: jax.Array, w: jax.Array, h: jax.Array, *, config: Tunin
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _tile_loop(info):
                 (lin,) = info.index
-                mi, _, m_sl, n_sl, wg_rows = persistent_gemm.tile(lin, m_iters, n_iters, tile_n, config.grid_tile_width, config.cluster, cta, wg)
+                mi, m_sl, n_sl, wg_rows = persistent_gemm.tile(lin, m_iters, n_iters, tile_n, config.grid_tile_width, config.cluster, cta, wg)
                 out_ref = out_smem.at[wg]
                 h_ref = (h_smem if config.separate_h_buffer else out_smem).at[wg]
 

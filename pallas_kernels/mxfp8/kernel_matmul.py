@@ -197,7 +197,7 @@ def scaled_matmul(
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _tile_loop(info):
                 (lin,) = info.index
-                _, _, m_sl, n_sl, wg_rows = persistent_gemm.tile(lin, m_iters, n_iters, tile_n, config.grid_tile_width, config.cluster, cta, wg)
+                _, m_sl, n_sl, wg_rows = persistent_gemm.tile(lin, m_iters, n_iters, tile_n, config.grid_tile_width, config.cluster, cta, wg)
                 zero = lambda: plgpu.layout_cast(jnp.zeros((_WG_M, tile_n), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
 
                 def block_scale(rs_smem, cs_smem, j):
