@@ -64,6 +64,8 @@ from gem_jax.units import format_bytes
 # state (one at a time: saves are deferred, never overlapped) comes on top.
 WRITE_BUFFER_FRACTION = 0.125
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_PARTIAL_QUIET_S = 0.5  # a failed save's temporary directory must stay away this long to count as removed
+_PARTIAL_REMOVAL_S = 30.0
 SWITCHES = ("auto", "on", "off")
 
 
@@ -651,8 +653,7 @@ class Checkpointer:
     def _write_failed(self, step: int, error: BaseException, *, committed: bool = False) -> CheckpointWriteError:
         """The `CheckpointWriteError` of `step`'s save; removes its partial files (unless `committed`)."""
         if not committed and jax.process_index() == 0:
-            for partial in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
-                shutil.rmtree(partial, ignore_errors=True)
+            _remove_partial(self.directory, step)
         with self._lock:
             self.manager.reload()  # Orbax forgets rotated steps at save time; the disk still holds them
         good = [s for s in self.all_steps() if s != step or committed]
@@ -675,6 +676,28 @@ class Checkpointer:
         with self._lock:
             self.manager.reload()
         return target
+
+
+def _remove_partial(directory: Path, step: int) -> None:
+    """Deletes `step`'s temporary directory under `directory`, and again while it comes back.
+
+    When one array's write fails, TensorStore writes of the save's other arrays may still be in
+    flight in its own threads, which Orbax's failed future does not wait for; they recreate
+    their parent directories. So the directory is removed until it has stayed away for
+    `_PARTIAL_QUIET_S`, for at most `_PARTIAL_REMOVAL_S` (a restart's Orbax cleanup of
+    temporary directories removes anything left after that).
+    """
+    began = quiet_since = time.monotonic()
+    while True:
+        partials = list(directory.glob(f"{step}{TMP_SUFFIX}*"))
+        for partial in partials:
+            shutil.rmtree(partial, ignore_errors=True)
+        now = time.monotonic()
+        if partials:
+            quiet_since = now
+        if now - quiet_since >= _PARTIAL_QUIET_S or now - began >= _PARTIAL_REMOVAL_S:
+            return
+        time.sleep(0.05)
 
 
 def _free(tree) -> None:
