@@ -148,7 +148,7 @@ def train_main(argv: list[str] | None = None) -> None:
     chrono.add(goodput.SETUP, time.perf_counter() - setup_began)  # config, compile cache, devices
     try:
         if args.dry_run:
-            dry_run(config, args.workdir)
+            dry_run(config, args.workdir, force_new=args.force_new)
             return
         summary = train_and_evaluate(
             config,

@@ -51,7 +51,8 @@ class DataFormatError(ValueError):
 
 
 class BadRowError(ValueError):
-    """One malformed row, raised under `OnBadRow.RAISE`.
+    """One malformed row, raised under `OnBadRow.RAISE` (and in every mode for a CSV record that a quote left open
+    runs over several lines: skipping it would drop all of them as one row).
 
     Attributes:
       path: the file.

@@ -265,9 +265,19 @@ class Checkpointer:
         snapshot (`CheckpointConfig.snapshot`), so that no compile follows the first step.
 
         Raises:
-          CheckpointSpaceError: the peak does not fit in the free space (needed, free, the
-            path and what to change named), or a shard exceeds the write bound.
+          CheckpointSpaceError: the folder cannot be written (a file is created and removed
+            there), the peak does not fit in the free space (needed, free, the path and what
+            to change named), or a shard exceeds the write bound.
         """
+        probe = self.directory / f".gem-write-probe-{os.getpid()}-{jax.process_index()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:  # read-only, immutable or foreign-owned: found now, not at the first save after training
+            raise disk_space.CheckpointSpaceError(
+                f"{self.directory}: the checkpoint folder cannot be written ({type(error).__name__}: {error.strerror or error}); "
+                "make it writable or use another --workdir"
+            ) from None
         abstract_state = _checkpointed(abstract_state)
         self._copy_bytes = disk_space.checkpoint_bytes(abstract_state)
         largest = disk_space.largest_shard_bytes(abstract_state)
@@ -490,7 +500,8 @@ class Checkpointer:
             print(f"gem-train: checkpoint step {step} is corrupt, moved to {moved}:\n  {report}", file=sys.stderr, flush=True)
         if failures:
             raise integrity.CorruptCheckpointError(
-                f"no intact checkpoint in {self.directory}; the corrupt steps were moved to {quarantine_dir}"
+                f"no intact checkpoint in {self.directory}; the corrupt steps were moved to {quarantine_dir}. The run cannot "
+                "resume: put an intact checkpoint back, or start a new run with --force-new (the run's files are moved aside)"
             )
         return None
 

@@ -35,7 +35,8 @@ _FULL_MARKERS = ("No space left on device", "RESOURCE_EXHAUSTED", "ENOSPC", "Dis
 
 
 class CheckpointSpaceError(ValueError):
-    """The checkpoints a run keeps cannot fit on their filesystem (bytes needed and free, the path, what to change)."""
+    """The checkpoints a run keeps cannot be written: they do not fit on their filesystem (bytes needed and free, the
+    path, what to change), or their folder is not writable (`Checkpointer.preflight`)."""
 
 
 def checkpoint_bytes(abstract_state) -> int:

@@ -134,6 +134,8 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
         dataset.prefetch_train_order(latest or 0)  # its epoch's shuffle (seconds at 100M examples) beside the set-up below
         num_steps = config.loop.num_steps
         run_record.check_num_steps(num_steps, latest, checkpoint_dir)
+        quarantine = workdir / run_record.QUARANTINE_DIR
+        run_record.check_not_restarting_lost_run(workdir, latest, quarantine)
         with chrono.measure(goodput.INIT):  # the job without its state: it is initialised or restored while the programs compile
             training, _ = setup_training(config, dataset=dataset, init_state=False)
         _describe(training)
@@ -153,7 +155,6 @@ def _train(config, workdir, signals, chrono, stop_after_steps, force_new, progre
             if latest is None:
                 ready, bucket = state_thread.submit(training.initial_state), goodput.INIT
             else:
-                quarantine = workdir / "corrupt_checkpoints"
                 ready = state_thread.submit(checkpointer.restore_latest, training.state.abstract, train_iter, quarantine_dir=quarantine, fallback=fallback)
                 bucket = goodput.RESTORE
             # Planned from the newest checkpoint: should the restore fall back to an older one, a batch of the
@@ -333,33 +334,41 @@ def _finish_programs(programs: Programs, start: int, chrono, learning_rate) -> N
     print(f"gem-train: {programs.describe()}", flush=True)
 
 
-def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
-    """What `train_and_evaluate(config, workdir)` would run, printed, without compiling, training or writing.
+def dry_run(config: TrainConfig, workdir: str | Path, force_new: bool = False) -> dict:
+    """What `train_and_evaluate(config, workdir, force_new=force_new)` would run, printed, without compiling,
+    training or writing.
 
-    Prints the resolved config, the data set's summary, the start-up lines about the job
-    (remat plan, exchanges, token capacities), the token capacities of the train programs
-    for the run's steps and of the eval programs, the size of a checkpoint and the disk
-    preflight (`gem_jax.train.disk_space`: whether the kept copies fit).
+    Prints the resolved config, the data set's summary, what the start would do with the run the
+    workdir holds (resume from its newest checkpoint, or, with `force_new`, move it aside), the
+    start-up lines about the job (remat plan, exchanges, token capacities), the token capacities
+    of the train programs for the steps left and of the eval programs, the size of a checkpoint
+    and the disk preflight (`gem_jax.train.disk_space`: whether the kept copies fit).
 
     Returns:
-      `{"train_capacities", "eval_capacities", "checkpoint_bytes"}` (the last: bytes of the
-      `params` and `opt_state` arrays and of one written `copy`, `gem_jax.train.disk_space`).
+      `{"start_step", "train_capacities", "eval_capacities", "checkpoint_bytes"}` (the step the run
+      would continue after, 0 for a new run; the last: bytes of the `params` and `opt_state` arrays
+      and of one written `copy`, `gem_jax.train.disk_space`).
+
+    Raises:
+      RunMismatchError: the start would be refused for what the workdir holds (another config or
+        data set, checkpoints without a run record, loop.num_steps below the newest checkpoint).
     """
     print("gem-train: resolved config\n" + json.dumps(config_tree.to_tree(config), indent=2), flush=True)
     dataset = load_dataset(config.data)
     print(dataset.info.summary(), flush=True)
+    checkpoint_dir = Path(workdir) / "checkpoints"
+    start = _dry_run_start(config, Path(workdir), dataset, force_new)
     training, _ = setup_training(config, dataset=dataset, init_state=False)
     _describe(training)
-    train, evals = planned_capacities(training, range(config.loop.num_steps), evaluates=True)
+    train, evals = planned_capacities(training, range(start, config.loop.num_steps), evaluates=True)
     abstract = training.state.abstract
     sizes = {"params": disk_space.array_bytes(abstract.params), "opt_state": disk_space.array_bytes(abstract.opt_state)}
-    checkpoint_dir = Path(workdir) / "checkpoints"
-    on_disk = sum(1 for p in checkpoint_dir.iterdir() if p.name.isdigit()) if checkpoint_dir.is_dir() else 0
+    on_disk = 0 if force_new or not checkpoint_dir.is_dir() else sum(1 for p in checkpoint_dir.iterdir() if p.name.isdigit())
     plan = disk_space.plan_space(abstract.checkpointed(), config.checkpoint.max_to_keep, on_disk, checkpoint_dir)
     steps = ", ".join(f"{capacity} ({count} steps)" for capacity, count in train.items())
     print(
         f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {steps} "
-        f"(the batches of steps 1 to {config.loop.num_steps}), the eval step at {list(evals)}",
+        f"(the batches of steps {start + 1} to {config.loop.num_steps}), the eval step at {list(evals)}",
         flush=True,
     )
     print(
@@ -373,7 +382,34 @@ def dry_run(config: TrainConfig, workdir: str | Path) -> dict:
         plan.check()
     except disk_space.CheckpointSpaceError as error:
         print(f"gem-train: the run would be refused: {error}", flush=True)
-    return {"train_capacities": tuple(train), "eval_capacities": evals, "checkpoint_bytes": sizes | {"copy": plan.copy_bytes}}
+    return {"start_step": start, "train_capacities": tuple(train), "eval_capacities": evals, "checkpoint_bytes": sizes | {"copy": plan.copy_bytes}}
+
+
+def _dry_run_start(config: TrainConfig, workdir: Path, dataset, force_new: bool) -> int:
+    """The step a start in `workdir` would continue after (0: a new run), checked and said as the start checks
+    what the workdir holds (`_train`); reads only.
+
+    Raises:
+      RunMismatchError: as the start would raise it.
+    """
+    checkpoint_dir = workdir / "checkpoints"
+    held = sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit()) if checkpoint_dir.is_dir() else []
+    if force_new:
+        if run_record.read_record(workdir) is not None or held:
+            print(f"gem-train: --force-new: the run in {workdir} would be moved to {workdir / run_record.ARCHIVE_DIR}/<time> and a new one started", flush=True)
+        return 0
+    record = run_record.make_record(config, dataset.info.identity(), dataset.spec)
+    run_record.check_run(workdir, record, has_checkpoints=checkpoint_dir.is_dir() and any(checkpoint_dir.iterdir()), write=False)
+    latest = held[-1] if held else None
+    run_record.check_num_steps(config.loop.num_steps, latest, checkpoint_dir)
+    run_record.check_not_restarting_lost_run(workdir, latest, workdir / run_record.QUARANTINE_DIR)
+    if latest is not None:
+        print(
+            f"gem-train: {workdir} holds this run: it would resume from its newest checkpoint, step {latest} "
+            f"({checkpoint_dir / str(latest)}; one found corrupt is moved aside for the next older)",
+            flush=True,
+        )
+    return latest or 0
 
 
 def outputs(workdir: Path) -> dict[str, Path]:

@@ -32,6 +32,7 @@ from gem_jax.train.workdir_lock import LOCK_PREFIX
 
 RUN_FILE = "run.json"
 ARCHIVE_DIR = "previous_runs"
+QUARANTINE_DIR = "corrupt_checkpoints"  # where a start moves the corrupt checkpoints it finds
 
 # Config leaves that change how a step computes its values, not what they are, so they may change
 # between starts: `model.remat`, what the backward recomputes instead of keeping (the same values
@@ -267,6 +268,22 @@ def check_num_steps(num_steps: int, latest_step: int | None, checkpoint_dir: Pat
         raise RunMismatchError(
             f"loop.num_steps={num_steps} is below the newest checkpoint, step {latest_step} ({checkpoint_dir / str(latest_step)}): "
             f"this run is already past step {num_steps}. Use loop.num_steps >= {latest_step}, a new workdir, or --force-new."
+        )
+
+
+def check_not_restarting_lost_run(workdir: Path, latest_step: int | None, quarantine_dir: Path) -> None:
+    """Refuses to start a run again from step 1 where its checkpoints were all found corrupt.
+
+    Raises:
+      RunMismatchError: no checkpoint is left (`latest_step` None) and `quarantine_dir` holds the
+        run's corrupt ones: starting again would train from step 1 under the same run record and
+        overwrite its metrics, so it takes --force-new (which moves the run's files aside).
+    """
+    if latest_step is None and quarantine_dir.is_dir() and any(quarantine_dir.iterdir()):
+        raise RunMismatchError(
+            f"{workdir} holds a run whose checkpoints were all found corrupt (moved to {quarantine_dir}): it cannot resume, "
+            f"and starting it would train again from step 1. Put an intact checkpoint back in {workdir / 'checkpoints'}, or pass "
+            f"--force-new to start a new run here (the run's files, its corrupt checkpoints among them, are moved to {workdir / ARCHIVE_DIR})."
         )
 
 

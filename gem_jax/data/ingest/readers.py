@@ -7,7 +7,9 @@ column by column with vectorised pyarrow / numpy code, never reading a whole
 file. A malformed value is reported through `BadRows`: under
 `OnBadRow.RAISE` the first one raises `BadRowError` naming the file, the line
 (CSV) or row group and row (Parquet, both 0-based), the column and the value;
-under `OnBadRow.SKIP` its row is dropped and counted by file and kind. A
+under `OnBadRow.SKIP` its row is dropped and counted by file and kind (but a
+CSV record that an unclosed quote runs over several lines raises in every mode:
+skipping it would drop all of those lines as one row). A
 missing or mistyped column, and Parquet files whose column types disagree,
 raise `DataFormatError` naming the file(s).
 
@@ -202,10 +204,19 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
         if row.actual_columns == 1 and not row.text.strip():
             return "skip"
         if row.text.count('"') % 2:
-            span = f"lines {row.number}-{row.number + lines - 1}, all dropped" if lines > 1 else "one line"
+            span = f"lines {row.number}-{row.number + lines - 1}" if lines > 1 else "one line"
             kind, detail = BadRowKind.QUOTING, f"the record runs over {span}: {row.text[:200]!r}"
         else:
             kind, detail = BadRowKind.FIELD_COUNT, f"{row.actual_columns} fields, the header has {row.expected_columns}: {row.text[:200]!r}"
+        if lines > 1:
+            # A quote opened and never closed on its line swallows the lines after it into one malformed record:
+            # skipping it would drop them all, counted as one row, so this is refused in every --on-bad-row mode.
+            pending.append(BadRowError(
+                str(file), f"line {row.number}", kind,
+                f"{detail}; a quote that is not closed on its line (the record runs over {lines} lines) would drop all "
+                f"{lines} lines as one bad row even with --on-bad-row skip: close or remove the quote",
+            ))
+            return "error"
         try:
             bad.one(str(file), f"line {row.number}", kind, detail)
         except BadRowError as error:
@@ -443,7 +454,36 @@ def _whole_seconds(stamps: pa.Array) -> pa.Array:
     return pa.array(floored, mask=np.asarray(ticks.is_null())) if ticks.null_count else pa.array(floored)
 
 
+def _check_weight(path, column, weights: np.ndarray, locate, bad, rejected) -> None:
+    """Reports weights that are negative, or that float32 (the stored dtype) turns into inf or 0."""
+    where = lambda i: f"{locate(i)}, column {column!r}"  # noqa: E731
+    negative = (weights < 0) & ~rejected
+    bad.many(path, negative, where, BadRowKind.OUT_OF_RANGE, lambda i: f"weight {weights[i]:g} is negative")
+    rejected |= negative
+    with np.errstate(over="ignore"):
+        stored = weights.astype(np.float32)
+    lost = ((stored == np.inf) | ((stored == 0) & (weights > 0))) & ~rejected
+    bad.many(path, lost, where, BadRowKind.OUT_OF_RANGE,
+             lambda i: f"weight {weights[i]:g} is outside float32's range (weights are stored as float32: it would become {float(stored[i]):g})")
+    rejected |= lost
+
+
+# Times are int64 in the file's own unit; within +-2^62 the difference of any two fits int64 (ages, spans, quantiles).
+TIME_LIMIT = 2**62
+
+
 def _parse_time(path, column, values, locate, bad, rejected) -> np.ndarray:
+    """int64 times of a column (its own unit; ISO 8601 and Arrow timestamps as seconds), |t| < `TIME_LIMIT`."""
+    times = _parse_time_values(path, column, values, locate, bad, rejected)
+    far = (np.abs(times) >= TIME_LIMIT) & ~rejected  # |int64 min| wraps to itself: negative, so >= is false there
+    far |= (times == np.iinfo(np.int64).min) & ~rejected
+    bad.many(path, far, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.OUT_OF_RANGE,
+             lambda i: f"time {int(times[i])} is outside +-2^62 (the range in which differences of times fit int64)")
+    rejected |= far
+    return times
+
+
+def _parse_time_values(path, column, values, locate, bad, rejected) -> np.ndarray:
     where = lambda i: f"{locate(i)}, column {column!r}"  # noqa: E731
     if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
         stamps = values if pa.types.is_timestamp(values.type) else pc.cast(values, pa.timestamp("s"))
@@ -612,9 +652,7 @@ def stream_columns(
                 elif kind in (ColumnKind.NUMBER, ColumnKind.BINARY, ColumnKind.WEIGHT):
                     parsed[column] = _parse_number(path, column, values, locate, bad, rejected)
                     if kind is ColumnKind.WEIGHT:
-                        negative = (parsed[column] < 0) & ~rejected
-                        bad.many(path, negative, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.OUT_OF_RANGE, lambda i: f"weight {parsed[column][i]:g} is negative")
-                        rejected |= negative
+                        _check_weight(path, column, parsed[column], locate, bad, rejected)
                     if kind is ColumnKind.BINARY:
                         _check_binary(path, column, parsed[column], locate, bad, rejected)
                 else:

@@ -84,6 +84,7 @@ class RecordReader:
 
         Raises:
           IndexError: a record outside `[0, len)`.
+          DataFormatError: a shard file that cannot be read (damaged after conversion), named.
         """
         records = np.asarray(records, np.int64)
         if records.size and (records.min() < 0 or records.max() >= len(self)):
@@ -98,9 +99,16 @@ class RecordReader:
             file_of = np.searchsorted(self.first, records[missing], side="right") - 1
             for f in np.unique(file_of).tolist():
                 at = missing[file_of == f]
-                if f not in self._readers:
-                    self._readers[f] = ArrayRecordReader(str(self.files[f]), self.OPTIONS)
-                for k, raw in zip(at.tolist(), self._readers[f].read((records[at] - self.first[f]).tolist())):
+                try:
+                    if f not in self._readers:
+                        self._readers[f] = ArrayRecordReader(str(self.files[f]), self.OPTIONS)
+                    raws = self._readers[f].read((records[at] - self.first[f]).tolist())
+                except RuntimeError as error:  # array_record's "Corrupted Riegeli/records file", a truncated file
+                    raise DataFormatError(
+                        f"{self.files[f]}: the shard file cannot be read ({str(error).splitlines()[0][:300]}): it was damaged "
+                        "after conversion; convert the log again into a new --out (or with --overwrite)"
+                    ) from None
+                for k, raw in zip(at.tolist(), raws):
                     out[k] = raw
                     self._keep(keys[k], raw)
         return out
@@ -187,8 +195,8 @@ class ConvertedLog:
           `[n]`, record i's events at `starts[i]:starts[i + 1]`; int64 `[len + 1]`.
 
         Raises:
-          DataFormatError: a record whose size does not match its header (the records
-            read named).
+          DataFormatError: a record whose size does not match its header, or a shard file
+            that cannot be read (the records read named).
         """
         parts = []
         for first in range(0, len(self), block):
@@ -197,6 +205,11 @@ class ConvertedLog:
                 parts.append(self.layout.decode_many(list(self.source.__getitems__(keys))))
             except ValueError as error:
                 raise DataFormatError(f"{self.directory}: records {keys.start}..{keys.stop - 1} of this share: {error}") from None
+            except RuntimeError as error:  # array_record's "Corrupted Riegeli/records file"
+                raise DataFormatError(
+                    f"{self.directory}: records {keys.start}..{keys.stop - 1} of this share cannot be read from its shard files "
+                    f"({str(error).splitlines()[0][:300]}): a shard was damaged after conversion; convert the log again"
+                ) from None
         users, events, counts = (np.concatenate(column) for column in zip(*(parts or [self.layout.decode_many([])])))
         starts = np.zeros(len(self) + 1, np.int64)
         np.cumsum(counts, out=starts[1:])

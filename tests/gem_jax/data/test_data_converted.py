@@ -5,6 +5,7 @@ events; the data set's identity follows the conversion."""
 import collections
 import dataclasses
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -217,3 +218,18 @@ def test_history_item_features_without_item_features_are_refused(converted, tmp_
         load_dataset(config(plain, history_item_features=True))
     assert str(error.value).startswith(f"{plain}: ") and str(error.value).endswith("--item-feature")  # the path given, not its last part
     assert load_dataset(config(plain)).spec.item_features == ()
+
+
+def test_a_shard_damaged_after_conversion_is_named(converted, tmp_path):
+    copy = tmp_path / "mylog"
+    shutil.copytree(converted[0], copy)
+    log = ConvertedLog(copy)
+    shard = log.files[0]
+    data = bytearray(shard.read_bytes())
+    data[200:216] = bytes(b ^ 0x5A for b in data[200:216])  # inside the first chunk's records (a file is padded to 128 KiB)
+    shard.write_bytes(bytes(data))
+    fresh = ConvertedLog(copy)
+    with pytest.raises(DataFormatError, match=rf"^{re.escape(str(shard))}: the shard file cannot be read \(.+\): it was damaged after conversion; convert the log again"):
+        fresh.record_reader().read(np.arange(len(fresh)))
+    with pytest.raises(DataFormatError, match=rf"^{re.escape(str(copy))}: records 0\.\.{len(fresh) - 1} of this share cannot be read from its shard files"):
+        fresh.read_all()

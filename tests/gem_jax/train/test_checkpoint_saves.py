@@ -329,6 +329,23 @@ def test_disk_full_in_the_background_write_keeps_the_last_good_step(tmp_path, mo
     assert restarted.all_steps() == [1, 2]
 
 
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1))
+    write_bytes = Path.write_bytes
+
+    def refused(path, data):
+        if path.parent == tmp_path / "ckpt":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return write_bytes(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", refused)
+    with pytest.raises(CheckpointSpaceError, match=rf"^{tmp_path / 'ckpt'}: the checkpoint folder cannot be written \(PermissionError: Permission denied\)"):
+        checkpointer.preflight(_state())
+    monkeypatch.undo()
+    assert checkpointer.preflight(_state()) and [p.name for p in (tmp_path / "ckpt").iterdir()] == []  # the probe leaves nothing
+    checkpointer.close()
+
+
 def test_a_failed_save_directory_recreated_by_writes_still_in_flight_is_removed_again(tmp_path):
     # TensorStore writes of a failed save's other arrays can still be in flight and recreate their
     # parent directories after the first removal (seen once in a loaded suite).

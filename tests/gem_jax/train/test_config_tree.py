@@ -186,7 +186,7 @@ def test_repeated_set_options_accumulate_in_order(repo_root, tmp_path, monkeypat
     from gem_jax.train import loop
 
     seen = []
-    monkeypatch.setattr(loop, "dry_run", lambda config, workdir: seen.append(config))
+    monkeypatch.setattr(loop, "dry_run", lambda config, workdir, force_new=False: seen.append(config))
     train_main(
         ["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path / "run"), "--dry-run",
          "--set", "optim.learning_rate=0.003", "--set", "loop.num_steps=9", "model.embed_dim=16", "--set", "loop.num_steps=7"]

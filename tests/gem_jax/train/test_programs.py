@@ -20,7 +20,8 @@ from gem_jax.parallel.placement import stack_batch
 from gem_jax.train import capacity_plan, goodput, programs
 from gem_jax.train.config import load_config
 from gem_jax.train.config_tree import apply_overrides
-from gem_jax.train.loop import train_and_evaluate
+from gem_jax.train.loop import dry_run, train_and_evaluate
+from gem_jax.train.run_record import RunMismatchError
 from gem_jax.train import disk_space
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.setup import Training, setup_training
@@ -167,12 +168,29 @@ def test_dry_run_names_the_programs_and_the_checkpoint_size_and_writes_nothing(r
     assert not workdir.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_a_dry_run_on_a_workdir_says_where_the_run_resumes_or_why_it_would_be_refused(config, ahead_run, capsys):
+    workdir = ahead_run[2]
+    before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
+    capsys.readouterr()
+    assert dry_run(config, workdir)["start_step"] == 6
+    out = capsys.readouterr().out
+    assert f"{workdir} holds this run: it would resume from its newest checkpoint, step 6" in out
+    assert f"(the batches of steps 7 to {config.loop.num_steps})" in out
+    with pytest.raises(RunMismatchError, match=r"optim.learning_rate: recorded 0.01, now 0.005"):
+        dry_run(apply_overrides(config, ["optim.learning_rate=0.005"]), workdir)
+    with pytest.raises(RunMismatchError, match="loop.num_steps=4 is below the newest checkpoint, step 6"):
+        dry_run(apply_overrides(config, ["loop.num_steps=4"]), workdir)
+    assert dry_run(apply_overrides(config, ["optim.learning_rate=0.005"]), workdir, force_new=True)["start_step"] == 0
+    assert f"--force-new: the run in {workdir} would be moved to {workdir / 'previous_runs'}/<time>" in capsys.readouterr().out
+    assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*")) == before  # nothing written or moved
+
+
 @pytest.fixture(scope="module")
 def ahead_run(config, tmp_path_factory):
-    """6 steps with every program built before step 1: (summary, train losses)."""
+    """6 steps with every program built before step 1: (summary, train losses, workdir)."""
     workdir = tmp_path_factory.mktemp("ahead")
     summary = train_and_evaluate(config, workdir, stop_after_steps=6, progress=False)
-    return summary, _losses(workdir)
+    return summary, _losses(workdir), workdir
 
 
 def _losses(workdir):
@@ -183,7 +201,7 @@ def _losses(workdir):
 def test_a_run_compiling_in_the_background_starts_after_the_largest_program_and_learns_as_the_ahead_run(
     config, ahead_run, tmp_path, capsys, monkeypatch, pays
 ):
-    ahead, ahead_losses = ahead_run
+    ahead, ahead_losses, _ = ahead_run
     capsys.readouterr()
     if pays:  # as if a long run: every capacity saves more than its build
         monkeypatch.setattr(programs, "capacities_worth_building", lambda counts, ready, *_: [c for c in counts if c not in set(ready)])

@@ -89,6 +89,27 @@ def test_corrupt_latest_step_falls_back_to_the_newest_intact_one(tiny_config, tm
     assert [r["step"] for r in _records(tmp_path) if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # step 4 logged once
 
 
+def test_a_run_whose_checkpoints_are_all_corrupt_is_not_started_again_silently(tiny_config, tmp_path):
+    train_and_evaluate(tiny_config, tmp_path, stop_after_steps=4)  # checkpoints 3 and 4
+    for step in (3, 4):
+        chunk = max((tmp_path / "checkpoints" / str(step) / "state").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else -1)
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    quarantine = tmp_path / "corrupt_checkpoints"
+    with pytest.raises(integrity.CorruptCheckpointError, match="no intact checkpoint .* The run cannot resume: .* --force-new"):
+        train_and_evaluate(tiny_config, tmp_path)
+    assert sorted(p.name.split("-")[0] for p in quarantine.iterdir()) == ["3", "4"] and _steps(tmp_path) == []
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(RunMismatchError, match=rf"holds a run whose checkpoints were all found corrupt \(moved to {quarantine}\): it cannot resume"):
+        train_and_evaluate(tiny_config, tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == logged  # the run's metrics kept as they were
+    summary = train_and_evaluate(tiny_config, tmp_path, force_new=True)  # the remedy the refusal names
+    assert summary["finished"] and not quarantine.exists()
+    (archived,) = (tmp_path / "previous_runs").iterdir()
+    assert sorted(p.name.split("-")[0] for p in (archived / "corrupt_checkpoints").iterdir()) == ["3", "4"]
+
+
 def test_resumed_run_logs_each_step_once_and_eval_once_in_tensorboard(tiny_config, tmp_path, capsys):
     train_and_evaluate(tiny_config, tmp_path, stop_after_steps=4)
     with open(tmp_path / "metrics.jsonl", "a") as f:  # a start killed after logging step 5, before its checkpoint

@@ -30,7 +30,6 @@ def _convert(path, out, on_bad_row=OnBadRow.RAISE, schema=SCHEMA):
         ("a,b,2024-13-01,1,5", BadRowKind.BAD_VALUE, "line 5, column 't': invalid value: '2024-13-01' is not a valid date/time"),
         ("a,b,99999999999999999999,1,5", BadRowKind.OUT_OF_RANGE, "line 5, column 't': value out of range: '99999999999999999999' does not fit in int64"),
         (",b,3,1,5", BadRowKind.BAD_VALUE, "line 5, column 'u': invalid value: empty id"),
-        ('a,"b,3,1,5', BadRowKind.QUOTING, "line 5: unbalanced quote: the record runs over lines 5-6, all dropped"),
     ],
 )
 def test_a_bad_csv_row_is_named_then_skipped_and_counted(tmp_path, row, kind, message):
@@ -42,11 +41,24 @@ def test_a_bad_csv_row_is_named_then_skipped_and_counted(tmp_path, row, kind, me
     assert error.value.path == str(path)
     assert message in str(error.value)
     result = _convert(path, tmp_path / "skip", OnBadRow.SKIP)
-    assert result.manifest["counts"]["events"] == (2 if kind is BadRowKind.QUOTING else 3)  # the quote swallows line 6
+    assert result.manifest["counts"]["events"] == 3
     assert result.manifest["counts"]["skipped_rows"] == 1
     (skipped,) = result.manifest["skipped_rows"]
     assert skipped["file"] == str(path) and skipped["count"] == 1 and skipped["first"].startswith("line 5")
     assert skipped["kind"] == kind.value
+
+
+@pytest.mark.parametrize("on_bad_row", [OnBadRow.RAISE, OnBadRow.SKIP])
+def test_a_quote_left_open_is_refused_in_every_mode_rather_than_dropping_the_lines_it_swallows(tmp_path, on_bad_row):
+    # line 2 good, line 3 opens a quote it never closes, which runs the record over the 50 good lines after it
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + 'a,b,1,1,5\na,"b,2,1,5\n' + "".join(f"u{i},i{i},{10 + i},{i % 2},1\n" for i in range(50)))
+    with pytest.raises(BadRowError) as error:
+        _convert(path, tmp_path / "out", on_bad_row)
+    assert (error.value.path, error.value.location, error.value.kind) == (str(path), "line 3", BadRowKind.QUOTING)
+    assert "the record runs over lines 3-53" in str(error.value) and "would drop all 51 lines" in str(error.value)
+    assert "close or remove the quote" in str(error.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_line_break_in_a_quoted_field_is_a_bad_row_and_later_lines_keep_their_numbers(tmp_path):
@@ -101,6 +113,21 @@ def test_weights_and_huge_times_are_checked(tmp_path):
     pq.write_table(pa.table({"u": ["a", "b"], "i": ["x", "y"], "t": pa.array([1, 2**64 - 1], pa.uint64()), "click": [1, 0], "w": [1.0, 1.0]}), path)
     with pytest.raises(BadRowError, match=r"row 1, column 't': value out of range: 18446744073709551615 does not fit in int64"):
         _convert(path, tmp_path / "out", schema=schema)
+    # Weights are stored as float32: one it would turn into inf or 0 is refused, not stored so.
+    csv = tmp_path / "log.csv"
+    for weight, shown, becomes in (("1e39", r"1e\+39", "inf"), ("1e-50", "1e-50", "0")):
+        csv.write_text(f"u,i,t,click,w\na,x,1,1,1\nb,y,2,0,{weight}\n")
+        with pytest.raises(BadRowError, match=rf"line 3, column 'w': value out of range: weight {shown} is outside float32's range .* become {becomes}\)"):
+            _convert(csv, tmp_path / "out", schema=schema)
+    csv.write_text("u,i,t,click,w\na,x,1,1,1\nb,y,2,0,1e-40\n")  # a float32 subnormal: stored as it is
+    assert _convert(csv, tmp_path / "sub", schema=schema).manifest["counts"]["events"] == 2
+    # Times beyond +-2^62, whose differences would overflow int64 (ages, the split's quantile), are refused.
+    for time in (str(-(2**63)), str(2**62), "-4611686018427387904"):
+        csv.write_text(f"u,i,t,click,w\na,x,{time},1,1\nb,y,2,0,1\n")
+        with pytest.raises(BadRowError, match=rf"line 2, column 't': value out of range: time {time} is outside \+-2\^62"):
+            _convert(csv, tmp_path / "out", schema=schema)
+    csv.write_text(f"u,i,t,click,w\na,x,{2**62 - 1},1,1\nb,y,{-(2**62) + 1},0,1\n")
+    assert _convert(csv, tmp_path / "edge", schema=schema).manifest["counts"]["events"] == 2
     # The minimum named is the one accepted (the fixed share grows with the budget's CSV block size).
     for memory_mb in (100, 392, 407):
         with pytest.raises(ValueError, match=rf"--memory-mb must be at least 408 \(MiB\), got {memory_mb}"):
