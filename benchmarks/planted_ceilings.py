@@ -1,6 +1,6 @@
 """What a model can reach on a planted log, by what it reads off the history: the oracle and its ceilings.
 
-    PYTHONPATH=. python3 benchmarks/planted_ceilings.py --preset long-range --out benchmarks/results/planted_ceilings_long_range.json
+    PYTHONPATH=. python3 benchmarks/planted_ceilings.py --preset long-range --online --out benchmarks/results/planted_ceilings_long_range.json
 
 `gem_jax.train.oracle.oracle_report` on the split (`--split`, as `gem-data convert --split` takes it)
 scores the oracle, the item-mean baseline, and the oracle without the history or without its long-range
@@ -23,8 +23,12 @@ the effects still estimated from the train split. Two more fitted rows ask what 
 worth: **fitted_no_user**, the same without them (a model with neither a user id nor its events'
 outcomes), and **fitted_past_outcomes**, without them but with the user's click rate over its earlier
 events as a fourth signal (`past_click_logit`: what history rows that carry their events' outcomes
-tell about the user). Each row's share of the oracle's AUC lift over the item-mean baseline is reported
-beside it. The log is generated in memory (`gem_jax.data.planted.generate`), as `gem-data plant`
+tell about the user). With `--online`, the **fitted_online_<passes>** rows ask what the fitted form
+learns within a job's budget rather than at convergence: the same inputs trained as the GEM-width job
+(`configs/planted_gem.py`) trains, in shuffled batches of 1024 train events, Adagrad on the effects and
+Adam with warm-up and cosine decay on the bias and weights (rates chosen on the held-out tenth), for
+1800 steps (the job's 1.07 passes) and for 2, 4 and 8 passes. Each row's share of the oracle's AUC
+lift over the item-mean baseline is reported beside it. The log is generated in memory (`gem_jax.data.planted.generate`), as `gem-data plant`
 writes it for the same preset and seed.
 """
 
@@ -114,6 +118,85 @@ def fitted_row(user, item, signals, labels, time, is_eval, num_users: int, num_i
     return {"quality": scored, "l2": chosen, "validation_ne": {str(k): v for k, v in validation_ne.items()}, "weights": params[1:1 + signals.shape[1]].tolist()}
 
 
+# The online rows: the planted form trained as the GEM-width job trains (configs/planted_gem.py): shuffled
+# batches of 1024 train events, Adagrad on the user and item effects (the tables' optimizer, a constant rate,
+# its accumulator from 0.1 as optax's), Adam on the bias and signal weights with 7% linear warm-up and a cosine
+# to 10% of the peak at the last step; the rates chosen from these grids on the train split's last tenth.
+ONLINE_BATCH = 1024
+ONLINE_EPOCHS = (1800 * 1024, 2.0, 4.0, 8.0)  # 1800 steps of 1024, the job's budget, then more passes
+EFFECT_RATES = (1.0, 3.0, 10.0, 30.0)
+WEIGHT_RATES = (3e-3, 1e-2, 3e-2)
+_ADAGRAD_INITIAL, _ADAM = 0.1, (0.9, 0.999, 1e-8)
+
+
+def fit_online(user, item, signals, labels, num_users: int, num_items: int, *, steps: int, effect_lr: float, weight_lr: float,
+               seed: int = 0) -> np.ndarray:
+    """`steps` minibatch steps of the planted form's mean log loss (the ONLINE_* comment), `fit_logistic`'s layout.
+
+    Each pass over the `[N]` events is its own seeded permutation cut into batches of ONLINE_BATCH (the last,
+    shorter batch of a pass is dropped, as the trainer's shuffled batches drop it); step t's gradient is the
+    batch mean's. Returns float64 `[1 + K + num_users + num_items]`: bias, signal weights, user and item effects.
+    """
+    n, k = signals.shape
+    rng = np.random.default_rng(seed)
+    per_pass = n // ONLINE_BATCH
+    dense, effects = np.zeros(1 + k), np.zeros(num_users + num_items)
+    moment, second = np.zeros_like(dense), np.zeros_like(dense)
+    accumulator = np.full_like(effects, _ADAGRAD_INITIAL)
+    beta1, beta2, eps = _ADAM
+    warmup = max(1, round(0.07 * steps))
+    order = np.empty(0, dtype=np.int64)
+    for step in range(steps):
+        if step % per_pass == 0:
+            order = rng.permutation(n)[: per_pass * ONLINE_BATCH].reshape(per_pass, ONLINE_BATCH)
+        batch = order[step % per_pass]
+        u, i, x = user[batch], item[batch] + num_users, signals[batch]
+        logit = dense[0] + x @ dense[1:] + effects[u] + effects[i]
+        residual = (0.5 * (1.0 + np.tanh(0.5 * logit)) - labels[batch]) / ONLINE_BATCH
+        grad = np.concatenate([[residual.sum()], x.T @ residual])
+        moment = beta1 * moment + (1 - beta1) * grad
+        second = beta2 * second + (1 - beta2) * grad**2
+        progress = min(1.0, max(0.0, (step - warmup) / max(1, steps - warmup)))
+        rate = weight_lr * ((step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + np.cos(np.pi * progress)))
+        dense -= rate * (moment / (1 - beta1 ** (step + 1))) / (np.sqrt(second / (1 - beta2 ** (step + 1))) + eps)
+        rows = np.concatenate([u, i])
+        effect_grad = np.bincount(rows, np.concatenate([residual, residual]), minlength=effects.size)
+        touched = np.unique(rows)
+        accumulator[touched] += effect_grad[touched] ** 2
+        effects[touched] -= effect_lr * effect_grad[touched] / np.sqrt(accumulator[touched])
+    return np.concatenate([dense, effects])
+
+
+def online_rows(user, item, signals, labels, time, is_eval, num_users: int, num_items: int, epochs=ONLINE_EPOCHS) -> dict:
+    """The planted form trained online (`fit_online`) for each of `epochs` (passes over the train events; an int is
+    a number of examples): `{passes: {"steps", "quality" on the eval events, "rates": (effect, weight) chosen by
+    the NE of the train split's last tenth in time after the same passes over the rest, "validation_ne"}}`."""
+    train = np.flatnonzero(~is_eval)
+    later = time[train] >= np.quantile(time[train], VALIDATION_QUANTILE)
+    fit_on, held, held_out = train[~later], train[later], np.flatnonzero(is_eval)
+    labels = labels.astype(np.float64)
+    rows = {}
+    for passes in epochs:
+        passes = passes / train.size if isinstance(passes, int) else float(passes)
+
+        def fitted(events, rates):
+            steps = max(1, round(passes * events.size / ONLINE_BATCH))
+            params = fit_online(user[events], item[events], signals[events], labels[events], num_users, num_items,
+                                steps=steps, effect_lr=rates[0], weight_lr=rates[1])
+            return steps, params
+
+        validation_ne = {}
+        for rates in ((e, w) for e in EFFECT_RATES for w in WEIGHT_RATES):
+            params = fitted(fit_on, rates)[1]
+            validation_ne[rates] = quality(fitted_logit(params, user[held], item[held], signals[held], num_users), labels[held]).ne
+        chosen = min(validation_ne, key=validation_ne.get)
+        steps, params = fitted(train, chosen)
+        scored = quality(fitted_logit(params, user[held_out], item[held_out], signals[held_out], num_users), labels[held_out])
+        rows[f"{passes:.3f}"] = {"steps": steps, "quality": scored, "rates": list(chosen),
+                                 "validation_ne": {f"{e:g}/{w:g}": v for (e, w), v in validation_ne.items()}}
+    return rows
+
+
 PAST_PRIOR_EVENTS = 5.0  # past_click_logit's pseudo-events at the train click rate
 
 
@@ -131,9 +214,10 @@ def past_click_logit(click: np.ndarray, user_offsets: np.ndarray, user: np.ndarr
     return np.log(rate) - np.log1p(-rate)
 
 
-def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
+def ceilings(config: PlantedConfig, rule: SplitRule, online_epochs=()) -> dict:
     """AUC and NE of the oracle, the categories-only ceiling, no history and the item-mean baseline on `rule`'s
-    eval events of the log `config` generates, with each one's share of the oracle's AUC lift (module docstring).
+    eval events of the log `config` generates, with each one's share of the oracle's AUC lift (module docstring);
+    with `online_epochs`, the fitted form trained online for each (`online_rows`) under "online".
 
     Raises:
       ValueError: the split leaves no train or no eval events (`oracle_report`).
@@ -156,12 +240,14 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
                                config.num_users, config.num_items)
     past = past_click_logit(log.click, log.user_offsets, log.user, float(log.click[~is_eval].mean()))
     past_outcomes = fitted_row(anyone, log.item, np.column_stack([signals, past]), log.click, log.time, is_eval, 1, config.num_items)
+    online = online_rows(log.user, log.item, signals, log.click, log.time, is_eval, config.num_users, config.num_items, online_epochs)
     rows = {
         "oracle": report.oracle, "categories_only": oracle_report(by_category, rule).oracle,
         "fitted_item_vectors": known_vectors["quality"], "fitted": fitted["quality"],
         "fitted_past_outcomes": past_outcomes["quality"], "fitted_no_user": no_user["quality"],
         "no_history": report.no_history, "item_mean": report.item_mean,
     }
+    rows |= {f"fitted_online_{passes}": row["quality"] for passes, row in online.items()}
     lift = report.oracle.auc - report.item_mean.auc
     return {
         "split": report.split,
@@ -183,6 +269,7 @@ def ceilings(config: PlantedConfig, rule: SplitRule) -> dict:
             "l2": past_outcomes["l2"], "validation_ne": past_outcomes["validation_ne"],
             "weights": dict(zip(("recent", "mid", "long", "past_click_logit"), past_outcomes["weights"])),
         },
+        "online": {passes: {"steps": row["steps"], "rates": row["rates"], "validation_ne": row["validation_ne"]} for passes, row in online.items()},
     }
 
 
@@ -191,10 +278,11 @@ def main() -> None:
     parser.add_argument("--preset", choices=PRESETS, default="long-range")
     parser.add_argument("--small", action="store_true", help="1/10 of the users, items and categories")
     parser.add_argument("--split", default="time:0.9", help="the split, as gem-data convert --split takes it")
+    parser.add_argument("--online", action="store_true", help=f"also the online rows: the fitted form trained as the GEM-width job trains, for {len(ONLINE_EPOCHS)} budgets")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     config = small(PRESETS[args.preset]) if args.small else PRESETS[args.preset]
-    result = {"preset": args.preset, "small": args.small, **ceilings(config, SplitRule.parse(args.split))}
+    result = {"preset": args.preset, "small": args.small, **ceilings(config, SplitRule.parse(args.split), ONLINE_EPOCHS if args.online else ())}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
