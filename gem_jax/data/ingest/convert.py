@@ -558,6 +558,13 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             vocabs[name] = Vocab.load(name, reused / "vocab" / f"{name}.csv")
             known = pc.is_in(counts["id"], value_set=vocabs[name].ids)
             unseen[name] = int(pc.sum(pc.filter(counts["count"], pc.invert(known))).as_py() or 0)
+            total = int(pc.sum(counts["count"]).as_py() or 0)
+            if name == "item" and total and unseen[name] == total:  # new users are expected in eval logs; no known item is a wrong column
+                example = counts["id"][0].as_py()
+                raise DataFormatError(
+                    f"--vocab-from {reused}: none of this log's {total} item occurrences (e.g. {example!r}) is in its item vocabulary "
+                    f"({reused / 'vocab' / 'item.csv'}), so every item would be OOV: is --item the column that conversion read as the item?"
+                )
         elif name in ("user", "item"):
             vocabs[name] = Vocab.build(name, counts, options.min_count, options.max_vocab)
         else:

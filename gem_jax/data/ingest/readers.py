@@ -49,7 +49,7 @@ _INTEGER = r"^\s*[-+]?[0-9]+\s*$"
 _NUMBER = r"^\s*[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?\s*$"
 _ISO_TIME = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]+)?)?)?(Z|[+-][0-9]{2}:?[0-9]{2})?$"
 _ISO_ZONE = r"(Z|[+-][0-9]{2}:?[0-9]{2})$"  # a UTC offset: the time is converted to UTC
-_TRUE_FALSE = {"true": 1.0, "false": 0.0, "True": 1.0, "False": 0.0}
+_TRUE_FALSE = {"true": 1.0, "false": 0.0, "True": 1.0, "False": 0.0, "TRUE": 1.0, "FALSE": 0.0}  # as Python, JSON and spreadsheets write them
 
 
 class Format(enum.Enum):
@@ -403,7 +403,7 @@ def _parse_number(path, column, values, locate, bad, rejected) -> np.ndarray:
         rejected |= null
         numbers = pc.cast(values, pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
         infinite = ~np.isfinite(numbers) & ~rejected
-        bad.many(path, infinite, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{numbers[i]!r} is not a finite number")
+        bad.many(path, infinite, where, BadRowKind.OUT_OF_RANGE, lambda i: f"{float(numbers[i])!r} is not a finite number")
         rejected |= infinite
         return np.where(rejected, 0.0, numbers)
     text = _to_text(path, column, values, locate, bad, rejected)

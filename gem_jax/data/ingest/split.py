@@ -3,8 +3,9 @@
 - `time:Q` with 0 < Q < 1: a global cutoff at the Q quantile of all event
   times (the time of the event at rank floor(Q N) of N, sorted by time);
   events at or after the cutoff are eval, so ties at the cutoff all go to eval.
-- `time:DATE` (ISO 8601, UTC) or `time:T` (an integer >= 1, in the time
-  column's units): events at or after that time are eval.
+- `time:DATE` (ISO 8601; UTC unless it ends in `Z` or a `+HH:MM` offset) or
+  `time:T` (an integer >= 1, in the time column's units): events at or after
+  that time are eval.
 - `last:N`: each user's last N events (by time) are eval; a user with N events
   or fewer keeps all of them in train (no eval target without a history).
 """
@@ -12,7 +13,9 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
+import math
 import re
 from collections.abc import Callable, Iterable
 
@@ -48,19 +51,24 @@ class SplitRule:
           SchemaError: anything else (the accepted forms named).
         """
         how, _, value = text.partition(":")
-        usage = f"--split {text!r}: expected time:Q (0 < Q < 1), time:DATE (ISO 8601), time:T (integer) or last:N (N >= 1)"
+        usage = (
+            f"--split {text!r}: expected time:Q (0 < Q < 1), time:DATE (ISO 8601, UTC unless it ends in Z or +-HH:MM), "
+            "time:T (an integer >= 1) or last:N (N >= 1)"
+        )
         if how == "last" and re.fullmatch(r"[0-9]+", value) and int(value) >= 1:
             return cls(SplitKind.LAST, int(value))
         if how != "time":
             raise SchemaError(usage)
         if re.fullmatch(r"[0-9]+", value) and int(value) >= 1:
             return cls(SplitKind.TIME_CUTOFF, int(value))
-        if re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9:.]+)?Z?", value):
+        if re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}([T ][0-9:.]+)?(Z|[+-][0-9]{2}:?[0-9]{2})?", value):
             try:
-                seconds = np.datetime64(value.rstrip("Z"), "s").astype(np.int64)
+                moment = datetime.datetime.fromisoformat(value)
             except ValueError:
                 raise SchemaError(usage) from None
-            return cls(SplitKind.TIME_CUTOFF, int(seconds))
+            if moment.tzinfo is None:  # as the time column reads a date without an offset: UTC
+                moment = moment.replace(tzinfo=datetime.timezone.utc)
+            return cls(SplitKind.TIME_CUTOFF, math.floor(moment.timestamp()))  # whole seconds, floored as the column's times
         try:
             q = float(value)
         except ValueError:

@@ -113,6 +113,9 @@ def test_weights_and_huge_times_are_checked(tmp_path):
     pq.write_table(pa.table({"u": ["a", "b"], "i": ["x", "y"], "t": pa.array([1, 2**64 - 1], pa.uint64()), "click": [1, 0], "w": [1.0, 1.0]}), path)
     with pytest.raises(BadRowError, match=r"row 1, column 't': value out of range: 18446744073709551615 does not fit in int64"):
         _convert(path, tmp_path / "out", schema=schema)
+    pq.write_table(pa.table({"u": ["a", "b"], "i": ["x", "y"], "t": [1, 2], "click": [1.0, float("nan")], "w": [1.0, 1.0]}), path)
+    with pytest.raises(BadRowError, match=r"row 1, column 'click': value out of range: nan is not a finite number$"):
+        _convert(path, tmp_path / "out", schema=schema)
     # Weights are stored as float32: one it would turn into inf or 0 is refused, not stored so.
     csv = tmp_path / "log.csv"
     for weight, shown, becomes in (("1e39", r"1e\+39", "inf"), ("1e-50", "1e-50", "0")):
@@ -231,8 +234,28 @@ def test_inputs_and_flags_are_checked(tmp_path):
     with pytest.raises(SchemaError, match="the feature's name is its column's, which must be letters, digits and '_'"):
         FeatureColumn.parse("genre-list:multi", Side.ITEM)
     assert SplitRule.parse("time:2024-01-02").value == 1704153600
+    # a cutoff with an offset or Z means that instant, as the time column reads one; without, UTC; fractions floored
+    for cutoff in ("2024-01-02T00:00:00Z", "2024-01-02T02:00:00+02:00", "2024-01-01T19:00:00-0500", "2024-01-02 00:00:00.9"):
+        assert SplitRule.parse(f"time:{cutoff}").value == 1704153600, cutoff
+    with pytest.raises(SchemaError, match=r"time:T \(an integer >= 1\)"):
+        SplitRule.parse("time:0")
     schema = EventSchema(user="u", item="i", time="u", labels=(LabelRule.parse("click"),))
     path = tmp_path / "log.csv"
     path.write_text(HEADER + "a,b,1,1,5\n")
     with pytest.raises(DataFormatError, match="column 'u' is named by both --user and --time"):
         _convert(path, tmp_path / "out", schema=schema)
+
+
+def test_a_binary_column_reads_true_and_false_as_python_json_and_spreadsheets_write_them(tmp_path):
+    from gem_jax.data.ingest.shards import ConvertedLog
+
+    schema = EventSchema(user="u", item="i", time="t", labels=(LabelRule.parse("click"),))
+    path = tmp_path / "log.csv"
+    words = ["true", "False", "TRUE", "false", "True", "FALSE", "1", "0"]
+    path.write_text("u,i,t,click\n" + "".join(f"a,x{k},{k + 1},{w}\n" for k, w in enumerate(words)))
+    out = _convert(path, tmp_path / "out", schema=schema).out
+    (record,) = list(ConvertedLog(out))
+    assert record["labels"][:, 0].tolist() == [1, 0, 1, 0, 1, 0, 1, 0]
+    path.write_text("u,i,t,click\na,x,1,yes\n")
+    with pytest.raises(BadRowError, match=r"line 2, column 'click': not a number: 'yes' is not a number"):
+        _convert(path, tmp_path / "refused", schema=schema)

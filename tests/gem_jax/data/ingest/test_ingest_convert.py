@@ -297,6 +297,10 @@ def test_side_tables_and_reused_vocabularies(tmp_path):
     assert reused.manifest["vocabularies"]["item"]["unseen_occurrences"] == 1
     assert reused.manifest["counts"]["oov_item_events"] == 1
     assert sorted(int(r["user"]) for r in ConvertedLog(tmp_path / "eval")) == [1, 2 + ["u1", "u2", "u3"].index("u1")]
+    # Users and items swapped: no item id is known there, every event's item would be OOV; refused.
+    swapped = EventSchema(user="i", item="u", time="t", labels=(LabelRule.parse("click"),))
+    with pytest.raises(DataFormatError, match=r"--vocab-from .*train: none of this log's 2 item occurrences \(e\.g\. 'u\d'\) is in its item vocabulary .*is --item the column"):
+        convert([later], tmp_path / "swapped", swapped, ConvertOptions(split=SplitRule.parse("last:1"), vocab_from=str(tmp_path / "train")), log=lambda _: None)
 
 
 def test_record_layout_round_trips():
