@@ -346,23 +346,26 @@ def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_the_first_
     checkpointer.close()
 
 
-def test_a_failed_save_directory_recreated_by_writes_still_in_flight_is_removed_again(tmp_path):
+def test_a_failed_save_directory_recreated_by_writes_still_in_flight_is_removed_again(tmp_path, monkeypatch):
     # TensorStore writes of a failed save's other arrays can still be in flight and recreate their
     # parent directories after the first removal (seen once in a loaded suite).
+    monkeypatch.setattr(checkpoint, "_PARTIAL_QUIET_S", 2.0)  # a loaded machine may start the late write late
     partial = tmp_path / f"2{TMP_SUFFIX}" / "state" / "ocdbt.process_0"
     partial.mkdir(parents=True)
+    recreated = threading.Event()
 
-    def late_writes():
-        for delay in (0.1, 0.2):
-            time.sleep(delay)
-            partial.mkdir(parents=True, exist_ok=True)
-            (partial / "d").write_bytes(b"x")
+    def late_write():
+        while partial.exists():  # the first removal
+            time.sleep(0.001)
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / "d").write_bytes(b"x")
+        recreated.set()
 
-    writer = threading.Thread(target=late_writes)
+    writer = threading.Thread(target=late_write)
     writer.start()
     checkpoint._remove_partial(tmp_path, 2)
     writer.join()
-    assert not list(tmp_path.iterdir())
+    assert recreated.is_set() and not list(tmp_path.iterdir())
 
 
 @pytest.fixture
