@@ -25,8 +25,9 @@ outcomes), and **fitted_past_outcomes**, without them but with the user's click 
 events as a fourth signal (`past_click_logit`: what history rows that carry their events' outcomes
 tell about the user). With `--online`, the **fitted_online_<passes>** rows ask what the fitted form
 learns within a job's budget rather than at convergence: the same inputs trained as the GEM-width job
-(`configs/planted_gem.py`) trains, in shuffled batches of 1024 train events, Adagrad on the effects and
-Adam with warm-up and cosine decay on the bias and weights (rates chosen on the held-out tenth), for
+(`configs/planted_gem.py`) trains, in shuffled batches of 1024 train events with that config's own
+optimizer (row-wise Adagrad on the effects, AdamW with warm-up and cosine decay on the bias and
+weights; both rates chosen on the held-out tenth), for
 1800 steps (the job's 1.07 passes) and for 2, 4 and 8 passes. Each row's share of the oracle's AUC
 lift over the item-mean baseline is reported beside it. The log is generated in memory (`gem_jax.data.planted.generate`), as `gem-data plant`
 writes it for the same preset and seed.
@@ -39,13 +40,18 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
-
+import optax
 from scipy import optimize
 
 from gem_jax.data.ingest.split import SplitRule
 from gem_jax.data.planted import PRESETS, PlantedConfig, generate, log_truth, small
 from gem_jax.data.planted.generator import category_signals, recent_affinity
+from gem_jax.nn.layers import EMBEDDING_PARAM
+from gem_jax.train.config import load_config
+from gem_jax.train.optimizer import make_optimizer
 from gem_jax.train.oracle import eval_mask, oracle_report, quality
 
 L2_GRID = (1e-7, 1e-6, 1e-5, 1e-4)  # the fitted row's penalty on squared user and item effects, per mean log loss
@@ -118,15 +124,15 @@ def fitted_row(user, item, signals, labels, time, is_eval, num_users: int, num_i
     return {"quality": scored, "l2": chosen, "validation_ne": {str(k): v for k, v in validation_ne.items()}, "weights": params[1:1 + signals.shape[1]].tolist()}
 
 
-# The online rows: the planted form trained as the GEM-width job trains (configs/planted_gem.py): shuffled
-# batches of 1024 train events, Adagrad on the user and item effects (the tables' optimizer, a constant rate,
-# its accumulator from 0.1 as optax's), Adam on the bias and signal weights with 7% linear warm-up and a cosine
-# to 10% of the peak at the last step; the rates chosen from these grids on the train split's last tenth.
+# The online rows: the planted form trained with the GEM-width job's optimizer and schedule (configs/planted_gem.py's
+# OptimConfig through `make_optimizer`: AdamW with 7% linear warm-up and a cosine to 10% of the peak on the bias and
+# signal weights, row-wise Adagrad from its accumulator on the effects, a table of one-wide rows) on shuffled batches
+# of 1024 train events; both rates chosen from these grids on the train split's last tenth.
 ONLINE_BATCH = 1024
 ONLINE_EPOCHS = (1800 * 1024, 2.0, 4.0, 8.0)  # 1800 steps of 1024, the job's budget, then more passes
-EFFECT_RATES = (1.0, 3.0, 10.0, 30.0)
+EFFECT_RATES = (0.03, 0.1, 0.3, 1.0)
 WEIGHT_RATES = (3e-3, 1e-2, 3e-2)
-_ADAGRAD_INITIAL, _ADAM = 0.1, (0.9, 0.999, 1e-8)
+JOB_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "planted_gem.py"
 
 
 def fit_online(user, item, signals, labels, num_users: int, num_items: int, *, steps: int, effect_lr: float, weight_lr: float,
@@ -134,37 +140,34 @@ def fit_online(user, item, signals, labels, num_users: int, num_items: int, *, s
     """`steps` minibatch steps of the planted form's mean log loss (the ONLINE_* comment), `fit_logistic`'s layout.
 
     Each pass over the `[N]` events is its own seeded permutation cut into batches of ONLINE_BATCH (the last,
-    shorter batch of a pass is dropped, as the trainer's shuffled batches drop it); step t's gradient is the
-    batch mean's. Returns float64 `[1 + K + num_users + num_items]`: bias, signal weights, user and item effects.
+    shorter batch of a pass is dropped, as the trainer's shuffled batches drop it). Float32, one `lax.scan`.
+    Returns float64 `[1 + K + num_users + num_items]`: bias, signal weights, user and item effects.
     """
     n, k = signals.shape
-    rng = np.random.default_rng(seed)
     per_pass = n // ONLINE_BATCH
-    dense, effects = np.zeros(1 + k), np.zeros(num_users + num_items)
-    moment, second = np.zeros_like(dense), np.zeros_like(dense)
-    accumulator = np.full_like(effects, _ADAGRAD_INITIAL)
-    beta1, beta2, eps = _ADAM
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(n)[: per_pass * ONLINE_BATCH] for _ in range(-(-steps // per_pass))])
     warmup = max(1, round(0.07 * steps))
-    order = np.empty(0, dtype=np.int64)
-    for step in range(steps):
-        if step % per_pass == 0:
-            order = rng.permutation(n)[: per_pass * ONLINE_BATCH].reshape(per_pass, ONLINE_BATCH)
-        batch = order[step % per_pass]
-        u, i, x = user[batch], item[batch] + num_users, signals[batch]
-        logit = dense[0] + x @ dense[1:] + effects[u] + effects[i]
-        residual = (0.5 * (1.0 + np.tanh(0.5 * logit)) - labels[batch]) / ONLINE_BATCH
-        grad = np.concatenate([[residual.sum()], x.T @ residual])
-        moment = beta1 * moment + (1 - beta1) * grad
-        second = beta2 * second + (1 - beta2) * grad**2
-        progress = min(1.0, max(0.0, (step - warmup) / max(1, steps - warmup)))
-        rate = weight_lr * ((step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + np.cos(np.pi * progress)))
-        dense -= rate * (moment / (1 - beta1 ** (step + 1))) / (np.sqrt(second / (1 - beta2 ** (step + 1))) + eps)
-        rows = np.concatenate([u, i])
-        effect_grad = np.bincount(rows, np.concatenate([residual, residual]), minlength=effects.size)
-        touched = np.unique(rows)
-        accumulator[touched] += effect_grad[touched] ** 2
-        effects[touched] -= effect_lr * effect_grad[touched] / np.sqrt(accumulator[touched])
-    return np.concatenate([dense, effects])
+    optim = dataclasses.replace(load_config(JOB_CONFIG).optim, learning_rate=weight_lr, embedding_learning_rate=effect_lr,
+                                warmup_steps=warmup, decay_steps=max(1, steps - warmup))
+    optimizer = make_optimizer(optim)
+    user, item = jnp.asarray(user, jnp.int32), jnp.asarray(item, jnp.int32) + num_users
+    signals, labels = jnp.asarray(signals, jnp.float32), jnp.asarray(labels, jnp.float32)
+
+    def loss(params, batch):
+        effects = params["effects"][EMBEDDING_PARAM][:, 0]
+        logit = params["dense"][0] + signals[batch] @ params["dense"][1:] + effects[user[batch]] + effects[item[batch]]
+        return jnp.mean(jnp.logaddexp(0.0, logit) - labels[batch] * logit)
+
+    def step(carry, batch):
+        params, state = carry
+        updates, state = optimizer.update(jax.grad(loss)(params, batch), state, params)
+        return (optax.apply_updates(params, updates), state), None
+
+    params = {"dense": jnp.zeros(1 + k), "effects": {EMBEDDING_PARAM: jnp.zeros((num_users + num_items, 1))}}
+    batches = jnp.asarray(order[: steps * ONLINE_BATCH].reshape(steps, ONLINE_BATCH))
+    (params, _), _ = jax.jit(lambda carry: jax.lax.scan(step, carry, batches))((params, optimizer.init(params)))
+    return np.concatenate([np.asarray(params["dense"], np.float64), np.asarray(params["effects"][EMBEDDING_PARAM][:, 0], np.float64)])
 
 
 def online_rows(user, item, signals, labels, time, is_eval, num_users: int, num_items: int, epochs=ONLINE_EPOCHS) -> dict:

@@ -37,7 +37,7 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
 - 1800 steps (1.07 epochs of the 1.73M train events): what fits a 10-minute job beside planting,
   start-up and the two evals, at the 0.18-0.19 s a step measured above; 1200 steps reached
   0.7223 / 0.8863 (69% of the AUC lift). One pass is not what holds the model back: the planted
-  form itself, trained online as this job trains, reaches 88.2% of the lift in these 1800 steps
+  form itself, trained with this config's optimizer in these 1800 steps, reaches 88.7% of the lift
   against 89.5% converged (benchmarks/quality.md, "Within the job's budget").
 - a flatter dense rate did not help: with the cosine stretched to 3,360 steps (the rate ending at
   55% of the peak instead of 10%) and past outcomes in the history, 0.7339 / 0.8745 at step 1800
