@@ -73,7 +73,22 @@ NE_TOLERANCE = 0.005  # the switch table's bound on |NE / reference NE - 1|
 SEEDS_WHEN_CLOSE = 3  # seeds a switch within two spreads of the reference needs
 
 
+def run_paths(specs: list[str]) -> dict[str, Path]:
+    """`--run name=workdir` options as {name: workdir}, in order; SystemExit names a malformed or repeated one."""
+    paths: dict[str, Path] = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise SystemExit(f"compare_runs: --run {spec!r}: expected name=workdir")
+        if name in paths:
+            raise SystemExit(f"compare_runs: --run names {name!r} twice ({paths[name]} and {path})")
+        paths[name] = Path(path)
+    return paths
+
+
 def read_run(workdir: Path) -> dict[str, list[dict]]:
+    if not (workdir / "metrics.jsonl").is_file():
+        raise SystemExit(f"compare_runs: {workdir} holds no metrics.jsonl (a gem-train workdir writes one)")
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return {kind: [r for r in records if r["kind"] == kind] for kind in ("train", "eval")}
 
@@ -177,6 +192,20 @@ def read_oracle(planted: Path) -> dict:
     if not report.is_file():
         raise SystemExit(f"compare_runs: --planted {planted} holds no oracle.json (gem-data plant writes it for its --split)")
     return json.loads(report.read_text())
+
+
+def check_oracle_fits(oracle: dict, planted: Path, name: str, evals: list[dict], task: str, where: Path) -> None:
+    """Refuses (SystemExit) a run whose eval set is not the one `oracle` scored: its eval records' example and
+    positive counts must be the oracle's eval events and their clicks (another log, seed or split differs)."""
+    events, positives = oracle["eval_events"], round(oracle["eval_positive_rate"] * oracle["eval_events"])
+    for record in evals:
+        got = (record.get("eval_examples"), record.get(f"eval_positives_{task}"))
+        if got != (events, positives):
+            raise SystemExit(
+                f"compare_runs: run {name!r} evaluated {got[0]} examples, {got[1]} positive, at step {record['step']} ({where}); "
+                f"the oracle of --planted {planted} scored {events} eval events, {positives} clicks ({oracle['split']}): "
+                "another planted log, seed or split"
+            )
 
 
 def _spread(values: list[float]) -> tuple[float, float]:
@@ -446,7 +475,10 @@ def main() -> None:
         raise SystemExit("compare_runs: name the runs to compare with --run name=workdir (with --switch-table, or --record FILE)")
     if args.loss_window < 1:
         raise SystemExit(f"compare_runs: --loss-window must be >= 1, got {args.loss_window}")
-    paths = {name: Path(path) for name, path in (r.split("=", 1) for r in args.run)}
+    paths = run_paths(args.run)
+    for where in (args.out, args.figure):
+        if not where.parent.is_dir():
+            raise SystemExit(f"compare_runs: {where}: its folder {where.parent} does not exist")
     runs = {name: read_run(path) for name, path in paths.items()}
     if args.switch_table:
         args.title = args.title or "switch table"
@@ -515,6 +547,8 @@ def main() -> None:
             missing = [r["step"] for r in run["eval"] if f"auc_{names[name][tasks[0]]}" not in r]
             if missing:
                 raise SystemExit(f"compare_runs: run {name!r}, eval records of steps {missing} lack auc_{names[name][tasks[0]]} ({paths[name] / 'metrics.jsonl'})")
+        for name, run in runs.items():
+            check_oracle_fits(oracle, args.planted, name, run["eval"], names[name][tasks[0]], paths[name] / "metrics.jsonl")
         rows = planted_rows(oracle, {name: run["eval"] for name, run in runs.items()}, {name: names[name][tasks[0]] for name in runs})
         summary["planted"] = {"oracle_report": oracle, "task": tasks[0], "evals": rows}
         print(planted_table(oracle, rows))

@@ -207,10 +207,12 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
     """Checks every field's shape (and the feature names) against `spec`; works on traced arrays.
 
     Raises:
-      ValueError: a missing or unknown feature, or a field of the wrong shape (field and
-        both shapes named).
+      ValueError: no example (B = 0), a missing or unknown feature, or a field of the wrong
+        shape (field and both shapes named).
     """
     b = batch.batch_size
+    if b < 1:
+        raise ValueError(f"{where}: a batch of {b} examples (history.offsets {tuple(batch.history.offsets.shape)}); a batch holds at least one")
     for field, features in (("user", spec.user_features), ("candidate_features", spec.item_features)):
         given, wanted = set(getattr(batch, field)), {f.name for f in features}
         if given != wanted:
@@ -295,8 +297,8 @@ def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
     Out-of-range ids would otherwise be clamped or read as NaN by the gather.
 
     Raises:
-      ValueError: a layout `check_layout` refuses, or an id outside its vocabulary
-        (the feature, the example or history row, and the id named).
+      ValueError: a layout `check_layout` refuses, ids of a non-integer dtype, or an id outside
+        its vocabulary (the feature, the example or history row, and the id named).
     """
     check_layout(batch, spec, where=where)
     hist = np.asarray(batch.history.values)[: int(np.asarray(batch.history.offsets)[-1])]
@@ -312,6 +314,8 @@ def validate_ids(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
     columns = spec.history_feature_columns
     checks += [(f"history item feature {f.name!r}", hist[:, columns[f.name]], f.vocab_size, row) for f in spec.item_features if f.name in columns]
     for name, ids, size, counted in checks:
+        if not np.issubdtype(ids.dtype, np.integer):  # a float id would be truncated (1.9 read as 1, NaN as some id)
+            raise ValueError(f"{where}: {name} ids are {ids.dtype}; ids must have an integer dtype (int32)")
         bad = np.argwhere((ids < 0) | (ids >= size))
         if bad.size:
             at = tuple(int(i) for i in bad[0])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +66,8 @@ def output_directory_problem(path: str, option: str) -> str | None:
     """Why `path`, given as `option` (e.g. "--workdir"), cannot be a directory a command writes into, or None.
 
     Refused: an empty path (an unset shell variable would name the current directory), a file, a path
-    under a file, and a symbolic link whose target is missing. A directory, or a path that does not
+    under a file, a symbolic link whose target is missing, and a place where no directory can be created
+    (probed with an empty temporary directory, removed at once). A directory, or a path that does not
     exist yet under directories, is fine.
     """
     if not path.strip():
@@ -75,6 +78,10 @@ def output_directory_problem(path: str, option: str) -> str | None:
     for folder in (target, *target.parents):
         if folder.exists():
             if folder.is_dir():
+                try:  # read-only, foreign-owned or a pseudo filesystem: found now, not after the work
+                    os.rmdir(tempfile.mkdtemp(prefix=".gem-write-probe-", dir=folder))
+                except OSError as error:
+                    return f"{option} {path}: nothing can be created in {folder} ({type(error).__name__}: {error.strerror or error})"
                 return None
             if folder == target:
                 return f"{option} {path}: a file of that name exists; it must be a directory (or not exist yet)"

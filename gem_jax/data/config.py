@@ -165,6 +165,8 @@ class DataConfig:
         check_int(self, "num_time_buckets", minimum=2)
         check_int(self, "prefetch_batches", minimum=0)
         check_bool(self, "history_item_features")
+        if self.path is not None and not str(self.path).strip():  # an unset shell variable would read the current directory
+            raise DataConfigError("DataConfig.path is empty: name the data's folder, or leave it None for the source's default")
         if self.history_item_features and self.source is Source.SYNTHETIC:
             raise DataConfigError(
                 "DataConfig.history_item_features: Source.SYNTHETIC draws each example's features at random, not from its "

@@ -70,4 +70,4 @@ class CrossAttention(nnx.Module):
         )
         if not scale_values:
             attn = attn * seq_scale[segment_ids(x_offsets, x.shape[0])][:, None, None]
-        return x + self.out(remat.name_attention_output(attn).reshape(x.shape[0], -1))
+        return x + self.out(remat.name_attention_output(attn).reshape(x.shape[0], attn.shape[1] * attn.shape[2]))  # sizes named: T may be 0

@@ -84,7 +84,7 @@ class SelfAttentionBlock(nnx.Module):
                     q, k, v, history.offsets, max_seq_len=history.max_seq_len, causal=True, window=window,
                     implementation=chosen.softmax,
                 )
-        return x + self.out(remat.name_attention_output(attn).reshape(t, -1))
+        return x + self.out(remat.name_attention_output(attn).reshape(t, attn.shape[1] * attn.shape[2]))  # sizes named: T may be 0
 
     def feed_forward(self, x: jax.Array) -> jax.Array:
         """The MLP half: `x + mlp(norm(x))`, `[T_cap, d]` -> `[T_cap, d]`."""

@@ -70,11 +70,14 @@ def load_config(path: str | Path) -> TrainConfig:
       ConfigFileError: the file does not parse, or running it (its module body or
         `get_config()`, including the config classes' field checks) raised; the message names
         the file, the line in it and the error (the original error is the `__cause__`).
-      TypeError: the file has no `get_config` returning a `TrainConfig`.
+      ConfigFileError: also a file that is not a `.py` file.
+      TypeError: the file has no `get_config`, or it does not return a `TrainConfig`.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} not found")
+    if path.suffix != ".py":
+        raise ConfigFileError(f"{path}: a config is a Python file (.py) defining get_config(), e.g. configs/movielens.py")
     spec = importlib.util.spec_from_file_location(f"gem_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -83,6 +86,8 @@ def load_config(path: str | Path) -> TrainConfig:
         config = get_config() if callable(get_config) else None
     except Exception as error:  # noqa: BLE001 - whatever the file raises is reported with its line
         raise ConfigFileError(_describe_failure(path, error)) from error
+    if not callable(get_config):
+        raise TypeError(f"{path}: defines no get_config() (a config file's get_config() returns a gem_jax.train.config.TrainConfig)")
     if not isinstance(config, TrainConfig):
         raise TypeError(f"{path}: get_config() must return a gem_jax.train.config.TrainConfig, got {type(config).__name__}")
     return config

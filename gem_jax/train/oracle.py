@@ -102,7 +102,7 @@ def eval_mask(truth: Truth, rule: SplitRule) -> tuple[np.ndarray, int | None]:
     convert --split` flags them), and the rule's resolved cutoff time (None for `last:N`).
 
     Raises:
-      ValueError: the split leaves no train or no eval events.
+      ValueError: the split leaves no train or no eval events, or eval events of one label only.
     """
     n = truth.user.size
     cutoff = resolve_cutoff(rule, lambda: iter([truth.time]), n, int(truth.time.min()), int(truth.time.max()))
@@ -110,6 +110,12 @@ def eval_mask(truth: Truth, rule: SplitRule) -> tuple[np.ndarray, int | None]:
     held_out = int(is_eval.sum())
     if held_out == 0 or held_out == n:
         raise ValueError(f"split {rule.describe()}: {n - held_out} train and {held_out} eval events; both must be > 0")
+    clicks = int(truth.click[is_eval].sum())
+    if clicks in (0, held_out):  # AUC and NE need both labels among the eval events
+        raise ValueError(
+            f"split {rule.describe()}: all {held_out} eval event(s) are labelled {int(clicks > 0)}, so AUC and NE are undefined; "
+            "choose a split that holds out more events"
+        )
     return is_eval, cutoff
 
 
@@ -130,7 +136,7 @@ def oracle_report(truth: Truth, rule: SplitRule) -> OracleReport:
       rule: the split, as `gem-data convert --split` takes it.
 
     Raises:
-      ValueError: the split leaves no train or no eval events.
+      ValueError: the split leaves no train or no eval events, or eval events of one label only.
     """
     n = truth.user.size
     is_eval, cutoff = eval_mask(truth, rule)

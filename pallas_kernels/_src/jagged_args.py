@@ -84,14 +84,14 @@ def bound(explicit: int | None, container, explicit_name: str, what: str) -> int
     """`explicit`, else the container's `max_seq_len`.
 
     Raises:
-      ValueError: neither gives a bound.
+      ValueError: neither gives a bound, or it is not a non-negative integer.
     """
-    if explicit is not None:
-        return explicit
-    bound_ = getattr(container, "max_seq_len", None) if is_jagged(container) else None
+    bound_ = explicit if explicit is not None else getattr(container, "max_seq_len", None) if is_jagged(container) else None
     if bound_ is None:
         raise ValueError(f"{explicit_name} missing: pass it, or {what} as a jagged container with a max_seq_len")
-    return bound_
+    if isinstance(bound_, bool) or not isinstance(bound_, (int, np.integer)) or bound_ < 0:
+        raise ValueError(f"{explicit_name} must be a non-negative int (a static bound on every sequence length), got {bound_!r}")
+    return int(bound_)
 
 
 def self_attention_operands(q, k, v, offsets, max_seq_len):

@@ -68,11 +68,12 @@ def jagged_flash_attention(
 
     Returns:
       `[T, H, D]` in q's dtype; in q's container type (with these values) when q
-      is a container.
+      is a container. With max_seq_len 0 every row is slack: zeros.
 
     Raises:
-      ValueError: mismatched shapes, offsets missing or disagreeing, a missing
-        max_seq_len, malformed concrete offsets (naming the first bad index;
+      ValueError: mismatched shapes, q, k, v of different or non-floating dtypes,
+        offsets missing or disagreeing, a missing max_seq_len or one that is not a
+        non-negative int, malformed concrete offsets (naming the first bad index;
         traced offsets under `jit` are the caller's guarantee), a malformed
         window, an unknown implementation, or "cudnn" with inputs cuDNN does
         not take (including a window that is not a causal left window).
@@ -85,8 +86,13 @@ def jagged_flash_attention(
         if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
             raise ValueError(f"window must be (left, right) of non-negative ints; got {window!r}")
         window = tuple(window)
+    if not jnp.issubdtype(q.dtype, jnp.floating) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share one floating dtype (bfloat16, float16 or float32); got {q.dtype}, {k.dtype}, {v.dtype}")
     jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)
     impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
+    if max_seq_len == 0:  # every sequence is empty: every row is slack, and slack rows are zero
+        out = jnp.zeros_like(q)
+        return out if container is None else jagged_args.with_values(container, out)
     cudnn_window = window is None or (causal and window[1] == 0)
     if impl is dispatch.Implementation.CUDNN and implementation is None and not cudnn_window:
         impl = dispatch.Implementation.XLA  # cuDNN takes only causal left windows

@@ -127,15 +127,15 @@ def test_planted_runs_are_placed_between_the_item_mean_baseline_and_the_oracle(c
     planted = tmp_path / "planted"
     planted.mkdir()
     oracle = {
-        "split": "time quantile 0.9", "eval_events": 100, "oracle": {"auc": 0.8, "ne": 0.8}, "item_mean": {"auc": 0.6, "ne": 1.0},
-        "no_history": {"auc": 0.62, "ne": 0.99},
+        "split": "time quantile 0.9", "eval_events": 100, "eval_positive_rate": 0.4, "oracle": {"auc": 0.8, "ne": 0.8},
+        "item_mean": {"auc": 0.6, "ne": 1.0}, "no_history": {"auc": 0.62, "ne": 0.99},
     }
     (planted / "oracle.json").write_text(json.dumps(oracle))
     runs = []
     for name, auc, ne in (("small", 0.65, 0.95), ("gem", 0.75, 0.85)):
         directory = _write_run(tmp_path / name, [1.0, 0.9], [1.0, 0.9], eval_ne=ne)
         records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
-        records[-1]["auc_primary"] = auc
+        records[-1] |= {"auc_primary": auc, "eval_examples": 100, "eval_positives_primary": 40}
         (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         runs.append((name, directory))
     out = tmp_path / "summary.json"
@@ -152,6 +152,10 @@ def test_planted_runs_are_placed_between_the_item_mean_baseline_and_the_oracle(c
     assert [v["name"] for v in compare_runs.planted_levels(oracle)] == ["item-mean", "no history", "oracle"]
     assert "| no history | | 0.6200 | 0.9900 | 0.1 | 0.05 |" in printed
 
+    # an oracle of another log (or seed, or split): its eval set is not the runs'
+    (planted / "oracle.json").write_text(json.dumps(oracle | {"eval_events": 120}))
+    with pytest.raises(SystemExit, match=r"run 'small' evaluated 100 examples, 40 positive, at step 20 .*the oracle of --planted .* scored 120 eval events, 48 clicks"):
+        compare_main()
     (planted / "oracle.json").unlink()
     with pytest.raises(SystemExit, match="holds no oracle.json"):
         compare_main()
@@ -363,3 +367,18 @@ def test_runs_records_are_refused_with_the_file_and_run_named(compare_main, monk
     monkeypatch.setattr(sys, "argv", ["compare_runs.py", "--out=x", "--figure=y"])
     with pytest.raises(SystemExit, match="name the runs to compare with --run"):
         compare_main()
+
+
+def test_usage_mistakes_are_named_without_a_traceback(compare_main, monkeypatch, tmp_path):
+    run = _write_run(tmp_path / "ref", [2.0, 1.0], [0.9, 0.8], eval_ne=0.8)
+    out, figure = f"--out={tmp_path / 'summary.json'}", f"--figure={tmp_path / 'ne.png'}"
+    cases = {
+        (f"--run={run}", out, figure): rf"--run '{run}': expected name=workdir",
+        ("--run=a=" + str(run), "--run=a=" + str(tmp_path), out, figure): r"--run names 'a' twice",
+        (f"--run=a={tmp_path / 'nope'}", out, figure): r"nope holds no metrics.jsonl",
+        (f"--run=a={run}", f"--out={tmp_path / 'nodir' / 'x.json'}", figure): r"x.json: its folder .*nodir does not exist",
+    }
+    for argv, message in cases.items():
+        monkeypatch.setattr(sys, "argv", ["compare_runs.py", *argv])
+        with pytest.raises(SystemExit, match=message):
+            compare_main()

@@ -1,5 +1,6 @@
 """The package faces: the names research code imports, without deep paths; the light import stays light."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -75,3 +76,31 @@ def test_a_malformed_batch_is_refused_with_the_field_named():
         model(batch(np.ones(3, np.int32)))
     with pytest.raises(ValueError, match="history item id 99 at index 0 is outside the vocabulary"):
         model(batch(np.full((3, 3), 99, np.int32)))
+    # float ids are refused, not truncated (1.9 would read as item 1, NaN as some id)
+    for values in (np.full((3, 3), 1.9, np.float32), np.full((3, 3), np.nan, np.float32)):
+        with pytest.raises(ValueError, match="GEMModel input: history item ids are float32; ids must have an integer dtype"):
+            model(batch(values))
+    floats = batch(np.ones((3, 3), np.int32))
+    with pytest.raises(ValueError, match="candidate item ids are float64"):
+        model(dataclasses.replace(floats, candidate_item=np.array([1.9, 2.0])))
+
+
+def test_histories_all_empty_run_with_or_without_a_capacity_and_no_examples_is_refused():
+    """A batch of cold-start users (T = 0 rows) gives the logits it gives with slack rows; B = 0 is named."""
+    model = gem_jax.GEMModel(SPEC, gem_jax.ModelConfig(embed_dim=16, num_pooled_queries=2), rngs=nnx.Rngs(0))
+
+    def batch(b, **capacity):
+        return gem_jax.Batch(
+            history=gem_jax.Jagged.from_lengths(np.zeros((0, 3), np.int32), np.zeros(b, np.int64), max_seq_len=4, **capacity),
+            user={"user": np.ones((b, 1), np.int32), "country": np.ones((b, 1), np.int32)},
+            candidate_item=np.arange(1, b + 1, dtype=np.int32),
+            candidate_features={"tags": np.zeros((b, 3), np.int32)},
+            labels=np.zeros((b, 2), np.float32),
+            weights=np.ones(b, np.float32),
+        )
+
+    bare, padded = model(batch(3)), model(batch(3, capacity=8))
+    assert bare.shape == (3, 2) and np.all(np.isfinite(bare))
+    np.testing.assert_allclose(bare, padded, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"GEMModel input: a batch of 0 examples"):
+        model(batch(0))

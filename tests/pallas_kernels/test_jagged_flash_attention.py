@@ -136,6 +136,16 @@ def test_bad_input_errors_name_the_problem():
         ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=4)
     with pytest.raises(ValueError, match="implementation"):
         ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=8, implementation="triton")
+    for x, y in ((q.astype(jnp.int32), q.astype(jnp.int32)), (q, q.astype(jnp.bfloat16))):  # int garbage, silent promotion
+        with pytest.raises(ValueError, match=r"q, k, v must share one floating dtype .*; got (int32, int32|float32, bfloat16), "):
+            ops.jagged_flash_attention(x, y, x, offsets, max_seq_len=8)
+    for bound in (7.5, -1, True):
+        with pytest.raises(ValueError, match=rf"max_seq_len must be a non-negative int .*, got {bound!r}"):
+            ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=bound)
+    # max_seq_len 0: every row is slack (zeros, whatever they hold), as gdpa and block-local attention give
+    poisoned = jnp.full((5, 2, 64), jnp.nan, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ops.jagged_flash_attention(poisoned, poisoned, poisoned, _offsets([0, 0, 0]), max_seq_len=0)), 0.0)
+    np.testing.assert_array_equal(np.asarray(jax.grad(lambda x: ops.jagged_flash_attention(x, x, x, _offsets([0, 0, 0]), max_seq_len=0).sum())(poisoned)), 0.0)
     q96 = jnp.zeros((8, 2, 96), jnp.bfloat16)
     # On the CPU "pallas" says that there is no Hopper GPU, whatever the inputs.
     for x in (q, q96, q.astype(jnp.bfloat16)):

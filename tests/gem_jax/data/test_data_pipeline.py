@@ -238,6 +238,9 @@ def test_synthetic_dataset_resume_across_epochs():
 def test_data_config_validation():
     with pytest.raises(ValueError, match="eval_fraction"):
         DataConfig(eval_fraction=0.0)
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match="DataConfig.path is empty: name the data's folder"):
+            DataConfig(path=empty)
     with pytest.raises(TypeError, match="OnBadRow"):
         DataConfig(on_bad_row="skip")
     with pytest.raises(TypeError, match="Source"):

@@ -4,6 +4,7 @@ the target gaps on the small presets, conversion through gem-data convert, deter
 import collections
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -178,6 +179,11 @@ def test_csv_output_and_the_cli(tmp_path, capsys):
     assert saved == json.loads(json.dumps(report.to_json()))
     data_cli.main(["oracle", str(tmp_path / "cli"), "--split", "last:5"])
     assert "each user's last 5 event(s)" in capsys.readouterr().out
+    # a split that holds out one event (one label) leaves AUC and NE undefined: refused, not reported as nan
+    with pytest.raises(SystemExit) as exit:
+        data_cli.main(["oracle", str(tmp_path / "cli"), "--split", "time:0.9999999"])
+    assert exit.value.code == 2
+    assert re.search(r"all 1 eval event\(s\) are labelled [01], so AUC and NE are undefined", capsys.readouterr().err)
     with pytest.raises(SystemExit) as exit:  # planting again into the log needs --overwrite, named as the flag
         data_cli.main(["plant", "--out", str(tmp_path / "cli"), "--small", "--preset", "short-range", "--seed", "3"])
     assert exit.value.code == 2

@@ -169,6 +169,7 @@ def test_gem_data_out_under_a_file_is_refused_naming_out(tmp_path, capsys):
         (["plant", "--out", str(tmp_path / "afile" / "log"), "--small"], f"{tmp_path / 'afile'} is a file, so no directory can be made under it"),
         (["plant", "--out", str(tmp_path / "afile"), "--small"], "a file of that name exists; it must be a directory (or not exist yet)"),
         (["convert", "x.csv", "--user", "u", "--item", "i", "--time", "t", "--label", "c", "--out", str(tmp_path / "afile")], "a file of that name exists"),
+        (["plant", "--out", "/proc/gem-log", "--small"], "nothing can be created in /proc ("),  # a pseudo filesystem: found before the work
     ):
         with pytest.raises(SystemExit) as exited:
             data_cli.main(argv)

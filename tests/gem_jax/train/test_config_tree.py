@@ -181,6 +181,19 @@ def test_a_config_file_that_does_not_run_is_refused_naming_file_and_line(tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+def test_a_config_that_is_not_a_python_file_or_defines_no_get_config_is_named(repo_root, tmp_path, capsys):
+    readme = repo_root / "README.md"
+    with pytest.raises(SystemExit) as done:
+        train_main(["--config", str(readme), "--workdir", str(tmp_path / "run")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"gem-train: error: {readme}: a config is a Python file (.py) defining get_config(), e.g. configs/movielens.py"
+    empty = tmp_path / "empty.py"
+    empty.write_text("X = 1\n")
+    with pytest.raises(TypeError, match=rf"^{empty}: defines no get_config\(\)"):
+        load_config(empty)
+
+
 def test_repeated_set_options_accumulate_in_order(repo_root, tmp_path, monkeypatch, capsys):
     """Every --set applies, in the order given; a later value for the same field wins, as within one --set."""
     from gem_jax.train import loop
