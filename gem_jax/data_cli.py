@@ -128,6 +128,8 @@ def _plant(args) -> None:
 
     rule = SplitRule.parse(args.split)
     config = small(PRESETS[args.preset]) if args.small else PRESETS[args.preset]
+    if args.max_length is not None and args.max_length < config.min_length:
+        raise ValueError(f"--max-length {args.max_length}: the {args.preset} preset's histories start at {config.min_length} events; give --max-length >= {config.min_length}")
     config = dataclasses.replace(config, seed=args.seed, max_length=config.max_length if args.max_length is None else args.max_length)
     started = time.perf_counter()
     log = generate(config)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
 
 from gem_jax.batch import FeatureSpec
@@ -71,7 +72,10 @@ def load_params(workdir: str | Path, step: int | None = None, *, devices: Sequen
     Raises:
       FileNotFoundError: no run record, no checkpoint, or no checkpoint for `step`
         (the steps present are named).
+      TypeError: `step` that is not an int.
     """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+        raise TypeError(f"load_params: step must be an int (a checkpoint's step) or None for the newest, got {step!r}")
     workdir = Path(workdir)
     record = run_record.read_record(workdir)
     if record is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import jagged_layout
 from pallas_kernels._src import dispatch, jagged_args, shared_lowering
@@ -83,9 +84,9 @@ def jagged_flash_attention(
     """
     container, q, k, v, offsets, max_seq_len = jagged_args.self_attention_operands(q, k, v, offsets, max_seq_len)
     if window is not None:
-        if len(window) != 2 or any(not isinstance(w, int) or w < 0 for w in window):
+        if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0 for w in window):
             raise ValueError(f"window must be (left, right) of non-negative ints; got {window!r}")
-        window = tuple(window)
+        window = tuple(int(w) for w in window)
     if not jnp.issubdtype(q.dtype, jnp.floating) or not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must share one floating dtype (bfloat16, float16 or float32); got {q.dtype}, {k.dtype}, {v.dtype}")
     jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)

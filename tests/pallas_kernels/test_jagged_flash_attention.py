@@ -387,6 +387,13 @@ def test_window_errors_name_the_problem():
     q = jnp.zeros((8, 1, 8), jnp.float32)
     with pytest.raises(ValueError, match="window must be"):
         ops.jagged_flash_attention(q, q, q, _offsets([8]), max_seq_len=8, window=(-1, 0))
+    with pytest.raises(ValueError, match="window must be"):
+        ops.jagged_flash_attention(q, q, q, _offsets([8]), max_seq_len=8, window=(True, 0))
+    # numpy ints (as a config read from an array gives them) are ints: the same output as Python's
+    np.testing.assert_array_equal(
+        ops.jagged_flash_attention(q + 1, q, q + 2, _offsets([8]), max_seq_len=8, window=(np.int64(2), np.int32(0))),
+        ops.jagged_flash_attention(q + 1, q, q + 2, _offsets([8]), max_seq_len=8, window=(2, 0)),
+    )
 
 
 def test_kernels_all_zero_length_batch():

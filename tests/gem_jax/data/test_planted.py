@@ -179,6 +179,10 @@ def test_csv_output_and_the_cli(tmp_path, capsys):
     assert saved == json.loads(json.dumps(report.to_json()))
     data_cli.main(["oracle", str(tmp_path / "cli"), "--split", "last:5"])
     assert "each user's last 5 event(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit:  # the option named, with the bound the preset sets
+        data_cli.main(["plant", "--out", str(tmp_path / "short"), "--small", "--preset", "short-range", "--max-length", "1"])
+    assert exit.value.code == 2
+    assert re.search(r"--max-length 1: the short-range preset's histories start at \d+ events; give --max-length >= \d+", capsys.readouterr().err)
     # a split that holds out one event (one label) leaves AUC and NE undefined: refused, not reported as nan
     with pytest.raises(SystemExit) as exit:
         data_cli.main(["oracle", str(tmp_path / "cli"), "--split", "time:0.9999999"])

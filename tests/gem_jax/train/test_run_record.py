@@ -111,6 +111,8 @@ def test_load_params_names_what_is_missing(tmp_path, finished_run):
         load_params(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 999 .*steps: \["):
         load_params(finished_run[0], step=999)
+    with pytest.raises(TypeError, match=r"load_params: step must be an int .*, got '6'"):
+        load_params(finished_run[0], step="6")
 
 
 @pytest.fixture(scope="module")
