@@ -90,7 +90,7 @@ def bound(explicit: int | None, container, explicit_name: str, what: str) -> int
     if bound_ is None:
         raise ValueError(f"{explicit_name} missing: pass it, or {what} as a jagged container with a max_seq_len")
     if isinstance(bound_, bool) or not isinstance(bound_, (int, np.integer)) or bound_ < 0:
-        raise ValueError(f"{explicit_name} must be a non-negative int (a static bound on every sequence length), got {bound_!r}")
+        raise ValueError(f"{explicit_name} must be an int >= 0 (a static bound on every sequence length), got {bound_!r}")
     return int(bound_)
 
 

@@ -140,7 +140,7 @@ def test_bad_input_errors_name_the_problem():
         with pytest.raises(ValueError, match=r"q, k, v must share one floating dtype .*; got (int32, int32|float32, bfloat16), "):
             ops.jagged_flash_attention(x, y, x, offsets, max_seq_len=8)
     for bound in (7.5, -1, True):
-        with pytest.raises(ValueError, match=rf"max_seq_len must be a non-negative int .*, got {bound!r}"):
+        with pytest.raises(ValueError, match=rf"max_seq_len must be an int >= 0 .*, got {bound!r}"):
             ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=bound)
     # max_seq_len 0: every row is slack (zeros, whatever they hold), as gdpa and block-local attention give
     poisoned = jnp.full((5, 2, 64), jnp.nan, jnp.float32)
