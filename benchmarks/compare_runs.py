@@ -66,6 +66,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gem_jax.train.metric_log import format_metric  # noqa: E402
+
 
 LEGACY_TASKS = ("primary", "secondary")  # the metric keys of runs before named tasks: their first two tasks
 SWITCH_RUN = re.compile(r"(?P<switch>\w+?)_seed(?P<seed>\d+)")  # a switch table's run name: `<switch>_seed<k>`
@@ -159,16 +161,11 @@ def planted_table(oracle: dict, rows: list[dict]) -> str:
     lines = [f"split {oracle['split']}, {oracle['eval_events']} eval events", "", "| run | step | AUC | NE | AUC lift fraction | NE lift fraction |", "|---|---|---|---|---|---|"]
     lines += [f"| {v['name']} | | {v['auc']:.4f} | {v['ne']:.4f} | {v['auc_lift_fraction']:.3g} | {v['ne_lift_fraction']:.3g} |" for v in planted_levels(oracle)]
     lines += [
-        f"| {r['run']} | {r['step']} | {_number(r['auc'], '.4f')} | {_number(r['ne'], '.4f')} | {_number(r['auc_lift_fraction'], '.3f')} | "
-        f"{_number(r['ne_lift_fraction'], '.3f')} |"
+        f"| {r['run']} | {r['step']} | {format_metric(r['auc'], '.4f')} | {format_metric(r['ne'], '.4f')} | {format_metric(r['auc_lift_fraction'], '.3f')} | "
+        f"{format_metric(r['ne_lift_fraction'], '.3f')} |"
         for r in rows
     ]
     return "\n".join(lines)
-
-
-def _number(value: float | None, spec: str) -> str:
-    """`value` formatted with `spec`; "n/a" for None (a metric a run logged as undefined)."""
-    return "n/a" if value is None else format(value, spec)
 
 
 def _ratio_change(value: float | None, reference: float | None) -> float | None:

@@ -357,14 +357,14 @@ def dry_run(config: TrainConfig, workdir: str | Path, force_new: bool = False) -
     dataset = load_dataset(config.data)
     print(dataset.info.summary(), flush=True)
     checkpoint_dir = Path(workdir) / "checkpoints"
-    start = _dry_run_start(config, Path(workdir), dataset, force_new)
+    held = sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit()) if checkpoint_dir.is_dir() else []
+    start = _dry_run_start(config, Path(workdir), dataset, held, force_new)
     training, _ = setup_training(config, dataset=dataset, init_state=False)
     _describe(training)
     train, evals = planned_capacities(training, range(start, config.loop.num_steps), evaluates=True)
     abstract = training.state.abstract
     sizes = {"params": disk_space.array_bytes(abstract.params), "opt_state": disk_space.array_bytes(abstract.opt_state)}
-    on_disk = 0 if force_new or not checkpoint_dir.is_dir() else sum(1 for p in checkpoint_dir.iterdir() if p.name.isdigit())
-    plan = disk_space.plan_space(abstract.checkpointed(), config.checkpoint.max_to_keep, on_disk, checkpoint_dir)
+    plan = disk_space.plan_space(abstract.checkpointed(), config.checkpoint.max_to_keep, 0 if force_new else len(held), checkpoint_dir)
     steps = ", ".join(f"{capacity} ({count} steps)" for capacity, count in train.items())
     print(
         f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {steps} "
@@ -385,15 +385,14 @@ def dry_run(config: TrainConfig, workdir: str | Path, force_new: bool = False) -
     return {"start_step": start, "train_capacities": tuple(train), "eval_capacities": evals, "checkpoint_bytes": sizes | {"copy": plan.copy_bytes}}
 
 
-def _dry_run_start(config: TrainConfig, workdir: Path, dataset, force_new: bool) -> int:
-    """The step a start in `workdir` would continue after (0: a new run), checked and said as the start checks
-    what the workdir holds (`_train`); reads only.
+def _dry_run_start(config: TrainConfig, workdir: Path, dataset, held: list[int], force_new: bool) -> int:
+    """The step a start in `workdir`, whose checkpoint folder holds the finished steps `held` (ascending), would
+    continue after (0: a new run), checked and said as the start checks what the workdir holds (`_train`); reads only.
 
     Raises:
       RunMismatchError: as the start would raise it.
     """
     checkpoint_dir = workdir / "checkpoints"
-    held = sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit()) if checkpoint_dir.is_dir() else []
     if force_new:
         if run_record.read_record(workdir) is not None or held:
             print(f"gem-train: --force-new: the run in {workdir} would be moved to {workdir / run_record.ARCHIVE_DIR}/<time> and a new one started", flush=True)

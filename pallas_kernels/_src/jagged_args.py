@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -104,7 +105,8 @@ def self_attention_operands(q, k, v, offsets, max_seq_len):
       array), the three `[T, H, D]` value arrays, the offsets and the bound.
 
     Raises:
-      ValueError: offsets missing or disagreeing, a missing bound, or q, k, v of different shapes.
+      ValueError: offsets missing or disagreeing, a missing bound, or q, k, v of different shapes
+        or of different or non-floating dtypes.
     """
     container = q if is_jagged(q) else None
     offsets = shared_offsets(offsets, "offsets", q=q, k=k, v=v)
@@ -114,4 +116,6 @@ def self_attention_operands(q, k, v, offsets, max_seq_len):
     q, k, v = (values_of(x) for x in (q, k, v))
     if q.ndim != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one [T, H, D] shape; got {q.shape}, {k.shape}, {v.shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share one floating dtype (bfloat16, float16 or float32); got {q.dtype}, {k.dtype}, {v.dtype}")
     return container, q, k, v, offsets, max_seq_len

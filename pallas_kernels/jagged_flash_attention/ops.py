@@ -87,11 +87,9 @@ def jagged_flash_attention(
         if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0 for w in window):
             raise ValueError(f"window must be (left, right) of non-negative ints; got {window!r}")
         window = tuple(int(w) for w in window)
-    if not jnp.issubdtype(q.dtype, jnp.floating) or not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k, v must share one floating dtype (bfloat16, float16 or float32); got {q.dtype}, {k.dtype}, {v.dtype}")
     jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)
     impl = dispatch.choose(SUPPORT, implementation, [q.dtype, k.dtype, v.dtype], q.shape[-1]).implementation
-    if max_seq_len == 0:  # every sequence is empty: every row is slack, and slack rows are zero
+    if max_seq_len == 0:  # every sequence is empty and every row slack (zero): no implementation has work to launch
         out = jnp.zeros_like(q)
         return out if container is None else jagged_args.with_values(container, out)
     cudnn_window = window is None or (causal and window[1] == 0)

@@ -34,7 +34,7 @@ def attention_padded(q, k, v, lengths, *, causal: bool, scale: float, window=Non
         band = (pos[None, :] >= pos[:, None] - window[0]) & (pos[None, :] <= pos[:, None] + window[1])
         mask = mask & band[None, None]
     s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)  # N = 0 (max_seq_len 0): no key, -inf as a masked row
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)

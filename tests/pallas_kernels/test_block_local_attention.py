@@ -122,6 +122,8 @@ def test_bad_input_errors_name_the_problem():
         block_local_attention(q, q, q, off, max_seq_len=8, block_size=0)
     with pytest.raises(ValueError, match="positions must be"):
         block_local_attention(q, q, q, off, max_seq_len=8, rope_base=1.0, positions=jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"q, k, v must share one floating dtype .*; got int32, int32, int32"):
+        block_local_attention(*(q.astype(jnp.int32),) * 3, off, max_seq_len=8)
     qb = jnp.zeros((8, 1, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="block_size"):
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):

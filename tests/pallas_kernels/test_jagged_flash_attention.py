@@ -142,10 +142,12 @@ def test_bad_input_errors_name_the_problem():
     for bound in (7.5, -1, True):
         with pytest.raises(ValueError, match=rf"max_seq_len must be an int >= 0 .*, got {bound!r}"):
             ops.jagged_flash_attention(q, q, q, offsets, max_seq_len=bound)
-    # max_seq_len 0: every row is slack (zeros, whatever they hold), as gdpa and block-local attention give
+    # max_seq_len 0: every row is slack (zeros, whatever they hold), as gdpa and block-local attention give; the
+    # reference, the semantic spec, gives the same by itself
     poisoned = jnp.full((5, 2, 64), jnp.nan, jnp.float32)
-    np.testing.assert_array_equal(np.asarray(ops.jagged_flash_attention(poisoned, poisoned, poisoned, _offsets([0, 0, 0]), max_seq_len=0)), 0.0)
-    np.testing.assert_array_equal(np.asarray(jax.grad(lambda x: ops.jagged_flash_attention(x, x, x, _offsets([0, 0, 0]), max_seq_len=0).sum())(poisoned)), 0.0)
+    for attend in (ops.jagged_flash_attention, reference.jagged_flash_attention):
+        np.testing.assert_array_equal(np.asarray(attend(poisoned, poisoned, poisoned, _offsets([0, 0, 0]), max_seq_len=0)), 0.0)
+        np.testing.assert_array_equal(np.asarray(jax.grad(lambda x: attend(x, x, x, _offsets([0, 0, 0]), max_seq_len=0).sum())(poisoned)), 0.0)
     q96 = jnp.zeros((8, 2, 96), jnp.bfloat16)
     # On the CPU "pallas" says that there is no Hopper GPU, whatever the inputs.
     for x in (q, q96, q.astype(jnp.bfloat16)):

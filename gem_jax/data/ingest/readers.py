@@ -469,14 +469,13 @@ def _check_weight(path, column, weights: np.ndarray, locate, bad, rejected) -> N
 
 
 # Times are int64 in the file's own unit; within +-2^62 the difference of any two fits int64 (ages, spans, quantiles).
-TIME_LIMIT = 2**62
+_TIME_LIMIT = 2**62
 
 
 def _parse_time(path, column, values, locate, bad, rejected) -> np.ndarray:
-    """int64 times of a column (its own unit; ISO 8601 and Arrow timestamps as seconds), |t| < `TIME_LIMIT`."""
+    """int64 times of a column (its own unit; ISO 8601 and Arrow timestamps as seconds), |t| < `_TIME_LIMIT`."""
     times = _parse_time_values(path, column, values, locate, bad, rejected)
-    far = (np.abs(times) >= TIME_LIMIT) & ~rejected  # |int64 min| wraps to itself: negative, so >= is false there
-    far |= (times == np.iinfo(np.int64).min) & ~rejected
+    far = ((times >= _TIME_LIMIT) | (times <= -_TIME_LIMIT)) & ~rejected
     bad.many(path, far, lambda i: f"{locate(i)}, column {column!r}", BadRowKind.OUT_OF_RANGE,
              lambda i: f"time {int(times[i])} is outside +-2^62 (the range in which differences of times fit int64)")
     rejected |= far

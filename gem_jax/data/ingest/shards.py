@@ -104,10 +104,7 @@ class RecordReader:
                         self._readers[f] = ArrayRecordReader(str(self.files[f]), self.OPTIONS)
                     raws = self._readers[f].read((records[at] - self.first[f]).tolist())
                 except RuntimeError as error:  # array_record's "Corrupted Riegeli/records file", a truncated file
-                    raise DataFormatError(
-                        f"{self.files[f]}: the shard file cannot be read ({str(error).splitlines()[0][:300]}): it was damaged "
-                        "after conversion; convert the log again into a new --out (or with --overwrite)"
-                    ) from None
+                    raise _damaged(f"{self.files[f]}: the shard file", error) from None
                 for k, raw in zip(at.tolist(), raws):
                     out[k] = raw
                     self._keep(keys[k], raw)
@@ -120,6 +117,14 @@ class RecordReader:
         self._kept_bytes += len(raw)
         while self._kept_bytes > self.cache_bytes:
             self._kept_bytes -= len(self._kept.popitem(last=False)[1])
+
+
+def _damaged(what: str, error: RuntimeError) -> DataFormatError:
+    """The error for `what` (the shard file, or records of it) that array_record cannot read: damaged after conversion."""
+    return DataFormatError(
+        f"{what} cannot be read ({str(error).splitlines()[0][:300]}): a shard was damaged after conversion; convert the log "
+        "again into a new --out (or with --overwrite)"
+    )
 
 
 class ConvertedLog:
@@ -206,10 +211,7 @@ class ConvertedLog:
             except ValueError as error:
                 raise DataFormatError(f"{self.directory}: records {keys.start}..{keys.stop - 1} of this share: {error}") from None
             except RuntimeError as error:  # array_record's "Corrupted Riegeli/records file"
-                raise DataFormatError(
-                    f"{self.directory}: records {keys.start}..{keys.stop - 1} of this share cannot be read from its shard files "
-                    f"({str(error).splitlines()[0][:300]}): a shard was damaged after conversion; convert the log again"
-                ) from None
+                raise _damaged(f"{self.directory}: records {keys.start}..{keys.stop - 1} of this share, in its shard files,", error) from None
         users, events, counts = (np.concatenate(column) for column in zip(*(parts or [self.layout.decode_many([])])))
         starts = np.zeros(len(self) + 1, np.int64)
         np.cumsum(counts, out=starts[1:])

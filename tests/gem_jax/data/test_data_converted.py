@@ -229,7 +229,7 @@ def test_a_shard_damaged_after_conversion_is_named(converted, tmp_path):
     data[200:216] = bytes(b ^ 0x5A for b in data[200:216])  # inside the first chunk's records (a file is padded to 128 KiB)
     shard.write_bytes(bytes(data))
     fresh = ConvertedLog(copy)
-    with pytest.raises(DataFormatError, match=rf"^{re.escape(str(shard))}: the shard file cannot be read \(.+\): it was damaged after conversion; convert the log again"):
+    with pytest.raises(DataFormatError, match=rf"^{re.escape(str(shard))}: the shard file cannot be read \(.+\): a shard was damaged after conversion; convert the log again"):
         fresh.record_reader().read(np.arange(len(fresh)))
-    with pytest.raises(DataFormatError, match=rf"^{re.escape(str(copy))}: records 0\.\.{len(fresh) - 1} of this share cannot be read from its shard files"):
+    with pytest.raises(DataFormatError, match=rf"^{re.escape(str(copy))}: records 0\.\.{len(fresh) - 1} of this share, in its shard files, cannot be read"):
         fresh.read_all()
