@@ -50,7 +50,7 @@ from gem_jax.data.ingest.split import SplitRule
 from gem_jax.data.planted import PRESETS, PlantedConfig, generate, log_truth, small
 from gem_jax.data.planted.generator import category_signals, recent_affinity
 from gem_jax.nn.layers import EMBEDDING_PARAM
-from gem_jax.train.config import load_config
+from gem_jax.train.config import TrainConfig, load_config
 from gem_jax.train.optimizer import make_optimizer
 from gem_jax.train.oracle import eval_mask, oracle_report, quality
 
@@ -107,12 +107,19 @@ def fit_logistic(user: np.ndarray, item: np.ndarray, signals: np.ndarray, labels
     return result.x
 
 
+def held_out_tenth(time: np.ndarray, is_eval: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(train, fit_on, held)`: int64 indices of the train events (bool `is_eval` `[N]` False), and of those
+    before and from the `VALIDATION_QUANTILE` of their times (`time` int `[N]`): a fit's rates or penalty are
+    chosen by the NE of `held` after fitting `fit_on`, then refitted on `train`."""
+    train = np.flatnonzero(~is_eval)
+    later = time[train] >= np.quantile(time[train], VALIDATION_QUANTILE)
+    return train, train[~later], train[later]
+
+
 def fitted_row(user, item, signals, labels, time, is_eval, num_users: int, num_items: int) -> dict:
     """The fitted row (module docstring): `{"quality": Quality on the eval events, "l2": the chosen penalty,
     "validation_ne": {l2: NE of the held-out train tenth}}`."""
-    train = np.flatnonzero(~is_eval)
-    later = time[train] >= np.quantile(time[train], VALIDATION_QUANTILE)
-    fit_on, held = train[~later], train[later]
+    train, fit_on, held = held_out_tenth(time, is_eval)
     validation_ne = {}
     for l2 in L2_GRID:
         params = fit_logistic(user[fit_on], item[fit_on], signals[fit_on], labels[fit_on], num_users, num_items, l2)
@@ -124,31 +131,38 @@ def fitted_row(user, item, signals, labels, time, is_eval, num_users: int, num_i
     return {"quality": scored, "l2": chosen, "validation_ne": {str(k): v for k, v in validation_ne.items()}, "weights": params[1:1 + signals.shape[1]].tolist()}
 
 
-# The online rows: the planted form trained with the GEM-width job's optimizer and schedule (configs/planted_gem.py's
-# OptimConfig through `make_optimizer`: AdamW with 7% linear warm-up and a cosine to 10% of the peak on the bias and
-# signal weights, row-wise Adagrad from its accumulator on the effects, a table of one-wide rows) on shuffled batches
-# of 1024 train events; both rates chosen from these grids on the train split's last tenth.
-ONLINE_BATCH = 1024
-ONLINE_EPOCHS = (1800 * 1024, 2.0, 4.0, 8.0)  # 1800 steps of 1024, the job's budget, then more passes
+# The online rows: the planted form trained as the GEM-width job (configs/planted_gem.py) trains: its batch size
+# and OptimConfig through `make_optimizer` (AdamW with its warm-up share and the cosine to 10% of the peak on the bias
+# and signal weights, row-wise Adagrad from its accumulator on the effects, a table of one-wide rows), shuffled
+# batches; both rates chosen from these grids on the train split's last tenth.
+ONLINE_PASSES = (None, 2.0, 4.0, 8.0)  # passes over the train events; None: the job's own budget (num_steps batches)
 EFFECT_RATES = (0.03, 0.1, 0.3, 1.0)
 WEIGHT_RATES = (3e-3, 1e-2, 3e-2)
 JOB_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "planted_gem.py"
 
 
 def fit_online(user, item, signals, labels, num_users: int, num_items: int, *, steps: int, effect_lr: float, weight_lr: float,
-               seed: int = 0) -> np.ndarray:
-    """`steps` minibatch steps of the planted form's mean log loss (the ONLINE_* comment), `fit_logistic`'s layout.
+               job: TrainConfig, seed: int = 0) -> np.ndarray:
+    """`steps` minibatch steps of the planted form's mean log loss with `job`'s optimizer (the ONLINE_* comment).
 
-    Each pass over the `[N]` events is its own seeded permutation cut into batches of ONLINE_BATCH (the last,
-    shorter batch of a pass is dropped, as the trainer's shuffled batches drop it). Float32, one `lax.scan`.
-    Returns float64 `[1 + K + num_users + num_items]`: bias, signal weights, user and item effects.
+    Args:
+      user, item: int `[N]` ids in `[0, num_users)`, `[0, num_items)`; signals: float `[N, K]`; labels: 0/1 `[N]`.
+      steps: updates; each pass over the N events is its own seeded permutation cut into batches of
+        `job.data.batch_size` (the last, shorter batch of a pass dropped, as the trainer's shuffled batches drop it).
+      effect_lr, weight_lr: `job.optim`'s embedding and dense rates, replaced; its schedule is stretched to `steps`.
+      job: the GEM-width job's config (`load_config(JOB_CONFIG)`).
+
+    Returns:
+      float64 `[1 + K + num_users + num_items]` (`fit_logistic`'s layout): bias, signal weights, user and item
+      effects; trained in float32, one `lax.scan`.
     """
     n, k = signals.shape
-    per_pass = n // ONLINE_BATCH
+    batch = job.data.batch_size
+    per_pass = n // batch
     rng = np.random.default_rng(seed)
-    order = np.concatenate([rng.permutation(n)[: per_pass * ONLINE_BATCH] for _ in range(-(-steps // per_pass))])
-    warmup = max(1, round(0.07 * steps))
-    optim = dataclasses.replace(load_config(JOB_CONFIG).optim, learning_rate=weight_lr, embedding_learning_rate=effect_lr,
+    order = np.concatenate([rng.permutation(n)[: per_pass * batch] for _ in range(-(-steps // per_pass))])
+    warmup = max(1, round(job.optim.warmup_steps / job.loop.num_steps * steps))  # the job's warm-up share of any budget
+    optim = dataclasses.replace(job.optim, learning_rate=weight_lr, embedding_learning_rate=effect_lr,
                                 warmup_steps=warmup, decay_steps=max(1, steps - warmup))
     optimizer = make_optimizer(optim)
     user, item = jnp.asarray(user, jnp.int32), jnp.asarray(item, jnp.int32) + num_users
@@ -165,27 +179,29 @@ def fit_online(user, item, signals, labels, num_users: int, num_items: int, *, s
         return (optax.apply_updates(params, updates), state), None
 
     params = {"dense": jnp.zeros(1 + k), "effects": {EMBEDDING_PARAM: jnp.zeros((num_users + num_items, 1))}}
-    batches = jnp.asarray(order[: steps * ONLINE_BATCH].reshape(steps, ONLINE_BATCH))
+    batches = jnp.asarray(order[: steps * batch].reshape(steps, batch))
     (params, _), _ = jax.jit(lambda carry: jax.lax.scan(step, carry, batches))((params, optimizer.init(params)))
     return np.concatenate([np.asarray(params["dense"], np.float64), np.asarray(params["effects"][EMBEDDING_PARAM][:, 0], np.float64)])
 
 
-def online_rows(user, item, signals, labels, time, is_eval, num_users: int, num_items: int, epochs=ONLINE_EPOCHS) -> dict:
-    """The planted form trained online (`fit_online`) for each of `epochs` (passes over the train events; an int is
-    a number of examples): `{passes: {"steps", "quality" on the eval events, "rates": (effect, weight) chosen by
-    the NE of the train split's last tenth in time after the same passes over the rest, "validation_ne"}}`."""
-    train = np.flatnonzero(~is_eval)
-    later = time[train] >= np.quantile(time[train], VALIDATION_QUANTILE)
-    fit_on, held, held_out = train[~later], train[later], np.flatnonzero(is_eval)
+def online_rows(user, item, signals, labels, time, is_eval, num_users: int, num_items: int, passes_list=ONLINE_PASSES) -> dict:
+    """The planted form trained online (`fit_online`) for each of `passes_list` (passes over the train events;
+    None: the job's `num_steps` batches): `{f"{passes:.3f}": {"steps", "quality" on the eval events, "rates":
+    (effect, weight) chosen by the NE of the train split's last tenth in time after the same passes over the rest,
+    "validation_ne"}}`."""
+    job = load_config(JOB_CONFIG)
+    batch = job.data.batch_size
+    train, fit_on, held = held_out_tenth(time, is_eval)
+    held_out = np.flatnonzero(is_eval)
     labels = labels.astype(np.float64)
     rows = {}
-    for passes in epochs:
-        passes = passes / train.size if isinstance(passes, int) else float(passes)
+    for passes in passes_list:
+        passes = job.loop.num_steps * batch / train.size if passes is None else float(passes)
 
         def fitted(events, rates):
-            steps = max(1, round(passes * events.size / ONLINE_BATCH))
+            steps = max(1, round(passes * events.size / batch))
             params = fit_online(user[events], item[events], signals[events], labels[events], num_users, num_items,
-                                steps=steps, effect_lr=rates[0], weight_lr=rates[1])
+                                steps=steps, effect_lr=rates[0], weight_lr=rates[1], job=job)
             return steps, params
 
         validation_ne = {}
@@ -217,10 +233,10 @@ def past_click_logit(click: np.ndarray, user_offsets: np.ndarray, user: np.ndarr
     return np.log(rate) - np.log1p(-rate)
 
 
-def ceilings(config: PlantedConfig, rule: SplitRule, online_epochs=()) -> dict:
+def ceilings(config: PlantedConfig, rule: SplitRule, online_passes=()) -> dict:
     """AUC and NE of the oracle, the categories-only ceiling, no history and the item-mean baseline on `rule`'s
     eval events of the log `config` generates, with each one's share of the oracle's AUC lift (module docstring);
-    with `online_epochs`, the fitted form trained online for each (`online_rows`) under "online".
+    with `online_passes`, the fitted form trained online for each (`online_rows`) under "online".
 
     Raises:
       ValueError: the split leaves no train or no eval events (`oracle_report`).
@@ -243,7 +259,7 @@ def ceilings(config: PlantedConfig, rule: SplitRule, online_epochs=()) -> dict:
                                config.num_users, config.num_items)
     past = past_click_logit(log.click, log.user_offsets, log.user, float(log.click[~is_eval].mean()))
     past_outcomes = fitted_row(anyone, log.item, np.column_stack([signals, past]), log.click, log.time, is_eval, 1, config.num_items)
-    online = online_rows(log.user, log.item, signals, log.click, log.time, is_eval, config.num_users, config.num_items, online_epochs)
+    online = online_rows(log.user, log.item, signals, log.click, log.time, is_eval, config.num_users, config.num_items, online_passes)
     rows = {
         "oracle": report.oracle, "categories_only": oracle_report(by_category, rule).oracle,
         "fitted_item_vectors": known_vectors["quality"], "fitted": fitted["quality"],
@@ -281,11 +297,11 @@ def main() -> None:
     parser.add_argument("--preset", choices=PRESETS, default="long-range")
     parser.add_argument("--small", action="store_true", help="1/10 of the users, items and categories")
     parser.add_argument("--split", default="time:0.9", help="the split, as gem-data convert --split takes it")
-    parser.add_argument("--online", action="store_true", help=f"also the online rows: the fitted form trained as the GEM-width job trains, for {len(ONLINE_EPOCHS)} budgets")
+    parser.add_argument("--online", action="store_true", help=f"also the online rows: the fitted form trained as the GEM-width job trains, for {len(ONLINE_PASSES)} budgets")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     config = small(PRESETS[args.preset]) if args.small else PRESETS[args.preset]
-    result = {"preset": args.preset, "small": args.small, **ceilings(config, SplitRule.parse(args.split), ONLINE_EPOCHS if args.online else ())}
+    result = {"preset": args.preset, "small": args.small, **ceilings(config, SplitRule.parse(args.split), ONLINE_PASSES if args.online else ())}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -15,7 +15,7 @@ def test_the_ceilings_agree_with_the_report_of_the_written_log(load_benchmark, t
     monkeypatch.setattr(ceilings, "EFFECT_RATES", (0.1, 0.3))  # the online rows' rate grids, cut to what the small log picks from
     monkeypatch.setattr(ceilings, "WEIGHT_RATES", (1e-2, 3e-2))
     config = small(LONG_RANGE)
-    result = ceilings.ceilings(config, SPLIT, online_epochs=(1.0, 8.0))
+    result = ceilings.ceilings(config, SPLIT, online_passes=(1.0, 8.0))
     report = oracle_report(read_truth(write_planted(generate(config), tmp_path / "log").truth), SPLIT)
     assert result["eval_events"] == report.eval_events
     for name in ("oracle", "no_history", "item_mean"):
