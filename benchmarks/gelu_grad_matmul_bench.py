@@ -28,10 +28,6 @@ slower passes (4.85 against 3.45-3.69 ms on an H100: the first record's "xla" wa
 `jnp.dot(dy, w.T)` alone (the floor the epilogue should approach). Writes GPU, jax version, shapes, ms, TFLOP/s
 (2 M N K / time) and the ratios xla / pallas and pallas / gemm to `--out`.
 
-The "two_ctas" variants (`TuningConfig.ctas_per_sm=2`: one warpgroup per CTA, two CTAs per SM, so one CTA's epilogue
-runs under the other's wgmmas) time as "pallas_two_ctas" and "pallas_two_ctas_n64"; near the GEMM's time they show
-two CTAs resident per SM, near or above twice the default's that one was (registers or SMEM: check with Nsight Compute).
-
 Without a GPU the script says so, checks the kernel in the Pallas interpreter at 384 x 384 x 192, writes no
 timings and exits 0; `--interpret` runs the checks of the variants in the interpreter too (a CPU check of this script).
 """
@@ -53,7 +49,6 @@ from gelu_grad_matmul_bounds import dbias_check, dh_check  # noqa: E402
 from benchmarks import _row_kernels  # noqa: E402
 from pallas_kernels.gelu_grad_matmul import TuningConfig, default_config, gelu_grad_matmul, gelu_tanh_grad  # noqa: E402
 from gem_jax.nn.layers import gelu  # noqa: E402
-from pallas_kernels.gelu_grad_matmul.kernel import two_cta_config  # noqa: E402
 
 SMALL = (384, 384, 192)  # M, N, K of the CPU check: 9 tiles on the interpreter's 4 SMs, 3 K steps
 BOUND_ROWS = 4096
@@ -66,14 +61,8 @@ VARIANTS = {  # name: config, each checked and timed besides the default
     # Opt-in (--configs): whether the pipeline keeps the last K step's SMEM slot until that wgmma has finished
     # when the next tile's prologue refills the slots is unverified (module docstring of kernel.py).
     "delay_release1": TuningConfig(delay_release=1),
-    # The epilogue under the other CTA's wgmmas: one warpgroup per CTA, two CTAs per SM (kernel.two_cta_config;
-    # CUTLASS's pingpong overlap by occupancy). Unmeasured: whether two CTAs are resident (255 registers a thread
-    # per ptxas, 100 KiB of SMEM each) and whether 2 ring slots a CTA hide the loads.
-    "two_ctas": two_cta_config(),
-    # The same at 128 x 64 tiles with 3 slots and an own h buffer (230 registers, no spills; 108 KiB of SMEM).
-    "two_ctas_n64": TuningConfig(tile_n=64, max_concurrent_steps=3, ctas_per_sm=2),
 }
-DEFAULT_VARIANTS = ("tile_n256", "cluster_n", "cluster_m", "shared_h_5_stages", "approx_math", "two_ctas", "two_ctas_n64")
+DEFAULT_VARIANTS = ("tile_n256", "cluster_n", "cluster_m", "shared_h_5_stages", "approx_math")
 
 
 def make_inputs(m: int, n: int, k: int, seed: int):

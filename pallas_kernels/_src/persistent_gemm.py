@@ -34,15 +34,10 @@ def cluster_shape(cluster: str | None) -> tuple[int, int]:
     return (2 if cluster == "m" else 1), (2 if cluster == "n" else 1)
 
 
-def num_ctas(num_tiles: int, cluster: str | None, ctas_per_sm: int = 1) -> int:
-    """CTAs of the persistent grid for `num_tiles` cluster tiles: at most `ctas_per_sm` per SM, whole clusters.
-
-    `ctas_per_sm=2` sizes the grid for two resident CTAs on each SM (the GELU-backward GEMM's
-    one-warpgroup variant, `gelu_grad_matmul.kernel.TuningConfig.ctas_per_sm`); whether the GPU
-    actually places two on an SM is up to its shared memory and registers, not this count.
-    """
+def num_ctas(num_tiles: int, cluster: str | None) -> int:
+    """CTAs of the persistent grid for `num_tiles` cluster tiles: at most one per SM, whole clusters."""
     size = cluster_shape(cluster)[0] * cluster_shape(cluster)[1]
-    return min(ctas_per_sm * num_sms() // size, num_tiles) * size
+    return min(num_sms() // size, num_tiles) * size
 
 
 def tile_index(lin, m_iters: int, n_iters: int, grid_tile_width: int, cluster: str | None, cta):

@@ -1,8 +1,6 @@
 """The GELU-backward GEMM (`pallas_kernels.gelu_grad_matmul`): the Mosaic GPU kernel in the Pallas interpreter
 against the jnp reference, on fresh random inputs each run (the seed is in every message); NaN confinement;
-the op's errors; and the kernel's lowering for sm_90a (Mosaic GPU, CUDA) on this CPU. The opt-in two-CTAs-per-SM
-variant (`TuningConfig(ctas_per_sm=2)`) is checked alike, its ring under the interpreter's race detector, and its
-module for a grid of 2 x 132 one-warpgroup CTAs within half an SM's shared memory.
+the op's errors; and the kernel's lowering for sm_90a (Mosaic GPU, CUDA) on this CPU.
 
 Bounds (tests/support/gelu_grad_matmul_bounds.py, shared with benchmarks/gelu_grad_matmul_bench.py): dh within
 the float32 summation-order error of g (Higham's gamma_K |dy| |w|^T, the bf16 products being exact) times the
@@ -11,7 +9,6 @@ elements within what that error explains; dbias within 2 gamma_(M+8) of the floa
 kernel's own rounded dh.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +40,6 @@ def _inputs(m, n, k, seed):
 def _pallas(dy, w, h, config=None, params=None):
     with plgpu.force_gpu_interpret_mode(params or plgpu.InterpretGPUParams()):
         return jax.block_until_ready(jax.jit(lambda *a: gelu_grad_matmul(*a, implementation="pallas", config=config))(dy, w, h))
-
-
-# The opt-in two-CTAs-per-SM variants (kernel._two_cta_gelu_grad_matmul): one warpgroup per CTA, a TMA ring across tiles.
-TWO_CTAS = kernel.two_cta_config()
-TWO_CTAS_N64 = TuningConfig(tile_n=64, max_concurrent_steps=3, ctas_per_sm=2, approx_math=True)
 
 
 def _assert_matches_reference(got, dy, w, h, what, approx_math=False):
@@ -82,15 +74,8 @@ def test_gelu_tanh_grad_is_the_derivative_of_jax_gelu():
         ((384, 256, 320), TuningConfig(tile_n=256, max_concurrent_steps=3, separate_h_buffer=False, delay_release=1)),
         ((512, 256, 128), TuningConfig(cluster="m", grid_tile_width=1)),
         ((256, 512, 192), TuningConfig(cluster="n", max_concurrent_steps=2, approx_math=True)),
-        # 20 tiles on the interpreter's 4 x 2 CTAs (2 or 3 each), 5 K steps through 2 slots: the ring runs across tiles
-        ((1280, 256, 320), TWO_CTAS),
-        # 3 K steps, 3 slots: each refill is the next tile's; own h buffer; tanh.approx
-        ((640, 256, 192), TWO_CTAS_N64),
-        # 1 K step, 2 slots: the prologue already loads the CTA's second tile
-        ((1280, 128, 64), TWO_CTAS),
     ],
-    ids=["128x128x64", "384x384x192", "tile_n256_shared_h", "cluster_m", "cluster_n_approx", "two_ctas",
-         "two_ctas_n64_approx", "two_ctas_one_k_step"],
+    ids=["128x128x64", "384x384x192", "tile_n256_shared_h", "cluster_m", "cluster_n_approx"],
 )
 def test_kernel_matches_reference(shape, config):
     seed = _seed()
@@ -98,16 +83,15 @@ def test_kernel_matches_reference(shape, config):
     _assert_matches_reference(_pallas(dy, w, h, config), dy, w, h, f"{shape} {config} seed {seed}", approx_math=bool(config and config.approx_math))
 
 
-@pytest.mark.parametrize("config", [None, TWO_CTAS], ids=["default", "two_ctas"])
-def test_nan_stays_in_its_rows_and_columns(config):
+def test_nan_stays_in_its_rows_and_columns():
     """A NaN in rows of dy makes exactly those rows of dh NaN (and every dbias column); a NaN in h at (i, j) makes
     dh[i, j] and dbias[j] NaN; every other value is bit for bit the clean run's."""
     seed = _seed()
     m, n, k = 384, 256, 128
     dy, w, h = _inputs(m, n, k, seed)
-    clean_dh, clean_db = _pallas(dy, w, h, config)
+    clean_dh, clean_db = _pallas(dy, w, h)
     rows = np.array([0, 130, 383])
-    dirty_dh, dirty_db = _pallas(dy.at[rows, np.array([5, 0, 127])].set(jnp.nan), w, h, config)
+    dirty_dh, dirty_db = _pallas(dy.at[rows, np.array([5, 0, 127])].set(jnp.nan), w, h)
     bad = np.zeros((m, n), bool)
     bad[rows] = True
     dirty_dh, clean = np.asarray(dirty_dh, np.float32), np.asarray(clean_dh, np.float32)
@@ -116,7 +100,7 @@ def test_nan_stays_in_its_rows_and_columns(config):
     assert np.isnan(np.asarray(dirty_db)).all(), f"seed {seed}: dbias hid a NaN row"
 
     cells = (np.array([1, 64, 200, 383]), np.array([3, 3, 129, 255]))  # two in one column, rows in three tiles
-    h_dh, h_db = _pallas(dy, w, h.at[cells].set(jnp.nan), config)
+    h_dh, h_db = _pallas(dy, w, h.at[cells].set(jnp.nan))
     bad = np.zeros((m, n), bool)
     bad[cells] = True
     h_dh = np.asarray(h_dh, np.float32)
@@ -183,12 +167,6 @@ def test_errors():
         ({"delay_release": 2}, "delay_release"),
         ({"grid_tile_width": 0}, "grid_tile_width"),
         ({"tile_n": 256, "max_concurrent_steps": 4}, "shared memory"),
-        ({"ctas_per_sm": 3}, "ctas_per_sm must be 1 or 2"),
-        ({"ctas_per_sm": True}, "ctas_per_sm must be 1 or 2"),
-        ({"ctas_per_sm": 2, "max_concurrent_steps": 2, "separate_h_buffer": False, "cluster": "m"}, "without clusters"),
-        ({"ctas_per_sm": 2, "max_concurrent_steps": 2, "separate_h_buffer": False, "delay_release": 1}, "delay_release must be 0"),
-        ({"ctas_per_sm": 2}, "that let two CTAs share a Hopper SM"),  # 4 slots and an h buffer: 196 KiB
-        ({"ctas_per_sm": 2, "max_concurrent_steps": 3, "separate_h_buffer": False}, "that let two CTAs share"),
     ]:
         with pytest.raises(ValueError, match=match):
             TuningConfig(**kwargs)
@@ -197,8 +175,8 @@ def test_errors():
 @pytest.mark.parametrize(
     "config",
     [kernel.default_config(), TuningConfig(tile_n=256, max_concurrent_steps=3, separate_h_buffer=False, delay_release=1),
-     TuningConfig(cluster="n", approx_math=True), TuningConfig(cluster="m"), TWO_CTAS, TWO_CTAS_N64],
-    ids=["default", "tile_n256", "cluster_n", "cluster_m", "two_ctas", "two_ctas_n64"],
+     TuningConfig(cluster="n", approx_math=True), TuningConfig(cluster="m")],
+    ids=["default", "tile_n256", "cluster_n", "cluster_m"],
 )
 def test_lowers_for_sm90a(load_script, config):
     """The kernel lowers to a Mosaic GPU module for CUDA (layout inference, wgmma operand transforms, TMA
@@ -210,38 +188,3 @@ def test_lowers_for_sm90a(load_script, config):
     assert len(texts) == 1, f"{len(texts)} Mosaic GPU kernels"
     program = lowered.as_text()
     assert "mosaic_gpu" in program
-
-
-@pytest.mark.parametrize("config", [TWO_CTAS, TWO_CTAS_N64], ids=["two_ctas", "two_ctas_n64"])
-def test_two_cta_variant_lowers_for_two_ctas_per_sm(load_script, config):
-    """The two-CTA variant's CUDA module: a persistent grid of 2 x 132 CTAs of one warpgroup (128 threads), and
-    dynamic shared memory (Mosaic GPU's scratch and barriers included) within `kernel.TWO_CTA_SMEM_BYTES`, so
-    that two CTAs fit an SM's 228 KiB. Registers (at most 255 a thread for two 128-thread CTAs) are ptxas's,
-    not checked here (255 and 230 with jax 0.11.2's ptxas for sm_90a)."""
-    fingerprints = load_script("kernel_fingerprints")
-    m = 128 * 40  # 40 row tiles x 8 column tiles (N = 1024 at tile_n 128): more tiles than 264 CTAs
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, 256), (1024, 256), (m, 1024)]]
-    with fingerprints._capturing_kernels() as texts:
-        jax.jit(lambda *a: gelu_grad_matmul(*a, implementation="pallas", config=config)).trace(*args).lower(lowering_platforms=("cuda",))
-    assert len(texts) == 1, f"{len(texts)} Mosaic GPU kernels"
-    launch = re.search(r"gpu\.launch .*? in \(%\w+ = %c(\d+), .*? threads\(.*? in \(%\w+ = %c(\d+), .*?dynamic_shared_memory_size %c(\d+)_i32", texts[0])
-    assert launch, "no gpu.launch in the kernel's module"
-    grid, threads, smem = map(int, launch.groups())
-    assert (grid, threads) == (2 * 132, 128)
-    assert config.smem_bytes < smem <= config.smem_bytes + kernel.SMEM_OVERHEAD_BYTES
-    assert smem <= kernel.TWO_CTA_SMEM_BYTES, f"{smem} bytes of shared memory: two CTAs do not fit an SM"
-
-
-@pytest.mark.parametrize("shape, config", [((1280, 256, 320), TWO_CTAS), ((640, 256, 192), TWO_CTAS_N64)],
-                         ids=["two_ctas", "two_ctas_n64"])
-def test_two_cta_ring_has_no_races(capfd, shape, config):
-    """Under the interpreter's happens-before race detector, the two-CTA variant's ring across tiles: each slot's TMA
-    load, the wgmma that reads it, and the refill with the step S later (after `wgmma_wait(1)`); the h tile's load
-    into the dh staging buffer after the last tile's stores have read it (2 slots, shared h) or into its own
-    buffer (3 slots); barrier phases exact. The interpreter runs wgmmas synchronously, so a refill issued before the
-    wgmma of its slot has finished on the GPU is not caught here (one issued before the wgmma is)."""
-    seed = _seed()
-    dy, w, h = _inputs(*shape, seed)
-    got = _pallas(dy, w, h, config, params=plgpu.InterpretGPUParams(detect_races=True))
-    assert "RACE DETECTED" not in capfd.readouterr().out
-    _assert_matches_reference(got, dy, w, h, f"{shape} {config} seed {seed}", approx_math=config.approx_math)
