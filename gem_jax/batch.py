@@ -203,16 +203,26 @@ class Batch:
         return self.candidate_item.shape[0]
 
 
+def _example_count(batch: Batch) -> int:
+    """The B most per-example fields' leading dimensions give (history.offsets' on a tie)."""
+    from_offsets = batch.history.offsets.shape[0] - 1 if batch.history.offsets.ndim == 1 else -1
+    fields = [batch.candidate_item, batch.labels, batch.weights, *batch.user.values(), *batch.candidate_features.values()]
+    counts = [from_offsets] + [x.shape[0] if x.ndim else -1 for x in fields]
+    most = max(counts.count(c) for c in counts)
+    return from_offsets if counts.count(from_offsets) == most else next(c for c in counts if counts.count(c) == most)
+
+
 def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> None:
     """Checks every field's shape (and the feature names) against `spec`; works on traced arrays.
+
+    B is the example count most of the per-example fields agree on (history.offsets' B + 1
+    rows, candidate_item, labels, weights, the features; history.offsets' on a tie), so the
+    field named is the one that disagrees with the rest.
 
     Raises:
       ValueError: no example (B = 0), a missing or unknown feature, or a field of the wrong
         shape (field and both shapes named).
     """
-    b = batch.batch_size
-    if b < 1:
-        raise ValueError(f"{where}: a batch of {b} examples (history.offsets {tuple(batch.history.offsets.shape)}); a batch holds at least one")
     for field, features in (("user", spec.user_features), ("candidate_features", spec.item_features)):
         given, wanted = set(getattr(batch, field)), {f.name for f in features}
         if given != wanted:
@@ -220,7 +230,11 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
                 f"{where}: Batch.{field} holds features {sorted(given)}, the spec {sorted(wanted)} "
                 f"(missing {sorted(wanted - given)}, unknown {sorted(given - wanted)})"
             )
+    b = _example_count(batch)
+    if b < 1:
+        raise ValueError(f"{where}: a batch of {b} examples (history.offsets {tuple(batch.history.offsets.shape)}); a batch holds at least one")
     expected = {
+        "history.offsets": ((b + 1,), batch.history.offsets.shape),
         "history.values": ((None, spec.history_width), batch.history.values.shape),
         "candidate_item": ((b,), batch.candidate_item.shape),
         **{f"user[{f.name!r}]": ((b, f.max_values), batch.user[f.name].shape) for f in spec.user_features},

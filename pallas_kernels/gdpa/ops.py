@@ -61,7 +61,8 @@ def gdpa(
         (the same array, or equal concrete values; traced offsets of one shape
         are the caller's guarantee).
       max_seq_len_q, max_seq_len_kv: static bounds (>= 0) on the lengths; default
-        q's and k's containers' `max_seq_len` (Lq with `broadcast_q`). Every
+        q's and k's containers' `max_seq_len` (with `broadcast_q`, max_seq_len_q is
+        Lq, q's row count, and may be left None). Every
         sequence must fit its bound: concrete offsets are checked here, traced
         ones (under `jit`) cannot be, and a longer sequence then gives results
         that differ between implementations.
@@ -98,7 +99,8 @@ def gdpa(
     Raises:
       ValueError: mismatched shapes, offsets or bounds missing, offsets that
         disagree, malformed concrete offsets (naming the first bad index), a
-        negative bound, unknown activation or implementation, an
+        negative bound, a `broadcast_q` max_seq_len_q other than Lq, unknown
+        activation or implementation, an
         `output_scale` that is not a finite number (a traced one included),
         "cudnn"; with
         "pallas", inputs the kernels do not take (dtype, head dim).
@@ -112,7 +114,9 @@ def gdpa(
     if kv_offsets is None:
         raise ValueError("kv_offsets missing: pass kv_offsets=, or k and v as jagged containers (with .values and .offsets)")
     if broadcast_q:
-        max_seq_len_q = q.shape[0] if max_seq_len_q is None else max_seq_len_q
+        if max_seq_len_q is not None and (isinstance(max_seq_len_q, bool) or max_seq_len_q != q.shape[0]):
+            raise ValueError(f"with broadcast_q, max_seq_len_q is q's row count Lq = {q.shape[0]} (or None), got {max_seq_len_q!r}")
+        max_seq_len_q = q.shape[0]
     else:
         q_offsets = jagged_args.shared_offsets(q_offsets, "q_offsets", q=q)
         if q_offsets is None:

@@ -103,6 +103,13 @@ def test_layout_and_ids_are_checked_with_the_feature_named():
     narrow = dataclasses.replace(batch, candidate_features={**batch.candidate_features, "tags": batch.candidate_features["tags"][:, :2]})
     with pytest.raises(ValueError, match=r"candidate_features\['tags'\] has shape \(2, 2\), expected \(2, 3\)"):
         check_layout(narrow, SPEC)
+    # The field that disagrees with the others' example count is the one named.
+    one_more = dataclasses.replace(batch, candidate_item=jnp.concatenate([batch.candidate_item, batch.candidate_item[:1]]))
+    with pytest.raises(ValueError, match=r"Batch.candidate_item has shape \(3,\), expected \(2,\)"):
+        check_layout(one_more, SPEC)
+    offsets = dataclasses.replace(batch, history=dataclasses.replace(batch.history, offsets=batch.history.offsets[:2]))
+    with pytest.raises(ValueError, match=r"Batch.history.offsets has shape \(2,\), expected \(3,\)"):
+        check_layout(offsets, SPEC)
     labels = dataclasses.replace(batch, labels=batch.labels[:, :2])
     with pytest.raises(ValueError, match=r"Batch.labels has shape \(2, 2\), expected \(2, 3\)"):
         with nnx.use_eager_sharding(False):
