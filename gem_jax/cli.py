@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 
@@ -17,7 +18,7 @@ RESUME_WITHOUT_FORCE_NEW = "run the same command without --force-new to resume (
 
 
 class _ConfigFields(argparse.Action):
-    """`--help-config`: prints every config field with its type and default, then exits (imports the config schema)."""
+    """`--help-config`: prints every config field with its type, default and meaning, then exits (imports the config schema)."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -26,8 +27,10 @@ class _ConfigFields(argparse.Action):
         from gem_jax.train import config_tree
         from gem_jax.train.config import TrainConfig
 
+        # wrapped as argparse wraps --help: to the terminal's width less 2, here less the 2 of the indent below
+        width = max(shutil.get_terminal_size().columns - 4, 40)
         print("config fields for --set (path: type = default of the schema; a config file sets its own):")
-        print("\n".join(f"  {line}" for line in config_tree.override_help(TrainConfig)))
+        print("\n".join(f"  {line}" for line in config_tree.override_help(TrainConfig, width=width)))
         parser.exit()
 
 
@@ -42,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
             "GEM_COORDINATOR_ADDRESS / GEM_NUM_PROCESSES / GEM_PROCESS_ID (scripts/launch_slurm.sh)."
         ),
         epilog=(
-            "gem-train --help-config lists every config field --set takes, with its type and default.\n\n"
+            "gem-train --help-config lists every config field --set takes, with its type, default and meaning.\n\n"
             "example: gem-train --config configs/movielens.py --workdir runs/lr --set optim.learning_rate=3e-3 loop.num_steps=800\n\n"
             "outputs in WORKDIR: metrics.jsonl (train, eval and summary records; the summary splits the wall time from "
             "process start into start-up, train steps, data waits, eval, checkpoints, restore and compiles, and gives "
@@ -62,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 def train_main(argv: list[str] | None = None) -> None:
     """`gem-train --config FILE --workdir DIR [--set path=value ...] [--force-new] [--no-progress] [--stop-after-steps N] [--compile-cache DIR|off] [--no-fallback] [--dry-run]`."""
     parser = _parser()
-    parser.add_argument("--help-config", action=_ConfigFields, help="list the config fields --set takes, with types and defaults, and exit")
+    parser.add_argument("--help-config", action=_ConfigFields, help="list the config fields --set takes, with types, defaults and meanings, and exit")
     parser.add_argument("--config", required=True, help="Python file with get_config() -> TrainConfig")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl, TensorBoard logs and run.json")
     parser.add_argument(

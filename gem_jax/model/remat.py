@@ -114,10 +114,10 @@ class RematConfig:
     step without any `jax.checkpoint`.
 
     Attributes:
-      budget_gb: the step's device memory budget in GB (1e9 bytes): the trainer's
-        planner (`gem_jax.train.remat_plan`) chooses every region's policy so that
-        parameters, optimizer state, gradients and the activations fit in it. The
-        model alone does not plan: it applies `policies` only.
+      budget_gb: the step's device memory budget in GB (1e9 bytes; None: no budget,
+        `policies` decide): the trainer's planner (`gem_jax.train.remat_plan`) chooses
+        every region's policy so that parameters, optimizer state, gradients and the
+        activations fit in it. The model alone does not plan: it applies `policies` only.
       policies: `(pattern, policy)` pairs; a pattern is a region name or an
         `fnmatch` pattern over region names (`seq*/mlp`, `*`). A region takes the
         policy of the last pattern that matches it, SAVE_ALL if none does.

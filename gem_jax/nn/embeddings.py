@@ -100,8 +100,13 @@ class TableSharding:
     """How one table is sharded and looked up.
 
     Attributes:
-      generation: see `Generation`.
-      out_of_range: see `OutOfRange`.
+      generation: where the table's rows live (`Generation`, `gem_jax.nn.embeddings`):
+        GLOBAL sharded over every device, GROUP a copy per zone sharded over its devices,
+        NODE_SPLIT as GROUP with each all-to-all in two hops (across nodes, then inside
+        the node), REPLICATED a copy on every device.
+      out_of_range: what a lookup does with an id outside `[0, num_rows)`, always
+        counted (`OutOfRange`): ERROR a zero row and no gradient, and the host raises;
+        ZERO a zero row and no gradient; HASH the id hashed into the vocabulary.
       capacity_factor: per-owner id buffer of one exchange round as a multiple of what
         uniform ids need (the balanced share `n / owners` plus a margin for its
         spread; see the module docstring); None: the worst case (`n`), one round.

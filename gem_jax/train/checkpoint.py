@@ -71,29 +71,31 @@ SWITCHES = ("auto", "on", "off")
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Attributes:
-    every_steps: save interval in steps (a final checkpoint is always written); a save
-      due while the previous one is still being written waits for it to finish (it is
-      deferred to that step).
-    max_to_keep: checkpoints kept on disk (older ones deleted); the disk must hold one
-      more while a save is written.
-    async_save: write in a background thread while training continues.
-    snapshot: "auto", "on" or "off": copy the state on the device and save the copy from
-      a background thread, so that `save` blocks for milliseconds (needs the state's
-      bytes once more on each device while its device-to-host copy runs). "auto": on
-      when they fit in the memory the steps leave free (`snapshot.fits`; off where the
-      device reports no memory statistics, as the CPU). Needs `async_save`.
-    pinned_host: "auto", "on" or "off": Orbax copies the state to page-locked host
-      memory (faster device-to-host copies; the pinned pool, a copy of the state, stays
-      allocated). "auto": Orbax's default, on for GPUs.
-    compression: zstd-compress the written chunks (Orbax's default). Uncompressed
-      copies are larger (the size `disk_space.checkpoint_bytes` bounds) but need no
-      compression on the host's cores when written nor decompression when restored.
-    data_file_bytes: target size of each OCDBT data file of a step in bytes (Orbax's
-      default 2 GiB; 0: no limit). Smaller files are written and checksummed by more
-      threads at once.
-    restore_concurrent_gb: at most this many GB (10^9 bytes) read at once by a
-      restore (Orbax's `restore_concurrent_gb`, default 96).
+    """When the train state is saved, how it is written, and how a restore reads it.
+
+    Attributes:
+      every_steps: save interval in steps (a final checkpoint is always written); a save
+        due while the previous one is still being written waits for it to finish (it is
+        deferred to that step).
+      max_to_keep: checkpoints kept on disk (older ones deleted); the disk must hold one
+        more while a save is written.
+      async_save: write in a background thread while training continues.
+      snapshot: "auto", "on" or "off": copy the state on the device and save the copy from
+        a background thread, so that `save` blocks for milliseconds (needs the state's
+        bytes once more on each device while its device-to-host copy runs). "auto": on
+        when they fit in the memory the steps leave free (`snapshot.fits`; off where the
+        device reports no memory statistics, as the CPU). Needs `async_save`.
+      pinned_host: "auto", "on" or "off": Orbax copies the state to page-locked host
+        memory (faster device-to-host copies; the pinned pool, a copy of the state, stays
+        allocated). "auto": Orbax's default, on for GPUs.
+      compression: zstd-compress the written chunks (Orbax's default). Uncompressed
+        copies are larger (the size `disk_space.checkpoint_bytes` bounds) but need no
+        compression on the host's cores when written nor decompression when restored.
+      data_file_bytes: target size of each OCDBT data file of a step in bytes (Orbax's
+        default 2 GiB; 0: no limit). Smaller files are written and checksummed by more
+        threads at once.
+      restore_concurrent_gb: at most this many GB (10^9 bytes) read at once by a
+        restore (Orbax's `restore_concurrent_gb`, default 96).
     """
 
     every_steps: int = 200

@@ -22,16 +22,19 @@ from gem_jax.train.optimizer import OptimConfig
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-    """Attributes:
-    num_steps: optimizer steps of the whole run.
-    log_every: steps between train-metric records (stdout, JSONL, TensorBoard).
-    eval_every: steps between evaluations (0: only at the end).
-    seed: parameter-init seed (the data order has its own seed in `DataConfig`).
-    compile_in_background: start training once the largest token capacity's train step is
-      compiled and build the other programs while it trains (`gem_jax.train.programs`):
-      start-up falls to one program's compile, but steps whose own capacity is still
-      building run at a larger one (more device time, losses not bit-identical to a run
-      with it off). Ignored in a multi-process run. False: every program before step 1.
+    """How long a run trains, how often it logs and evaluates, and its parameter-init seed.
+
+    Attributes:
+      num_steps: optimizer steps of the whole run.
+      log_every: steps between train-metric records (stdout, JSONL, TensorBoard).
+      eval_every: steps between evaluations (0: none before the end); a run that reaches
+        `num_steps` always ends with one.
+      seed: parameter-init seed (the data order has its own seed in `DataConfig`).
+      compile_in_background: start training once the largest token capacity's train step is
+        compiled and build the other programs while it trains (`gem_jax.train.programs`):
+        start-up falls to one program's compile, but steps whose own capacity is still
+        building run at a larger one (more device time, losses not bit-identical to a run
+        with it off). Ignored in a multi-process run. False: every program before step 1.
     """
 
     num_steps: int = 1000
@@ -49,6 +52,20 @@ class LoopConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """A whole training job; `load_config` reads one from a config file.
+
+    Attributes:
+      data: the data set and how it is split and batched (`DataConfig`).
+      model: the model's dimensions, kernels and precision (`ModelConfig`).
+      optim: learning rates, their schedule and the optimizer state (`OptimConfig`).
+      checkpoint: when the train state is saved and how it is written and read (`CheckpointConfig`).
+      loop: the run's length, its logging and evaluation intervals and init seed (`LoopConfig`).
+      topology: the zones, nodes per zone and GPUs per node the job spans (`Topology`).
+      rules: how parameters and embedding tables are sharded over the mesh
+        (`gem_jax.parallel.rules`; default: dense weights replicated, tables row-sharded
+        over every device).
+    """
+
     data: DataConfig
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()

@@ -4,8 +4,9 @@ A config is a tree of frozen dataclasses (`TrainConfig` and its parts) whose lea
 ints, floats, strings, bools, enums, None and tuples. `to_tree` turns it into JSON-able
 dicts and lists (enums by name), `from_tree` rebuilds it from the dataclass field types,
 `apply_overrides` replaces fields named by dotted paths (`model.embed_dim=128`) with
-values parsed to the field's declared type, and `diff` names the leaves two trees
-disagree on.
+values parsed to the field's declared type, `diff` names the leaves two trees
+disagree on, and `override_help` lists every leaf with its type, default and the
+meaning its class's docstring gives it (`attribute_docs`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import ast
 import dataclasses
 import enum
 import functools
+import inspect
+import re
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -259,20 +263,62 @@ def diff(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
     return rows
 
 
-def override_help(cls: type, prefix: str = "") -> list[str]:
-    """Every overridable leaf of dataclass `cls` as `path: type = default` lines."""
+_ENTRY = re.compile(r"([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*:(?:\s+(.*))?$")
+
+
+def attribute_docs(doc: str | None) -> dict[str, str]:
+    """The `Attributes:` section of a Google-style docstring: each field's text, on one line.
+
+    An entry is `name: text` one level under the header, its continuation lines indented
+    deeper; `a, b: text` gives both fields the text. The section ends at the first line
+    indented no deeper than its header (the next section, e.g. `Raises:`). A docstring
+    without the section gives {}.
+    """
+    lines = inspect.cleandoc(doc or "").splitlines()
+    header = next((i for i, line in enumerate(lines) if line.strip() == "Attributes:"), None)
+    if header is None:
+        return {}
+    header_indent = len(lines[header]) - len(lines[header].lstrip())
+    entries: dict[str, list[str]] = {}
+    entry_indent, names = None, ()
+    for line in lines[header + 1:]:
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent <= header_indent:
+            break
+        entry = _ENTRY.match(line.strip())
+        if entry_indent is None:
+            entry_indent = indent
+        if indent <= entry_indent and entry:
+            names = tuple(name.strip() for name in entry.group(1).split(","))
+            for name in names:
+                entries[name] = [entry.group(2) or ""]
+        else:  # a continuation line (or text before the first entry, which names no field)
+            for name in names:
+                entries[name].append(line.strip())
+    return {name: " ".join(part for part in parts if part) for name, parts in entries.items()}
+
+
+def override_help(cls: type, prefix: str = "", width: int | None = None) -> list[str]:
+    """Every overridable leaf of dataclass `cls`: a `path: type = default` line, then what the
+    field means, its entry in the `Attributes:` section of its class's docstring, indented by
+    four and wrapped to `width` columns (None: on one line)."""
     lines = []
     hints = _field_types(cls)
+    meanings = attribute_docs(cls.__doc__)
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         path = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            lines += override_help(tp, path)
+            lines += override_help(tp, path, width)
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, enum.Enum):
             default = default.name
         lines.append(f"{path}: {_type_name(tp)} = {to_tree(default)!r}" if default is not None else f"{path}: {_type_name(tp)}")
+        meaning = meanings.get(f.name) or f"(undocumented: {cls.__name__}'s docstring has no entry for {f.name})"
+        lines += textwrap.wrap(meaning, width, initial_indent="    ", subsequent_indent="    ", break_long_words=False, break_on_hyphens=False) if width else [f"    {meaning}"]
     return lines

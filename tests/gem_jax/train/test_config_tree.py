@@ -1,12 +1,14 @@
-"""Configs round-trip through JSON; command-line overrides parse to the field's type or name what is wrong."""
+"""Configs round-trip through JSON; command-line overrides parse to the field's type or name what is wrong;
+`--help-config` gives every field's meaning from its class's docstring."""
 
 import dataclasses
 import json
+import typing
 
 import pytest
 
 from gem_jax.cli import train_main
-from gem_jax.data.config import Source
+from gem_jax.data.config import DataConfig, Source
 from gem_jax.train import config_tree
 from gem_jax.train.config import ConfigFileError, TrainConfig, load_config
 from pallas_kernels import Implementation
@@ -107,21 +109,110 @@ def test_bad_overrides_name_the_field(repo_root, override, message):
         config_tree.apply_overrides(config, [override])
 
 
-def test_cli_help_lists_the_fields_and_rejects_bad_overrides(repo_root, capsys):
+def _help_entries(out: str) -> dict[str, str]:
+    """`--help-config` output as {field line: its meaning, unwrapped}, after the heading."""
+    entries: dict[str, str] = {}
+    field = None
+    for line in out.splitlines()[1:]:
+        if line.startswith("      "):
+            entries[field] = f"{entries[field]} {line.strip()}".strip()
+        else:
+            field = line.strip()
+            entries[field] = ""
+    return entries
+
+
+def test_cli_help_lists_the_fields_and_rejects_bad_overrides(repo_root, monkeypatch, capsys):
+    """`--help-config` gives each field's dotted path, type and default, then its docstring entry wrapped to the
+    terminal's width (COLUMNS here)."""
     with pytest.raises(SystemExit) as done:
         train_main(["--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "--set" in out and "--help-config" in out and "--dry-run" in out
+    monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit) as done:
         train_main(["--help-config"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "model.embed_dim: int = 64" in out and "loop.num_steps" in out
+    entries = _help_entries(out)
+    assert entries["loop.eval_every: int = 0"] == "steps between evaluations (0: none before the end); a run that reaches `num_steps` always ends with one."
+    assert entries["model.embed_dim: int = 64"] == "width d of every token (history events and feature tokens)."
+    assert entries["model.remat.budget_gb: float | None"].startswith("the step's device memory budget in GB (1e9 bytes; None: no budget, `policies` decide)")
+    assert entries["data.synthetic.num_users: int = 10000"] == "vocabulary sizes including PAD_ID."  # `num_items, num_users: ...`
+    assert entries["rules.default_table.out_of_range: OutOfRange = 'ERROR'"].startswith("what a lookup does with an id outside `[0, num_rows)`")
+    assert "data.capacity_step: float = 1.04\n      ratio of consecutive token capacities near a batch's expected rows," in out
+    assert all(meaning and "undocumented" not in meaning for meaning in entries.values())
+    assert max(len(line) for line in out.splitlines() if line.startswith("      ")) <= 78  # COLUMNS less argparse's margin of 2
+    # one entry per leaf of the config tree, by its dotted path (an optional part that is off, data.bbs, is a leaf)
+    assert [field.split(":")[0] for field in entries] == list(config_tree.flatten(config_tree.to_tree(TrainConfig(DataConfig()))))
     with pytest.raises(SystemExit) as done:
         train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", "/nonexistent", "--set", "model.embed_dim=x"])
     assert done.value.code == 2
     assert "model.embed_dim: expected an int" in capsys.readouterr().err
+
+
+def test_attribute_docs_reads_the_attributes_section_of_a_google_style_docstring():
+    doc = """Summary line.
+
+    Text before the section: not an entry.
+
+    Attributes:
+      alpha: first line
+        continued here.
+        Default: a deeper line is text, even in the form of an entry.
+
+        A second paragraph.
+      beta, gamma: shared text.
+      delta:
+        all on the next line.
+
+    Raises:
+      ValueError: not a field.
+    """
+    assert config_tree.attribute_docs(doc) == {
+        "alpha": "first line continued here. Default: a deeper line is text, even in the form of an entry. A second paragraph.",
+        "beta": "shared text.",
+        "gamma": "shared text.",
+        "delta": "all on the next line.",
+    }
+    assert config_tree.attribute_docs("Summary.\n\n    Args:\n      x: an argument, not a field.\n    ") == {}
+    assert config_tree.attribute_docs(None) == {}
+    # entries level with the header are outside the section: the summary line must not be the header itself
+    assert config_tree.attribute_docs("""Attributes:
+    steps: not under the header once the docstring is dedented.
+    """) == {}
+    assert config_tree.override_help(TrainConfig, width=None)[:2] == ["data.source: Source = 'ML_LATEST_SMALL'", f"    {config_tree.attribute_docs(DataConfig.__doc__)['source']}"]
+
+
+def _config_classes(tp: typing.Any, found: list[type]) -> list[type]:
+    """Every dataclass in type `tp` and, recursively, in its fields' types (through unions and tuples), once each."""
+    if isinstance(tp, list):  # a Callable's argument types
+        for arg in tp:
+            _config_classes(arg, found)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp) and tp not in found:
+        found.append(tp)
+        hints = typing.get_type_hints(tp)
+        for f in dataclasses.fields(tp):
+            _config_classes(hints[f.name], found)
+    for arg in typing.get_args(tp):
+        _config_classes(arg, found)
+    return found
+
+
+def test_every_config_field_has_a_documented_meaning():
+    """Each field of every config class reachable from TrainConfig has a non-empty entry in its class's
+    `Attributes:` docstring section (what `--help-config` prints), and every entry names a field."""
+    classes = _config_classes(TrainConfig, [])
+    assert {cls.__name__ for cls in classes} == {
+        "TrainConfig", "DataConfig", "SyntheticConfig", "BBSConfig", "ModelConfig", "RematConfig", "OptimConfig",
+        "CheckpointConfig", "LoopConfig", "Topology", "ShardingRules", "TableSharding",
+    }
+    for cls in classes:
+        documented = config_tree.attribute_docs(cls.__doc__)
+        names = [f.name for f in dataclasses.fields(cls)]
+        assert [name for name in names if not documented.get(name)] == [], f"{cls.__qualname__}: fields without an Attributes: entry"
+        assert sorted(set(documented) - set(names)) == [], f"{cls.__qualname__}: Attributes: entries that name no field"
 
 
 def test_an_optional_part_is_turned_on_by_name_or_by_one_of_its_fields(repo_root):
