@@ -111,6 +111,12 @@ def _convert(args) -> None:
             print(f"  vocab {name}: {vocab['rows']} rows ({vocab['ids']} ids, {vocab['dropped_ids']} dropped, {vocab['oov_count']} occurrences to OOV)")
     for entry in manifest["skipped_rows"]:
         print(f"  skipped {entry['count']} row(s) of {entry['file']}: {entry['kind']} (first: {entry['first']})")
+    if counts.get("duplicate_events"):  # not counted in a conversion by an earlier gem-data
+        first = manifest["first_duplicate_event"]
+        print(
+            f"  {counts['duplicate_events']} duplicate event(s), kept: rows equal in every column read to an earlier row "
+            f"(first: {first['file']}, {first['location']}, a copy of {first['copy_of']})"
+        )
     for what, count in manifest["feature_conflicts"].items():
         if count:
             print(f"  {what}: {count}")

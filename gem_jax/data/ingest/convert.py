@@ -17,8 +17,10 @@ Two streaming passes over the input, in memory bounded by `ConvertOptions.memory
    (`bucket_groups`) whose events fit the memory left once the vocabularies
    are held, each group's ids mapped to rows (its users among its buckets'
    kept users only: the user vocabulary is not hashed whole), its events sorted by (user,
-   time, input order) and written as one record per user
-   (`records.RecordLayout`) to the shards, dealt in turn.
+   time, input order), the events equal in every column read to an earlier one counted
+   (`duplicate_rows`; they are kept, and the manifest names the first one's file and
+   line or row) and written as one record per user (`records.RecordLayout`) to the
+   shards, dealt in turn.
 
 Memory: besides a group's events, the vocabularies (distinct ids and counts,
 and the hash tables of their lookups) and the item feature table (rows x max
@@ -72,7 +74,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gem_jax.data.ingest import manifest as manifest_lib
-from gem_jax.data.ingest.readers import BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, require_columns, stream_columns
+from gem_jax.data.ingest.readers import (
+    BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, require_columns, row_location, stream_columns, stream_rows,
+)
 from gem_jax.data.ingest.records import RecordLayout
 from gem_jax.data.ingest.shard_writer import ShardWriters
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, Side, label_values
@@ -87,6 +91,7 @@ _READ_AHEAD_BLOCKS = 8  # batches in flight (read ahead, parsed, partitioned), i
 _BUCKETS_PER_GROUP = 4  # pass 1 writes this many more buckets than the budget needs; pass 2 groups them by size
 _INDEX_SHARE = 4  # the open shard files' chunk indexes may hold up to 1/4 of the sorting memory (`ShardWriters`)
 _LOOKUP_COPIES = 4  # a vocabulary's memory while it is looked up whole: its ids and counts, and pyarrow's hash table of the ids
+_ROW_BITS = 40  # a bucket row's `source`: its input file's index << 40 | its line or row number there (< 2^40; `readers.stream_rows`)
 
 
 def _block_mb(memory_mb: int) -> int:
@@ -320,6 +325,69 @@ def stable_order(major: np.ndarray, minor: np.ndarray) -> np.ndarray:
     return order
 
 
+def _value_codes(values) -> np.ndarray:
+    """int64 `[n]` codes >= 0, equal exactly where the values are, of an Arrow array of numbers, of strings
+    (dictionary codes; null is a value of its own) or of lists of strings (the codes of the lists of codes)."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if pa.types.is_list(values.type):
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum(pc.fill_null(pc.list_value_length(values), 0).to_numpy(zero_copy_only=False), out=offsets[1:])
+        flat = pc.cast(pa.array(_value_codes(pc.list_flatten(values))), pa.string())
+        values = pc.binary_join(pa.LargeListArray.from_arrays(pa.array(offsets), flat), " ")
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return pc.dictionary_encode(values, null_encoding="encode").indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    numbers = values.to_numpy(zero_copy_only=False)
+    if pa.types.is_unsigned_integer(values.type):
+        return numbers.astype(np.int64)
+    return np.unique(numbers, return_inverse=True)[1].astype(np.int64)  # floats: -0.0 and 0.0 are equal
+
+
+def duplicate_rows(table: pa.Table, users: np.ndarray, times: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a bucket group equal in every column read to an earlier row, and the first row each equals.
+
+    Equal rows have one user and one time, so `order` (`stable_order(users, times)`: by user,
+    time, input order) makes them neighbours. Only the rows that tie on (user, time) with
+    another are compared, a column at a time (the item first), each column's exact codes
+    (`_value_codes`) splitting the groups of rows equal so far and dropping the rows left
+    alone. A group without ties costs two comparisons per event.
+
+    Args:
+      table: the group's bucket rows (`_Buckets`), in input order within each user.
+      users: int `[n]` each row's user code; times: int64 `[n]`; order: int64 `[n]`.
+
+    Returns:
+      `(copies, originals)`: int64 `[d]` rows of `table`: each row equal to an earlier one,
+      and the first row (in input order) it equals.
+    """
+    tie = np.ones(max(0, order.size - 1), dtype=bool)
+    for column in (users, times):  # one sorted copy at a time
+        column = column[order]
+        tie &= column[1:] == column[:-1]
+    if not tie.any():
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    tied = np.r_[tie, False] | np.r_[False, tie]
+    rows = order[tied]
+    group = np.cumsum(np.r_[True, ~tie][tied])  # the (user, time) runs, each in input order
+    del tie, tied
+    for name in sorted((c for c in table.column_names if c not in ("user", "time", "source")), key=lambda c: c != "item"):
+        if rows.size == 0:
+            break
+        key = _value_codes(table[name].take(pa.array(rows)))
+        by = stable_order(group, key)  # stable: each group stays in input order
+        rows, group, key = rows[by], group[by], key[by]
+        del by
+        group = np.cumsum(np.r_[True, (group[1:] != group[:-1]) | (key[1:] != key[:-1])])
+        del key
+        kept = np.bincount(group)[group] > 1
+        rows, group = rows[kept], group[kept]
+    if rows.size == 0:
+        return rows, rows
+    first = np.r_[True, group[1:] != group[:-1]]
+    originals = rows[np.maximum.accumulate(np.where(first, np.arange(rows.size), 0))]
+    return rows[~first], originals[~first]
+
+
 def _user_counts(buckets: _Buckets) -> pa.Table:
     """`id` (string), `count` (int64): every user's events, counted bucket by bucket (a user is in one
     bucket, so the buckets' counts are disjoint: no merge of the whole user set is ever hashed)."""
@@ -370,6 +438,17 @@ def _last_per_group(starts: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, n
     differs = has & (rows != chosen[group]).any(axis=1)
     conflict = np.bincount(group[differs], minlength=starts.size - 1) > 0
     return chosen.astype(np.int32), conflict
+
+
+def _first_duplicate(files: Sequence[InputFile], source: int, original: int) -> dict:
+    """`{"file", "location", "copy_of"}` of a duplicate event and the row it repeats ("line N", or "FILE, line N" in
+    another file), from their `source`s."""
+    def place(source: int) -> tuple[InputFile, str]:
+        file = files[source >> _ROW_BITS]
+        return file, row_location(file, source & ((1 << _ROW_BITS) - 1))
+
+    (file, location), (original_file, original_location) = place(source), place(original)
+    return {"file": str(file), "location": location, "copy_of": original_location if original_file == file else f"{original_file}, {original_location}"}
 
 
 def _read_table(schema: EventSchema, side: Side, bad: BadRows, block_size: int) -> tuple[pa.Array, dict[str, pa.Array]]:
@@ -493,7 +572,13 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     fields += [pa.field(f"label/{rule.name}", pa.uint8()) for rule in schema.labels]
     fields += [pa.field("weight", pa.float32())] if schema.weight else []
     fields += [pa.field(f"feature/{f.name}", pa.list_(pa.string()) if f.multi else pa.string()) for f in event_features]
+    # What the columns above do not keep, for telling duplicate events (`duplicate_rows`): the values that rule labels
+    # read (a 0/1 label keeps its column's value), and where each row is (the earliest duplicate is named).
+    rule_columns = list(dict.fromkeys(rule.column for rule in schema.labels if kinds[rule.column] is ColumnKind.NUMBER))
+    fields += [pa.field(f"value/{column}", pa.float64()) for column in rule_columns]
+    fields += [pa.field("source", pa.int64())]
     buckets = _Buckets(work / "buckets", num_buckets, pa.schema(fields))
+    file_index = {file: k for k, file in enumerate(files)}
     counted_columns = [(schema.item, counters["item"])] + ([(schema.action, counters["action"])] if schema.action else [])
     counted_columns += [(f.name, counters[_vocab_name(f)]) for f in event_features]
 
@@ -504,7 +589,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     log(f"reading {len(files)} file(s) into {num_buckets} bucket(s)")
     with concurrent.futures.ThreadPoolExecutor(1) as counting_pool:  # ids, actions and features are counted beside the bucketing, one merge at a time
         counting = None
-        for _, columns in prefetched(stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)):
+        for file, columns, rows in prefetched(stream_rows(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)):
             n = len(columns[schema.time])
             if n == 0:
                 continue
@@ -526,6 +611,9 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             for feature in event_features:
                 arrays[f"feature/{feature.name}"] = columns[feature.name]
                 max_values[feature.name] = max(max_values[feature.name], _max_values(columns[feature.name]))
+            for column in rule_columns:
+                arrays[f"value/{column}"] = pa.array(columns[column])
+            arrays["source"] = pa.array(rows | (file_index[file] << _ROW_BITS))
             events += n
             t_low, t_high = min(t_low, int(columns[schema.time].min())), max(t_high, int(columns[schema.time].max()))
             buckets.write(pa.table(arrays, schema=buckets.schema), bucket_of(users.dictionary, num_buckets)[user_index])
@@ -621,6 +709,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     user_conflicts = dict.fromkeys((f.name for f in schema.side_features(Side.USER) if Side.USER not in tables), 0)
     missing_users = 0
     oov_events = {"user": 0, "item": 0}
+    duplicates, first_duplicate = 0, None  # (source, its original's source) of the earliest duplicate in input order
     with concurrent.futures.ThreadPoolExecutor(1) as lookup_pool:  # item ids are mapped beside the users' sort
         for g, group in enumerate(groups):
             table = buckets.read_group(group)
@@ -632,6 +721,13 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             codes = encoded.indices.to_numpy()
             times = table["time"].to_numpy()
             order = stable_order(codes, times)  # ties keep input order
+            copies, originals = duplicate_rows(table, codes, times, order)
+            if copies.size:
+                duplicates += copies.size
+                sources = table["source"].take(pa.array(copies)).to_numpy()
+                k = int(np.argmin(sources))
+                if first_duplicate is None or sources[k] < first_duplicate[0]:
+                    first_duplicate = (int(sources[k]), table["source"][int(originals[k])].as_py())
             num_users = len(encoded.dictionary)
             starts = np.searchsorted(codes[order], np.arange(num_users + 1))
 
@@ -735,10 +831,12 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             "oov_user_events": oov_events["user"],
             "oov_item_events": oov_events["item"],
             "skipped_rows": bad.total,
+            "duplicate_events": duplicates,
             "buckets": num_buckets,
             "bucket_groups": len(groups),
         },
         "skipped_rows": bad.counts(),
+        "first_duplicate_event": _first_duplicate(files, *first_duplicate) if first_duplicate else None,
         "feature_conflicts": conflicts,
         "split": options.split.to_json() | {"description": options.split.describe(), "cutoff": cutoff},
         "time_range": [t_low, t_high],

@@ -4,8 +4,11 @@ A converted directory is complete once its `manifest.json` exists (it is
 written last, and the directory is moved into place whole). The manifest holds
 the schema and settings the log was converted with, each input's size,
 modification time and sha256, the split, the vocabularies, features, tasks,
-counts, skipped rows, the shard files, the record layout and the
-sequence-length histogram (`gem_jax.data.ingest.convert` lists every key).
+counts, skipped rows, the first duplicate event, the shard files, the record
+layout and the sequence-length histogram (`gem_jax.data.ingest.convert` lists
+every key). A manifest of this version written before duplicate events were
+counted lacks `counts["duplicate_events"]` and `first_duplicate_event`; its
+readers take them as not counted (`.get`), not as zero.
 
 `check_unchanged` decides whether a conversion would redo the same work: the
 same settings and inputs of the same size and modification time are unchanged

@@ -4,7 +4,8 @@
 `InputFile`s; `stream_columns` yields their rows in record batches (pyarrow
 `csv.open_csv` blocks, `ParquetFile.iter_batches` per row group), parsed
 column by column with vectorised pyarrow / numpy code, never reading a whole
-file. A malformed value is reported through `BadRows`: under
+file (`stream_rows` also gives each row's line or row number, which
+`row_location` names). A malformed value is reported through `BadRows`: under
 `OnBadRow.RAISE` the first one raises `BadRowError` naming the file, the line
 (CSV) or row group and row (Parquet, both 0-based), the column and the value;
 under `OnBadRow.SKIP` its row is dropped and counted by file and kind (but a
@@ -165,8 +166,13 @@ def _csv_line(skipped_lines: list[int], k: int) -> int:
     """Line of the k-th (0-based) row the parser accepted: the header is line 1, rows follow, past
     `skipped_lines` (sorted: lines the parser rejected, and the continuation lines of rows whose
     quoted fields hold line breaks)."""
+    return int(_csv_lines(skipped_lines, np.asarray(k)))
+
+
+def _csv_lines(skipped_lines: list[int], k: np.ndarray) -> np.ndarray:
+    """int64 lines of the rows `k` (int64, 0-based among the rows the parser accepted; `_csv_line`)."""
     adjusted = np.asarray(skipped_lines, dtype=np.int64) - np.arange(len(skipped_lines)) - 2
-    return k + 2 + int(np.searchsorted(adjusted, k, side="right"))
+    return k + 2 + np.searchsorted(adjusted, k, side="right")
 
 
 def _csv_line_locator(skipped_lines: list[int], rows_before: int) -> Callable[[int], str]:
@@ -194,7 +200,8 @@ def _line_breaks(path: str, batch: pa.RecordBatch, skipped_lines: list[int], row
     return broken
 
 
-def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str]]]:
+def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str], np.ndarray]]:
+    """`(batch, locate, lines)`: the rows of `columns`, `locate(i)` naming row i's line, int64 `lines` `[rows]` their numbers."""
     skipped_lines: list[int] = []
     pending: list[BadRowError] = []  # raised from here, not through pyarrow's parser
 
@@ -255,14 +262,16 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
                 blank &= pc.equal(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
         blank |= _line_breaks(str(file), batch, skipped_lines, rows_before, bad)  # reported, then left out like blank lines
         locate = _csv_line_locator(list(skipped_lines), rows_before)
+        lines = _csv_lines(skipped_lines, np.arange(rows_before, rows_before + batch.num_rows, dtype=np.int64))
         rows_before += batch.num_rows
         batch = batch.select(list(columns))
         if blank.any():
             batch = batch.filter(pa.array(~blank))
             positions = np.flatnonzero(~blank)
+            lines = lines[positions]
             base = locate
             locate = lambda i, base=base, positions=positions: base(int(positions[i]))  # noqa: E731
-        yield batch, locate
+        yield batch, locate, lines
 
 
 def _csv_header(file: InputFile) -> list[str]:
@@ -286,16 +295,30 @@ def _csv_header(file: InputFile) -> list[str]:
     return header
 
 
-def _parquet_batches(file: InputFile, columns: Sequence[str], batch_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str]]]:
+def _parquet_batches(file: InputFile, columns: Sequence[str], batch_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str], np.ndarray]]:
+    """`(batch, locate, rows)`: `locate(i)` names row i's row group and row, int64 `rows` `[rows]` count from the file's first row."""
     try:
         parquet = pq.ParquetFile(str(file.path))
     except (pa.ArrowInvalid, OSError) as error:
         raise DataFormatError(f"{file}: not a readable Parquet file ({error})") from error
+    before = 0  # rows of the file before this batch
     for group in range(parquet.num_row_groups):
         start = 0
         for batch in parquet.iter_batches(batch_size=batch_size, row_groups=[group], columns=list(columns)):
-            yield batch, (lambda i, g=group, s=start: f"row group {g}, row {s + i}")
+            yield batch, (lambda i, g=group, s=start: f"row group {g}, row {s + i}"), np.arange(before, before + batch.num_rows, dtype=np.int64)
             start += batch.num_rows
+            before += batch.num_rows
+
+
+def row_location(file: InputFile, number: int) -> str:
+    """Where a row of `stream_rows` is: "line N" of a CSV file, "row group G, row R" of a Parquet
+    file (both 0-based, as bad rows are named), from its `number` there."""
+    if file.format is Format.CSV:
+        return f"line {number}"
+    metadata = pq.ParquetFile(str(file.path)).metadata
+    starts = np.cumsum([0] + [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)])
+    group = int(np.searchsorted(starts, number, side="right")) - 1
+    return f"row group {group}, row {number - int(starts[group])}"
 
 
 def require_columns(files: Sequence[InputFile], columns: Sequence[str]) -> None:
@@ -613,7 +636,21 @@ def stream_columns(
     block_size: int = 16 << 20,
     on_file: Callable[[InputFile], None] | None = None,
 ) -> Iterator[tuple[InputFile, dict[str, object]]]:
-    """Parsed columns of `files`, a record batch at a time.
+    """Parsed columns of `files`, a record batch at a time: `stream_rows` without the rows' places."""
+    for file, columns, _ in stream_rows(files, kinds, bad, separator=separator, block_size=block_size, on_file=on_file):
+        yield file, columns
+
+
+def stream_rows(
+    files: Sequence[InputFile],
+    kinds: dict[str, ColumnKind],
+    bad: BadRows,
+    *,
+    separator: str = "|",
+    block_size: int = 16 << 20,
+    on_file: Callable[[InputFile], None] | None = None,
+) -> Iterator[tuple[InputFile, dict[str, object], np.ndarray]]:
+    """Parsed columns of `files`, a record batch at a time, and where each row is in its file.
 
     Args:
       files: the inputs, read in order.
@@ -624,9 +661,11 @@ def stream_columns(
       on_file: called with each file before it is read.
 
     Yields:
-      `(file, columns)` with, per column: ID a string array, TIME int64
+      `(file, columns, rows)` with, per column: ID a string array, TIME int64
       `[n]`, NUMBER float64 `[n]`, CATEGORY a string array (null = absent),
-      MULTI_CATEGORY a list<string> array; all of the same length n.
+      MULTI_CATEGORY a list<string> array; all of the same length n. `rows`
+      int64 `[n]`: each row's line (CSV) or its row number from the file's
+      first row (Parquet), increasing; `row_location` names it.
 
     Raises:
       BadRowError: a bad value under `OnBadRow.RAISE`.
@@ -639,7 +678,7 @@ def stream_columns(
             on_file(file)
         path = str(file)
         batches = _csv_batches(file, list(kinds), bad, block_size) if file.format is Format.CSV else _parquet_batches(file, list(kinds), max(1024, block_size // 64))
-        for batch, locate in batches:
+        for batch, locate, rows in batches:
             rejected = np.zeros(batch.num_rows, dtype=bool)
             parsed: dict[str, object] = {}
             for column, kind in kinds.items():
@@ -660,4 +699,5 @@ def stream_columns(
                 keep = ~rejected
                 keep_arrow = pa.array(keep)
                 parsed = {c: v[keep] if isinstance(v, np.ndarray) else pc.filter(v, keep_arrow) for c, v in parsed.items()}
-            yield file, parsed
+                rows = rows[keep]
+            yield file, parsed, rows

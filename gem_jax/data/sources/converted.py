@@ -249,9 +249,12 @@ def converted_fingerprint(manifest: dict) -> str:
     """sha256 of what a conversion's data depends on: its manifest (settings, counts, vocabularies, split,
     shards, lengths), each input's size and sha256, not where the inputs were nor when or how fast
     they were converted, nor the format version and the index files that version 2 added (derived from
-    the records: a run on a version-1 conversion resumes on the same inputs converted again). Two
-    conversions with equal fingerprints hold the same records."""
-    kept = {key: value for key, value in manifest.items() if key not in ("inputs", "seconds", "version", "train_events", "item_train_labels")}
+    the records: a run on a version-1 conversion resumes on the same inputs converted again), nor the
+    duplicate events' count and first place, which conversions written before they were counted lack
+    (derived from the inputs: a run on such a conversion resumes too). Two conversions with equal
+    fingerprints hold the same records."""
+    kept = {key: value for key, value in manifest.items() if key not in ("inputs", "seconds", "version", "train_events", "item_train_labels", "first_duplicate_event")}
+    kept["counts"] = {key: value for key, value in manifest["counts"].items() if key != "duplicate_events"}
     kept["inputs"] = [{"size": entry["size"], "sha256": entry["sha256"]} for entry in manifest["inputs"]]
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
@@ -262,7 +265,7 @@ def converted_skipped(manifest: dict) -> tuple[SkippedRows, ...]:
 
 
 def converted_notes(manifest: dict) -> tuple[str, ...]:
-    """Lines for the data set summary: the conversion's split, how it is read, ids out of the vocabularies, the weights."""
+    """Lines for the data set summary: the conversion's split, how it is read, ids out of the vocabularies, duplicate events, the weights."""
     counts, split = manifest["counts"], manifest["split"]
     cutoff = f" (cutoff {split['cutoff']})" if split["cutoff"] is not None else ""
     notes = [
@@ -271,6 +274,8 @@ def converted_notes(manifest: dict) -> tuple[str, ...]:
     ]
     if counts["oov_user_events"] or counts["oov_item_events"]:
         notes.append(f"out of the vocabulary (row 1): {counts['oov_user_events']} events of users, {counts['oov_item_events']} events of items")
+    if counts.get("duplicate_events"):  # not counted in a conversion by an earlier gem-data
+        notes.append(f"{counts['duplicate_events']} event(s) repeat an earlier row of the log exactly; kept, each an example")
     weight = manifest["schema"]["weight"]
     if weight is not None:
         notes.append(

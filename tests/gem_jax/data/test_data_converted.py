@@ -4,6 +4,7 @@ events; the data set's identity follows the conversion."""
 
 import collections
 import dataclasses
+import json
 import re
 import shutil
 
@@ -142,10 +143,30 @@ def test_the_fingerprint_is_the_data_not_the_place(converted, tmp_path):
     assert converted_fingerprint(again.manifest) == converted_fingerprint(manifest)
     version_1 = {key: value for key, value in manifest.items() if key not in ("train_events", "item_train_labels")} | {"version": 1}
     assert converted_fingerprint(version_1) == converted_fingerprint(manifest)  # the index files are derived: same data
+    uncounted = {key: value for key, value in manifest.items() if key != "first_duplicate_event"}
+    uncounted["counts"] = {key: value for key, value in manifest["counts"].items() if key != "duplicate_events"}
+    assert converted_fingerprint(uncounted) == converted_fingerprint(manifest)  # written before duplicates were counted: same data
     changed = tmp_path / "changed"
     write_event_log(changed, num_train=80, num_eval=40, seed=1)
     other = convert_event_log(changed, tmp_path / "other", split=f"time:{QUANTILE}")
     assert converted_fingerprint(other.manifest) != converted_fingerprint(manifest)
+
+
+def test_duplicate_events_are_noted_and_a_conversion_before_their_count_loads(tmp_path):
+    """Rows repeating an earlier row are a line of the data set summary; a conversion written before they were
+    counted loads, says nothing of them (not counted, rather than none) and keeps its fingerprint."""
+    write_event_log(tmp_path / "events", num_train=30, num_eval=10)
+    lines = (tmp_path / "events" / "a.csv").read_text().splitlines()
+    (tmp_path / "events" / "a.csv").write_text("\n".join(lines + lines[1:3]) + "\n")
+    out = convert_event_log(tmp_path / "events", tmp_path / "mylog").out
+    note = "2 event(s) repeat an earlier row of the log exactly; kept, each an example"
+    counted = load_dataset(config(out)).info
+    assert note in counted.notes and counted.num_events == 42
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["counts"]["duplicate_events"], manifest["first_duplicate_event"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    uncounted = load_dataset(config(out)).info
+    assert not any("repeat an earlier row" in line for line in uncounted.notes) and uncounted.fingerprint == counted.fingerprint
 
 
 def test_weights_are_optional_and_eval_weighs_one(tmp_path):

@@ -74,6 +74,17 @@ def test_a_line_break_in_a_quoted_field_is_a_bad_row_and_later_lines_keep_their_
     assert firsts[BadRowKind.BAD_VALUE.value].startswith("line 6, column 't'")  # not line 5: the break's second line counts
 
 
+def test_a_duplicate_event_after_skipped_and_blank_lines_is_named_at_its_own_line(tmp_path):
+    # line 2 good, line 3 blank, lines 4-5 one record (skipped), line 6 bad (skipped), line 7 a copy of line 2,
+    # line 8 one too once parsed (5.0 is 5)
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + 'a,b,1,1,5\n\n"c\nd",x,2,0,3\ng,h,soon,1,4\na,b,1,1,5\na,b,1,1,5.0\n')
+    result = _convert(path, tmp_path / "skip", OnBadRow.SKIP)
+    assert result.manifest["counts"]["events"] == 3 and result.manifest["counts"]["skipped_rows"] == 2
+    assert result.manifest["counts"]["duplicate_events"] == 2
+    assert result.manifest["first_duplicate_event"] == {"file": str(path), "location": "line 7", "copy_of": "line 2"}
+
+
 def test_utc_offsets_are_converted_and_fractions_of_a_second_floored(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text(HEADER + "a,b,2024-01-01T02:00:00+02:00,1,5\nc,d,2024-01-01T00:00:00Z,0,3\ne,f,2024-01-01 01:00-0100,1,4\ng,h,2024-01-01T00:00:01.9,0,1\n")

@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
@@ -356,3 +357,120 @@ def test_read_all_is_every_record_in_index_order(log, tmp_path):
         layout.decode_many([raw, raw[:-1]])
     with pytest.raises(ValueError, match="record 0 holds 3 bytes, fewer than its"):
         layout.decode_many([raw[:3]])
+
+
+DUPLICATE_SCHEMA = EventSchema(
+    user="u", item="i", time="t", labels=(LabelRule.parse("click"), LabelRule.parse("like=r>=4")), action="a", weight="w",
+    features=(FeatureColumn("tags", Side.ITEM, multi=True), FeatureColumn("country", Side.USER)),
+)
+DUPLICATE_HEADER = "u,i,t,click,r,a,w,tags,country\n"
+
+
+def _convert_cli(inputs, out, capsys) -> tuple[dict, list[str]]:
+    """`gem-data convert` of `inputs` under `DUPLICATE_SCHEMA`: (the manifest, the summary lines that name duplicates)."""
+    from gem_jax import data_cli
+
+    data_cli.main([
+        "convert", *map(str, inputs), "--out", str(out), "--user", "u", "--item", "i", "--time", "t", "--label", "click",
+        "--label", "like=r>=4", "--action", "a", "--weight", "w", "--item-feature", "tags:multi", "--user-feature", "country",
+        "--split", "last:1", "--quiet",
+    ])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "duplicate event" in line]
+    return json.loads((out / "manifest.json").read_text()), lines
+
+
+def test_exact_duplicate_events_are_counted_kept_and_named(tmp_path, capsys):
+    """Rows equal to an earlier row in every column read, as parsed, are counted and kept, and the first is named by
+    file and line; a row that differs in its time, or only in the value a rule label reads, is none."""
+    path = tmp_path / "a.csv"
+    path.write_text(
+        DUPLICATE_HEADER
+        + "u1,x,5,1,4,view,1.5,p|q,fr\n"  # line 2
+        + "u2,y,5,0,2,,1,,de\n"  # line 3
+        + "u1,x,6,1,4,view,1.5,p|q,fr\n"  # line 4: line 2 at another time
+        + "u1,x,5,1,5,view,1.5,p|q,fr\n"  # line 5: line 2 but r 5 (the same like label)
+        + "u1,x,5,1,4,view,1.5,p|q,fr\n"  # line 6: a copy of line 2
+        + "u2,y,5,0,2.0,,1.0,,de\n"  # line 7: a copy of line 3 once parsed
+    )
+    manifest, lines = _convert_cli([path], tmp_path / "out", capsys)
+    assert manifest["counts"]["duplicate_events"] == 2 and manifest["counts"]["events"] == 6
+    assert manifest["first_duplicate_event"] == {"file": str(path), "location": "line 6", "copy_of": "line 2"}
+    assert lines == [f"  2 duplicate event(s), kept: rows equal in every column read to an earlier row (first: {path}, line 6, a copy of line 2)"]
+    reader = ConvertedLog(tmp_path / "out")
+    users = reader.vocab("user").ids.to_pylist()
+    assert {users[int(r["user"]) - 2]: r["time"].tolist() for r in reader} == {"u1": [5, 5, 5, 6], "u2": [5, 5]}  # every row kept
+
+    # A copy in a later file, a Parquet one: named by row group and row, and the file it repeats.
+    first = tmp_path / "b.csv"
+    first.write_text(DUPLICATE_HEADER + "u1,x,5,1,4,view,1.5,p|q,fr\nu2,y,5,0,2,,1,,de\n")
+    rows = {"u": ["u3", "u4", "u1"], "i": ["x", "y", "x"], "t": [1, 2, 5], "click": [1, 0, 1], "r": [4.0, 2.0, 4.0], "a": ["view", None, "view"],
+            "w": [1.0, 1.0, 1.5], "tags": ["p", "", "p|q"], "country": ["fr", "de", "fr"]}
+    pq.write_table(pa.table(rows), tmp_path / "c.parquet", row_group_size=2)
+    manifest, lines = _convert_cli([first, tmp_path / "c.parquet"], tmp_path / "two", capsys)
+    assert manifest["counts"]["duplicate_events"] == 1
+    assert manifest["first_duplicate_event"] == {"file": str(tmp_path / "c.parquet"), "location": "row group 1, row 0", "copy_of": f"{first}, line 2"}
+    assert lines == [f"  1 duplicate event(s), kept: rows equal in every column read to an earlier row (first: {tmp_path / 'c.parquet'}, row group 1, row 0, a copy of {first}, line 2)"]
+
+
+def test_a_log_without_duplicates_counts_none_and_says_nothing(tmp_path, capsys):
+    path = tmp_path / "a.csv"
+    path.write_text(DUPLICATE_HEADER + "u1,x,5,1,4,view,1.5,p|q,fr\nu1,x,5,1,4,view,1.5,q|p,fr\nu1,x,5,1,4,,1.5,p|q,fr\nu2,x,5,1,4,view,1.5,p|q,fr\n")
+    manifest, lines = _convert_cli([path], tmp_path / "out", capsys)
+    assert manifest["counts"]["duplicate_events"] == 0 and manifest["first_duplicate_event"] is None and lines == []
+
+
+def test_a_manifest_without_the_duplicate_count_still_reads(tmp_path, capsys):
+    """A conversion written before duplicate events were counted: read, inspected and left alone by a re-run,
+    which says nothing of duplicates (not counted, rather than none)."""
+    from gem_jax.data.ingest.inspect import format_report, inspect_converted
+
+    path = tmp_path / "a.csv"
+    path.write_text(DUPLICATE_HEADER + "u1,x,5,1,4,view,1.5,p|q,fr\nu1,x,5,1,4,view,1.5,p|q,fr\nu2,y,6,0,2,,1,,de\n")
+    manifest, lines = _convert_cli([path], tmp_path / "out", capsys)
+    assert manifest["counts"]["duplicate_events"] == 1 and len(lines) == 1
+    del manifest["counts"]["duplicate_events"], manifest["first_duplicate_event"]
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    assert len(ConvertedLog(tmp_path / "out")) == 2
+    assert "events 3, users 2" in format_report(inspect_converted(tmp_path / "out"))
+    again, lines = _convert_cli([path], tmp_path / "out", capsys)
+    assert again == manifest and lines == []
+
+
+def _brute_force_duplicates(table: pa.Table) -> set[tuple[int, int]]:
+    first, pairs = {}, set()
+    columns = [name for name in table.column_names if name != "source"]
+    for row, values in enumerate(zip(*(table[name].to_pylist() for name in columns))):
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in values)
+        if key in first:
+            pairs.add((row, first[key]))
+        first.setdefault(key, row)
+    return pairs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_duplicate_rows_are_the_rows_equal_to_an_earlier_one(seed):
+    """`duplicate_rows` against a dictionary of whole rows: few values per column, so many ties and copies;
+    null and empty values, lists in another order, -0.0 and 0.0."""
+    rng = np.random.default_rng(seed)
+    n = 3000
+    tags = [["a"], ["a", "b"], ["b", "a"], [], ["a b"], ["a", "b", "c"]]
+    table = pa.table({
+        "user": pa.array(rng.choice(["u1", "u2", "u3"], n)),
+        "item": pa.array(rng.choice(["x", "y"], n)),
+        "time": pa.array(rng.integers(0, 4, n)),
+        "action": pa.array([None if k == 2 else ["view", "buy"][k] for k in rng.integers(0, 3, n)], pa.string()),
+        "label/click": pa.array(rng.integers(0, 2, n).astype(np.uint8)),
+        "weight": pa.array(rng.choice([0.0, -0.0, 1.5], n).astype(np.float32)),
+        "feature/tags": pa.array([tags[k] for k in rng.integers(0, len(tags), n)], pa.list_(pa.string())),
+        "value/r": pa.array(rng.choice([4.0, 4.5], n)),
+        "source": pa.array(np.arange(n, dtype=np.int64)),
+    })
+    users = pc.dictionary_encode(table["user"]).combine_chunks().indices.to_numpy()
+    times = table["time"].to_numpy()
+    copies, originals = convert_module.duplicate_rows(table, users, times, stable_order(users, times))
+    expected = _brute_force_duplicates(table)  # -0.0 == 0.0 in Python as in numpy
+    assert set(zip(copies.tolist(), originals.tolist())) == expected and copies.size == len(expected) > 0
+    # One row; two rows of one user and time that differ only in the column compared last: none.
+    assert convert_module.duplicate_rows(table.slice(0, 1), users[:1], times[:1], np.zeros(1, np.int64))[0].size == 0
+    pair = pa.table({"user": ["u", "u"], "item": ["x", "x"], "time": [1, 1], "value/r": [4.0, 4.5], "source": [0, 1]})
+    assert convert_module.duplicate_rows(pair, np.zeros(2, np.int32), np.ones(2, np.int64), np.arange(2))[0].size == 0
