@@ -203,26 +203,33 @@ class Batch:
         return self.candidate_item.shape[0]
 
 
-def _example_count(batch: Batch) -> int:
-    """The B most per-example fields' leading dimensions give (history.offsets' on a tie)."""
-    from_offsets = batch.history.offsets.shape[0] - 1 if batch.history.offsets.ndim == 1 else -1
-    fields = [batch.candidate_item, batch.labels, batch.weights, *batch.user.values(), *batch.candidate_features.values()]
-    counts = [from_offsets] + [x.shape[0] if x.ndim else -1 for x in fields]
-    most = max(counts.count(c) for c in counts)
-    return from_offsets if counts.count(from_offsets) == most else next(c for c in counts if counts.count(c) == most)
+def _core_counts(batch: Batch) -> dict[str, int]:
+    """The example count each per-example core field gives: history.offsets (B + 1 rows), candidate_item,
+    labels, weights (-1 for a field without a leading axis)."""
+    offsets = batch.history.offsets
+    counts = {"history.offsets": offsets.shape[0] - 1 if offsets.ndim == 1 else -1}
+    counts |= {name: x.shape[0] if x.ndim else -1 for name, x in
+               (("candidate_item", batch.candidate_item), ("labels", batch.labels), ("weights", batch.weights))}
+    return counts
 
 
 def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> None:
     """Checks every field's shape (and the feature names) against `spec`; works on traced arrays.
 
-    B is the example count most of the per-example fields agree on (history.offsets' B + 1
-    rows, candidate_item, labels, weights, the features; history.offsets' on a tie), so the
-    field named is the one that disagrees with the rest.
+    B is the example count most of the four core fields agree on (history.offsets' B + 1 rows,
+    candidate_item, labels, weights; history.offsets' on a tie), so the field named is the one
+    that disagrees with the rest, and features are checked against it.
 
     Raises:
-      ValueError: no example (B = 0), a missing or unknown feature, or a field of the wrong
-        shape (field and both shapes named).
+      ValueError: a field that is not an array, no example (B = 0), a missing or unknown feature,
+        or a field of the wrong shape (field and both shapes named).
     """
+    fields = {"history.values": batch.history.values, "history.offsets": batch.history.offsets, "candidate_item": batch.candidate_item,
+              "labels": batch.labels, "weights": batch.weights}
+    fields |= {f"user[{k!r}]": v for k, v in batch.user.items()} | {f"candidate_features[{k!r}]": v for k, v in batch.candidate_features.items()}
+    for name, x in fields.items():
+        if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+            raise ValueError(f"{where}: Batch.{name} is a {type(x).__name__}, not an array (numpy or jax)")
     for field, features in (("user", spec.user_features), ("candidate_features", spec.item_features)):
         given, wanted = set(getattr(batch, field)), {f.name for f in features}
         if given != wanted:
@@ -230,9 +237,12 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
                 f"{where}: Batch.{field} holds features {sorted(given)}, the spec {sorted(wanted)} "
                 f"(missing {sorted(wanted - given)}, unknown {sorted(given - wanted)})"
             )
-    b = _example_count(batch)
+    counts = _core_counts(batch)
+    votes = list(counts.values())
+    b = max(votes, key=lambda c: (votes.count(c), c == counts["history.offsets"]))
     if b < 1:
-        raise ValueError(f"{where}: a batch of {b} examples (history.offsets {tuple(batch.history.offsets.shape)}); a batch holds at least one")
+        shown = ", ".join(f"{name} {c}" if c >= 0 else f"{name} none (no leading axis)" for name, c in counts.items())
+        raise ValueError(f"{where}: a batch holds at least one example; the example counts its fields give: {shown}")
     expected = {
         "history.offsets": ((b + 1,), batch.history.offsets.shape),
         "history.values": ((None, spec.history_width), batch.history.values.shape),

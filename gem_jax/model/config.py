@@ -91,7 +91,8 @@ class ModelConfig:
       sequence_attention: the self-attention form of the sequence tower (`SequenceAttention`).
       attention_window: events before each event that SLIDING_WINDOW attends to (>= 0).
       attention_block_size: events per BLOCK_LOCAL block (>= 1; the kernels take 64).
-      compute_dtype: activations' dtype, one of `COMPUTE_DTYPES` ("float32" on CPU, "bfloat16" on GPU).
+      compute_dtype: activations' dtype, one of `COMPUTE_DTYPES`; "float32" unless set (the GPU
+        configs, `configs/gem_h200.py` and `configs/gem_sharded.py` among them, set "bfloat16").
       fp8: run the dense layers of `fp8_regions` through FP8 matmuls (`gem_jax.quant.Fp8Linear`);
         the feature projections and the task heads stay in the compute dtype.
       fp8_block: 32 for MXFP8 (32x32 blocks) or 128 (1x128 / 128x128 promotion).

@@ -315,10 +315,23 @@ def override_help(cls: type, prefix: str = "", width: int | None = None) -> list
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             lines += override_help(tp, path, width)
             continue
+        if any(typing.get_origin(a) is Callable for a in (tp, *typing.get_args(tp))):
+            continue  # set in a config file: --set takes no Python callable
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, enum.Enum):
             default = default.name
         lines.append(f"{path}: {_type_name(tp)} = {to_tree(default)!r}" if default is not None else f"{path}: {_type_name(tp)}")
         meaning = meanings.get(f.name) or f"(undocumented: {cls.__name__}'s docstring has no entry for {f.name})"
         lines += textwrap.wrap(meaning, width, initial_indent="    ", subsequent_indent="    ", break_long_words=False, break_on_hyphens=False) if width else [f"    {meaning}"]
+        if (group := _optional_group(tp)) is not None:  # off by default; `--set path.field=...` turns it on
+            lines += override_help(group, path, width)
     return lines
+
+
+def _optional_group(tp: Any) -> type | None:
+    """The dataclass of an optional group of settings (`BBSConfig | None`), else None."""
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and isinstance(inner[0], type) and dataclasses.is_dataclass(inner[0]):
+            return inner[0]
+    return None

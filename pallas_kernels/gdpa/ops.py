@@ -114,7 +114,7 @@ def gdpa(
     if kv_offsets is None:
         raise ValueError("kv_offsets missing: pass kv_offsets=, or k and v as jagged containers (with .values and .offsets)")
     if broadcast_q:
-        if max_seq_len_q is not None and (isinstance(max_seq_len_q, bool) or max_seq_len_q != q.shape[0]):
+        if max_seq_len_q is not None and jagged_args.bound(max_seq_len_q, None, "max_seq_len_q", "q") != q.shape[0]:
             raise ValueError(f"with broadcast_q, max_seq_len_q is q's row count Lq = {q.shape[0]} (or None), got {max_seq_len_q!r}")
         max_seq_len_q = q.shape[0]
     else:

@@ -102,5 +102,6 @@ def test_histories_all_empty_run_with_or_without_a_capacity_and_no_examples_is_r
     bare, padded = model(batch(3)), model(batch(3, capacity=8))
     assert bare.shape == (3, 2) and np.all(np.isfinite(bare))
     np.testing.assert_allclose(bare, padded, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match=r"GEMModel input: a batch of 0 examples"):
+    with pytest.raises(ValueError, match=r"GEMModel input: a batch holds at least one example; the example counts its fields give: "
+                       r"history.offsets 0, candidate_item 0, labels 0, weights 0"):
         model(batch(0))

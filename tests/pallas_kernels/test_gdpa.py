@@ -7,6 +7,7 @@ rows, zeros on the slack rows, and no NaN anywhere.
 
 import dataclasses
 import math
+import re
 import time
 
 import jax
@@ -449,8 +450,11 @@ def test_jagged_container_errors_name_the_problem():
     x = jnp.zeros((8, 1, HEAD_DIM), jnp.bfloat16)
     offsets = _offsets([3, 5])
     # Pooled queries: the bound is q's row count, not a bound a caller may choose.
-    for bad in (2, 9, True):
-        with pytest.raises(ValueError, match=rf"broadcast_q, max_seq_len_q is q's row count Lq = 8 \(or None\), got {bad!r}"):
+    for bad in (2, 9, np.int64(7)):
+        with pytest.raises(ValueError, match=rf"broadcast_q, max_seq_len_q is q's row count Lq = 8 \(or None\), got {re.escape(repr(bad))}"):
+            ops.gdpa(x, x, x, None, offsets, max_seq_len_q=bad, max_seq_len_kv=8, broadcast_q=True)
+    for bad in (True, 8.0, np.float32(8), np.bool_(True), np.array([8])):
+        with pytest.raises(ValueError, match=r"max_seq_len_q must be an int >= 0"):
             ops.gdpa(x, x, x, None, offsets, max_seq_len_q=bad, max_seq_len_kv=8, broadcast_q=True)
     with pytest.raises(ValueError, match="kv_offsets missing"):
         ops.gdpa(x, x, x, offsets, max_seq_len_q=8, max_seq_len_kv=8)

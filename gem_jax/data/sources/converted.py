@@ -275,7 +275,7 @@ def converted_notes(manifest: dict) -> tuple[str, ...]:
     if counts["oov_user_events"] or counts["oov_item_events"]:
         notes.append(f"out of the vocabulary (row 1): {counts['oov_user_events']} events of users, {counts['oov_item_events']} events of items")
     if counts.get("duplicate_events"):  # not counted in a conversion by an earlier gem-data
-        notes.append(f"{counts['duplicate_events']} event(s) repeat an earlier row of the log exactly; kept, each an example")
+        notes.append(f"{counts['duplicate_events']} event(s) equal to an earlier row in every column read, as parsed (times to the second); kept, each an example")
     weight = manifest["schema"]["weight"]
     if weight is not None:
         notes.append(

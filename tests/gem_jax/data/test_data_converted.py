@@ -159,14 +159,14 @@ def test_duplicate_events_are_noted_and_a_conversion_before_their_count_loads(tm
     lines = (tmp_path / "events" / "a.csv").read_text().splitlines()
     (tmp_path / "events" / "a.csv").write_text("\n".join(lines + lines[1:3]) + "\n")
     out = convert_event_log(tmp_path / "events", tmp_path / "mylog").out
-    note = "2 event(s) repeat an earlier row of the log exactly; kept, each an example"
+    note = "2 event(s) equal to an earlier row in every column read, as parsed (times to the second); kept, each an example"
     counted = load_dataset(config(out)).info
     assert note in counted.notes and counted.num_events == 42
     manifest = json.loads((out / "manifest.json").read_text())
     del manifest["counts"]["duplicate_events"], manifest["first_duplicate_event"]
     (out / "manifest.json").write_text(json.dumps(manifest))
     uncounted = load_dataset(config(out)).info
-    assert not any("repeat an earlier row" in line for line in uncounted.notes) and uncounted.fingerprint == counted.fingerprint
+    assert not any("equal to an earlier row" in line for line in uncounted.notes) and uncounted.fingerprint == counted.fingerprint
 
 
 def test_weights_are_optional_and_eval_weighs_one(tmp_path):

@@ -110,6 +110,13 @@ def test_layout_and_ids_are_checked_with_the_feature_named():
     offsets = dataclasses.replace(batch, history=dataclasses.replace(batch.history, offsets=batch.history.offsets[:2]))
     with pytest.raises(ValueError, match=r"Batch.history.offsets has shape \(2,\), expected \(3,\)"):
         check_layout(offsets, SPEC)
+    # Features are checked against the core fields' count, even when several are stale.
+    stale = dataclasses.replace(batch, user={k: np.concatenate([v, v]) for k, v in batch.user.items()},
+                                candidate_features={k: np.concatenate([v, v]) for k, v in batch.candidate_features.items()})
+    with pytest.raises(ValueError, match=r"Batch.user\['\w+'\] has shape \(4, \d+\), expected \(2, \d+\)"):
+        check_layout(stale, SPEC)
+    with pytest.raises(ValueError, match=r"Batch.weights is a list, not an array"):
+        check_layout(dataclasses.replace(batch, weights=[1.0, 1.0]), SPEC)
     labels = dataclasses.replace(batch, labels=batch.labels[:, :2])
     with pytest.raises(ValueError, match=r"Batch.labels has shape \(2, 2\), expected \(2, 3\)"):
         with nnx.use_eager_sharding(False):

@@ -144,8 +144,12 @@ def test_cli_help_lists_the_fields_and_rejects_bad_overrides(repo_root, monkeypa
     assert "data.capacity_step: float = 1.04\n      ratio of consecutive token capacities near a batch's expected rows," in out
     assert all(meaning and "undocumented" not in meaning for meaning in entries.values())
     assert max(len(line) for line in out.splitlines() if line.startswith("      ")) <= 78  # COLUMNS less argparse's margin of 2
-    # one entry per leaf of the config tree, by its dotted path (an optional part that is off, data.bbs, is a leaf)
-    assert [field.split(":")[0] for field in entries] == list(config_tree.flatten(config_tree.to_tree(TrainConfig(DataConfig()))))
+    # one entry per leaf of the config tree, by its dotted path; an optional group that is off (data.bbs) is a leaf,
+    # followed by the fields --set may give it (not its workload, a Python callable)
+    leaves = list(config_tree.flatten(config_tree.to_tree(TrainConfig(DataConfig()))))
+    at = leaves.index("data.bbs") + 1
+    assert [field.split(":")[0] for field in entries] == leaves[:at] + ["data.bbs.num_shards", "data.bbs.minibatch_size"] + leaves[at:]
+    assert entries["data.bbs.minibatch_size: int = 128"] == "BBS minibatch size, a positive even int (GEM: 128)."
     with pytest.raises(SystemExit) as done:
         train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", "/nonexistent", "--set", "model.embed_dim=x"])
     assert done.value.code == 2
