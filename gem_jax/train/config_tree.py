@@ -301,7 +301,8 @@ def attribute_docs(doc: str | None) -> dict[str, str]:
 
 
 def override_help(cls: type, prefix: str = "", width: int | None = None) -> list[str]:
-    """Every overridable leaf of dataclass `cls`: a `path: type = default` line, then what the
+    """Every overridable leaf of dataclass `cls`: a `path: type = default` line (an enum's members
+    after it), then what the
     field means, its entry in the `Attributes:` section of its class's docstring, indented by
     four and wrapped to `width` columns (None: on one line)."""
     lines = []
@@ -317,10 +318,11 @@ def override_help(cls: type, prefix: str = "", width: int | None = None) -> list
             continue
         if any(typing.get_origin(a) is Callable for a in (tp, *typing.get_args(tp))):
             continue  # set in a config file: --set takes no Python callable
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, enum.Enum):
-            default = default.name
-        lines.append(f"{path}: {_type_name(tp)} = {to_tree(default)!r}" if default is not None else f"{path}: {_type_name(tp)}")
+        line = f"{path}: {_type_name(tp)}"
+        if f.default is not dataclasses.MISSING:
+            line += f" = {to_tree(f.default)!r}"
+        choices = [member.name for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, enum.Enum) for member in a]
+        lines.append(f"{line}  (one of {', '.join(choices)})" if choices else line)
         meaning = meanings.get(f.name) or f"(undocumented: {cls.__name__}'s docstring has no entry for {f.name})"
         lines += textwrap.wrap(meaning, width, initial_indent="    ", subsequent_indent="    ", break_long_words=False, break_on_hyphens=False) if width else [f"    {meaning}"]
         if (group := _optional_group(tp)) is not None:  # off by default; `--set path.field=...` turns it on

@@ -274,7 +274,9 @@ def converted_notes(manifest: dict) -> tuple[str, ...]:
     ]
     if counts["oov_user_events"] or counts["oov_item_events"]:
         notes.append(f"out of the vocabulary (row 1): {counts['oov_user_events']} events of users, {counts['oov_item_events']} events of items")
-    if counts.get("duplicate_events"):  # not counted in a conversion by an earlier gem-data
+    if "duplicate_events" not in counts:
+        notes.append("duplicate events not counted (converted by an earlier gem-data; convert again into a new --out to count them)")
+    elif counts["duplicate_events"]:
         notes.append(f"{counts['duplicate_events']} event(s) equal to an earlier row in every column read, as parsed (times to the second); kept, each an example")
     weight = manifest["schema"]["weight"]
     if weight is not None:

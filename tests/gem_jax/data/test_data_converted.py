@@ -154,7 +154,7 @@ def test_the_fingerprint_is_the_data_not_the_place(converted, tmp_path):
 
 def test_duplicate_events_are_noted_and_a_conversion_before_their_count_loads(tmp_path):
     """Rows repeating an earlier row are a line of the data set summary; a conversion written before they were
-    counted loads, says nothing of them (not counted, rather than none) and keeps its fingerprint."""
+    counted loads, says they were not counted (rather than none) and keeps its fingerprint."""
     write_event_log(tmp_path / "events", num_train=30, num_eval=10)
     lines = (tmp_path / "events" / "a.csv").read_text().splitlines()
     (tmp_path / "events" / "a.csv").write_text("\n".join(lines + lines[1:3]) + "\n")
@@ -167,6 +167,7 @@ def test_duplicate_events_are_noted_and_a_conversion_before_their_count_loads(tm
     (out / "manifest.json").write_text(json.dumps(manifest))
     uncounted = load_dataset(config(out)).info
     assert not any("equal to an earlier row" in line for line in uncounted.notes) and uncounted.fingerprint == counted.fingerprint
+    assert "duplicate events not counted (converted by an earlier gem-data; convert again into a new --out to count them)" in uncounted.notes
 
 
 def test_weights_are_optional_and_eval_weighs_one(tmp_path):

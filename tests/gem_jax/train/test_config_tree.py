@@ -138,9 +138,9 @@ def test_cli_help_lists_the_fields_and_rejects_bad_overrides(repo_root, monkeypa
     entries = _help_entries(out)
     assert entries["loop.eval_every: int = 0"] == "steps between evaluations (0: none before the end); a run that reaches `num_steps` always ends with one."
     assert entries["model.embed_dim: int = 64"] == "width d of every token (history events and feature tokens)."
-    assert entries["model.remat.budget_gb: float | None"].startswith("the step's device memory budget in GB (1e9 bytes; None: no budget, `policies` decide)")
+    assert entries["model.remat.budget_gb: float | None = None"].startswith("the step's device memory budget in GB (1e9 bytes; None: no budget, `policies` decide)")
     assert entries["data.synthetic.num_users: int = 10000"] == "vocabulary sizes including PAD_ID."  # `num_items, num_users: ...`
-    assert entries["rules.default_table.out_of_range: OutOfRange = 'ERROR'"].startswith("what a lookup does with an id outside `[0, num_rows)`")
+    assert entries["rules.default_table.out_of_range: OutOfRange = 'ERROR'  (one of ERROR, ZERO, HASH)"].startswith("what a lookup does with an id outside `[0, num_rows)`")
     assert "data.capacity_step: float = 1.04\n      ratio of consecutive token capacities near a batch's expected rows," in out
     assert all(meaning and "undocumented" not in meaning for meaning in entries.values())
     assert max(len(line) for line in out.splitlines() if line.startswith("      ")) <= 78  # COLUMNS less argparse's margin of 2
@@ -186,7 +186,10 @@ def test_attribute_docs_reads_the_attributes_section_of_a_google_style_docstring
     assert config_tree.attribute_docs("""Attributes:
     steps: not under the header once the docstring is dedented.
     """) == {}
-    assert config_tree.override_help(TrainConfig, width=None)[:2] == ["data.source: Source = 'ML_LATEST_SMALL'", f"    {config_tree.attribute_docs(DataConfig.__doc__)['source']}"]
+    assert config_tree.override_help(TrainConfig, width=None)[:2] == [
+        "data.source: Source = 'ML_LATEST_SMALL'  (one of ML_LATEST_SMALL, ML_100K, AMAZON_BEAUTY, SYNTHETIC, EVENTS)",
+        f"    {config_tree.attribute_docs(DataConfig.__doc__)['source']}",
+    ]
 
 
 def _config_classes(tp: typing.Any, found: list[type]) -> list[type]:
