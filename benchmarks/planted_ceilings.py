@@ -27,10 +27,10 @@ tell about the user). With `--online`, the **fitted_online_<passes>** rows ask w
 learns within a job's budget rather than at convergence: the same inputs trained as the GEM-width job
 (`configs/planted_gem.py`) trains, in shuffled batches of 1024 train events with that config's own
 optimizer (row-wise Adagrad on the effects, AdamW with warm-up and cosine decay on the bias and
-weights; both rates chosen on the held-out tenth), for
-1800 steps (the job's 1.07 passes) and for 2, 4 and 8 passes. Each row's share of the oracle's AUC
-lift over the item-mean baseline is reported beside it. The log is generated in memory (`gem_jax.data.planted.generate`), as `gem-data plant`
-writes it for the same preset and seed.
+weights; both rates chosen on the held-out tenth), for 1800 steps (the job's 1.07 passes) and for 2, 4
+and 8 passes. Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside
+it. The log is generated in memory (`gem_jax.data.planted.generate`), as `gem-data plant` writes it for
+the same preset and seed.
 """
 
 from __future__ import annotations

@@ -203,16 +203,6 @@ class Batch:
         return self.candidate_item.shape[0]
 
 
-def _core_counts(batch: Batch) -> dict[str, int]:
-    """The example count each per-example core field gives: history.offsets (B + 1 rows), candidate_item,
-    labels, weights (-1 for a field without a leading axis)."""
-    offsets = batch.history.offsets
-    counts = {"history.offsets": offsets.shape[0] - 1 if offsets.ndim == 1 else -1}
-    counts |= {name: x.shape[0] if x.ndim else -1 for name, x in
-               (("candidate_item", batch.candidate_item), ("labels", batch.labels), ("weights", batch.weights))}
-    return counts
-
-
 def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> None:
     """Checks every field's shape (and the feature names) against `spec`; works on traced arrays.
 
@@ -224,9 +214,9 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
       ValueError: a field that is not an array, no example (B = 0), a missing or unknown feature,
         or a field of the wrong shape (field and both shapes named).
     """
-    fields = {"history.values": batch.history.values, "history.offsets": batch.history.offsets, "candidate_item": batch.candidate_item,
-              "labels": batch.labels, "weights": batch.weights}
+    fields = {"history.offsets": batch.history.offsets, "history.values": batch.history.values, "candidate_item": batch.candidate_item}
     fields |= {f"user[{k!r}]": v for k, v in batch.user.items()} | {f"candidate_features[{k!r}]": v for k, v in batch.candidate_features.items()}
+    fields |= {"labels": batch.labels, "weights": batch.weights}
     for name, x in fields.items():
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
             raise ValueError(f"{where}: Batch.{name} is a {type(x).__name__}, not an array (numpy or jax)")
@@ -237,22 +227,25 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
                 f"{where}: Batch.{field} holds features {sorted(given)}, the spec {sorted(wanted)} "
                 f"(missing {sorted(wanted - given)}, unknown {sorted(given - wanted)})"
             )
-    counts = _core_counts(batch)
+    # Each core field's example count (-1 for a field without a leading axis; offsets have B + 1 rows).
+    counts = {name: fields[name].shape[0] - (name == "history.offsets") if fields[name].ndim else -1
+              for name in ("history.offsets", "candidate_item", "labels", "weights")}
     votes = list(counts.values())
     b = max(votes, key=lambda c: (votes.count(c), c == counts["history.offsets"]))
     if b < 1:
         shown = ", ".join(f"{name} {c}" if c >= 0 else f"{name} none (no leading axis)" for name, c in counts.items())
         raise ValueError(f"{where}: a batch holds at least one example; the example counts its fields give: {shown}")
     expected = {
-        "history.offsets": ((b + 1,), batch.history.offsets.shape),
-        "history.values": ((None, spec.history_width), batch.history.values.shape),
-        "candidate_item": ((b,), batch.candidate_item.shape),
-        **{f"user[{f.name!r}]": ((b, f.max_values), batch.user[f.name].shape) for f in spec.user_features},
-        **{f"candidate_features[{f.name!r}]": ((b, f.max_values), batch.candidate_features[f.name].shape) for f in spec.item_features},
-        "labels": ((b, spec.num_tasks), batch.labels.shape),
-        "weights": ((b,), batch.weights.shape),
+        "history.offsets": (b + 1,),
+        "history.values": (None, spec.history_width),
+        "candidate_item": (b,),
+        **{f"user[{f.name!r}]": (b, f.max_values) for f in spec.user_features},
+        **{f"candidate_features[{f.name!r}]": (b, f.max_values) for f in spec.item_features},
+        "labels": (b, spec.num_tasks),
+        "weights": (b,),
     }
-    for name, (want, got) in expected.items():
+    for name, want in expected.items():
+        got = fields[name].shape
         if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
             shown = tuple("T" if w is None else w for w in want)
             raise ValueError(

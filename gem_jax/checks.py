@@ -62,6 +62,17 @@ def check_bool(obj: Any, name: str) -> None:
         raise TypeError(f"{_where(obj, name)} must be a bool, got {value!r} ({type(value).__name__})")
 
 
+def write_problem(folder: Path) -> str | None:
+    """Why nothing can be created in the existing directory `folder` (read-only, immutable, foreign-owned
+    or a pseudo filesystem), e.g. "PermissionError: Permission denied", or None. Probed by creating an
+    empty temporary directory there and removing it at once."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gem-write-probe-", dir=folder))
+    except OSError as error:
+        return f"{type(error).__name__}: {error.strerror or error}"
+    return None
+
+
 def output_directory_problem(path: str, option: str) -> str | None:
     """Why `path`, given as `option` (e.g. "--workdir"), cannot be a directory a command writes into, or None.
 
@@ -78,11 +89,8 @@ def output_directory_problem(path: str, option: str) -> str | None:
     for folder in (target, *target.parents):
         if folder.exists():
             if folder.is_dir():
-                try:  # read-only, foreign-owned or a pseudo filesystem: found now, not after the work
-                    os.rmdir(tempfile.mkdtemp(prefix=".gem-write-probe-", dir=folder))
-                except OSError as error:
-                    return f"{option} {path}: nothing can be created in {folder} ({type(error).__name__}: {error.strerror or error})"
-                return None
+                problem = write_problem(folder)
+                return None if problem is None else f"{option} {path}: nothing can be created in {folder} ({problem})"
             if folder == target:
                 return f"{option} {path}: a file of that name exists; it must be a directory (or not exist yet)"
             return f"{option} {path}: {folder} is a file, so no directory can be made under it"

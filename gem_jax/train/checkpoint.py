@@ -54,7 +54,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from gem_jax.checks import check_bool, check_int
+from gem_jax.checks import check_bool, check_int, write_problem
 from gem_jax.train import disk_space, integrity, snapshot
 from gem_jax.train.state import TrainState
 from gem_jax.units import format_bytes
@@ -267,19 +267,13 @@ class Checkpointer:
         snapshot (`CheckpointConfig.snapshot`), so that no compile follows the first step.
 
         Raises:
-          CheckpointSpaceError: the folder cannot be written (a file is created and removed
-            there), the peak does not fit in the free space (needed, free, the path and what
+          CheckpointSpaceError: the folder cannot be written (`gem_jax.checks.write_problem`), the peak does not fit in the free space (needed, free, the path and what
             to change named), or a shard exceeds the write bound.
         """
-        probe = self.directory / f".gem-write-probe-{os.getpid()}-{jax.process_index()}"
-        try:
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as error:  # read-only, immutable or foreign-owned: found now, not at the first save after training
+        if (problem := write_problem(self.directory)) is not None:  # found now, not at the first save after training
             raise disk_space.CheckpointSpaceError(
-                f"{self.directory}: the checkpoint folder cannot be written ({type(error).__name__}: {error.strerror or error}); "
-                "make it writable or use another --workdir"
-            ) from None
+                f"{self.directory}: the checkpoint folder cannot be written ({problem}); make it writable or use another --workdir"
+            )
         abstract_state = _checkpointed(abstract_state)
         self._copy_bytes = disk_space.checkpoint_bytes(abstract_state)
         largest = disk_space.largest_shard_bytes(abstract_state)

@@ -302,9 +302,9 @@ def attribute_docs(doc: str | None) -> dict[str, str]:
 
 def override_help(cls: type, prefix: str = "", width: int | None = None) -> list[str]:
     """Every overridable leaf of dataclass `cls`: a `path: type = default` line (an enum's members
-    after it), then what the
-    field means, its entry in the `Attributes:` section of its class's docstring, indented by
-    four and wrapped to `width` columns (None: on one line)."""
+    after it), then what the field means, its entry in the `Attributes:` section of its class's
+    docstring, indented by four and wrapped to `width` columns (None: on one line). An optional
+    group's fields follow its own line; a callable field, which `--set` cannot take, is left out."""
     lines = []
     hints = _field_types(cls)
     meanings = attribute_docs(cls.__doc__)

@@ -81,6 +81,11 @@ def check_same(a_name: str, a, b_name: str, b) -> None:
         raise ValueError(f"{a_name} and {b_name} disagree: {a_name}[{i}]={int(a[i])} != {b_name}[{i}]={int(b[i])}")
 
 
+def is_count(value) -> bool:
+    """Whether `value` is a static int >= 0 (a Python or numpy integer; not a bool, float or array)."""
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 0
+
+
 def bound(explicit: int | None, container, explicit_name: str, what: str) -> int:
     """`explicit`, else the container's `max_seq_len`.
 
@@ -90,7 +95,7 @@ def bound(explicit: int | None, container, explicit_name: str, what: str) -> int
     bound_ = explicit if explicit is not None else getattr(container, "max_seq_len", None) if is_jagged(container) else None
     if bound_ is None:
         raise ValueError(f"{explicit_name} missing: pass it, or {what} as a jagged container with a max_seq_len")
-    if isinstance(bound_, bool) or not isinstance(bound_, (int, np.integer)) or bound_ < 0:
+    if not is_count(bound_):
         raise ValueError(f"{explicit_name} must be an int >= 0 (a static bound on every sequence length), got {bound_!r}")
     return int(bound_)
 

@@ -129,8 +129,6 @@ def gdpa(
     if not broadcast_q and q_offsets.shape != kv_offsets.shape:
         shapes = f"{q_offsets.shape} and {kv_offsets.shape}"
         raise ValueError(f"q_offsets and kv_offsets must both be int32 [B+1] unless broadcast_q=True; got {shapes}")
-    if max_seq_len_q < 0 or max_seq_len_kv < 0:
-        raise ValueError(f"max_seq_len_q and max_seq_len_kv must be >= 0; got {max_seq_len_q}, {max_seq_len_kv}")
     jagged_layout.check_offsets(kv_offsets, k.shape[0], max_seq_len_kv, name="kv_offsets")
     if not broadcast_q:
         jagged_layout.check_offsets(q_offsets, q.shape[0], max_seq_len_q, name="q_offsets")

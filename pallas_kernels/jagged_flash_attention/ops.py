@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import jagged_layout
 from pallas_kernels._src import dispatch, jagged_args, shared_lowering
@@ -84,7 +83,7 @@ def jagged_flash_attention(
     """
     container, q, k, v, offsets, max_seq_len = jagged_args.self_attention_operands(q, k, v, offsets, max_seq_len)
     if window is not None:
-        if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0 for w in window):
+        if len(window) != 2 or not all(jagged_args.is_count(w) for w in window):
             raise ValueError(f"window must be (left, right) of non-negative ints; got {window!r}")
         window = tuple(int(w) for w in window)
     jagged_layout.check_offsets(offsets, q.shape[0], max_seq_len)

@@ -2,7 +2,7 @@
 
 Two streaming passes over the input, in memory bounded by `ConvertOptions.memory_mb`:
 
-1. Every input file is read in record batches (`readers.stream_columns`), its
+1. Every input file is read in record batches (`readers.stream_rows`), its
    values checked, its item ids, actions and feature values counted (in a
    second thread, one batch behind), and its rows appended, by a hash of the user id,
    to one of B bucket files (Arrow IPC, in a scratch folder of the output).
@@ -75,7 +75,7 @@ import pyarrow.parquet as pq
 
 from gem_jax.data.ingest import manifest as manifest_lib
 from gem_jax.data.ingest.readers import (
-    BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, require_columns, row_location, stream_columns, stream_rows,
+    BadRows, ColumnKind, Format, InputFile, event_kinds, expand_inputs, prefetched, require_columns, row_location, stream_rows,
 )
 from gem_jax.data.ingest.records import RecordLayout
 from gem_jax.data.ingest.shard_writer import ShardWriters
@@ -457,7 +457,7 @@ def _read_table(schema: EventSchema, side: Side, bad: BadRows, block_size: int) 
     features = schema.side_features(side)
     key = schema.key(side)
     kinds = {key: ColumnKind.ID} | {f.name: ColumnKind.MULTI_CATEGORY if f.multi else ColumnKind.CATEGORY for f in features}
-    parts = [pa.table(columns) for _, columns in stream_columns(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)]
+    parts = [pa.table(columns) for _, columns, _ in stream_rows(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)]
     table = pa.concat_tables(parts) if parts else pa.table({c: pa.array([], pa.string()) for c in kinds})
     codes = pc.dictionary_encode(table[key]).combine_chunks()
     _, first = np.unique(codes.indices.to_numpy(), return_index=True)

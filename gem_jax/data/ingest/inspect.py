@@ -21,7 +21,7 @@ import numpy as np
 
 from gem_jax.data.ingest.batch_layout import LayoutReport, layout_report
 from gem_jax.data.ingest.manifest import read_manifest
-from gem_jax.data.ingest.readers import BadRows, Format, event_kinds, expand_inputs, parquet_column_types, stream_columns
+from gem_jax.data.ingest.readers import BadRows, Format, event_kinds, expand_inputs, parquet_column_types, stream_rows
 from gem_jax.data.ingest.schema import EventSchema, label_values
 from gem_jax.data.ingest.stats import length_summary, text_histogram
 from gem_jax.data.ingest.vocab import CountAccumulator
@@ -75,7 +75,7 @@ def inspect_raw(inputs: Sequence[str | os.PathLike], schema: EventSchema, on_bad
     features = {f.name: CountAccumulator() for f in schema.features if schema.table(f.side) is None}
     positives = np.zeros(len(schema.labels), dtype=np.int64)
     events, low, high = 0, None, None
-    for _, columns in stream_columns(files, kinds, bad, separator=schema.multi_separator):
+    for _, columns, _ in stream_rows(files, kinds, bad, separator=schema.multi_separator):
         n = len(columns[schema.time])
         if not n:
             continue

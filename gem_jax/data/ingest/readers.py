@@ -1,18 +1,17 @@
 """Streaming readers of CSV/TSV and Parquet event logs, with per-row checks.
 
 `expand_inputs` turns paths, directories and globs into a sorted list of
-`InputFile`s; `stream_columns` yields their rows in record batches (pyarrow
+`InputFile`s; `stream_rows` yields their rows in record batches (pyarrow
 `csv.open_csv` blocks, `ParquetFile.iter_batches` per row group), parsed
 column by column with vectorised pyarrow / numpy code, never reading a whole
-file (`stream_rows` also gives each row's line or row number, which
-`row_location` names). A malformed value is reported through `BadRows`: under
-`OnBadRow.RAISE` the first one raises `BadRowError` naming the file, the line
-(CSV) or row group and row (Parquet, both 0-based), the column and the value;
-under `OnBadRow.SKIP` its row is dropped and counted by file and kind (but a
-CSV record that an unclosed quote runs over several lines raises in every mode:
-skipping it would drop all of those lines as one row). A
-missing or mistyped column, and Parquet files whose column types disagree,
-raise `DataFormatError` naming the file(s).
+file, with each row's line or row number (`row_location` names it). A malformed
+value is reported through `BadRows`: under `OnBadRow.RAISE` the first one raises
+`BadRowError` naming the file, the line (CSV) or row group and row (Parquet, both
+0-based), the column and the value; under `OnBadRow.SKIP` its row is dropped and
+counted by file and kind (but a CSV record that an unclosed quote runs over
+several lines raises in every mode: skipping it would drop all of those lines as
+one row). A missing or mistyped column, and Parquet files whose column types
+disagree, raise `DataFormatError` naming the file(s).
 
 CSV files are read with a header line, RFC 4180 quoting (a quoted field may
 hold the delimiter, not a line break: such a record is a bad row,
@@ -61,7 +60,7 @@ class Format(enum.Enum):
 
 
 class ColumnKind(enum.Enum):
-    """How a column is parsed (`stream_columns`)."""
+    """How a column is parsed (`stream_rows`)."""
 
     ID = "id"  # non-empty string (integers become their decimal text)
     TIME = "time"  # int64: integers as given, ISO 8601 (UTC or with an offset) / Parquet timestamps as Unix seconds, fractions floored
@@ -175,11 +174,6 @@ def _csv_lines(skipped_lines: list[int], k: np.ndarray) -> np.ndarray:
     return k + 2 + np.searchsorted(adjusted, k, side="right")
 
 
-def _csv_line_locator(skipped_lines: list[int], rows_before: int) -> Callable[[int], str]:
-    """`line N` of a batch's row i (`_csv_line`)."""
-    return lambda i: f"line {_csv_line(skipped_lines, rows_before + i)}"
-
-
 def _line_breaks(path: str, batch: pa.RecordBatch, skipped_lines: list[int], rows_before: int, bad: BadRows) -> np.ndarray:
     """bool `[rows]`: the batch's rows whose quoted fields hold a line break (pyarrow takes them
     within a block). Each is reported as a bad row at its first line, and its continuation lines
@@ -261,17 +255,13 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
             for column in batch.columns[1:]:
                 blank &= pc.equal(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
         blank |= _line_breaks(str(file), batch, skipped_lines, rows_before, bad)  # reported, then left out like blank lines
-        locate = _csv_line_locator(list(skipped_lines), rows_before)
         lines = _csv_lines(skipped_lines, np.arange(rows_before, rows_before + batch.num_rows, dtype=np.int64))
         rows_before += batch.num_rows
         batch = batch.select(list(columns))
         if blank.any():
             batch = batch.filter(pa.array(~blank))
-            positions = np.flatnonzero(~blank)
-            lines = lines[positions]
-            base = locate
-            locate = lambda i, base=base, positions=positions: base(int(positions[i]))  # noqa: E731
-        yield batch, locate, lines
+            lines = lines[~blank]
+        yield batch, (lambda i, lines=lines: f"line {int(lines[i])}"), lines
 
 
 def _csv_header(file: InputFile) -> list[str]:
@@ -625,20 +615,6 @@ def prefetched(items: Iterator[T]) -> Iterator[T]:
         while (item := upcoming.result()) is not end:
             upcoming = pool.submit(next, items, end)
             yield item
-
-
-def stream_columns(
-    files: Sequence[InputFile],
-    kinds: dict[str, ColumnKind],
-    bad: BadRows,
-    *,
-    separator: str = "|",
-    block_size: int = 16 << 20,
-    on_file: Callable[[InputFile], None] | None = None,
-) -> Iterator[tuple[InputFile, dict[str, object]]]:
-    """Parsed columns of `files`, a record batch at a time: `stream_rows` without the rows' places."""
-    for file, columns, _ in stream_rows(files, kinds, bad, separator=separator, block_size=block_size, on_file=on_file):
-        yield file, columns
 
 
 def stream_rows(

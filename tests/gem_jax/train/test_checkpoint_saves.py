@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import os
 import subprocess
 import threading
 import time
@@ -331,14 +332,14 @@ def test_disk_full_in_the_background_write_keeps_the_last_good_step(tmp_path, mo
 
 def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_the_first_step(tmp_path, monkeypatch):
     checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1))
-    write_bytes = Path.write_bytes
+    mkdir = os.mkdir
 
-    def refused(path, data):
-        if path.parent == tmp_path / "ckpt":
+    def refused(path, *args, **kwargs):  # what a read-only folder answers to the probe's directory
+        if Path(path).parent == tmp_path / "ckpt":
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return write_bytes(path, data)
+        return mkdir(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "write_bytes", refused)
+    monkeypatch.setattr(os, "mkdir", refused)
     with pytest.raises(CheckpointSpaceError, match=rf"^{tmp_path / 'ckpt'}: the checkpoint folder cannot be written \(PermissionError: Permission denied\)"):
         checkpointer.preflight(_state())
     monkeypatch.undo()
