@@ -1,6 +1,6 @@
 """What a model can reach on a planted log, by what it reads off the history: the oracle and its ceilings.
 
-    PYTHONPATH=. python3 benchmarks/planted_ceilings.py --preset long-range --online --out benchmarks/results/planted_ceilings_long_range.json
+    PYTHONPATH=. python3 benchmarks/planted_ceilings.py --preset long-range --online --learned-vectors --out benchmarks/results/planted_ceilings_long_range.json
 
 `gem_jax.train.oracle.oracle_report` on the split (`--split`, as `gem-data convert --split` takes it)
 scores the oracle, the item-mean baseline, and the oracle without the history or without its long-range
@@ -28,7 +28,13 @@ learns within a job's budget rather than at convergence: the same inputs trained
 (`configs/planted_gem.py`) trains, in shuffled batches of 1024 train events with that config's own
 optimizer (row-wise Adagrad on the effects, AdamW with warm-up and cosine decay on the bias and
 weights; both rates chosen on the held-out tenth), for 1800 steps (the job's 1.07 passes) and for 2, 4
-and 8 passes. Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside
+and 8 passes. With `--learned-vectors`, the **learned_<form>_<passes>** rows drop the last thing the fitted
+rows are given: the latent vectors. Their recent signal is the mean dot product of vectors learned from the ids
+(an embedding table of the planted `latent_dim` under the job's row-wise Adagrad, trained as the online rows,
+rates and the vectors' starting scale chosen on the held-out tenth): `category_vectors`, one per category (what
+a model reading the history's categories can learn), and `item_vectors`, each item's category vector plus its
+own (the oracle's form, what a model reading item ids can learn), for the job's budget and for 4 passes. They
+are the planted form learning what a network has to learn, within the data a job sees. Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside
 it. The log is generated in memory (`gem_jax.data.planted.generate`), as `gem-data plant` writes it for
 the same preset and seed.
 """
@@ -118,17 +124,17 @@ def held_out_tenth(time: np.ndarray, is_eval: np.ndarray) -> tuple[np.ndarray, n
 
 def fitted_row(user, item, signals, labels, time, is_eval, num_users: int, num_items: int) -> dict:
     """The fitted row (module docstring): `{"quality": Quality on the eval events, "l2": the chosen penalty,
-    "validation_ne": {l2: NE of the held-out train tenth}}`."""
-    train, fit_on, held = held_out_tenth(time, is_eval)
-    validation_ne = {}
-    for l2 in L2_GRID:
-        params = fit_logistic(user[fit_on], item[fit_on], signals[fit_on], labels[fit_on], num_users, num_items, l2)
-        validation_ne[l2] = quality(fitted_logit(params, user[held], item[held], signals[held], num_users), labels[held]).ne
-    chosen = min(validation_ne, key=validation_ne.get)
-    params = fit_logistic(user[train], item[train], signals[train], labels[train], num_users, num_items, chosen)
-    held_out = np.flatnonzero(is_eval)
-    scored = quality(fitted_logit(params, user[held_out], item[held_out], signals[held_out], num_users), labels[held_out])
-    return {"quality": scored, "l2": chosen, "validation_ne": {str(k): v for k, v in validation_ne.items()}, "weights": params[1:1 + signals.shape[1]].tolist()}
+    "validation_ne": {l2: NE of the held-out train tenth}, "weights": the signals' fitted weights}`."""
+
+    def fit(events, setting):
+        return None, fit_logistic(user[events], item[events], signals[events], labels[events], num_users, num_items, setting[0])
+
+    def logit(params, events):
+        return fitted_logit(params, user[events], item[events], signals[events], num_users)
+
+    row = chosen_and_refitted(fit, logit, [(l2,) for l2 in L2_GRID], time, is_eval, labels)
+    return {"quality": row["quality"], "l2": row["setting"][0], "validation_ne": row["validation_ne"],
+            "weights": row["params"][1:1 + signals.shape[1]].tolist()}
 
 
 # The online rows: the planted form trained as the GEM-width job (configs/planted_gem.py) trains: its batch size
@@ -141,30 +147,51 @@ WEIGHT_RATES = (3e-3, 1e-2, 3e-2)
 JOB_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "planted_gem.py"
 
 
+def job_optimizer(job: TrainConfig, steps: int, effect_lr: float, weight_lr: float) -> optax.GradientTransformation:
+    """`job.optim` through `make_optimizer` with its dense rate `weight_lr`, its embedding rate `effect_lr`, and its
+    warm-up share and cosine decay stretched to `steps` updates."""
+    warmup = max(1, round(job.optim.warmup_steps / job.loop.num_steps * steps))  # the job's warm-up share of any budget
+    return make_optimizer(dataclasses.replace(job.optim, learning_rate=weight_lr, embedding_learning_rate=effect_lr,
+                                              warmup_steps=warmup, decay_steps=max(1, steps - warmup)))
+
+
+def shuffled_batches(n: int, batch: int, steps: int, seed: int = 0) -> np.ndarray:
+    """int64 `[steps, batch]` indices into `n` events: each pass its own seeded permutation cut into batches, the
+    last, shorter batch of a pass dropped (as the trainer's shuffled batches drop it)."""
+    per_pass = n // batch
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(n)[: per_pass * batch] for _ in range(-(-steps // per_pass))])
+    return order[: steps * batch].reshape(steps, batch)
+
+
+def train_online(loss, params, optimizer: optax.GradientTransformation, batches: np.ndarray):
+    """`params` after one `optimizer` update of `loss(params, batch)` per row of `batches`, in one `lax.scan`."""
+
+    def step(carry, batch):
+        params, state = carry
+        updates, state = optimizer.update(jax.grad(loss)(params, batch), state, params)
+        return (optax.apply_updates(params, updates), state), None
+
+    (params, _), _ = jax.jit(lambda carry: jax.lax.scan(step, carry, jnp.asarray(batches)))((params, optimizer.init(params)))
+    return params
+
+
 def fit_online(user, item, signals, labels, num_users: int, num_items: int, *, steps: int, effect_lr: float, weight_lr: float,
                job: TrainConfig, seed: int = 0) -> np.ndarray:
     """`steps` minibatch steps of the planted form's mean log loss with `job`'s optimizer (the ONLINE_* comment).
 
     Args:
       user, item: int `[N]` ids in `[0, num_users)`, `[0, num_items)`; signals: float `[N, K]`; labels: 0/1 `[N]`.
-      steps: updates; each pass over the N events is its own seeded permutation cut into batches of
-        `job.data.batch_size` (the last, shorter batch of a pass dropped, as the trainer's shuffled batches drop it).
-      effect_lr, weight_lr: `job.optim`'s embedding and dense rates, replaced; its schedule is stretched to `steps`.
+      steps: updates, over `shuffled_batches` of `job.data.batch_size`.
+      effect_lr, weight_lr: `job.optim`'s embedding and dense rates, replaced; its schedule is stretched to `steps`
+        (`job_optimizer`).
       job: the GEM-width job's config (`load_config(JOB_CONFIG)`).
 
     Returns:
       float64 `[1 + K + num_users + num_items]` (`fit_logistic`'s layout): bias, signal weights, user and item
-      effects; trained in float32, one `lax.scan`.
+      effects; trained in float32.
     """
-    n, k = signals.shape
-    batch = job.data.batch_size
-    per_pass = n // batch
-    rng = np.random.default_rng(seed)
-    order = np.concatenate([rng.permutation(n)[: per_pass * batch] for _ in range(-(-steps // per_pass))])
-    warmup = max(1, round(job.optim.warmup_steps / job.loop.num_steps * steps))  # the job's warm-up share of any budget
-    optim = dataclasses.replace(job.optim, learning_rate=weight_lr, embedding_learning_rate=effect_lr,
-                                warmup_steps=warmup, decay_steps=max(1, steps - warmup))
-    optimizer = make_optimizer(optim)
+    k = signals.shape[1]
     user, item = jnp.asarray(user, jnp.int32), jnp.asarray(item, jnp.int32) + num_users
     signals, labels = jnp.asarray(signals, jnp.float32), jnp.asarray(labels, jnp.float32)
 
@@ -173,15 +200,29 @@ def fit_online(user, item, signals, labels, num_users: int, num_items: int, *, s
         logit = params["dense"][0] + signals[batch] @ params["dense"][1:] + effects[user[batch]] + effects[item[batch]]
         return jnp.mean(jnp.logaddexp(0.0, logit) - labels[batch] * logit)
 
-    def step(carry, batch):
-        params, state = carry
-        updates, state = optimizer.update(jax.grad(loss)(params, batch), state, params)
-        return (optax.apply_updates(params, updates), state), None
-
     params = {"dense": jnp.zeros(1 + k), "effects": {EMBEDDING_PARAM: jnp.zeros((num_users + num_items, 1))}}
-    batches = jnp.asarray(order[: steps * batch].reshape(steps, batch))
-    (params, _), _ = jax.jit(lambda carry: jax.lax.scan(step, carry, batches))((params, optimizer.init(params)))
+    batches = shuffled_batches(user.size, job.data.batch_size, steps, seed)
+    params = train_online(loss, params, job_optimizer(job, steps, effect_lr, weight_lr), batches)
     return np.concatenate([np.asarray(params["dense"], np.float64), np.asarray(params["effects"][EMBEDDING_PARAM][:, 0], np.float64)])
+
+
+def chosen_and_refitted(fit, logit, grid, time, is_eval, labels) -> dict:
+    """Fits `fit(events, setting) -> (steps, params)` on the train split's first nine tenths in time for each setting
+    of `grid` (tuples), keeps the one whose `logit(params, events)` has the lowest NE on the last tenth, refits it on
+    every train event and scores the eval events: `{"steps", "quality", "setting": list, "validation_ne":
+    {"a/b/...": NE}, "params": the refit's}`."""
+    train, fit_on, held = held_out_tenth(time, is_eval)
+    validation_ne = {setting: quality(logit(fit(fit_on, setting)[1], held), labels[held]).ne for setting in grid}
+    chosen = min(validation_ne, key=validation_ne.get)
+    steps, params = fit(train, chosen)
+    scored = quality(logit(params, np.flatnonzero(is_eval)), labels[is_eval])
+    return {"steps": steps, "quality": scored, "setting": list(chosen), "params": params,
+            "validation_ne": {"/".join(f"{v:g}" for v in setting): ne for setting, ne in validation_ne.items()}}
+
+
+def job_passes(passes: float | None, job: TrainConfig, train_events: int) -> float:
+    """`passes` over the train events, or for None the job's own budget: `num_steps` batches."""
+    return job.loop.num_steps * job.data.batch_size / train_events if passes is None else float(passes)
 
 
 def online_rows(user, item, signals, labels, time, is_eval, num_users: int, num_items: int, passes_list=ONLINE_PASSES) -> dict:
@@ -191,28 +232,123 @@ def online_rows(user, item, signals, labels, time, is_eval, num_users: int, num_
     "validation_ne"}}`."""
     job = load_config(JOB_CONFIG)
     batch = job.data.batch_size
-    train, fit_on, held = held_out_tenth(time, is_eval)
-    held_out = np.flatnonzero(is_eval)
     labels = labels.astype(np.float64)
     rows = {}
     for passes in passes_list:
-        passes = job.loop.num_steps * batch / train.size if passes is None else float(passes)
+        passes = job_passes(passes, job, int((~is_eval).sum()))
 
-        def fitted(events, rates):
+        def fit(events, rates):
             steps = max(1, round(passes * events.size / batch))
             params = fit_online(user[events], item[events], signals[events], labels[events], num_users, num_items,
                                 steps=steps, effect_lr=rates[0], weight_lr=rates[1], job=job)
             return steps, params
 
-        validation_ne = {}
-        for rates in ((e, w) for e in EFFECT_RATES for w in WEIGHT_RATES):
-            params = fitted(fit_on, rates)[1]
-            validation_ne[rates] = quality(fitted_logit(params, user[held], item[held], signals[held], num_users), labels[held]).ne
-        chosen = min(validation_ne, key=validation_ne.get)
-        steps, params = fitted(train, chosen)
-        scored = quality(fitted_logit(params, user[held_out], item[held_out], signals[held_out], num_users), labels[held_out])
-        rows[f"{passes:.3f}"] = {"steps": steps, "quality": scored, "rates": list(chosen),
-                                 "validation_ne": {f"{e:g}/{w:g}": v for (e, w), v in validation_ne.items()}}
+        def logit(params, events):
+            return fitted_logit(params, user[events], item[events], signals[events], num_users)
+
+        row = chosen_and_refitted(fit, logit, [(e, w) for e in EFFECT_RATES for w in WEIGHT_RATES], time, is_eval, labels)
+        row["rates"] = row.pop("setting")
+        rows[f"{passes:.3f}"] = row
+    return rows
+
+
+# The learned-vector rows: the planted form with its recent signal from item vectors learned from the ids, as a
+# network has to learn them, trained as the online rows are (the job's batches and optimizer; the vectors are an
+# embedding table under its row-wise Adagrad). CATEGORY_VECTORS: one learned vector per category (what the history's
+# categories allow); ITEM_VECTORS: each item's category vector plus one of its own (the oracle's form). The vectors
+# have the planted `latent_dim`, a start drawn from N(0, scale^2); rates and scale chosen on the held-out tenth.
+CATEGORY_VECTORS, ITEM_VECTORS = "category_vectors", "item_vectors"
+VECTOR_PASSES = (None, 4.0)
+VECTOR_EFFECT_RATES = (0.03, 0.1, 0.3)
+VECTOR_WEIGHT_RATES = (1e-2, 3e-2)
+VECTOR_INIT_SCALES = (0.03, 0.1, 0.3)
+VECTOR_SCORE_CHUNK = 65_536  # events a scoring call takes
+
+
+def recent_items(item: np.ndarray, position: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """int32 `[N, window]`: each event's items 1..`window` events back in its user's sequence, and float32 `[N, window]`:
+    1 where that event exists (`position` >= its distance), else 0 (its item column is then a filler)."""
+    back = np.arange(1, window + 1)
+    earlier = np.arange(item.size)[:, None] - back
+    return item[np.maximum(earlier, 0)].astype(np.int32), (position[:, None] >= back).astype(np.float32)
+
+
+def vector_logit(params, inputs: dict, batch, form: str):
+    """float32 `[B]`: the planted logit with learned vectors: bias + user and item effects + mid and long weights x
+    their signals + recent weight x the mean dot product of the event's item vector with its recent items' (as
+    `generator.recent_affinity`), the vectors those of `form` (module comment above `CATEGORY_VECTORS`).
+
+    `inputs` (int32/float32 jnp arrays over the log's N events): `user`, `item` `[N]`, `recent` and `recent_mask`
+    `[N, W]` (`recent_items`), `signals` `[N, 2]` (mid, long), `category` `[I]`, `num_users`, `num_categories`."""
+    table = params["vectors"][EMBEDDING_PARAM]
+    num_categories = inputs["num_categories"]
+
+    def vectors(item):
+        own = table[num_categories + item] if form == ITEM_VECTORS else 0.0
+        return table[inputs["category"][item]] + own
+
+    mask = inputs["recent_mask"][batch]
+    dots = jnp.einsum("bd,bwd->bw", vectors(inputs["item"][batch]), vectors(inputs["recent"][batch]))
+    recent = jnp.sum(dots * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+    dense, effects = params["dense"], params["effects"][EMBEDDING_PARAM][:, 0]
+    return (dense[0] + dense[1] * recent + inputs["signals"][batch] @ dense[2:] + effects[inputs["user"][batch]]
+            + effects[inputs["num_users"] + inputs["item"][batch]])
+
+
+def fit_online_vectors(inputs: dict, labels, events: np.ndarray, *, form: str, num_items: int, latent_dim: int, steps: int,
+                       effect_lr: float, weight_lr: float, init_scale: float, job: TrainConfig, seed: int = 0) -> dict:
+    """`steps` minibatch steps of `vector_logit`'s mean log loss over `events` (int indices into `inputs`' events;
+    0/1 float32 `labels` `[N]`) with `job`'s optimizer (`job_optimizer`): the bias and weights start at 0 but the
+    recent weight at 1, the effects at 0, the vectors at N(0, `init_scale`^2). Returns the params (jnp pytree)."""
+    rows = inputs["num_categories"] + (num_items if form == ITEM_VECTORS else 0)
+    params = {
+        "dense": jnp.array([0.0, 1.0, 0.0, 0.0]),
+        "effects": {EMBEDDING_PARAM: jnp.zeros((inputs["num_users"] + num_items, 1))},
+        "vectors": {EMBEDDING_PARAM: init_scale * jax.random.normal(jax.random.key(seed), (rows, latent_dim))},
+    }
+
+    def loss(params, batch):
+        logit = vector_logit(params, inputs, batch, form)
+        return jnp.mean(jnp.logaddexp(0.0, logit) - labels[batch] * logit)
+
+    batches = events[shuffled_batches(events.size, job.data.batch_size, steps, seed)]
+    return train_online(loss, params, job_optimizer(job, steps, effect_lr, weight_lr), batches)
+
+
+def vector_rows(log, config: PlantedConfig, signals: np.ndarray, is_eval: np.ndarray, passes_list=VECTOR_PASSES,
+                forms=(CATEGORY_VECTORS, ITEM_VECTORS)) -> dict:
+    """The learned-vector rows (comment above `CATEGORY_VECTORS`) of the planted `log` generated from `config`, with its
+    mid and long `signals` `[N, 2]`: `{f"{form}_{passes:.3f}": chosen_and_refitted's row, its setting (effect rate,
+    weight rate, init scale)}` for each form and each of `passes_list` (None: the job's `num_steps` batches)."""
+    job = load_config(JOB_CONFIG)
+    position = np.arange(log.num_events) - log.user_offsets[log.user]
+    recent, recent_mask = recent_items(log.item, position, config.recent_window)
+    inputs = {
+        "user": jnp.asarray(log.user, jnp.int32), "item": jnp.asarray(log.item, jnp.int32), "recent": jnp.asarray(recent),
+        "recent_mask": jnp.asarray(recent_mask), "signals": jnp.asarray(signals, jnp.float32),
+        "category": jnp.asarray(log.item_category, jnp.int32), "num_users": config.num_users, "num_categories": config.num_categories,
+    }
+    labels = log.click.astype(np.float64)
+    labels32 = jnp.asarray(labels, jnp.float32)
+    grid = [(e, w, s) for e in VECTOR_EFFECT_RATES for w in VECTOR_WEIGHT_RATES for s in VECTOR_INIT_SCALES]
+    rows = {}
+    for form in forms:
+        score = jax.jit(lambda params, batch, form=form: vector_logit(params, inputs, batch, form))
+
+        def logit(params, events):
+            return np.concatenate([np.asarray(score(params, jnp.asarray(events[lo:lo + VECTOR_SCORE_CHUNK])), np.float64)
+                                   for lo in range(0, events.size, VECTOR_SCORE_CHUNK)])
+
+        for passes in passes_list:
+            passes = job_passes(passes, job, int((~is_eval).sum()))
+
+            def fit(events, setting, form=form, passes=passes):
+                steps = max(1, round(passes * events.size / job.data.batch_size))
+                return steps, fit_online_vectors(inputs, labels32, events, form=form, num_items=config.num_items,
+                                                 latent_dim=config.latent_dim, steps=steps, effect_lr=setting[0],
+                                                 weight_lr=setting[1], init_scale=setting[2], job=job)
+
+            rows[f"{form}_{passes:.3f}"] = chosen_and_refitted(fit, logit, grid, log.time, is_eval, labels)
     return rows
 
 
@@ -233,10 +369,11 @@ def past_click_logit(click: np.ndarray, user_offsets: np.ndarray, user: np.ndarr
     return np.log(rate) - np.log1p(-rate)
 
 
-def ceilings(config: PlantedConfig, rule: SplitRule, online_passes=()) -> dict:
+def ceilings(config: PlantedConfig, rule: SplitRule, online_passes=(), vector_passes=()) -> dict:
     """AUC and NE of the oracle, the categories-only ceiling, no history and the item-mean baseline on `rule`'s
     eval events of the log `config` generates, with each one's share of the oracle's AUC lift (module docstring);
-    with `online_passes`, the fitted form trained online for each (`online_rows`) under "online".
+    with `online_passes`, the fitted form trained online for each (`online_rows`) under "online"; with
+    `vector_passes`, the learned-vector forms trained online for each (`vector_rows`) under "vectors".
 
     Raises:
       ValueError: the split leaves no train or no eval events (`oracle_report`).
@@ -267,6 +404,8 @@ def ceilings(config: PlantedConfig, rule: SplitRule, online_passes=()) -> dict:
         "no_history": report.no_history, "item_mean": report.item_mean,
     }
     rows |= {f"fitted_online_{passes}": row["quality"] for passes, row in online.items()}
+    vectors = vector_rows(log, config, signals[:, 1:], is_eval, vector_passes) if vector_passes else {}
+    rows |= {f"learned_{name}": row["quality"] for name, row in vectors.items()}
     lift = report.oracle.auc - report.item_mean.auc
     return {
         "split": report.split,
@@ -289,6 +428,9 @@ def ceilings(config: PlantedConfig, rule: SplitRule, online_passes=()) -> dict:
             "weights": dict(zip(("recent", "mid", "long", "past_click_logit"), past_outcomes["weights"])),
         },
         "online": {passes: {"steps": row["steps"], "rates": row["rates"], "validation_ne": row["validation_ne"]} for passes, row in online.items()},
+        "vectors": {name: {"steps": row["steps"], "setting": row["setting"], "validation_ne": row["validation_ne"],
+                           "weights": dict(zip(("bias", "recent", "mid", "long"), np.asarray(row["params"]["dense"]).tolist()))}
+                    for name, row in vectors.items()},
     }
 
 
@@ -298,10 +440,13 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="1/10 of the users, items and categories")
     parser.add_argument("--split", default="time:0.9", help="the split, as gem-data convert --split takes it")
     parser.add_argument("--online", action="store_true", help=f"also the online rows: the fitted form trained as the GEM-width job trains, for {len(ONLINE_PASSES)} budgets")
+    parser.add_argument("--learned-vectors", action="store_true",
+                        help=f"also the learned-vector rows: the planted form learning its item vectors from ids, for {len(VECTOR_PASSES)} budgets")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     config = small(PRESETS[args.preset]) if args.small else PRESETS[args.preset]
-    result = {"preset": args.preset, "small": args.small, **ceilings(config, SplitRule.parse(args.split), ONLINE_PASSES if args.online else ())}
+    result = {"preset": args.preset, "small": args.small, **ceilings(config, SplitRule.parse(args.split), ONLINE_PASSES if args.online else (),
+                                                                       VECTOR_PASSES if args.learned_vectors else ())}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

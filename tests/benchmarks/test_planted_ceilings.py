@@ -14,8 +14,11 @@ def test_the_ceilings_agree_with_the_report_of_the_written_log(load_benchmark, t
     ceilings = load_benchmark("planted_ceilings")
     monkeypatch.setattr(ceilings, "EFFECT_RATES", (0.1, 0.3))  # the online rows' rate grids, cut to what the small log picks from
     monkeypatch.setattr(ceilings, "WEIGHT_RATES", (1e-2, 3e-2))
+    monkeypatch.setattr(ceilings, "VECTOR_EFFECT_RATES", (0.1,))  # and the learned-vector rows' grids
+    monkeypatch.setattr(ceilings, "VECTOR_WEIGHT_RATES", (1e-2, 3e-2))
+    monkeypatch.setattr(ceilings, "VECTOR_INIT_SCALES", (0.1,))
     config = small(LONG_RANGE)
-    result = ceilings.ceilings(config, SPLIT, online_passes=(1.0, 8.0))
+    result = ceilings.ceilings(config, SPLIT, online_passes=(1.0, 8.0), vector_passes=(1.0,))
     report = oracle_report(read_truth(write_planted(generate(config), tmp_path / "log").truth), SPLIT)
     assert result["eval_events"] == report.eval_events
     for name in ("oracle", "no_history", "item_mean"):
@@ -39,6 +42,12 @@ def test_the_ceilings_agree_with_the_report_of_the_written_log(load_benchmark, t
     online = result["online"]
     assert online["1.000"]["steps"] < online["8.000"]["steps"] and len(online["8.000"]["validation_ne"]) == 4
     assert all(row["rates"][0] in (0.1, 0.3) and row["rates"][1] in (1e-2, 3e-2) for row in online.values())
+    # learning the vectors from ids in one pass, the form learns from the history but stays short of the fit given them
+    for form in ("category_vectors", "item_vectors"):
+        assert auc["no_history"] < auc[f"learned_{form}_1.000"] < auc["fitted_item_vectors"], form
+        row = result["vectors"][f"{form}_1.000"]
+        assert row["steps"] == online["1.000"]["steps"] and row["setting"][1] in (1e-2, 3e-2) and len(row["validation_ne"]) == 2
+        assert set(row["weights"]) == {"bias", "recent", "mid", "long"}
 
 
 def test_log_truth_is_the_written_truth_read_back(tmp_path):
@@ -60,6 +69,15 @@ def test_log_truth_is_the_written_truth_read_back(tmp_path):
         return sorted(by_user.values())
 
     assert sequences(truths[0]) == sequences(truths[1])
+
+
+def test_recent_items_are_the_events_before_in_the_users_sequence(load_benchmark):
+    ceilings = load_benchmark("planted_ceilings")
+    item, position = np.array([7, 8, 9, 4, 5]), np.array([0, 1, 2, 0, 1])  # two users: items 7, 8, 9 and 4, 5
+    recent, mask = ceilings.recent_items(item, position, 2)
+    np.testing.assert_array_equal(mask, [[0, 0], [1, 0], [1, 1], [0, 0], [1, 0]])
+    np.testing.assert_array_equal(np.where(mask > 0, recent, -1), [[-1, -1], [7, -1], [8, 7], [-1, -1], [4, -1]])
+    assert recent.dtype == np.int32 and mask.dtype == np.float32
 
 
 def test_category_mean_vectors_average_each_category(load_benchmark):
