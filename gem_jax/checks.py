@@ -8,6 +8,8 @@ the config is built (a config file, `--set`, `run.json`), not steps later.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import math
 import os
 import tempfile
@@ -60,6 +62,36 @@ def check_bool(obj: Any, name: str) -> None:
     value = getattr(obj, name)
     if not isinstance(value, bool):
         raise TypeError(f"{_where(obj, name)} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+MEMBERS = "members"  # a config field's metadata key: the enum members it accepts where it takes fewer than its enum's
+
+
+def accepted_members(cls: type, name: str) -> tuple[enum.Enum, ...] | None:
+    """The enum members that field `name` of config dataclass `cls` accepts (its `metadata[MEMBERS]`), or None
+    where it takes every member of its enum. `check_member` refuses the others, and `--help-config` lists these."""
+    return next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get(MEMBERS)
+
+
+def check_member(obj: Any, name: str, refused_because: str) -> None:
+    """`obj.name`, a field of a frozen dataclass with `metadata[MEMBERS]`, is None or, as a member or its value, one
+    of the members it accepts (`accepted_members`); a value is replaced by its member.
+
+    Raises:
+      ValueError: not a member's value (the field, the accepted values and the value named), or a member the field
+        does not accept (named, with `refused_because`: why it takes none but those).
+    """
+    value, members = getattr(obj, name), accepted_members(type(obj), name)
+    if value is None:
+        return
+    accepted = f"{_where(obj, name)} must be {', '.join(repr(m.value) for m in members)} or None"
+    try:
+        member = type(members[0])(value)
+    except ValueError:
+        raise ValueError(f"{accepted}, got {value!r}") from None
+    if member not in members:
+        raise ValueError(f"{accepted}, got {member.value!r}: {refused_because}")
+    object.__setattr__(obj, name, member)
 
 
 def write_problem(folder: Path) -> str | None:

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gem_jax.checks import check_float, check_int
+from gem_jax.checks import MEMBERS, check_float, check_int, check_member
 from gem_jax.model.remat import RematConfig, region_names
 from pallas_kernels.mxfp8 import Fp8Recipe
 from pallas_kernels import Implementation, ImplementationUnavailableError, describe_choice
@@ -55,6 +55,7 @@ class Fp8Region(enum.Enum):
 
 
 SEQUENCE_TOWER_FP8 = (Fp8Region.SEQ_ATTENTION, Fp8Region.SEQ_MLP, Fp8Region.POOLED)
+KERNEL_IMPLEMENTATIONS = (Implementation.XLA, Implementation.PALLAS)  # what the RMSNorms and the MLPs' GELU backward take: no cuDNN
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")  # the model's activation dtypes (float64: references under x64)
 
 
@@ -134,8 +135,8 @@ class ModelConfig:
     head_hidden: int = 64
     rope_base: float = 10_000.0
     attention_implementation: Implementation | None = None
-    norm_implementation: Implementation | None = None
-    mlp_implementation: Implementation | None = Implementation.XLA
+    norm_implementation: Implementation | None = dataclasses.field(default=None, metadata={MEMBERS: KERNEL_IMPLEMENTATIONS})
+    mlp_implementation: Implementation | None = dataclasses.field(default=Implementation.XLA, metadata={MEMBERS: KERNEL_IMPLEMENTATIONS})
     sequence_attention: SequenceAttention = SequenceAttention.FULL
     attention_window: int = 256
     attention_block_size: int = 64
@@ -150,21 +151,8 @@ class ModelConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_attention", SequenceAttention(self.sequence_attention))
-        if self.norm_implementation is not None:
-            try:
-                object.__setattr__(self, "norm_implementation", Implementation(self.norm_implementation))
-            except ValueError:
-                names = ", ".join(repr(i.value) for i in Implementation if i is not Implementation.CUDNN)
-                raise ValueError(f"norm_implementation must be {names} or None, got {self.norm_implementation!r}") from None
-            if self.norm_implementation is Implementation.CUDNN:
-                raise ValueError("norm_implementation must be 'xla', 'pallas' or None: RMSNorm has no cuDNN implementation")
-        if self.mlp_implementation is not None:
-            try:
-                object.__setattr__(self, "mlp_implementation", Implementation(self.mlp_implementation))
-            except ValueError:
-                raise ValueError(f"mlp_implementation must be 'xla', 'pallas' or None, got {self.mlp_implementation!r}") from None
-            if self.mlp_implementation is Implementation.CUDNN:
-                raise ValueError("mlp_implementation must be 'xla', 'pallas' or None: the GELU backward has no cuDNN implementation")
+        check_member(self, "norm_implementation", "RMSNorm has no cuDNN implementation")
+        check_member(self, "mlp_implementation", "the GELU backward has no cuDNN implementation")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"ModelConfig.compute_dtype must be one of {', '.join(map(repr, COMPUTE_DTYPES))}, got {self.compute_dtype!r}")
         for flag in ("fp8_hadamard", "tied_qk_init"):

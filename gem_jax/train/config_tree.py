@@ -23,6 +23,8 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from gem_jax.checks import accepted_members
+
 
 class ConfigError(ValueError):
     """A config field that does not exist, or a value that does not fit its field's type."""
@@ -321,13 +323,20 @@ def override_help(cls: type, prefix: str = "", width: int | None = None) -> list
         line = f"{path}: {_type_name(tp)}"
         if f.default is not dataclasses.MISSING:
             line += f" = {to_tree(f.default)!r}"
-        choices = [member.name for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, enum.Enum) for member in a]
+        choices = [member.name for member in _members(cls, f.name, tp)]
         lines.append(f"{line}  (one of {', '.join(choices)})" if choices else line)
         meaning = meanings.get(f.name) or f"(undocumented: {cls.__name__}'s docstring has no entry for {f.name})"
         lines += textwrap.wrap(meaning, width, initial_indent="    ", subsequent_indent="    ", break_long_words=False, break_on_hyphens=False) if width else [f"    {meaning}"]
         if (group := _optional_group(tp)) is not None:  # off by default; `--set path.field=...` turns it on
             lines += override_help(group, path, width)
     return lines
+
+
+def _members(cls: type, name: str, tp: Any) -> Sequence[enum.Enum]:
+    """The enum members field `name` of dataclass `cls` (of type `tp`) accepts: those its metadata names
+    (`checks.accepted_members`), else every member of the enums in its type; () for a field of no enum."""
+    enums = (a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, enum.Enum))
+    return accepted_members(cls, name) or tuple(member for a in enums for member in a)
 
 
 def _optional_group(tp: Any) -> type | None:

@@ -101,6 +101,8 @@ def test_tuple_and_optional_fields():
         ("data.source=NOPE", "'NOPE' is not a Source"),
         ("model.embed_dim=33", "embed_dim 33 is not a multiple of num_heads"),
         ("loop.seed.x=1", "int has no fields to set"),
+        ("model.norm_implementation=CUDNN", "ModelConfig.norm_implementation must be 'xla', 'pallas' or None, got 'cudnn': RMSNorm has no cuDNN"),
+        ("model.mlp_implementation=cudnn", "must be 'xla', 'pallas' or None, got 'cudnn': the GELU backward has no cuDNN"),
     ],
 )
 def test_bad_overrides_name_the_field(repo_root, override, message):
@@ -141,6 +143,10 @@ def test_cli_help_lists_the_fields_and_rejects_bad_overrides(repo_root, monkeypa
     assert entries["model.remat.budget_gb: float | None = None"].startswith("the step's device memory budget in GB (1e9 bytes; None: no budget, `policies` decide)")
     assert entries["data.synthetic.num_users: int = 10000"] == "vocabulary sizes including PAD_ID."  # `num_items, num_users: ...`
     assert entries["rules.default_table.out_of_range: OutOfRange = 'ERROR'  (one of ERROR, ZERO, HASH)"].startswith("what a lookup does with an id outside `[0, num_rows)`")
+    # an enum field that takes only some of its enum's members lists those (the ones ModelConfig accepts)
+    assert "model.attention_implementation: Implementation | None = None  (one of XLA, PALLAS, CUDNN)" in entries
+    assert "model.norm_implementation: Implementation | None = None  (one of XLA, PALLAS)" in entries
+    assert "model.mlp_implementation: Implementation | None = 'XLA'  (one of XLA, PALLAS)" in entries
     assert "data.capacity_step: float = 1.04\n      ratio of consecutive token capacities near a batch's expected rows," in out
     assert all(meaning and "undocumented" not in meaning for meaning in entries.values())
     assert max(len(line) for line in out.splitlines() if line.startswith("      ")) <= 78  # COLUMNS less argparse's margin of 2
