@@ -39,6 +39,11 @@ def _schema_flags(parser: argparse.ArgumentParser, required: bool) -> None:
     group.add_argument("--on-bad-row", choices=["error", "skip"], default="error", help="error (default): stop at the first malformed row; skip: drop and count them")
 
 
+def _memory_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--memory-mb` (`convert.memory_plan`), its help saying `what` the budget sets."""
+    parser.add_argument("--memory-mb", type=int, default=2048, help=f"memory budget in MiB: {what} (default 2048)")
+
+
 def _schema(args):
     from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, Side
 
@@ -76,7 +81,7 @@ def _inspect(args) -> None:
         if not (args.user and args.item and args.time):
             expand_inputs(args.inputs)  # a path that does not exist (or holds no event files) is said first
             raise ValueError("raw inputs need --user, --item and --time (or pass one converted directory)")
-        report = inspect.inspect_raw(args.inputs, _schema(args), _on_bad_row(args))
+        report = inspect.inspect_raw(args.inputs, _schema(args), _on_bad_row(args), args.memory_mb)
     if args.batch_size is not None:
         inspect.add_layout(report, args.batch_size, args.gpus, args.max_seq_len, where=layout_where)
     print(inspect.format_report(report))
@@ -90,6 +95,7 @@ def _inspect(args) -> None:
 
 def _convert(args) -> None:
     from gem_jax.data.ingest.convert import ConvertOptions, convert
+    from gem_jax.data.ingest.manifest import describe_duplicates
     from gem_jax.data.ingest.split import SplitRule
 
     options = ConvertOptions(
@@ -112,11 +118,7 @@ def _convert(args) -> None:
     for entry in manifest["skipped_rows"]:
         print(f"  skipped {entry['count']} row(s) of {entry['file']}: {entry['kind']} (first: {entry['first']})")
     if counts.get("duplicate_events"):  # not counted in a conversion by an earlier gem-data
-        first = manifest["first_duplicate_event"]
-        print(
-            f"  {counts['duplicate_events']} duplicate event(s), kept: rows equal in every column read to an earlier row "
-            f"(first: {first['file']}, {first['location']}, a copy of {first['copy_of']})"
-        )
+        print(f"  {counts['duplicate_events']} duplicate event(s), kept: {describe_duplicates(manifest['first_duplicate_event'])}")
     for what, count in manifest["feature_conflicts"].items():
         if count:
             print(f"  {what}: {count}")
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     inspect_parser.add_argument("--gpus", type=positive_int, default=1, help="data-parallel GPUs (>= 1, default 1)")
     inspect_parser.add_argument("--max-seq-len", type=positive_int, help="longest history kept (>= 1; default: the longest sequence)")
     inspect_parser.add_argument("--figure", help="save the length histogram here (default for a converted directory: DIR/length_histogram.png)")
+    _memory_flag(inspect_parser, "sets the bucket count and the groups of buckets compared for duplicate events, as gem-data convert's (a raw log)")
 
     convert_parser = commands.add_parser("convert", help="vocabularies, split and per-user sequences in sharded ArrayRecord files")
     convert_parser.add_argument("inputs", nargs="+", help="event files, directories or globs")
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     convert_parser.add_argument("--min-count", type=int, default=1, help="user/item ids seen fewer times go to the OOV row (default 1)")
     convert_parser.add_argument("--max-vocab", type=int, help="keep at most this many user ids and item ids each (the most frequent)")
     convert_parser.add_argument("--shards", type=int, help="shard files (default: 16, fewer with fewer users, more when their indexes would not fit --memory-mb); a multiple of the reading processes")
-    convert_parser.add_argument("--memory-mb", type=int, default=2048, help="memory budget in MiB: sets the bucket count, the sorting groups and the shard files open at once (default 2048)")
+    _memory_flag(convert_parser, "sets the bucket count, the sorting groups and the shard files open at once")
     convert_parser.add_argument("--vocab-from", help="reuse the vocabularies of this converted directory (unseen ids -> OOV, counted)")
     convert_parser.add_argument("--overwrite", action="store_true", help="convert again when OUT holds a conversion of other inputs or settings")
     convert_parser.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -8,7 +8,7 @@ Two streaming passes over the input, in memory bounded by `ConvertOptions.memory
    to one of B bucket files (Arrow IPC, in a scratch folder of the output).
    B = 4 x ceil(events x 320 bytes / (memory - a fixed share)) (or 1 when one
    bucket fits), events estimated from Parquet row counts or the CSV size over
-   its mean line length (`ConvertOptions.memory_plan`). The inputs' sha256 are
+   its mean line length (`memory_plan`, `bucket_count`). The inputs' sha256 are
    computed in a background thread meanwhile.
 2. The users are counted bucket by bucket (a user's events are all in one
    bucket), the vocabularies built (`vocab.Vocab.build`: min count, max size, OOV),
@@ -91,6 +91,7 @@ _READ_AHEAD_BLOCKS = 8  # batches in flight (read ahead, parsed, partitioned), i
 _BUCKETS_PER_GROUP = 4  # pass 1 writes this many more buckets than the budget needs; pass 2 groups them by size
 _INDEX_SHARE = 4  # the open shard files' chunk indexes may hold up to 1/4 of the sorting memory (`ShardWriters`)
 _LOOKUP_COPIES = 4  # a vocabulary's memory while it is looked up whole: its ids and counts, and pyarrow's hash table of the ids
+DEFAULT_MEMORY_MB = 2048  # `--memory-mb`'s default
 _ROW_BITS = 40  # a bucket row's `source`: its input file's index << 40 | its line or row number there (< 2^40; `readers.stream_rows`)
 
 
@@ -100,12 +101,26 @@ def _block_mb(memory_mb: int) -> int:
 
 
 def _minimum_memory_mb() -> int:
-    """The smallest `--memory-mb` that `ConvertOptions.memory_plan` accepts: its fixed share
+    """The smallest `--memory-mb` that `memory_plan` accepts: its fixed share
     (which grows with the block size, itself set by the budget) plus 64 MiB."""
     memory_mb = _BASE_MB + _READ_AHEAD_BLOCKS + 64
     while memory_mb < _BASE_MB + _READ_AHEAD_BLOCKS * _block_mb(memory_mb) + 64:
         memory_mb = _BASE_MB + _READ_AHEAD_BLOCKS * _block_mb(memory_mb) + 64
     return memory_mb
+
+
+def memory_plan(memory_mb: int) -> tuple[int, int]:
+    """`(block_size, bucket_bytes)` under a `memory_mb` budget: CSV bytes parsed per batch (1 to 16 MiB) and the
+    memory left for sorting one bucket once the fixed share (interpreter, read-ahead) is taken.
+
+    Raises:
+      ValueError: `memory_mb` below that fixed share plus 64 MiB (the minimum named, as `--memory-mb`).
+    """
+    block_mb = _block_mb(memory_mb)
+    fixed = _BASE_MB + _READ_AHEAD_BLOCKS * block_mb
+    if memory_mb < fixed + 64:
+        raise ValueError(f"--memory-mb must be at least {_minimum_memory_mb()} (MiB), got {memory_mb}")
+    return block_mb << 20, (memory_mb - fixed) << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +149,7 @@ class ConvertOptions:
     min_count: int = 1
     max_vocab: int | None = None
     shards: int | None = None
-    memory_mb: int = 2048
+    memory_mb: int = DEFAULT_MEMORY_MB
     on_bad_row: OnBadRow = OnBadRow.RAISE
     vocab_from: str | None = None
     buckets: int | None = None
@@ -143,20 +158,7 @@ class ConvertOptions:
         for flag, value in (("--min-count", self.min_count), ("--max-vocab", self.max_vocab), ("--shards", self.shards)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
-        self.memory_plan()
-
-    def memory_plan(self) -> tuple[int, int]:
-        """`(block_size, bucket_bytes)`: CSV bytes parsed per batch (1 to 16 MiB) and the memory
-        left for sorting one bucket once the fixed share (interpreter, read-ahead) is taken.
-
-        Raises:
-          ValueError: `memory_mb` below that fixed share plus 64 MiB (the minimum named).
-        """
-        block_mb = _block_mb(self.memory_mb)
-        fixed = _BASE_MB + _READ_AHEAD_BLOCKS * block_mb
-        if self.memory_mb < fixed + 64:
-            raise ValueError(f"--memory-mb must be at least {_minimum_memory_mb()} (MiB), got {self.memory_mb}")
-        return block_mb << 20, (self.memory_mb - fixed) << 20
+        memory_plan(self.memory_mb)
 
     def settings(self, schema: EventSchema) -> dict:
         """What the output depends on (compared by `manifest.check_unchanged`)."""
@@ -248,8 +250,63 @@ def _estimated_events(files: Sequence[InputFile]) -> int:
     return total
 
 
-class _Buckets:
-    """B Arrow IPC files of event rows, partitioned by user."""
+def bucket_count(files: Sequence[InputFile], bucket_bytes: int) -> int:
+    """Pass 1's bucket count B: 1 when the inputs' (estimated) events fit `bucket_bytes` to sort, else
+    `_BUCKETS_PER_GROUP` times the buckets they need (at most 4096), for pass 2 to group by their sizes."""
+    needed = math.ceil(_estimated_events(files) * _BYTES_PER_EVENT / bucket_bytes)
+    return 1 if needed <= 1 else min(4096, _BUCKETS_PER_GROUP * needed)
+
+
+def max_sorted_events(sort_bytes: int) -> int:
+    """The events (at least 1) a bucket group may hold for pass 2 to sort them within `sort_bytes`."""
+    return max(1, sort_bytes // _BYTES_PER_EVENT)
+
+
+def _rule_columns(schema: EventSchema) -> list[str]:
+    """The number columns that rule labels read (`like=rating>=4`), once each."""
+    kinds = event_kinds(schema)
+    return list(dict.fromkeys(rule.column for rule in schema.labels if kinds[rule.column] is ColumnKind.NUMBER))
+
+
+def bucket_schema(schema: EventSchema) -> pa.Schema:
+    """The columns of the bucket files (`Buckets`, `bucket_rows`) under `schema`: `user`, `item` (string), `time`
+    (int64), `action`, `label/<task>` (uint8), `weight` (float32) and `feature/<name>` for the event columns it
+    names; then what those do not keep, for telling duplicate events (`duplicate_rows`): `value/<column>` (float64),
+    the values rule labels read (a 0/1 label keeps its column's value), and `source` (int64: the row's input file
+    index << 40 | its line or row number there, `readers.stream_rows`)."""
+    fields = [pa.field("user", pa.string()), pa.field("item", pa.string()), pa.field("time", pa.int64())]
+    fields += [pa.field("action", pa.string())] if schema.action else []
+    fields += [pa.field(f"label/{rule.name}", pa.uint8()) for rule in schema.labels]
+    fields += [pa.field("weight", pa.float32())] if schema.weight else []
+    fields += [pa.field(f"feature/{f.name}", pa.list_(pa.string()) if f.multi else pa.string()) for f in schema.event_features]
+    fields += [pa.field(f"value/{column}", pa.float64()) for column in _rule_columns(schema)]
+    return pa.schema(fields + [pa.field("source", pa.int64())])
+
+
+def bucket_rows(schema: EventSchema, columns: dict[str, object], rows: np.ndarray, file_number: int) -> pa.Table:
+    """A batch of `readers.stream_rows` (`columns`, `rows`) of input file `file_number` as bucket rows (`bucket_schema`)."""
+    arrays = {"user": columns[schema.user], "item": columns[schema.item], "time": pa.array(columns[schema.time])}
+    if schema.action:
+        arrays["action"] = columns[schema.action]
+    for rule in schema.labels:
+        arrays[f"label/{rule.name}"] = pa.array(label_values(rule, columns[rule.column]).astype(np.uint8))
+    if schema.weight:
+        arrays["weight"] = pa.array(columns[schema.weight].astype(np.float32))
+    for feature in schema.event_features:
+        arrays[f"feature/{feature.name}"] = columns[feature.name]
+    for column in _rule_columns(schema):
+        arrays[f"value/{column}"] = pa.array(columns[column])
+    arrays["source"] = pa.array(rows | (file_number << _ROW_BITS))
+    return pa.table(arrays, schema=bucket_schema(schema))
+
+
+def positive_labels(table: pa.Table, schema: EventSchema) -> np.ndarray:
+    """int64 `[tasks]`: how many of bucket rows `table` have each task's label (of `schema`) 1."""
+    return np.array([table[f"label/{rule.name}"].to_numpy().sum() for rule in schema.labels], dtype=np.int64)
+
+
+class Buckets:
+    """B Arrow IPC files of bucket rows (`bucket_schema`), partitioned by a hash of the user id (`bucket_of`)."""
 
     def __init__(self, directory: Path, count: int, schema: pa.Schema):
         directory.mkdir(parents=True)
@@ -258,11 +315,14 @@ class _Buckets:
         self.events = np.zeros(count, dtype=np.int64)  # rows written to each bucket
         self._writers = [pa.ipc.new_file(str(p), schema) for p in self.paths]
 
-    def write(self, table: pa.Table, bucket: np.ndarray) -> None:
+    def write(self, table: pa.Table) -> None:
+        """Appends each row of `table` to its user's bucket."""
         if len(self.paths) == 1:
             self._writers[0].write_table(table)
             self.events[0] += table.num_rows
             return
+        users = pc.dictionary_encode(table["user"].combine_chunks())  # each distinct user hashed once
+        bucket = bucket_of(users.dictionary, len(self.paths))[users.indices.to_numpy(zero_copy_only=False)]
         order = np.argsort(bucket, kind="stable")
         sizes = np.bincount(bucket, minlength=len(self.paths))
         self.events += sizes
@@ -353,7 +413,7 @@ def duplicate_rows(table: pa.Table, users: np.ndarray, times: np.ndarray, order:
     alone. A group without ties costs two comparisons per event.
 
     Args:
-      table: the group's bucket rows (`_Buckets`), in input order within each user.
+      table: the group's bucket rows (`Buckets`), in input order within each user.
       users: int `[n]` each row's user code; times: int64 `[n]`; order: int64 `[n]`.
 
     Returns:
@@ -388,7 +448,7 @@ def duplicate_rows(table: pa.Table, users: np.ndarray, times: np.ndarray, order:
     return rows[~first], originals[~first]
 
 
-def _user_counts(buckets: _Buckets) -> pa.Table:
+def _user_counts(buckets: Buckets) -> pa.Table:
     """`id` (string), `count` (int64): every user's events, counted bucket by bucket (a user is in one
     bucket, so the buckets' counts are disjoint: no merge of the whole user set is ever hashed)."""
     parts = []
@@ -440,15 +500,50 @@ def _last_per_group(starts: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, n
     return chosen.astype(np.int32), conflict
 
 
-def _first_duplicate(files: Sequence[InputFile], source: int, original: int) -> dict:
-    """`{"file", "location", "copy_of"}` of a duplicate event and the row it repeats ("line N", or "FILE, line N" in
-    another file), from their `source`s."""
-    def place(source: int) -> tuple[InputFile, str]:
-        file = files[source >> _ROW_BITS]
-        return file, row_location(file, source & ((1 << _ROW_BITS) - 1))
+class DuplicateEvents:
+    """The events of a log equal in every column read to an earlier one, counted bucket group by bucket group
+    (`duplicate_rows`), and the earliest of them in input order."""
 
-    (file, location), (original_file, original_location) = place(source), place(original)
-    return {"file": str(file), "location": location, "copy_of": original_location if original_file == file else f"{original_file}, {original_location}"}
+    def __init__(self):
+        self.count = 0
+        self._first: tuple[int, int] | None = None  # (source, its original's source) of the earliest duplicate
+
+    def add(self, table: pa.Table, users: np.ndarray, times: np.ndarray, order: np.ndarray) -> None:
+        """Counts the duplicates among a bucket group's rows (`duplicate_rows`'s arguments)."""
+        copies, originals = duplicate_rows(table, users, times, order)
+        if copies.size == 0:
+            return
+        self.count += copies.size
+        sources = table["source"].take(pa.array(copies)).to_numpy()
+        k = int(np.argmin(sources))
+        if self._first is None or sources[k] < self._first[0]:
+            self._first = (int(sources[k]), table["source"][int(originals[k])].as_py())
+
+    def first(self, files: Sequence[InputFile]) -> dict | None:
+        """The manifest's `first_duplicate_event` of a log read from `files` (in `bucket_rows`' file numbering):
+        `{"file", "location", "copy_of"}` of the earliest duplicate and the row it repeats ("line N", or
+        "FILE, line N" in another file), or None when there is none."""
+        if self._first is None:
+            return None
+
+        def place(source: int) -> tuple[InputFile, str]:
+            file = files[source >> _ROW_BITS]
+            return file, row_location(file, source & ((1 << _ROW_BITS) - 1))
+
+        (file, location), (original_file, original_location) = (place(source) for source in self._first)
+        return {"file": str(file), "location": location, "copy_of": original_location if original_file == file else f"{original_file}, {original_location}"}
+
+
+def count_duplicates(buckets: Buckets, max_events: int) -> DuplicateEvents:
+    """The duplicate events of the rows in `buckets`, read in groups of at most `max_events` events (`bucket_groups`),
+    each group sorted by (user, time, input order) as pass 2 sorts it."""
+    duplicates = DuplicateEvents()
+    for group in bucket_groups(buckets.events, max_events):
+        table = buckets.read_group(group)
+        users = pc.dictionary_encode(table["user"]).combine_chunks().indices.to_numpy()
+        times = table["time"].to_numpy()
+        duplicates.add(table, users, times, stable_order(users, times))
+    return duplicates
 
 
 def _read_table(schema: EventSchema, side: Side, bad: BadRows, block_size: int) -> tuple[pa.Array, dict[str, pa.Array]]:
@@ -553,10 +648,9 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
         raise DataFormatError("at least one --label is needed to convert (a task to train)")
     bad = BadRows(options.on_bad_row)
     kinds = event_kinds(schema)
-    event_features = [f for f in schema.features if schema.table(f.side) is None]
-    block_size, bucket_bytes = options.memory_plan()
-    needed = math.ceil(_estimated_events(files) * _BYTES_PER_EVENT / bucket_bytes)
-    num_buckets = options.buckets or (1 if needed <= 1 else min(4096, _BUCKETS_PER_GROUP * needed))
+    event_features = schema.event_features
+    block_size, bucket_bytes = memory_plan(options.memory_mb)
+    num_buckets = options.buckets or bucket_count(files, bucket_bytes)
     counters = {"item": CountAccumulator()}  # users are counted per bucket after pass 1 (`_user_counts`)
     if schema.action:
         counters["action"] = CountAccumulator()
@@ -567,17 +661,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     events, t_low, t_high = 0, np.iinfo(np.int64).max, np.iinfo(np.int64).min
 
     # Pass 1: check, count, partition by user.
-    fields = [pa.field("user", pa.string()), pa.field("item", pa.string()), pa.field("time", pa.int64())]
-    fields += [pa.field("action", pa.string())] if schema.action else []
-    fields += [pa.field(f"label/{rule.name}", pa.uint8()) for rule in schema.labels]
-    fields += [pa.field("weight", pa.float32())] if schema.weight else []
-    fields += [pa.field(f"feature/{f.name}", pa.list_(pa.string()) if f.multi else pa.string()) for f in event_features]
-    # What the columns above do not keep, for telling duplicate events (`duplicate_rows`): the values that rule labels
-    # read (a 0/1 label keeps its column's value), and where each row is (the earliest duplicate is named).
-    rule_columns = list(dict.fromkeys(rule.column for rule in schema.labels if kinds[rule.column] is ColumnKind.NUMBER))
-    fields += [pa.field(f"value/{column}", pa.float64()) for column in rule_columns]
-    fields += [pa.field("source", pa.int64())]
-    buckets = _Buckets(work / "buckets", num_buckets, pa.schema(fields))
+    buckets = Buckets(work / "buckets", num_buckets, bucket_schema(schema))
     file_index = {file: k for k, file in enumerate(files)}
     counted_columns = [(schema.item, counters["item"])] + ([(schema.action, counters["action"])] if schema.action else [])
     counted_columns += [(f.name, counters[_vocab_name(f)]) for f in event_features]
@@ -596,27 +680,13 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             if counting is not None:
                 counting.result()  # one batch in flight: memory stays bounded
             counting = counting_pool.submit(count, columns)
-            users = pc.dictionary_encode(columns[schema.user])  # each distinct user hashed once for its bucket
-            user_index = users.indices.to_numpy(zero_copy_only=False)
-            arrays = {"user": columns[schema.user], "item": columns[schema.item], "time": pa.array(columns[schema.time])}
-            if schema.action:
-                arrays["action"] = columns[schema.action]
-            for k, rule in enumerate(schema.labels):
-                raw = columns[rule.column]
-                label = label_values(rule, raw).astype(np.uint8)
-                positives[k] += int(label.sum())
-                arrays[f"label/{rule.name}"] = pa.array(label)
-            if schema.weight:
-                arrays["weight"] = pa.array(columns[schema.weight].astype(np.float32))
+            table = bucket_rows(schema, columns, rows, file_index[file])
+            positives += positive_labels(table, schema)
             for feature in event_features:
-                arrays[f"feature/{feature.name}"] = columns[feature.name]
                 max_values[feature.name] = max(max_values[feature.name], _max_values(columns[feature.name]))
-            for column in rule_columns:
-                arrays[f"value/{column}"] = pa.array(columns[column])
-            arrays["source"] = pa.array(rows | (file_index[file] << _ROW_BITS))
             events += n
             t_low, t_high = min(t_low, int(columns[schema.time].min())), max(t_high, int(columns[schema.time].max()))
-            buckets.write(pa.table(arrays, schema=buckets.schema), bucket_of(users.dictionary, num_buckets)[user_index])
+            buckets.write(table)
         if counting is not None:
             counting.result()
     buckets.close()
@@ -692,7 +762,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     shards = ShardWriters(work / "shards", distinct_users, bucket_bytes // _INDEX_SHARE, options.shards)
     held_bytes += shards.index_bytes
     held_bytes += sum(t.nbytes for t in item_table.values()) + item_time.nbytes
-    max_events = max(1, (bucket_bytes - held_bytes) // _BYTES_PER_EVENT)
+    max_events = max_sorted_events(bucket_bytes - held_bytes)
     groups = bucket_groups(buckets.events, max_events)
     oversized = int(np.count_nonzero(buckets.events > max_events))
     if held_bytes > bucket_bytes // 2 or oversized:
@@ -709,7 +779,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
     user_conflicts = dict.fromkeys((f.name for f in schema.side_features(Side.USER) if Side.USER not in tables), 0)
     missing_users = 0
     oov_events = {"user": 0, "item": 0}
-    duplicates, first_duplicate = 0, None  # (source, its original's source) of the earliest duplicate in input order
+    duplicates = DuplicateEvents()
     with concurrent.futures.ThreadPoolExecutor(1) as lookup_pool:  # item ids are mapped beside the users' sort
         for g, group in enumerate(groups):
             table = buckets.read_group(group)
@@ -721,13 +791,7 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             codes = encoded.indices.to_numpy()
             times = table["time"].to_numpy()
             order = stable_order(codes, times)  # ties keep input order
-            copies, originals = duplicate_rows(table, codes, times, order)
-            if copies.size:
-                duplicates += copies.size
-                sources = table["source"].take(pa.array(copies)).to_numpy()
-                k = int(np.argmin(sources))
-                if first_duplicate is None or sources[k] < first_duplicate[0]:
-                    first_duplicate = (int(sources[k]), table["source"][int(originals[k])].as_py())
+            duplicates.add(table, codes, times, order)
             num_users = len(encoded.dictionary)
             starts = np.searchsorted(codes[order], np.arange(num_users + 1))
 
@@ -831,12 +895,12 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             "oov_user_events": oov_events["user"],
             "oov_item_events": oov_events["item"],
             "skipped_rows": bad.total,
-            "duplicate_events": duplicates,
+            "duplicate_events": duplicates.count,
             "buckets": num_buckets,
             "bucket_groups": len(groups),
         },
         "skipped_rows": bad.counts(),
-        "first_duplicate_event": _first_duplicate(files, *first_duplicate) if first_duplicate else None,
+        "first_duplicate_event": duplicates.first(files),
         "feature_conflicts": conflicts,
         "split": options.split.to_json() | {"description": options.split.describe(), "cutoff": cutoff},
         "time_range": [t_low, t_high],

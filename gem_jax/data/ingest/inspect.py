@@ -1,10 +1,13 @@
 """`gem-data inspect`: what an event log (raw or converted) holds, and what it means for batches.
 
 `inspect_raw` streams raw inputs under an `EventSchema` (the same checks as a
-conversion, nothing written); `inspect_converted` reads a converted directory's
-manifest and lengths. Both return an `InspectReport`, which `format_report`
-prints: the schema, row / user / item counts, skipped rows, label rates per
-task, feature cardinalities, the sequence-length distribution as a text
+conversion), partitioning the rows by user into bucket files in a temporary
+folder, as a conversion's pass 1 does, then counts the duplicate events bucket
+group by bucket group, as its pass 2 does (`convert.count_duplicates`);
+`inspect_converted` reads a converted directory's manifest and lengths. Both
+return an `InspectReport`, which `format_report` prints: the schema, row / user /
+item counts, skipped rows, duplicate events, label rates per task, feature
+cardinalities, the sequence-length distribution as a text
 histogram (and, with matplotlib, as a figure), and for a global batch size and
 a number of GPUs the padding waste, jagged slack and per-GPU imbalance
 (`batch_layout.layout_report`).
@@ -14,15 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from gem_jax.data.ingest.batch_layout import LayoutReport, layout_report
-from gem_jax.data.ingest.manifest import read_manifest
-from gem_jax.data.ingest.readers import BadRows, Format, event_kinds, expand_inputs, parquet_column_types, stream_rows
-from gem_jax.data.ingest.schema import EventSchema, label_values
+from gem_jax.data.ingest.convert import (
+    DEFAULT_MEMORY_MB, Buckets, bucket_count, bucket_rows, bucket_schema, count_duplicates, max_sorted_events, memory_plan, positive_labels,
+)
+from gem_jax.data.ingest.manifest import DUPLICATES_NOT_COUNTED, describe_duplicates, read_manifest
+from gem_jax.data.ingest.readers import BadRows, Format, event_kinds, expand_inputs, parquet_column_types, prefetched, stream_rows
+from gem_jax.data.ingest.schema import EventSchema
 from gem_jax.data.ingest.stats import length_summary, text_histogram
 from gem_jax.data.ingest.vocab import CountAccumulator
 from gem_jax.data.rows import OnBadRow
@@ -37,6 +44,10 @@ class InspectReport:
       files: `(path, format, {column: type})` per input file (CSV columns are text).
       events, users, items: counts (events after skipped rows).
       skipped: the skipped rows (`readers.BadRows.counts()`).
+      duplicate_events: rows equal in every column read to an earlier row (`convert.duplicate_rows`), or None
+        for a conversion written before they were counted.
+      first_duplicate_event: the first one's `{"file", "location", "copy_of"}` (a manifest's
+        `first_duplicate_event`), or None.
       label_rates: task -> share of events labelled 1.
       feature_values: feature -> distinct values.
       time_range: (first, last) time.
@@ -54,6 +65,8 @@ class InspectReport:
     feature_values: dict[str, int]
     time_range: tuple[int, int]
     lengths: np.ndarray
+    duplicate_events: int | None
+    first_duplicate_event: dict[str, str] | None
     layout: LayoutReport | None = None
     layout_setting: str = ""
 
@@ -62,33 +75,46 @@ class InspectReport:
         return length_summary(self.lengths)
 
 
-def inspect_raw(inputs: Sequence[str | os.PathLike], schema: EventSchema, on_bad_row: OnBadRow = OnBadRow.RAISE) -> InspectReport:
-    """Counts and lengths of raw inputs, read in one streaming pass.
+def inspect_raw(
+    inputs: Sequence[str | os.PathLike], schema: EventSchema, on_bad_row: OnBadRow = OnBadRow.RAISE, memory_mb: int = DEFAULT_MEMORY_MB,
+) -> InspectReport:
+    """Counts, duplicate events and lengths of raw inputs, read in one streaming pass into bucket files in a temporary
+    folder (`tempfile`: about the size of the columns read, removed on return), whose rows that tie on (user, time)
+    are then compared as `gem-data convert` compares them (`convert.count_duplicates`), in bucket groups sized by the
+    memory budget `memory_mb` (MiB) as a conversion's.
 
     Raises:
       BadRowError, DataFormatError: as `convert` does on the same inputs.
+      ValueError: `memory_mb` below the smallest budget (`convert.memory_plan`).
     """
     files = expand_inputs(inputs, schema.delimiter)
     kinds = event_kinds(schema)
+    block_size, bucket_bytes = memory_plan(memory_mb)
     bad = BadRows(on_bad_row)
     users, items = CountAccumulator(), CountAccumulator()
-    features = {f.name: CountAccumulator() for f in schema.features if schema.table(f.side) is None}
+    features = {f.name: CountAccumulator() for f in schema.event_features}
     positives = np.zeros(len(schema.labels), dtype=np.int64)
     events, low, high = 0, None, None
-    for _, columns, _ in stream_rows(files, kinds, bad, separator=schema.multi_separator):
-        n = len(columns[schema.time])
-        if not n:
-            continue
-        events += n
-        users.add(columns[schema.user])
-        items.add(columns[schema.item])
-        for name, counter in features.items():
-            counter.add(columns[name])
-        for k, rule in enumerate(schema.labels):
-            positives[k] += int(label_values(rule, columns[rule.column]).sum())
-        times = columns[schema.time]
-        low = int(times.min()) if low is None else min(low, int(times.min()))
-        high = int(times.max()) if high is None else max(high, int(times.max()))
+    numbers = {file: k for k, file in enumerate(files)}
+    with tempfile.TemporaryDirectory(prefix="gem-data-inspect-") as scratch:
+        buckets = Buckets(Path(scratch) / "buckets", bucket_count(files, bucket_bytes), bucket_schema(schema))
+        for file, columns, rows in prefetched(stream_rows(files, kinds, bad, separator=schema.multi_separator, block_size=block_size)):
+            n = len(columns[schema.time])
+            if not n:
+                continue
+            events += n
+            users.add(columns[schema.user])
+            items.add(columns[schema.item])
+            for name, counter in features.items():
+                counter.add(columns[name])
+            table = bucket_rows(schema, columns, rows, numbers[file])
+            positives += positive_labels(table, schema)
+            buckets.write(table)
+            times = columns[schema.time]
+            low = int(times.min()) if low is None else min(low, int(times.min()))
+            high = int(times.max()) if high is None else max(high, int(times.max()))
+        buckets.close()
+        duplicates = count_duplicates(buckets, max_sorted_events(bucket_bytes))
     described = []
     for file in files:
         types = parquet_column_types(file, list(kinds)) if file.format is Format.PARQUET else {c: "text" for c in kinds}
@@ -104,6 +130,8 @@ def inspect_raw(inputs: Sequence[str | os.PathLike], schema: EventSchema, on_bad
         feature_values={name: counter.table().num_rows for name, counter in features.items()},
         time_range=(low or 0, high or 0),
         lengths=np.sort(users.table()["count"].to_numpy())[::-1].copy(),
+        duplicate_events=duplicates.count,
+        first_duplicate_event=duplicates.first(files),
     )
 
 
@@ -124,6 +152,8 @@ def inspect_converted(directory: str | os.PathLike) -> InspectReport:
         feature_values={f["name"]: manifest["vocabularies"][f["vocab"].removeprefix("vocab/").removesuffix(".csv")]["ids"] for f in manifest["features"]},
         time_range=tuple(manifest["time_range"]),
         lengths=lengths,
+        duplicate_events=counts.get("duplicate_events"),  # absent from a conversion written before they were counted
+        first_duplicate_event=manifest.get("first_duplicate_event"),
     )
 
 
@@ -143,6 +173,7 @@ def format_report(report: InspectReport) -> str:
     lines.append(f"events {report.events}, users {report.users}, items {report.items}, time {report.time_range[0]} .. {report.time_range[1]}")
     for entry in report.skipped:
         lines.append(f"  skipped {entry['count']} row(s) of {entry['file']}: {entry['kind']} (first: {entry['first']})")
+    lines.append(_duplicates_line(report))
     for task, rate in report.label_rates.items():
         lines.append(f"task {task}: {rate:.2%} positive")
     for name, values in report.feature_values.items():
@@ -161,6 +192,15 @@ def format_report(report: InspectReport) -> str:
         lines.append(f"  jagged with token capacities (TokenBuckets): {layout.jagged_slack:.1%} slack")
         lines.append(f"  per-GPU imbalance (max/mean - 1 of attention+MLP FLOPs): {layout.imbalance:.1%} without BBS, {layout.imbalance_bbs:.1%} with BBS")
     return "\n".join(lines)
+
+
+def _duplicates_line(report: InspectReport) -> str:
+    """The report's line on duplicate events: their count and the first's place, or that they were not counted."""
+    if report.duplicate_events is None:
+        return DUPLICATES_NOT_COUNTED
+    if report.duplicate_events == 0:
+        return "duplicate events 0"
+    return f"duplicate events {report.duplicate_events}: {describe_duplicates(report.first_duplicate_event)}"
 
 
 def save_figure(report: InspectReport, path: str | os.PathLike) -> bool:

@@ -29,6 +29,13 @@ from gem_jax.data.rows import DataFormatError
 MANIFEST = "manifest.json"
 FORMAT = "gem-data converted event log"
 VERSION = 2  # 2: the per-record train counts and the item train labels (no record read to plan batches)
+DUPLICATES_NOT_COUNTED = "duplicate events not counted (converted by an earlier gem-data; convert again into a new --out to count them)"
+
+
+def describe_duplicates(first: dict[str, str]) -> str:
+    """What duplicate events are, and where the first is: "rows equal in every column read to an earlier row (first:
+    FILE, LOCATION, a copy of COPY_OF)", from a manifest's `first_duplicate_event`."""
+    return f"rows equal in every column read to an earlier row (first: {first['file']}, {first['location']}, a copy of {first['copy_of']})"
 
 
 def sha256_of(path: str | os.PathLike, chunk: int = 8 << 20) -> str:

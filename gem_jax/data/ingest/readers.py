@@ -588,7 +588,7 @@ def event_kinds(schema: EventSchema) -> dict[str, ColumnKind]:
     roles = [(schema.user, ColumnKind.ID, "--user"), (schema.item, ColumnKind.ID, "--item"), (schema.time, ColumnKind.TIME, "--time")]
     roles += [(schema.action, ColumnKind.CATEGORY, "--action")] if schema.action else []
     roles += [(schema.weight, ColumnKind.WEIGHT, "--weight")] if schema.weight else []
-    roles += [(f.name, ColumnKind.MULTI_CATEGORY if f.multi else ColumnKind.CATEGORY, f"--{f.side.value}-feature") for f in schema.features if schema.table(f.side) is None]
+    roles += [(f.name, ColumnKind.MULTI_CATEGORY if f.multi else ColumnKind.CATEGORY, f"--{f.side.value}-feature") for f in schema.event_features]
     kinds, flags = {}, {}
     for column, kind, flag in roles:
         if column in kinds:

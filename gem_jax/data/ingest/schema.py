@@ -190,6 +190,11 @@ class EventSchema:
     def side_features(self, side: Side) -> tuple[FeatureColumn, ...]:
         return tuple(f for f in self.features if f.side is side)
 
+    @property
+    def event_features(self) -> tuple[FeatureColumn, ...]:
+        """The features read from the event rows: those of a side without a side table."""
+        return tuple(f for f in self.features if self.table(f.side) is None)
+
     def table(self, side: Side) -> str | None:
         return self.item_table if side is Side.ITEM else self.user_table
 
@@ -204,7 +209,7 @@ class EventSchema:
         columns = [self.user, self.item, self.time]
         columns += [c for c in (self.action, self.weight) if c]
         columns += [rule.column for rule in self.labels]
-        columns += [f.name for f in self.features if self.table(f.side) is None]
+        columns += [f.name for f in self.event_features]
         return tuple(dict.fromkeys(columns))
 
     def to_json(self) -> dict[str, Any]:

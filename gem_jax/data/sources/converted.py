@@ -46,6 +46,7 @@ import numpy as np
 
 from gem_jax.batch import Batch, CategoricalFeature, FeatureSpec
 from gem_jax.data.collate import assemble_batch, batch_indices, check_history_lengths
+from gem_jax.data.ingest.manifest import DUPLICATES_NOT_COUNTED
 from gem_jax.data.ingest.records import RecordLayout
 from gem_jax.data.ingest.shards import ConvertedLog, RecordReader
 from gem_jax.data.ingest.split import TRAIN
@@ -275,7 +276,7 @@ def converted_notes(manifest: dict) -> tuple[str, ...]:
     if counts["oov_user_events"] or counts["oov_item_events"]:
         notes.append(f"out of the vocabulary (row 1): {counts['oov_user_events']} events of users, {counts['oov_item_events']} events of items")
     if "duplicate_events" not in counts:
-        notes.append("duplicate events not counted (converted by an earlier gem-data; convert again into a new --out to count them)")
+        notes.append(DUPLICATES_NOT_COUNTED)
     elif counts["duplicate_events"]:
         notes.append(f"{counts['duplicate_events']} event(s) equal to an earlier row in every column read, as parsed (times to the second); kept, each an example")
     weight = manifest["schema"]["weight"]

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gem_jax.data.ingest.convert import ConvertOptions, convert
+from gem_jax.data.ingest.convert import ConvertOptions, convert, memory_plan
 from gem_jax.data.ingest.readers import expand_inputs
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, SchemaError, Side
 from gem_jax.data.ingest.split import SplitRule
@@ -146,7 +146,7 @@ def test_weights_and_huge_times_are_checked(tmp_path):
     for memory_mb in (100, 392, 407):
         with pytest.raises(ValueError, match=rf"--memory-mb must be at least 408 \(MiB\), got {memory_mb}"):
             ConvertOptions(split=SplitRule.parse("last:1"), memory_mb=memory_mb)
-    assert ConvertOptions(split=SplitRule.parse("last:1"), memory_mb=408).memory_plan() == (3 << 20, (408 - 320 - 8 * 3) << 20)
+    assert memory_plan(408) == (3 << 20, (408 - 320 - 8 * 3) << 20)
     for flag, field in (("--min-count", "min_count"), ("--max-vocab", "max_vocab"), ("--shards", "shards")):
         with pytest.raises(ValueError, match=rf"^{flag} must be at least 1, got 0$"):
             ConvertOptions(split=SplitRule.parse("last:1"), **{field: 0})

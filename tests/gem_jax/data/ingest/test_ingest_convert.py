@@ -423,6 +423,7 @@ def test_a_manifest_without_the_duplicate_count_still_reads(tmp_path, capsys):
     """A conversion written before duplicate events were counted: read, inspected and left alone by a re-run,
     which says nothing of duplicates (not counted, rather than none)."""
     from gem_jax.data.ingest.inspect import format_report, inspect_converted
+    from gem_jax.data.ingest.manifest import DUPLICATES_NOT_COUNTED
 
     path = tmp_path / "a.csv"
     path.write_text(DUPLICATE_HEADER + "u1,x,5,1,4,view,1.5,p|q,fr\nu1,x,5,1,4,view,1.5,p|q,fr\nu2,y,6,0,2,,1,,de\n")
@@ -431,7 +432,8 @@ def test_a_manifest_without_the_duplicate_count_still_reads(tmp_path, capsys):
     del manifest["counts"]["duplicate_events"], manifest["first_duplicate_event"]
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     assert len(ConvertedLog(tmp_path / "out")) == 2
-    assert "events 3, users 2" in format_report(inspect_converted(tmp_path / "out"))
+    report = format_report(inspect_converted(tmp_path / "out")).splitlines()
+    assert "events 3, users 2, items 2, time 5 .. 6" in report and DUPLICATES_NOT_COUNTED in report
     again, lines = _convert_cli([path], tmp_path / "out", capsys)
     assert again == manifest and lines == []
 

@@ -1,11 +1,20 @@
 """gem-data inspect on a small known log (raw and converted), and the gem-data command line."""
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
 import pytest
 
 from gem_jax import data_cli
 from gem_jax.data.balance import padding_waste
+from gem_jax.data.ingest import convert as convert_module
 from gem_jax.data.ingest.batch_layout import layout_report
+from gem_jax.data.ingest.convert import ConvertOptions, bucket_count, convert, max_sorted_events, memory_plan
+from gem_jax.data.ingest.inspect import inspect_raw
+from gem_jax.data.ingest.readers import expand_inputs
+from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, Side
+from gem_jax.data.ingest.split import SplitRule
 from gem_jax.data.ingest.stats import length_summary, text_histogram
 
 # 4 users with 1, 2, 3 and 6 events; click rate 6/12; like (stars>=4) 3/12
@@ -54,6 +63,7 @@ def test_inspect_raw_and_converted(tmp_path, capsys):
     assert "feature genre: 3 distinct values" in raw
     assert "events per user: mean 3.0, std 1.9, min 1, p50 2.5" in raw and "max 6" in raw
     assert "layout, batch 4 on 2 GPU(s), histories up to 6 events" in raw
+    assert "duplicate events 0" in raw.splitlines()
     assert (tmp_path / "raw.png").stat().st_size > 1000
 
     data_cli.main(["convert", str(tmp_path / "log.csv"), "--out", str(tmp_path / "out"), *FLAGS, "--split", "last:1", "--shards", "2", "--quiet"])
@@ -63,6 +73,61 @@ def test_inspect_raw_and_converted(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "events 12, users 4, items 3, time 1 .. 12" in out and "task like: 25.00% positive" in out
     assert "            4-7 | " in out and (tmp_path / "out" / "length_histogram.png").exists()
+    assert "duplicate events 0" in out.splitlines()
+
+
+def test_inspect_counts_and_names_duplicate_events_as_convert_does(tmp_path, capsys):
+    """A raw log's rows equal in every column read to an earlier row, as parsed, are counted and the first named as
+    gem-data convert counts and names them; inspecting the converted directory shows its manifest's count."""
+    path = tmp_path / "log.csv"
+    # line 14 repeats line 13; line 15 repeats line 3 once parsed; line 16 is line 2 with another stars value (both likes)
+    path.write_text(LOG + "u4,c,12,0,1,z\n" + "u2,a,2,0,1.0,x\n" + "u1,a,1,1,4,x\n")
+    meaning = f"rows equal in every column read to an earlier row (first: {path}, line 14, a copy of line 13)"
+    data_cli.main(["inspect", str(path), *FLAGS])
+    raw = capsys.readouterr().out.splitlines()
+    assert "events 15, users 4, items 3, time 1 .. 12" in raw and f"duplicate events 2: {meaning}" in raw
+    data_cli.main(["convert", str(path), "--out", str(tmp_path / "out"), *FLAGS, "--split", "last:1", "--quiet"])
+    assert f"  2 duplicate event(s), kept: {meaning}" in capsys.readouterr().out.splitlines()
+    data_cli.main(["inspect", str(tmp_path / "out")])
+    assert f"duplicate events 2: {meaning}" in capsys.readouterr().out.splitlines()
+
+
+def test_inspect_finds_the_duplicates_convert_finds_across_files_buckets_and_groups(tmp_path, monkeypatch):
+    """A log of a CSV and a Parquet file with many copies: inspect, its rows spread over several buckets compared in
+    several groups, counts the duplicates a Python set of the parsed rows counts and names the first as convert does."""
+    rng = np.random.default_rng(0)
+    n = 600
+    rows = {
+        "user": rng.choice([f"u{k}" for k in range(12)], n), "item": rng.choice(["a", "b"], n), "ts": rng.integers(0, 3, n),
+        "click": rng.integers(0, 2, n), "stars": rng.choice([1.0, 4.0, 5.0], n), "genre": rng.choice(["x", "y"], n),
+    }
+    table = pa.table(rows)
+    pa_csv.write_csv(table.slice(0, n // 2), tmp_path / "a.csv")
+    pq.write_table(table.slice(n // 2), tmp_path / "b.parquet", row_group_size=64)
+    files = [tmp_path / "a.csv", tmp_path / "b.parquet"]
+    schema = EventSchema(
+        user="user", item="item", time="ts", labels=(LabelRule.parse("click"), LabelRule.parse("like=stars>=4")),
+        features=(FeatureColumn("genre", Side.ITEM),),
+    )
+    manifest = convert(files, tmp_path / "out", schema, ConvertOptions(split=SplitRule.parse("last:1")), log=lambda line: None).manifest
+    expected = n - len(set(zip(*(table[name].to_pylist() for name in rows))))
+    monkeypatch.setattr(convert_module, "_BYTES_PER_EVENT", 1 << 23)  # as if every event took 8 MiB to sort
+    _, sort_bytes = memory_plan(2048)
+    assert bucket_count(expand_inputs(files), sort_bytes) >= 8 and max_sorted_events(sort_bytes) < n // 2
+    report = inspect_raw(files, schema)
+    assert report.duplicate_events == manifest["counts"]["duplicate_events"] == expected > 0
+    assert report.first_duplicate_event == manifest["first_duplicate_event"]
+    assert report.first_duplicate_event["file"] == str(tmp_path / "a.csv")  # the CSV half holds copies of its own rows
+
+
+def test_inspect_takes_a_memory_budget_of_at_least_its_minimum(tmp_path, capsys):
+    (tmp_path / "log.csv").write_text(LOG)
+    with pytest.raises(SystemExit) as exit:
+        data_cli.main(["inspect", str(tmp_path / "log.csv"), *FLAGS, "--memory-mb", "100"])
+    assert exit.value.code == 2
+    assert "gem-data inspect: error: --memory-mb must be at least 408 (MiB), got 100" in capsys.readouterr().err
+    data_cli.main(["inspect", str(tmp_path / "log.csv"), *FLAGS, "--memory-mb", "408"])
+    assert "events 12, users 4, items 3, time 1 .. 12" in capsys.readouterr().out
 
 
 def test_cli_refuses_bad_input_with_exit_2(tmp_path, capsys):
