@@ -203,38 +203,71 @@ class Batch:
         return self.candidate_item.shape[0]
 
 
+_CORE_FIELDS = ("history.offsets", "candidate_item", "labels", "weights")  # the fields B is voted among
+_LAYOUT_HINT = (
+    "history values are (item, action, time bucket) id columns, then with history_item_features the events' item "
+    "features, max_values columns each; features [B, max_values], labels [B, tasks]; see gem_jax.Batch"
+)
+
+
 def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> None:
     """Checks every field's shape (and the feature names) against `spec`; works on traced arrays.
 
     B is the example count most of the four core fields agree on (history.offsets' B + 1 rows,
-    candidate_item, labels, weights; history.offsets' on a tie), so the field named is the one
-    that disagrees with the rest, and features are checked against it.
+    candidate_item, labels, weights; history.offsets' on a tie), so the fields named are those
+    that disagree with the rest, and features are checked against it.
 
     Raises:
-      ValueError: a field that is not an array, no example (B = 0), a missing or unknown feature,
-        or a field of the wrong shape (field and both shapes named).
+      ValueError: naming, in one message, every wrong field: one that is not an array, a missing or
+        unknown feature, a field of the wrong shape (its shape and the expected one), or no example
+        (B = 0, with the count each core field gives).
     """
+    fields = _layout_fields(batch)
+    arrays = {name: x for name, x in fields.items() if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")}
+    problems = [f"Batch.{name} is a {type(x).__name__}, not an array (numpy or jax)" for name, x in fields.items() if name not in arrays]
+    problems += _feature_set_problems(batch, spec)
+    counts = {name: _example_count(name, arrays.get(name)) for name in _CORE_FIELDS}
+    votes = [c for c in counts.values() if c is not None]
+    b = max(votes, key=lambda c: (votes.count(c), c == counts["history.offsets"]), default=0)
+    shapes = _shape_problems(arrays, spec, b) if b >= 1 else []
+    if b < 1:
+        shown = ", ".join(f"{name} {'none (not an array)' if c is None else 'none (no leading axis)' if c < 0 else c}" for name, c in counts.items())
+        problems.append(f"a batch holds at least one example; the example counts its fields give: {shown}")
+    if problems or shapes:
+        raise ValueError(f"{where}: " + "; ".join(problems + shapes) + (f" ({_LAYOUT_HINT})" if shapes else ""))
+
+
+def _example_count(name: str, x) -> int | None:
+    """The examples core field `name` (array `x`, or None when it is not one) gives: its rows (history.offsets'
+    less one), -1 without a leading axis, None for no array."""
+    if x is None:
+        return None
+    return x.shape[0] - (name == "history.offsets") if x.ndim else -1
+
+
+def _layout_fields(batch: Batch) -> dict[str, object]:
+    """Every field of `batch` by its name in errors (`history.offsets`, `user['age']`, ...), in `Batch`'s order."""
     fields = {"history.offsets": batch.history.offsets, "history.values": batch.history.values, "candidate_item": batch.candidate_item}
     fields |= {f"user[{k!r}]": v for k, v in batch.user.items()} | {f"candidate_features[{k!r}]": v for k, v in batch.candidate_features.items()}
-    fields |= {"labels": batch.labels, "weights": batch.weights}
-    for name, x in fields.items():
-        if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
-            raise ValueError(f"{where}: Batch.{name} is a {type(x).__name__}, not an array (numpy or jax)")
+    return fields | {"labels": batch.labels, "weights": batch.weights}
+
+
+def _feature_set_problems(batch: Batch, spec: FeatureSpec) -> list[str]:
+    """A line per feature dict of `batch` (user, candidate_features) whose names are not the spec's, naming the missing and unknown ones."""
+    problems = []
     for field, features in (("user", spec.user_features), ("candidate_features", spec.item_features)):
         given, wanted = set(getattr(batch, field)), {f.name for f in features}
         if given != wanted:
-            raise ValueError(
-                f"{where}: Batch.{field} holds features {sorted(given)}, the spec {sorted(wanted)} "
+            problems.append(
+                f"Batch.{field} holds features {sorted(given)}, the spec {sorted(wanted)} "
                 f"(missing {sorted(wanted - given)}, unknown {sorted(given - wanted)})"
             )
-    # Each core field's example count (-1 for a field without a leading axis; offsets have B + 1 rows).
-    counts = {name: fields[name].shape[0] - (name == "history.offsets") if fields[name].ndim else -1
-              for name in ("history.offsets", "candidate_item", "labels", "weights")}
-    votes = list(counts.values())
-    b = max(votes, key=lambda c: (votes.count(c), c == counts["history.offsets"]))
-    if b < 1:
-        shown = ", ".join(f"{name} {c}" if c >= 0 else f"{name} none (no leading axis)" for name, c in counts.items())
-        raise ValueError(f"{where}: a batch holds at least one example; the example counts its fields give: {shown}")
+    return problems
+
+
+def _shape_problems(arrays: dict[str, object], spec: FeatureSpec, b: int) -> list[str]:
+    """A line per array of `arrays` (`_layout_fields`' names) whose shape is not the one `spec` gives for B = `b`,
+    naming both (`T` for the history's token rows, any number); a feature the spec lacks, or `arrays` lacks, is skipped."""
     expected = {
         "history.offsets": (b + 1,),
         "history.values": (None, spec.history_width),
@@ -244,16 +277,12 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
         "labels": (b, spec.num_tasks),
         "weights": (b,),
     }
-    for name, want in expected.items():
-        got = fields[name].shape
-        if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
-            shown = tuple("T" if w is None else w for w in want)
-            raise ValueError(
-                f"{where}: Batch.{name} has shape {tuple(got)}, expected {shown} "
-                "(history values are (item, action, time bucket) id columns, then with history_item_features the "
-                "events' item features, max_values columns each; features [B, max_values], "
-                "labels [B, tasks]; see gem_jax.Batch)"
-            )
+    problems = []
+    for name, x in arrays.items():
+        want, got = expected.get(name), tuple(x.shape)
+        if want is not None and (len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got))):
+            problems.append(f"Batch.{name} has shape {got}, expected {tuple('T' if w is None else w for w in want)}")
+    return problems
 
 
 def _random_ids(rng: np.random.Generator, feature: CategoricalFeature, b: int) -> np.ndarray:

@@ -110,10 +110,14 @@ def test_layout_and_ids_are_checked_with_the_feature_named():
     offsets = dataclasses.replace(batch, history=dataclasses.replace(batch.history, offsets=batch.history.offsets[:2]))
     with pytest.raises(ValueError, match=r"Batch.history.offsets has shape \(2,\), expected \(3,\)"):
         check_layout(offsets, SPEC)
-    # Features are checked against the core fields' count, even when several are stale.
+    # Features are checked against the core fields' count, even when several are stale: each is named.
     stale = dataclasses.replace(batch, user={k: np.concatenate([v, v]) for k, v in batch.user.items()},
                                 candidate_features={k: np.concatenate([v, v]) for k, v in batch.candidate_features.items()})
-    with pytest.raises(ValueError, match=r"Batch.user\['\w+'\] has shape \(4, \d+\), expected \(2, \d+\)"):
+    with pytest.raises(ValueError, match=(
+        r"^batch: Batch.user\['user'\] has shape \(4, 1\), expected \(2, 1\); Batch.user\['country'\] has shape \(4, 1\), expected \(2, 1\); "
+        r"Batch.user\['langs'\] has shape \(4, 2\), expected \(2, 2\); Batch.candidate_features\['tags'\] has shape \(4, 3\), expected \(2, 3\); "
+        r"Batch.candidate_features\['category'\] has shape \(4, 2\), expected \(2, 2\) \(history values are "
+    )):
         check_layout(stale, SPEC)
     with pytest.raises(ValueError, match=r"Batch.weights is a list, not an array"):
         check_layout(dataclasses.replace(batch, weights=[1.0, 1.0]), SPEC)
@@ -210,6 +214,40 @@ def test_history_features_train_the_candidates_tables_and_skip_slack_rows():
     used = set(history_tags[history_tags != PAD_ID].tolist()) | set(candidate_tags[candidate_tags != PAD_ID].tolist())
     assert set(history_tags[history_tags != PAD_ID].tolist()) - set(candidate_tags.ravel().tolist())  # rows only the history uses
     assert touched <= used | {PAD_ID} and touched >= set(history_tags[history_tags != PAD_ID].tolist())
+
+
+def test_every_wrong_field_of_a_batch_is_named_in_one_error():
+    """A batch wrong in several fields: one error names each, in the batch's field order after the fields that are
+    not arrays and the feature dicts of other names, each shape with the one expected for the B most core fields give."""
+    batch = random_batch(SPEC, np.random.default_rng(), [1, 1], capacity=2)
+    wrong = dataclasses.replace(
+        batch,
+        candidate_item=batch.candidate_item[:1],  # B = 2 by history.offsets and labels (weights is no array)
+        user={**batch.user, "langs": batch.user["langs"][:, :1]},
+        candidate_features={"tags": batch.candidate_features["tags"], "colour": batch.candidate_features["category"]},
+        labels=batch.labels[:, :2],
+        weights=[1.0, 1.0],
+    )
+    with pytest.raises(ValueError) as error:
+        check_layout(wrong, SPEC, where="step 7")
+    message = str(error.value)
+    assert message.startswith(
+        "step 7: Batch.weights is a list, not an array (numpy or jax); "
+        "Batch.candidate_features holds features ['colour', 'tags'], the spec ['category', 'tags'] (missing ['category'], unknown ['colour']); "
+        "Batch.candidate_item has shape (1,), expected (2,); Batch.user['langs'] has shape (2, 1), expected (2, 2); "
+        "Batch.labels has shape (2, 2), expected (2, 3) (history values are (item, action, time bucket) id columns"
+    ), message
+    assert message.endswith("labels [B, tasks]; see gem_jax.Batch)") and message.count("Batch.") == 5
+    # No example: the fields that are not arrays are named beside the counts the others give; no shape is compared.
+    empty = dataclasses.replace(
+        batch, history=dataclasses.replace(batch.history, offsets=batch.history.offsets[:1]), candidate_item=batch.candidate_item[:0],
+        labels=batch.labels[:0], weights=[],
+    )
+    with pytest.raises(ValueError, match=(
+        r"^batch: Batch.weights is a list, not an array \(numpy or jax\); a batch holds at least one example; the example counts its "
+        r"fields give: history.offsets 0, candidate_item 0, labels 0, weights none \(not an array\)$"
+    )):
+        check_layout(empty, SPEC)
 
 
 def test_history_feature_columns_are_checked_with_the_row_named():
