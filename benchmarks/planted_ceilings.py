@@ -30,11 +30,12 @@ optimizer (row-wise Adagrad on the effects, AdamW with warm-up and cosine decay 
 weights; both rates chosen on the held-out tenth), for 1800 steps (the job's 1.07 passes) and for 2, 4
 and 8 passes. With `--learned-vectors`, the **learned_<form>_<passes>** rows drop the last thing the fitted
 rows are given: the latent vectors. Their recent signal is the mean dot product of vectors learned from the ids
-(an embedding table of the planted `latent_dim` under the job's row-wise Adagrad, trained as the online rows,
+(an embedding table under the job's row-wise Adagrad, the planted `latent_dim` or 1024 wide, trained as the online rows,
 rates and the vectors' starting scale chosen on the held-out tenth): `category_vectors`, one per category (what
 a model reading the history's categories can learn), and `item_vectors`, each item's category vector plus its
-own (the oracle's form, what a model reading item ids can learn), for the job's budget and for 4 passes. They
-are the planted form learning what a network has to learn, within the data a job sees. Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside
+own (the oracle's form, what a model reading item ids can learn), 16 wide for the job's budget and for 4 passes,
+and 1024 wide (the GEM width) for the job's budget. They are the planted form learning what a network has to
+learn, within the data a job sees. Each row's share of the oracle's AUC lift over the item-mean baseline is reported beside
 it. The log is generated in memory (`gem_jax.data.planted.generate`), as `gem-data plant` writes it for
 the same preset and seed.
 """
@@ -255,13 +256,18 @@ def online_rows(user, item, signals, labels, time, is_eval, num_users: int, num_
 # The learned-vector rows: the planted form with its recent signal from item vectors learned from the ids, as a
 # network has to learn them, trained as the online rows are (the job's batches and optimizer; the vectors are an
 # embedding table under its row-wise Adagrad). CATEGORY_VECTORS: one learned vector per category (what the history's
-# categories allow); ITEM_VECTORS: each item's category vector plus one of its own (the oracle's form). The vectors
-# have the planted `latent_dim`, a start drawn from N(0, scale^2); rates and scale chosen on the held-out tenth.
+# categories allow); ITEM_VECTORS: each item's category vector plus one of its own (the oracle's form). Each run is
+# (form, width, passes, starting scales): vectors `width` wide (None: the planted `latent_dim`), trained for `passes`
+# over the train events (None: the job's `num_steps` batches), starting from N(0, scale^2); the rates and the scale
+# are chosen on the held-out tenth. The GEM-width runs (1024 wide, ~50 s a fit on a CPU) try one scale.
 CATEGORY_VECTORS, ITEM_VECTORS = "category_vectors", "item_vectors"
-VECTOR_PASSES = (None, 4.0)
+VECTOR_RUNS = (
+    (CATEGORY_VECTORS, None, None, (0.03, 0.1, 0.3)), (CATEGORY_VECTORS, None, 4.0, (0.03, 0.1, 0.3)),
+    (ITEM_VECTORS, None, None, (0.03, 0.1, 0.3)), (ITEM_VECTORS, None, 4.0, (0.03, 0.1, 0.3)),
+    (CATEGORY_VECTORS, 1024, None, (0.01,)), (ITEM_VECTORS, 1024, None, (0.01,)),
+)
 VECTOR_EFFECT_RATES = (0.03, 0.1, 0.3)
 VECTOR_WEIGHT_RATES = (1e-2, 3e-2)
-VECTOR_INIT_SCALES = (0.03, 0.1, 0.3)
 VECTOR_SCORE_CHUNK = 65_536  # events a scoring call takes
 
 
@@ -295,7 +301,7 @@ def vector_logit(params, inputs: dict, batch, form: str):
             + effects[inputs["num_users"] + inputs["item"][batch]])
 
 
-def fit_online_vectors(inputs: dict, labels, events: np.ndarray, *, form: str, num_items: int, latent_dim: int, steps: int,
+def fit_online_vectors(inputs: dict, labels, events: np.ndarray, *, form: str, num_items: int, width: int, steps: int,
                        effect_lr: float, weight_lr: float, init_scale: float, job: TrainConfig, seed: int = 0) -> dict:
     """`steps` minibatch steps of `vector_logit`'s mean log loss over `events` (int indices into `inputs`' events;
     0/1 float32 `labels` `[N]`) with `job`'s optimizer (`job_optimizer`): the bias and weights start at 0 but the
@@ -304,7 +310,7 @@ def fit_online_vectors(inputs: dict, labels, events: np.ndarray, *, form: str, n
     params = {
         "dense": jnp.array([0.0, 1.0, 0.0, 0.0]),
         "effects": {EMBEDDING_PARAM: jnp.zeros((inputs["num_users"] + num_items, 1))},
-        "vectors": {EMBEDDING_PARAM: init_scale * jax.random.normal(jax.random.key(seed), (rows, latent_dim))},
+        "vectors": {EMBEDDING_PARAM: init_scale * jax.random.normal(jax.random.key(seed), (rows, width))},
     }
 
     def loss(params, batch):
@@ -315,11 +321,10 @@ def fit_online_vectors(inputs: dict, labels, events: np.ndarray, *, form: str, n
     return train_online(loss, params, job_optimizer(job, steps, effect_lr, weight_lr), batches)
 
 
-def vector_rows(log, config: PlantedConfig, signals: np.ndarray, is_eval: np.ndarray, passes_list=VECTOR_PASSES,
-                forms=(CATEGORY_VECTORS, ITEM_VECTORS)) -> dict:
+def vector_rows(log, config: PlantedConfig, signals: np.ndarray, is_eval: np.ndarray, runs=VECTOR_RUNS) -> dict:
     """The learned-vector rows (comment above `CATEGORY_VECTORS`) of the planted `log` generated from `config`, with its
-    mid and long `signals` `[N, 2]`: `{f"{form}_{passes:.3f}": chosen_and_refitted's row, its setting (effect rate,
-    weight rate, init scale)}` for each form and each of `passes_list` (None: the job's `num_steps` batches)."""
+    mid and long `signals` `[N, 2]`: `{f"{form}_{width}_{passes:.3f}": chosen_and_refitted's row, its setting (effect
+    rate, weight rate, init scale)}` for each of `runs`."""
     job = load_config(JOB_CONFIG)
     position = np.arange(log.num_events) - log.user_offsets[log.user]
     recent, recent_mask = recent_items(log.item, position, config.recent_window)
@@ -330,25 +335,24 @@ def vector_rows(log, config: PlantedConfig, signals: np.ndarray, is_eval: np.nda
     }
     labels = log.click.astype(np.float64)
     labels32 = jnp.asarray(labels, jnp.float32)
-    grid = [(e, w, s) for e in VECTOR_EFFECT_RATES for w in VECTOR_WEIGHT_RATES for s in VECTOR_INIT_SCALES]
+    scorers = {form: jax.jit(lambda params, batch, form=form: vector_logit(params, inputs, batch, form))
+               for form in (CATEGORY_VECTORS, ITEM_VECTORS)}
     rows = {}
-    for form in forms:
-        score = jax.jit(lambda params, batch, form=form: vector_logit(params, inputs, batch, form))
+    for form, width, passes, scales in runs:
+        width = config.latent_dim if width is None else width
+        passes = job_passes(passes, job, int((~is_eval).sum()))
 
-        def logit(params, events):
+        def logit(params, events, score=scorers[form]):
             return np.concatenate([np.asarray(score(params, jnp.asarray(events[lo:lo + VECTOR_SCORE_CHUNK])), np.float64)
                                    for lo in range(0, events.size, VECTOR_SCORE_CHUNK)])
 
-        for passes in passes_list:
-            passes = job_passes(passes, job, int((~is_eval).sum()))
+        def fit(events, setting, form=form, width=width, passes=passes):
+            steps = max(1, round(passes * events.size / job.data.batch_size))
+            return steps, fit_online_vectors(inputs, labels32, events, form=form, num_items=config.num_items, width=width,
+                                             steps=steps, effect_lr=setting[0], weight_lr=setting[1], init_scale=setting[2], job=job)
 
-            def fit(events, setting, form=form, passes=passes):
-                steps = max(1, round(passes * events.size / job.data.batch_size))
-                return steps, fit_online_vectors(inputs, labels32, events, form=form, num_items=config.num_items,
-                                                 latent_dim=config.latent_dim, steps=steps, effect_lr=setting[0],
-                                                 weight_lr=setting[1], init_scale=setting[2], job=job)
-
-            rows[f"{form}_{passes:.3f}"] = chosen_and_refitted(fit, logit, grid, log.time, is_eval, labels)
+        grid = [(e, w, s) for e in VECTOR_EFFECT_RATES for w in VECTOR_WEIGHT_RATES for s in scales]
+        rows[f"{form}_{width}_{passes:.3f}"] = chosen_and_refitted(fit, logit, grid, log.time, is_eval, labels)
     return rows
 
 
@@ -369,11 +373,11 @@ def past_click_logit(click: np.ndarray, user_offsets: np.ndarray, user: np.ndarr
     return np.log(rate) - np.log1p(-rate)
 
 
-def ceilings(config: PlantedConfig, rule: SplitRule, online_passes=(), vector_passes=()) -> dict:
+def ceilings(config: PlantedConfig, rule: SplitRule, online_passes=(), vector_runs=()) -> dict:
     """AUC and NE of the oracle, the categories-only ceiling, no history and the item-mean baseline on `rule`'s
     eval events of the log `config` generates, with each one's share of the oracle's AUC lift (module docstring);
     with `online_passes`, the fitted form trained online for each (`online_rows`) under "online"; with
-    `vector_passes`, the learned-vector forms trained online for each (`vector_rows`) under "vectors".
+    `vector_runs`, the learned-vector forms trained online for each (`vector_rows`) under "vectors".
 
     Raises:
       ValueError: the split leaves no train or no eval events (`oracle_report`).
@@ -404,7 +408,7 @@ def ceilings(config: PlantedConfig, rule: SplitRule, online_passes=(), vector_pa
         "no_history": report.no_history, "item_mean": report.item_mean,
     }
     rows |= {f"fitted_online_{passes}": row["quality"] for passes, row in online.items()}
-    vectors = vector_rows(log, config, signals[:, 1:], is_eval, vector_passes) if vector_passes else {}
+    vectors = vector_rows(log, config, signals[:, 1:], is_eval, vector_runs) if vector_runs else {}
     rows |= {f"learned_{name}": row["quality"] for name, row in vectors.items()}
     lift = report.oracle.auc - report.item_mean.auc
     return {
@@ -441,12 +445,12 @@ def main() -> None:
     parser.add_argument("--split", default="time:0.9", help="the split, as gem-data convert --split takes it")
     parser.add_argument("--online", action="store_true", help=f"also the online rows: the fitted form trained as the GEM-width job trains, for {len(ONLINE_PASSES)} budgets")
     parser.add_argument("--learned-vectors", action="store_true",
-                        help=f"also the learned-vector rows: the planted form learning its item vectors from ids, for {len(VECTOR_PASSES)} budgets")
+                        help=f"also the learned-vector rows: the planted form learning its vectors from ids, {len(VECTOR_RUNS)} runs")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     config = small(PRESETS[args.preset]) if args.small else PRESETS[args.preset]
     result = {"preset": args.preset, "small": args.small, **ceilings(config, SplitRule.parse(args.split), ONLINE_PASSES if args.online else (),
-                                                                       VECTOR_PASSES if args.learned_vectors else ())}
+                                                                       VECTOR_RUNS if args.learned_vectors else ())}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -30,10 +30,12 @@ ROWS = (
     ("categories_only", "true effects, category vectors"),
     ("fitted", "fit, given the category vectors"),
     ("fitted_online_1.067", "the same, one job's data"),
-    ("learned_category_vectors_4.000", "category vectors learned, 4 passes"),
-    ("learned_category_vectors_1.067", "category vectors learned, one job's data"),
-    ("learned_item_vectors_1.067", "item vectors learned, one job's data"),
-    ("learned_item_vectors_4.000", "item vectors learned, 4 passes"),
+    ("learned_category_vectors_1024_1.067", "category vectors learned, 1024 wide, one job's data"),
+    ("learned_item_vectors_1024_1.067", "item vectors learned, 1024 wide, one job's data"),
+    ("learned_category_vectors_16_4.000", "category vectors learned, 16 wide, 4 passes"),
+    ("learned_category_vectors_16_1.067", "category vectors learned, 16 wide, one job's data"),
+    ("learned_item_vectors_16_1.067", "item vectors learned, 16 wide, one job's data"),
+    ("learned_item_vectors_16_4.000", "item vectors learned, 16 wide, 4 passes"),
     ("no_history", "oracle without the history"),
 )
 LIFT_TARGET, NE_TARGET = 90.0, 2.0  # percent: the GEM-width targets

@@ -39,9 +39,10 @@ The recipe, and why (the same model at lr 1e-3 ended worse than the constant on 
   0.7223 / 0.8863 (69% of the AUC lift). One pass is not what holds the model back: the planted
   form itself, trained with this config's optimizer in these 1800 steps, reaches 88.7% of the lift
   against 89.5% converged (benchmarks/quality.md, "Within the job's budget"). Given no latent
-  vectors, but learning them from the ids as a network does, it reaches 82-83% in these steps and
-  85% in four passes, NE 3.7-4.4% above the oracle's (quality.md, "Learning the vectors within the
-  job's budget"): the 90% / 2% targets are beyond the planted form itself learning from this data.
+  vectors, but learning them from the ids as a network does, it reaches 82-83% in these steps with
+  16-wide vectors and 85.8% (NE 3.7% above the oracle's) with 1024-wide ones (quality.md, "Learning
+  the vectors within the job's budget"): the 90% / 2% targets are beyond the planted form itself
+  learning from this data.
 - a flatter dense rate did not help: with the cosine stretched to 3,360 steps (the rate ending at
   55% of the peak instead of 10%) and past outcomes in the history, 0.7339 / 0.8745 at step 1800
   on an H100 (2026-12-07, benchmarks/results/planted_gem_actions_flat_lr_long_range_h100_20261207.json),

@@ -16,9 +16,8 @@ def test_the_ceilings_agree_with_the_report_of_the_written_log(load_benchmark, t
     monkeypatch.setattr(ceilings, "WEIGHT_RATES", (1e-2, 3e-2))
     monkeypatch.setattr(ceilings, "VECTOR_EFFECT_RATES", (0.1,))  # and the learned-vector rows' grids
     monkeypatch.setattr(ceilings, "VECTOR_WEIGHT_RATES", (1e-2, 3e-2))
-    monkeypatch.setattr(ceilings, "VECTOR_INIT_SCALES", (0.1,))
     config = small(LONG_RANGE)
-    result = ceilings.ceilings(config, SPLIT, online_passes=(1.0, 8.0), vector_passes=(1.0,))
+    result = ceilings.ceilings(config, SPLIT, online_passes=(1.0, 8.0), vector_runs=[(form, None, 1.0, (0.1,)) for form in ("category_vectors", "item_vectors")])
     report = oracle_report(read_truth(write_planted(generate(config), tmp_path / "log").truth), SPLIT)
     assert result["eval_events"] == report.eval_events
     for name in ("oracle", "no_history", "item_mean"):
@@ -44,8 +43,8 @@ def test_the_ceilings_agree_with_the_report_of_the_written_log(load_benchmark, t
     assert all(row["rates"][0] in (0.1, 0.3) and row["rates"][1] in (1e-2, 3e-2) for row in online.values())
     # learning the vectors from ids in one pass, the form learns from the history but stays short of the fit given them
     for form in ("category_vectors", "item_vectors"):
-        assert auc["no_history"] < auc[f"learned_{form}_1.000"] < auc["fitted_item_vectors"], form
-        row = result["vectors"][f"{form}_1.000"]
+        assert auc["no_history"] < auc[f"learned_{form}_16_1.000"] < auc["fitted_item_vectors"], form
+        row = result["vectors"][f"{form}_16_1.000"]
         assert row["steps"] == online["1.000"]["steps"] and row["setting"][1] in (1e-2, 3e-2) and len(row["validation_ne"]) == 2
         assert set(row["weights"]) == {"bias", "recent", "mid", "long"}
 
