@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -204,6 +205,7 @@ class Batch:
 
 
 _CORE_FIELDS = ("history.offsets", "candidate_item", "labels", "weights")  # the fields B is voted among
+_FEATURE_FIELDS = ("user", "candidate_features")  # the dicts of feature arrays, in Batch's order
 _LAYOUT_HINT = (
     "history values are (item, action, time bucket) id columns, then with history_item_features the events' item "
     "features, max_values columns each; features [B, max_values], labels [B, tasks]; see gem_jax.Batch"
@@ -214,20 +216,23 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
     """Checks every field's shape (and the feature names) against `spec`; works on traced arrays.
 
     B is the example count most of the four core fields agree on (history.offsets' B + 1 rows,
-    candidate_item, labels, weights; history.offsets' on a tie), so the fields named are those
-    that disagree with the rest, and features are checked against it.
+    candidate_item, labels, weights; history.offsets' on a tie; a field without a leading axis
+    gives none), so the fields named are those that disagree with the rest, and features are
+    checked against it.
 
     Raises:
-      ValueError: naming, in one message, every wrong field: one that is not an array, a missing or
-        unknown feature, a field of the wrong shape (its shape and the expected one), or no example
+      ValueError: naming, in one message, every wrong field: one that is not an array (a feature
+        field that is not a dict of them), a missing or unknown feature, a field of the wrong shape (its shape and the expected one), or no example
         (B = 0, with the count each core field gives).
     """
     fields = _layout_fields(batch)
     arrays = {name: x for name, x in fields.items() if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")}
-    problems = [f"Batch.{name} is a {type(x).__name__}, not an array (numpy or jax)" for name, x in fields.items() if name not in arrays]
+    problems = [f"Batch.{name} is a {type(x).__name__}, not a dict of feature name to array" for name in _FEATURE_FIELDS
+                if not isinstance(x := getattr(batch, name), Mapping)]
+    problems += [f"Batch.{name} is a {type(x).__name__}, not an array (numpy or jax)" for name, x in fields.items() if name not in arrays]
     problems += _feature_set_problems(batch, spec)
     counts = {name: _example_count(name, arrays.get(name)) for name in _CORE_FIELDS}
-    votes = [c for c in counts.values() if c is not None]
+    votes = [c for c in counts.values() if c is not None and c >= 0]
     b = max(votes, key=lambda c: (votes.count(c), c == counts["history.offsets"]), default=0)
     shapes = _shape_problems(arrays, spec, b) if b >= 1 else []
     if b < 1:
@@ -248,14 +253,18 @@ def _example_count(name: str, x) -> int | None:
 def _layout_fields(batch: Batch) -> dict[str, object]:
     """Every field of `batch` by its name in errors (`history.offsets`, `user['age']`, ...), in `Batch`'s order."""
     fields = {"history.offsets": batch.history.offsets, "history.values": batch.history.values, "candidate_item": batch.candidate_item}
-    fields |= {f"user[{k!r}]": v for k, v in batch.user.items()} | {f"candidate_features[{k!r}]": v for k, v in batch.candidate_features.items()}
+    for name in _FEATURE_FIELDS:  # one that is not a dict is named by check_layout
+        features = getattr(batch, name)
+        fields |= {f"{name}[{k!r}]": v for k, v in features.items()} if isinstance(features, Mapping) else {}
     return fields | {"labels": batch.labels, "weights": batch.weights}
 
 
 def _feature_set_problems(batch: Batch, spec: FeatureSpec) -> list[str]:
     """A line per feature dict of `batch` (user, candidate_features) whose names are not the spec's, naming the missing and unknown ones."""
     problems = []
-    for field, features in (("user", spec.user_features), ("candidate_features", spec.item_features)):
+    for field, features in zip(_FEATURE_FIELDS, (spec.user_features, spec.item_features)):
+        if not isinstance(getattr(batch, field), Mapping):
+            continue  # named by check_layout
         given, wanted = set(getattr(batch, field)), {f.name for f in features}
         if given != wanted:
             problems.append(

@@ -14,7 +14,11 @@ mistyped column, files that disagree, an output holding another conversion).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from gem_jax.checks import output_directory_problem, positive_int
@@ -65,6 +69,22 @@ def _on_bad_row(args):
     return OnBadRow.SKIP if args.on_bad_row == "skip" else OnBadRow.RAISE
 
 
+@contextlib.contextmanager
+def _termination_exits():
+    """While the body runs, SIGTERM and SIGHUP raise SystemExit(128 + the signal's number), so the body's `with`
+    blocks clean up as they do on Ctrl-C, and the exit status is the one the signal would give."""
+
+    def exit_on(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, exit_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _inspect(args) -> None:
     from gem_jax.data.bbs import check_shard_split
     from gem_jax.data.ingest import inspect
@@ -81,7 +101,8 @@ def _inspect(args) -> None:
         if not (args.user and args.item and args.time):
             expand_inputs(args.inputs)  # a path that does not exist (or holds no event files) is said first
             raise ValueError("raw inputs need --user, --item and --time (or pass one converted directory)")
-        report = inspect.inspect_raw(args.inputs, _schema(args), _on_bad_row(args), args.memory_mb)
+        with _termination_exits():  # the bucket files' temporary folder is removed on SIGTERM and SIGHUP too
+            report = inspect.inspect_raw(args.inputs, _schema(args), _on_bad_row(args), args.memory_mb)
     if args.batch_size is not None:
         inspect.add_layout(report, args.batch_size, args.gpus, args.max_seq_len, where=layout_where)
     print(inspect.format_report(report))
@@ -225,6 +246,13 @@ def main(argv: list[str] | None = None) -> None:
         run(args)
     except ValueError as error:  # BadRowError, DataFormatError, SchemaError, option values out of range
         print(f"gem-data {args.command}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as error:
+        full = error.errno == errno.ENOSPC or "No space left on device" in str(error)  # pyarrow's writers say it in text
+        if not full or args.command == "oracle":  # oracle writes nothing
+            raise
+        folder = f"the temporary folder {tempfile.gettempdir()} (TMPDIR)" if args.command == "inspect" else f"--out {args.out}"
+        print(f"gem-data {args.command}: error: no space left on the device of {folder}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -248,6 +248,17 @@ def test_every_wrong_field_of_a_batch_is_named_in_one_error():
         r"fields give: history.offsets 0, candidate_item 0, labels 0, weights none \(not an array\)$"
     )):
         check_layout(empty, SPEC)
+    # Scalars give no count: B = 2 from history.offsets alone, and each scalar is named with the shape it should have.
+    scalars = dataclasses.replace(batch, candidate_item=np.int32(5), labels=np.float32(0), weights=np.float32(1))
+    with pytest.raises(ValueError) as error:
+        check_layout(scalars, SPEC)
+    assert "Batch.candidate_item has shape (), expected (2,); " in str(error.value) and "Batch.labels has shape (), expected (2, 3)" in str(error.value)
+    assert "Batch.weights has shape (), expected (2,)" in str(error.value) and "at least one example" not in str(error.value)
+    # A feature field that is not a dict is named as such, beside the other wrong fields.
+    with pytest.raises(ValueError, match=(
+        r"^batch: Batch.user is a NoneType, not a dict of feature name to array; Batch.candidate_item has shape \(\), expected \(2,\)"
+    )):
+        check_layout(dataclasses.replace(scalars, user=None), SPEC)
 
 
 def test_history_feature_columns_are_checked_with_the_row_named():

@@ -1,5 +1,8 @@
 """gem-data inspect on a small known log (raw and converted), and the gem-data command line."""
 
+import os
+import signal
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
@@ -209,3 +212,46 @@ def test_vocab_from_is_checked_before_the_log_is_read(tmp_path, capsys):
         assert f"gem-data convert: error: --vocab-from {vocab_from}: {what}" in err
         assert "not a vocabulary file" not in err and "Traceback" not in err
         assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()  # refused before pass 1
+
+
+def test_inspect_removes_its_temporary_folder_on_sigterm(tmp_path, monkeypatch):
+    """A SIGTERM while the rows are bucketed exits with 128 + 15, as the signal would, after the bucket files' folder is removed."""
+    path = tmp_path / "log.csv"
+    path.write_text(LOG)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    write = convert_module.Buckets.write
+
+    def write_then_terminated(self, table):
+        write(self, table)
+        assert list(scratch.iterdir())  # the folder exists while the rows go in
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(convert_module.Buckets, "write", write_then_terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        data_cli.main(["inspect", str(path), *FLAGS])
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert list(scratch.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
+
+
+def test_a_full_disk_is_named_with_the_folder_it_fills(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "log.csv"
+    path.write_text(LOG)
+
+    def full(self, table):
+        raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(convert_module.Buckets, "write", full)
+    with pytest.raises(SystemExit) as exited:
+        data_cli.main(["inspect", str(path), *FLAGS])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "gem-data inspect: error: no space left on the device of the temporary folder" in error and "(TMPDIR)" in error
+    with pytest.raises(SystemExit) as exited:
+        data_cli.main(["convert", str(path), "--out", str(tmp_path / "out"), *FLAGS, "--split", "last:1", "--quiet"])
+    assert exited.value.code == 2
+    assert f"gem-data convert: error: no space left on the device of --out {tmp_path / 'out'}" in capsys.readouterr().err
