@@ -534,15 +534,22 @@ class DuplicateEvents:
         return {"file": str(file), "location": location, "copy_of": original_location if original_file == file else f"{original_file}, {original_location}"}
 
 
+def group_order(table: pa.Table) -> tuple[pa.DictionaryArray, np.ndarray, np.ndarray]:
+    """A bucket group's (`Buckets.read_group`) users dictionary-encoded, its times (int64 `[n]`) and the order
+    (int64 `[n]`) that sorts its rows by (user code, time), ties in input order (`stable_order`)."""
+    users = pc.dictionary_encode(table["user"]).combine_chunks()
+    times = table["time"].to_numpy()
+    return users, times, stable_order(users.indices.to_numpy(), times)
+
+
 def count_duplicates(buckets: Buckets, max_events: int) -> DuplicateEvents:
     """The duplicate events of the rows in `buckets`, read in groups of at most `max_events` events (`bucket_groups`),
-    each group sorted by (user, time, input order) as pass 2 sorts it."""
+    each group sorted as pass 2 sorts it (`group_order`)."""
     duplicates = DuplicateEvents()
     for group in bucket_groups(buckets.events, max_events):
         table = buckets.read_group(group)
-        users = pc.dictionary_encode(table["user"]).combine_chunks().indices.to_numpy()
-        times = table["time"].to_numpy()
-        duplicates.add(table, users, times, stable_order(users, times))
+        users, times, order = group_order(table)
+        duplicates.add(table, users.indices.to_numpy(), times, order)
     return duplicates
 
 
@@ -787,10 +794,8 @@ def _convert(files, table_files, work: Path, schema: EventSchema, options: Conve
             if n == 0:
                 continue
             item_lookup = lookup_pool.submit(vocabs["item"].lookup, table["item"].combine_chunks())
-            encoded = pc.dictionary_encode(table["user"]).combine_chunks()
+            encoded, times, order = group_order(table)  # ties keep input order
             codes = encoded.indices.to_numpy()
-            times = table["time"].to_numpy()
-            order = stable_order(codes, times)  # ties keep input order
             duplicates.add(table, codes, times, order)
             num_users = len(encoded.dictionary)
             starts = np.searchsorted(codes[order], np.arange(num_users + 1))
