@@ -222,8 +222,9 @@ def check_layout(batch: Batch, spec: FeatureSpec, *, where: str = "batch") -> No
 
     Raises:
       ValueError: naming, in one message, every wrong field: one that is not an array (a feature
-        field that is not a dict of them), a missing or unknown feature, a field of the wrong shape (its shape and the expected one), or no example
-        (B = 0, with the count each core field gives).
+        field that is not a dict of them), a missing or unknown feature, a field of the wrong shape
+        (its shape and the expected one), or no example (B = 0, with the count each core field
+        gives).
     """
     fields = _layout_fields(batch)
     arrays = {name: x for name, x in fields.items() if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")}
