@@ -89,7 +89,8 @@ def load_params(workdir: str | Path, step: int | None = None, *, devices: Sequen
     else:
         spec = config_tree.from_tree(FeatureSpec, record["spec"])
     mesh = make_mesh(config.topology, devices)
-    setup = state_setup(model_factory(spec, config), make_optimizer(config.optim), mesh, config.rules, compute_dtype=config.model.compute_dtype)
+    setup = state_setup(model_factory(spec, config), make_optimizer(config.optim), mesh, config.rules, compute_dtype=config.model.compute_dtype,
+                        weights_dtype=config.optim.weights_dtype)
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint, read_only=True)
     try:
         steps = checkpointer.all_steps()

@@ -66,9 +66,11 @@ MAY_CHANGE = (
 # features before `data.history_item_features` (and the spec's field of that name); the RMSNorms
 # were flax's before `model.norm_implementation` (whose "xla" is flax's computation bit for bit), and the
 # MLPs' GELU backward autodiff's before `model.mlp_implementation`;
-# every forward cast the float32 weights before `optim.keep_compute_params`.
+# every forward cast the float32 weights before `optim.keep_compute_params`, and the dense weights
+# were float32 before `optim.weights_dtype`.
 RECORDED_BEFORE_FIELD = {
     "config.optim.keep_compute_params": False,
+    "config.optim.weights_dtype": "float32",
     "config.optim.embedding_accumulator": "element",
     "config.optim.embedding_initial_accumulator": 0.1,
     "config.data.history_item_features": False,

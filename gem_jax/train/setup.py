@@ -164,7 +164,8 @@ def setup_training(
     optimizer = make_optimizer(config.optim)
     factory = model_factory(dataset, config)
     dtype = config.model.compute_dtype
-    setup = state_setup(factory, optimizer, mesh, config.rules, compute_dtype=dtype, keep_compute_params=config.optim.keep_compute_params)
+    setup = state_setup(factory, optimizer, mesh, config.rules, compute_dtype=dtype, keep_compute_params=config.optim.keep_compute_params,
+                        weights_dtype=config.optim.weights_dtype)
     workload = train_workload(config.model, dataset.spec)
     dataset = dataset.resolve_bbs(num_shards=mesh.devices.size, workload=workload)
     placement = BatchPlacement(mesh, dataset.token_buckets)

@@ -36,7 +36,8 @@ class TrainState:
 
     Attributes:
       step: int32 scalar, optimizer steps taken.
-      params: the model's parameters as a nested dict of arrays (`nnx.to_pure_dict`).
+      params: the model's parameters as a nested dict of arrays (`nnx.to_pure_dict`): float32, but
+        the compute dtype for the weights of `StateSetup.narrow_weights`.
       opt_state: the optax state of `params`.
       compute_params: None, or the compute-dtype copy of `params`' dense weights, by
         parameter path (`"seq/layers/0/mlp/up/kernel"`: `StateSetup.copied`), each
@@ -89,6 +90,9 @@ class StateSetup:
       mesh: the device mesh.
       plan: every parameter's sharding and the tables' placements.
       compute_dtype: dtype dense weights are cast to before use in a step.
+      narrow_weights: the paths of the weights `TrainState.params` holds in `compute_dtype`
+        itself (`OptimConfig.weights_dtype="bfloat16"`: every weight matrix the step casts),
+        in `jax.tree.leaves` order; empty when the weights are float32.
     """
 
     graphdef: nnx.GraphDef
@@ -97,6 +101,7 @@ class StateSetup:
     mesh: Mesh
     plan: rules_lib.ShardingPlan
     compute_dtype: str = "float32"
+    narrow_weights: tuple[str, ...] = ()
 
     @property
     def copied(self) -> tuple[str, ...]:
@@ -140,6 +145,12 @@ def compute_params(params: dict, copied: tuple[str, ...], dtype) -> dict | None:
     return {path: leaves[path].astype(dtype) for path in copied}
 
 
+def with_leaves_cast(params: dict, paths: tuple[str, ...], dtype) -> dict:
+    """`params` with each leaf of a path in `paths` (`path_str`) cast to `dtype`, the others unchanged."""
+    paths = frozenset(paths)
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: leaf.astype(dtype) if path_str(path) in paths else leaf, params)
+
+
 def forward_params(state: TrainState) -> dict:
     """The parameter tree a step's forward uses: `state.params` with each copied leaf replaced by its copy."""
     if state.compute_params is None:
@@ -148,11 +159,13 @@ def forward_params(state: TrainState) -> dict:
 
 
 def _init_fn(model_factory: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int,
-             copied: tuple[str, ...] = (), compute_dtype: str = "float32"):
+             copied: tuple[str, ...] = (), compute_dtype: str = "float32", narrow_weights: tuple[str, ...] = ()):
     def init() -> TrainState:
         with nnx.use_eager_sharding(False):
             params = nnx.to_pure_dict(nnx.split(model_factory(nnx.Rngs(seed)))[1])
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+        opt_state = optimizer.init(params)  # of the float32 weights: moments keep the optimizer's dtypes
+        params = with_leaves_cast(params, narrow_weights, compute_dtype)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                           compute_params=compute_params(params, copied, compute_dtype))
 
     return init
@@ -166,6 +179,7 @@ def state_setup(
     *,
     compute_dtype: str = "float32",
     keep_compute_params: bool = False,
+    weights_dtype: str = "float32",
 ) -> StateSetup:
     """The shapes and shardings of a train state on `mesh`, without allocating it.
 
@@ -173,12 +187,20 @@ def state_setup(
     place existing parameters (`setup.shardings`). Arguments as
     `create_train_state`; `keep_compute_params`: the state keeps the `compute_dtype` copy
     of every weight the step casts to it (`gem_jax.parallel.spmd.cast_param_paths`; none
-    when `compute_dtype` is the weights' own).
+    when `compute_dtype` is the weights' own); `weights_dtype` "bfloat16": the state keeps
+    those of them with two or more dimensions (the matrices) in bfloat16 instead, with no copy
+    (`OptimConfig.weights_dtype`).
 
     Raises:
       ValueError: an embedding table of the model exchanges its rows in another dtype
-        than `compute_dtype` (the model was built for another compute dtype).
+        than `compute_dtype` (the model was built for another compute dtype); `weights_dtype`
+        is neither "float32" nor `compute_dtype` (bfloat16 weights of a float32 step).
     """
+    if weights_dtype not in ("float32", compute_dtype):
+        raise ValueError(
+            f"OptimConfig.weights_dtype={weights_dtype!r} needs the step to compute in it, but ModelConfig.compute_dtype is "
+            f"{compute_dtype!r}: set model.compute_dtype={weights_dtype} or optim.weights_dtype=float32"
+        )
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
     check_exchange_dtypes(abstract_model, compute_dtype)
@@ -186,7 +208,11 @@ def state_setup(
     plan = rules_lib.plan_sharding(abstract_model, dict(mesh.shape), rules)
     param_shardings = plan.shardings(mesh)
     abstract = jax.eval_shape(_init_fn(model_factory, optimizer, 0))
-    copied = cast_param_paths(plan, abstract.params, compute_dtype) if keep_compute_params else ()
+    cast = cast_param_paths(plan, abstract.params, compute_dtype)
+    shapes = {path_str(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params)}
+    narrow = tuple(path for path in cast if len(shapes[path]) >= 2) if weights_dtype != "float32" else ()
+    copied = tuple(path for path in cast if path not in narrow) if keep_compute_params else ()
+    abstract = abstract.replace(params=jax.eval_shape(lambda p: with_leaves_cast(p, narrow, compute_dtype), abstract.params))
     abstract = abstract.replace(compute_params=jax.eval_shape(lambda p: compute_params(p, copied, compute_dtype), abstract.params))
     replicated = rules_lib.replicated(mesh)
     opt_shardings = mirror_param_shardings(abstract.opt_state, abstract.params, param_shardings, replicated)
@@ -194,7 +220,7 @@ def state_setup(
     copy_shardings = {path: by_path[path] for path in copied} if copied else None
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, compute_params=copy_shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype)
+    return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype, narrow)
 
 
 def check_exchange_dtypes(model: nnx.Module, compute_dtype: str) -> None:
@@ -223,6 +249,7 @@ def create_train_state(
     *,
     compute_dtype: str = "float32",
     keep_compute_params: bool = False,
+    weights_dtype: str = "float32",
 ) -> tuple[TrainState, StateSetup]:
     """Initialises the model and optimizer state sharded over `mesh`.
 
@@ -238,8 +265,12 @@ def create_train_state(
       keep_compute_params: keep the `compute_dtype` copy of the dense weights in the
         state (`TrainState.compute_params`). False here; the trainer passes
         `OptimConfig.keep_compute_params` (True by default).
+      weights_dtype: "float32", or the compute dtype to keep the step's dense weights in
+        instead of float32 (`OptimConfig.weights_dtype`; `optimizer` must then round its
+        updates into them, as `make_optimizer`'s does).
     """
-    setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype, keep_compute_params=keep_compute_params)
+    setup = state_setup(model_factory, optimizer, mesh, rules, compute_dtype=compute_dtype, keep_compute_params=keep_compute_params,
+                        weights_dtype=weights_dtype)
     return init_train_state(model_factory, optimizer, setup, seed), setup
 
 
@@ -250,5 +281,5 @@ def init_train_state(
 
     Arguments as `create_train_state`; the same seed gives the same state on any mesh.
     """
-    init = _init_fn(model_factory, optimizer, seed, setup.copied, setup.compute_dtype)
+    init = _init_fn(model_factory, optimizer, seed, setup.copied, setup.compute_dtype, setup.narrow_weights)
     return jax.jit(init, out_shardings=setup.shardings)()

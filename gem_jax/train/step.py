@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from gem_jax.batch import Batch
@@ -30,6 +31,8 @@ def make_train_step(
     The forward uses `state.compute_params` in place of the weights they copy
     (`gem_jax.train.state.forward_params`); their gradients are widened to the weights'
     dtype, the values the cast's own derivative gives, and the step writes the next copy.
+    Gradients of weights kept in bfloat16 (`OptimConfig.weights_dtype`) are widened to
+    float32 for the optimizer, which rounds its update back into them.
 
     With `sparse_embedding_updates`, unsharded tables are updated row by row
     (`gem_jax.train.sparse_tables`: the same update, without a dense table gradient);
@@ -41,11 +44,11 @@ def make_train_step(
         forward = forward_params(state)
         if sparse_embedding_updates:
             (loss, (bce, stats)), sparse = sparse_tables.sparse_value_and_grad(model, forward, batch)
-            grads = as_param_dtypes(sparse.grads, state.params)
+            grads = as_update_dtypes(sparse.grads, state.params)
             params, opt_state = sparse_tables.apply_sparse_updates(optimizer, dataclasses.replace(sparse, grads=grads), state.params, state.opt_state)
         else:
             (loss, (bce, stats, _)), grads = jax.value_and_grad(model.loss, has_aux=True)(forward, batch)
-            grads = as_param_dtypes(grads, state.params)
+            grads = as_update_dtypes(grads, state.params)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         labels, weights = batch.labels.reshape(-1, batch.labels.shape[-1]), batch.weights.reshape(-1)
@@ -66,9 +69,10 @@ def make_train_step(
     )
 
 
-def as_param_dtypes(grads: dict, params: dict) -> dict:
-    """`grads` with every leaf in its parameter's dtype (a copied weight's gradient arrives in the copy's)."""
-    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+def as_update_dtypes(grads: dict, params: dict) -> dict:
+    """`grads` with every leaf in its parameter's dtype widened to at least float32: a copied weight's gradient
+    arrives in the copy's dtype, a bfloat16 weight's in bfloat16, and the optimizer computes in float32."""
+    return jax.tree.map(lambda g, p: g.astype(jnp.promote_types(p.dtype, jnp.float32)), grads, params)
 
 
 def make_eval_step(setup: StateSetup, placement: BatchPlacement) -> Callable:
