@@ -13,6 +13,7 @@ import enum
 import math
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -73,24 +74,41 @@ def accepted_members(cls: type, name: str) -> tuple[enum.Enum, ...] | None:
     return next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get(MEMBERS)
 
 
+def member_of(kind: type[enum.Enum], value: Any) -> enum.Enum | None:
+    """The member of enum `kind` that `value` names: the member itself, its value, or its name in any case
+    (`"PALLAS"`, `"pallas"`); None where it names none."""
+    for member in kind:
+        if value is member or value == member.name or value == member.value or (isinstance(value, str) and value.upper() == member.name):
+            return member
+    return None
+
+
+def member_names(members: Iterable[enum.Enum], *, or_none: bool = False) -> str:
+    """Enum `members` as `--help-config` and the config errors write them: their names, the spelling `--set` takes,
+    joined by ", " ("XLA, PALLAS"); `or_none` adds " or None" for a field that also takes None ("XLA, PALLAS or None")."""
+    names = ", ".join(member.name for member in members)
+    return f"{names} or None" if or_none else names
+
+
 def check_member(obj: Any, name: str, refused_because: str) -> None:
-    """`obj.name`, a field of a frozen dataclass with `metadata[MEMBERS]`, is None or, as a member or its value, one
-    of the members it accepts (`accepted_members`); a value is replaced by its member.
+    """`obj.name`, a field of a frozen dataclass with `metadata[MEMBERS]`, is None or names one of the members it
+    accepts (`accepted_members`), as the member, its value or its name (`member_of`); a value is replaced by its member.
 
     Raises:
-      ValueError: not a member's value (the field, the accepted values and the value named), or a member the field
-        does not accept (named, with `refused_because`: why it takes none but those).
+      ValueError: names no member (the field, the accepted members and the value named), or a member the field
+        does not accept (named, with `refused_because`: why it takes none but those); members are spelled as
+        `--help-config` writes them (`member_names`), e.g. "ModelConfig.norm_implementation must be XLA, PALLAS or
+        None, got CUDNN: RMSNorm has no cuDNN implementation".
     """
     value, members = getattr(obj, name), accepted_members(type(obj), name)
     if value is None:
         return
-    accepted = f"{_where(obj, name)} must be {', '.join(repr(m.value) for m in members)} or None"
-    try:
-        member = type(members[0])(value)
-    except ValueError:
-        raise ValueError(f"{accepted}, got {value!r}") from None
+    accepted = f"{_where(obj, name)} must be {member_names(members, or_none=True)}"
+    member = member_of(type(members[0]), value)
+    if member is None:
+        raise ValueError(f"{accepted}, got {value!r}")
     if member not in members:
-        raise ValueError(f"{accepted}, got {member.value!r}: {refused_because}")
+        raise ValueError(f"{accepted}, got {member.name}: {refused_because}")
     object.__setattr__(obj, name, member)
 
 

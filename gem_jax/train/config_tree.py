@@ -23,7 +23,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from gem_jax.checks import accepted_members
+from gem_jax.checks import accepted_members, member_names, member_of
 
 
 class ConfigError(ValueError):
@@ -53,8 +53,9 @@ def to_tree(obj: Any) -> Any:
     return repr(obj)
 
 
-def _decode(tp: Any, value: Any, where: str) -> Any:
-    """`value` (a JSON-able tree or a Python literal) as an instance of type `tp`."""
+def _decode(tp: Any, value: Any, where: str, members: Sequence[enum.Enum] = ()) -> Any:
+    """`value` (a JSON-able tree or a Python literal) as an instance of type `tp`; `members`: the enum members the
+    field accepts (`_members`), named when a value is none of them (empty: every member of its enum)."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -66,9 +67,12 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _decode(option, value, where)
+                return _decode(option, value, where, members)
             except ConfigError:
                 continue
+        enums = [a for a in options if isinstance(a, type) and issubclass(a, enum.Enum)]
+        if len(enums) == 1 and set(options) == {enums[0], type(None)}:  # an optional enum: name what it takes
+            raise ConfigError(f"{where}: expected {member_names(members or tuple(enums[0]), or_none=True)}, got {value!r}")
         raise ConfigError(f"{where}: {value!r} fits none of {_type_name(tp)}")
     if origin is tuple or tp is tuple:
         if not isinstance(value, (list, tuple)):
@@ -77,7 +81,7 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
         if not args:
             return tuple(value)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+            return tuple(_decode(args[0], v, f"{where}[{i}]", members) for i, v in enumerate(value))
         if len(args) != len(value):
             raise ConfigError(f"{where}: expected {len(args)} items for {_type_name(tp)}, got {len(value)}")
         return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
@@ -86,12 +90,10 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: a callable cannot be given as {value!r}")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(value, tp):
-            return value
-        for member in tp:
-            if value == member.name or value == member.value or (isinstance(value, str) and value.upper() == member.name):
-                return member
-        raise ConfigError(f"{where}: {value!r} is not a {tp.__name__} (one of {[m.name for m in tp]})")
+        member = member_of(tp, value)
+        if member is None:
+            raise ConfigError(f"{where}: {value!r} is not a {tp.__name__} (one of {member_names(members or tuple(tp))})")
+        return member
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -148,7 +150,7 @@ def from_tree(cls: type, tree: Mapping[str, Any], where: str = "") -> Any:
     unknown = sorted(set(tree) - names)
     if unknown:
         raise ConfigError(f"{where or cls.__name__}: unknown field(s) {unknown}; {cls.__name__} has {sorted(names)}")
-    kwargs = {k: _decode(hints[k], v, f"{where}.{k}" if where else k) for k, v in tree.items()}
+    kwargs = {k: _decode(hints[k], v, f"{where}.{k}" if where else k, _members(cls, k, hints[k])) for k, v in tree.items()}
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as error:
@@ -208,7 +210,7 @@ def _replace_fields(obj: Any, items: Sequence[tuple[Sequence[str], Any, str]]) -
             nested.setdefault(key, []).append((keys[1:], value, override))
             continue
         nested.pop(key, None)  # a whole value given later replaces the earlier overrides inside it
-        changes[key] = _decode_field(types_[key], value, override)
+        changes[key] = _decode_field(types_[key], value, override, _members(type(obj), key, types_[key]))
     for key, inner_items in nested.items():
         inner = changes.get(key, getattr(obj, key))
         if inner is None:  # an optional part that is off: `data.bbs.minibatch_size=64` turns it on with its defaults
@@ -221,15 +223,16 @@ def _replace_fields(obj: Any, items: Sequence[tuple[Sequence[str], Any, str]]) -
         raise ConfigError(f"{'override' if len(items) == 1 else 'overrides'} {named}: {error}") from error
 
 
-def _decode_field(tp: Any, value: Any, override: str) -> Any:
-    """`value` as the field type `tp` (tuples from `1,2` or a bare item), naming `override` on error."""
+def _decode_field(tp: Any, value: Any, override: str, members: Sequence[enum.Enum]) -> Any:
+    """`value` as the field type `tp` (tuples from `1,2` or a bare item), naming `override` on error; `members`:
+    the enum members the field accepts (`_members`)."""
     if typing.get_origin(tp) is tuple or tp is tuple:
         if isinstance(value, str) and "," in value:
             value = tuple(_parse_literal(v) for v in value.split(","))
         elif not isinstance(value, (tuple, list)) and typing.get_args(tp)[1:] == (Ellipsis,):
             value = (value,)  # a variable-length tuple: one bare item is a 1-tuple
     try:
-        return _decode(tp, value, override.split("=", 1)[0])
+        return _decode(tp, value, override.split("=", 1)[0], members)
     except ConfigError as error:
         raise ConfigError(f"override {override!r}: {error}") from None
 
@@ -323,8 +326,8 @@ def override_help(cls: type, prefix: str = "", width: int | None = None) -> list
         line = f"{path}: {_type_name(tp)}"
         if f.default is not dataclasses.MISSING:
             line += f" = {to_tree(f.default)!r}"
-        choices = [member.name for member in _members(cls, f.name, tp)]
-        lines.append(f"{line}  (one of {', '.join(choices)})" if choices else line)
+        choices = _members(cls, f.name, tp)
+        lines.append(f"{line}  (one of {member_names(choices)})" if choices else line)
         meaning = meanings.get(f.name) or f"(undocumented: {cls.__name__}'s docstring has no entry for {f.name})"
         lines += textwrap.wrap(meaning, width, initial_indent="    ", subsequent_indent="    ", break_long_words=False, break_on_hyphens=False) if width else [f"    {meaning}"]
         if (group := _optional_group(tp)) is not None:  # off by default; `--set path.field=...` turns it on

@@ -184,7 +184,7 @@ def test_model_config_names_the_setting():
     assert config.mlp_implementation is PALLAS
     assert ModelConfig().mlp_implementation is XLA
     assert any(line.startswith("MLP GELU backward (sequence tower): xla") for line in describe_attention(dataclasses.replace(config, mlp_implementation="xla")))
-    with pytest.raises(ValueError, match="mlp_implementation must be 'xla', 'pallas' or None, got 'fast'"):
+    with pytest.raises(ValueError, match="^ModelConfig.mlp_implementation must be XLA, PALLAS or None, got 'fast'$"):
         ModelConfig(mlp_implementation="fast")
-    with pytest.raises(ValueError, match="^ModelConfig.mlp_implementation must be 'xla', 'pallas' or None, got 'cudnn': the GELU backward has no cuDNN implementation$"):
+    with pytest.raises(ValueError, match="^ModelConfig.mlp_implementation must be XLA, PALLAS or None, got CUDNN: the GELU backward has no cuDNN implementation$"):
         ModelConfig(mlp_implementation="cudnn")

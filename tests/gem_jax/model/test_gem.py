@@ -454,9 +454,12 @@ def test_norm_implementation_is_checked_and_parsed():
     assert ModelConfig(norm_implementation="pallas").norm_implementation is pallas_kernels.Implementation.PALLAS
     assert ModelConfig().norm_implementation is None  # the kernels on a Hopper GPU, flax's computation elsewhere
     assert ModelConfig(norm_implementation="xla").norm_implementation is pallas_kernels.Implementation.XLA
-    with pytest.raises(ValueError, match="^ModelConfig.norm_implementation must be 'xla', 'pallas' or None, got 'cudnn': RMSNorm has no cuDNN implementation$"):
+    assert ModelConfig(norm_implementation="PALLAS").norm_implementation is pallas_kernels.Implementation.PALLAS  # as --help-config spells it
+    with pytest.raises(ValueError, match="^ModelConfig.norm_implementation must be XLA, PALLAS or None, got CUDNN: RMSNorm has no cuDNN implementation$"):
         ModelConfig(norm_implementation=pallas_kernels.Implementation.CUDNN)
-    with pytest.raises(ValueError, match="^ModelConfig.norm_implementation must be 'xla', 'pallas' or None, got 'bogus'$"):
+    with pytest.raises(ValueError, match="^ModelConfig.norm_implementation must be XLA, PALLAS or None, got CUDNN: RMSNorm has no cuDNN implementation$"):
+        ModelConfig(norm_implementation="cudnn")
+    with pytest.raises(ValueError, match="^ModelConfig.norm_implementation must be XLA, PALLAS or None, got 'bogus'$"):
         ModelConfig(norm_implementation="bogus")
     assert apply_overrides(CONFIG, ["norm_implementation=pallas"]).norm_implementation is pallas_kernels.Implementation.PALLAS
 

@@ -101,14 +101,48 @@ def test_tuple_and_optional_fields():
         ("data.source=NOPE", "'NOPE' is not a Source"),
         ("model.embed_dim=33", "embed_dim 33 is not a multiple of num_heads"),
         ("loop.seed.x=1", "int has no fields to set"),
-        ("model.norm_implementation=CUDNN", "ModelConfig.norm_implementation must be 'xla', 'pallas' or None, got 'cudnn': RMSNorm has no cuDNN"),
-        ("model.mlp_implementation=cudnn", "must be 'xla', 'pallas' or None, got 'cudnn': the GELU backward has no cuDNN"),
+        ("model.norm_implementation=CUDNN", "ModelConfig.norm_implementation must be XLA, PALLAS or None, got CUDNN: RMSNorm has no cuDNN"),
+        ("model.mlp_implementation=cudnn", "must be XLA, PALLAS or None, got CUDNN: the GELU backward has no cuDNN"),
     ],
 )
 def test_bad_overrides_name_the_field(repo_root, override, message):
     config = load_config(repo_root / "configs" / "movielens.py")
     with pytest.raises(config_tree.ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
         config_tree.apply_overrides(config, [override])
+
+
+@pytest.mark.parametrize(
+    "override, message, listed",
+    [
+        # an optional enum: the members the field accepts (its metadata), as --help-config spells them, and None
+        ("model.norm_implementation=FOO", "model.norm_implementation: expected XLA, PALLAS or None, got 'FOO'", "XLA, PALLAS"),
+        ("model.mlp_implementation=fast", "model.mlp_implementation: expected XLA, PALLAS or None, got 'fast'", "XLA, PALLAS"),
+        ("model.norm_implementation=3", "model.norm_implementation: expected XLA, PALLAS or None, got 3", "XLA, PALLAS"),
+        ("model.attention_implementation=FOO", "model.attention_implementation: expected XLA, PALLAS, CUDNN or None, got 'FOO'", "XLA, PALLAS, CUDNN"),
+        # a member the enum has but the field does not take: spelled as --help-config writes it, whatever the case given
+        ("model.norm_implementation=CUDNN", "ModelConfig.norm_implementation must be XLA, PALLAS or None, got CUDNN: RMSNorm has no cuDNN implementation", "XLA, PALLAS"),
+        ("model.norm_implementation=cudnn", "ModelConfig.norm_implementation must be XLA, PALLAS or None, got CUDNN: RMSNorm has no cuDNN implementation", "XLA, PALLAS"),
+        ("model.mlp_implementation=Cudnn", "ModelConfig.mlp_implementation must be XLA, PALLAS or None, got CUDNN: the GELU backward has no cuDNN implementation", "XLA, PALLAS"),
+        # a plain enum lists its members the same way
+        ("model.sequence_attention=FOO", "model.sequence_attention: 'FOO' is not a SequenceAttention (one of FULL, SLIDING_WINDOW, BLOCK_LOCAL, CAUSAL_SILU)", "FULL, SLIDING_WINDOW, BLOCK_LOCAL, CAUSAL_SILU"),
+    ],
+)
+def test_a_bad_enum_value_lists_the_members_as_help_config_writes_them(repo_root, override, message, listed):
+    """The refusal names the override, the field, the members it takes (`listed`, as its --help-config line lists
+    them) and the value given."""
+    config = load_config(repo_root / "configs" / "movielens.py")
+    with pytest.raises(config_tree.ConfigError) as error:
+        config_tree.apply_overrides(config, [override])
+    assert str(error.value) == f"override {override!r}: {message}"
+    field = override.split("=")[0]
+    (help_line,) = [line for line in config_tree.override_help(TrainConfig) if line.startswith(f"{field}: ")]
+    assert help_line.endswith(f"  (one of {listed})")
+
+
+def test_an_optional_enum_takes_none_and_any_case_of_the_names_help_config_writes(repo_root):
+    config = load_config(repo_root / "configs" / "movielens.py")
+    for text, member in (("None", None), ("none", None), ("PALLAS", Implementation.PALLAS), ("pallas", Implementation.PALLAS), ("Xla", Implementation.XLA)):
+        assert config_tree.apply_overrides(config, [f"model.norm_implementation={text}"]).model.norm_implementation is member
 
 
 def _help_entries(out: str) -> dict[str, str]:
