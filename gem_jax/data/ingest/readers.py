@@ -5,7 +5,8 @@
 `csv.open_csv` blocks, `ParquetFile.iter_batches` per row group), parsed
 column by column with vectorised pyarrow / numpy code, never reading a whole
 file, with each row's line or row number (`row_location` names it). A malformed
-value is reported through `BadRows`: under `OnBadRow.RAISE` the first one raises
+value is reported through `BadRows`: under `OnBadRow.RAISE` the first one in the
+file (the smallest line or row, whichever check or the CSV parser finds it) raises
 `BadRowError` naming the file, the line (CSV) or row group and row (Parquet, both
 0-based), the column and the value; under `OnBadRow.SKIP` its row is dropped and
 counted by file and kind (but a CSV record that an unclosed quote runs over
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import csv
 import dataclasses
 import enum
@@ -127,7 +129,9 @@ class BadRows:
     """Applies an `OnBadRow` policy to whole batches and counts what it skips.
 
     `counts()` are the skipped rows by (file, kind) with the first location and
-    column, the record the manifest and the summaries carry.
+    column, the record the manifest and the summaries carry. Under `OnBadRow.RAISE`
+    the checks of one batch run inside `in_file_order`, so that the bad row that
+    raises is the batch's first in the file, whichever check found it.
     """
 
     def __init__(self, on_bad_row: OnBadRow):
@@ -135,11 +139,59 @@ class BadRows:
             raise TypeError(f"on_bad_row must be an OnBadRow, got {on_bad_row!r}")
         self.on_bad_row = on_bad_row
         self._counts: dict[tuple[str, BadRowKind], list] = {}
+        self._first: list | None = None  # inside `in_file_order`: [] or [number, BadRowError] of the first bad row reported
+        self._numbers: np.ndarray | None = None  # inside `in_file_order`: the line or row numbers of the batch's rows
 
-    def one(self, path: str, location: str, kind: BadRowKind, detail: str) -> None:
-        """Reports one bad row. Raises `BadRowError` under `OnBadRow.RAISE`."""
+    @contextlib.contextmanager
+    def in_file_order(self) -> Iterator[None]:
+        """Under `OnBadRow.RAISE`, the bad rows reported inside are held, not raised, and on leaving the one of
+        the smallest line (CSV) or row number (Parquet) raises: checks that each find their first bad row (a
+        column, a kind of defect, the parser's wrong field counts) raise the first of the file between them,
+        at the cost of finishing the batch's checks. The rows are numbered by `one`'s `number`, or by `row`
+        (also `many`'s rows), an index into the numbers `number_rows` gives; a bad row given neither raises at
+        once. An exception raised inside gives way to a bad row held before it. Under `OnBadRow.SKIP`, nothing changes.
+
+        Raises:
+          BadRowError: the first bad row reported inside, under `OnBadRow.RAISE`.
+        """
+        if self.on_bad_row is not OnBadRow.RAISE or self._first is not None:
+            yield
+            return
+        self._first, self._numbers = [], None
+        try:
+            yield
+        except Exception:
+            if self._first:
+                raise self._first[1] from None
+            raise
+        else:
+            if self._first:
+                raise self._first[1]
+        finally:
+            self._first = self._numbers = None
+
+    def number_rows(self, numbers: np.ndarray) -> None:
+        """int64 `numbers` `[rows]`: the line (CSV) or row number (Parquet) of each row of the batch whose checks
+        run inside `in_file_order`, indexed by `one`'s `row` and `many`'s rows."""
+        if self._first is not None:
+            self._numbers = numbers
+
+    def report(self, error: BadRowError, number: int | None = None) -> None:
+        """Raises `error`, a bad row under `OnBadRow.RAISE`; inside `in_file_order` holds it instead where it is the
+        first so far (`number`: its line or row number in its file; None raises at once)."""
+        if self._first is None or number is None:
+            raise error
+        if not self._first or number < self._first[0]:
+            self._first[:] = [number, error]
+
+    def one(self, path: str, location: str, kind: BadRowKind, detail: str, *, row: int | None = None, number: int | None = None) -> None:
+        """Reports one bad row. Raises `BadRowError` under `OnBadRow.RAISE` (`in_file_order`: held, ordered by
+        `number`, its line or row number, or by row `row` of `number_rows`)."""
         if self.on_bad_row is OnBadRow.RAISE:
-            raise BadRowError(path, location, kind, detail)
+            if number is None and row is not None and self._numbers is not None:
+                number = int(self._numbers[row])
+            self.report(BadRowError(path, location, kind, detail), number)
+            return
         entry = self._counts.setdefault((path, kind), [0, f"{location}: {detail}"])
         entry[0] += 1
 
@@ -149,8 +201,9 @@ class BadRows:
         if rows.size == 0:
             return
         first = int(rows[0])
-        self.one(path, locate(first), kind, detail(first))
-        self._counts[(path, kind)][0] += rows.size - 1
+        self.one(path, locate(first), kind, detail(first), row=first)
+        if self.on_bad_row is OnBadRow.SKIP:
+            self._counts[(path, kind)][0] += rows.size - 1
 
     @property
     def total(self) -> int:
@@ -190,14 +243,19 @@ def _line_breaks(path: str, batch: pa.RecordBatch, skipped_lines: list[int], row
             bisect.insort(skipped_lines, line + extra)
         fields = [batch.column(c)[i].as_py()[:60] for c in range(batch.num_columns)]
         lines = f"lines {line}-{line + int(newlines[i])}" if newlines[i] else f"line {line}"
-        bad.one(path, f"line {line}", BadRowKind.LINE_BREAK, f"a quoted field holds a line break ({lines}); a record is one line: {fields!r}")
+        bad.one(path, f"line {line}", BadRowKind.LINE_BREAK, f"a quoted field holds a line break ({lines}); a record is one line: {fields!r}", number=line)
     return broken
 
 
 def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_size: int) -> Iterator[tuple[pa.RecordBatch, Callable[[int], str], np.ndarray]]:
-    """`(batch, locate, lines)`: the rows of `columns`, `locate(i)` naming row i's line, int64 `lines` `[rows]` their numbers."""
+    """`(batch, locate, lines)`: the rows of `columns`, `locate(i)` naming row i's line, int64 `lines` `[rows]` their numbers.
+
+    A record the parser refuses (a wrong field count, a quote left open) is, under `OnBadRow.RAISE`, held until
+    the rows before it have come out, then reported with the first batch past it (`BadRows.report`, inside the
+    caller's `BadRows.in_file_order`) or raised at the end of the file: a bad value on an earlier line raises first.
+    """
     skipped_lines: list[int] = []
-    pending: list[BadRowError] = []  # raised from here, not through pyarrow's parser
+    pending: list[tuple[int, BadRowError]] = []  # the parser's first refused record (line, error), raised from here, not through pyarrow
 
     def on_invalid(row) -> str:
         lines = row.text.count("\n") + 1
@@ -212,17 +270,19 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
         if lines > 1:
             # A quote opened and never closed on its line swallows the lines after it into one malformed record:
             # skipping it would drop them all, counted as one row, so this is refused in every --on-bad-row mode.
-            pending.append(BadRowError(
-                str(file), f"line {row.number}", kind,
+            detail = (
                 f"{detail}; a quote that is not closed on its line (the record runs over {lines} lines) would drop all "
-                f"{lines} lines as one bad row even with --on-bad-row skip: close or remove the quote",
-            ))
-            return "error"
-        try:
-            bad.one(str(file), f"line {row.number}", kind, detail)
-        except BadRowError as error:
-            pending.append(error)
-            return "error"
+                f"{lines} lines as one bad row even with --on-bad-row skip: close or remove the quote"
+            )
+            if bad.on_bad_row is OnBadRow.SKIP:
+                pending.append((row.number, BadRowError(str(file), f"line {row.number}", kind, detail)))
+                return "error"
+        if bad.on_bad_row is OnBadRow.RAISE:
+            # Parsed past (its lines kept out of the rows), and held until the rows before it are checked.
+            if not pending:
+                pending.append((row.number, BadRowError(str(file), f"line {row.number}", kind, detail)))
+            return "skip"
+        bad.one(str(file), f"line {row.number}", kind, detail)
         return "skip"
 
     header = _csv_header(file)  # holds `columns` (`require_columns`)
@@ -237,17 +297,19 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
         )
     except pa.ArrowInvalid as error:
         if pending:
-            raise pending[0] from None
+            raise pending[0][1] from None
         raise DataFormatError(f"{file}: not a readable CSV file ({error})") from error
     rows_before = 0
     while True:
         try:
             batch = reader.read_next_batch()
         except StopIteration:
+            if pending:  # every row before it was checked
+                raise pending[0][1] from None
             return
         except pa.ArrowInvalid as error:
             if pending:
-                raise pending[0] from None
+                raise pending[0][1] from None
             raise DataFormatError(f"{file}: unreadable CSV after line {rows_before + 1 + len(skipped_lines)} ({error})") from error
         # A blank line comes through as a row with every column empty: it is no row.
         blank = pc.equal(pc.binary_length(batch.column(0)), 0).to_numpy(zero_copy_only=False)
@@ -257,6 +319,9 @@ def _csv_batches(file: InputFile, columns: Sequence[str], bad: BadRows, block_si
         blank |= _line_breaks(str(file), batch, skipped_lines, rows_before, bad)  # reported, then left out like blank lines
         lines = _csv_lines(skipped_lines, np.arange(rows_before, rows_before + batch.num_rows, dtype=np.int64))
         rows_before += batch.num_rows
+        if pending and lines.size and lines[-1] > pending[0][0]:  # the rows before it are in this batch or were checked
+            bad.report(pending[0][1], pending[0][0])
+            pending.clear()
         batch = batch.select(list(columns))
         if blank.any():
             batch = batch.filter(pa.array(~blank))
@@ -370,8 +435,9 @@ def check_parquet_types(files: Sequence[InputFile], columns: Sequence[str]) -> N
                 raise DataFormatError(f"files disagree on column {column!r}: {seen[0]} has type {seen[1]}, {file} has type {kind}")
 
 
-def _to_text(path: str, column: str, values: pa.Array, locate, bad: BadRows, rejected: np.ndarray) -> pa.Array:
-    """`values` as a string array (binary CSV fields checked as UTF-8; integers as decimal text)."""
+def _to_text(path: str, column: str, values: pa.Array, locate, bad: BadRows, rejected: np.ndarray, rows: np.ndarray | None = None) -> pa.Array:
+    """`values` as a string array (binary CSV fields checked as UTF-8; integers as decimal text); int `rows`: the
+    batch row of each value (a flattened list column's), None where value i is row i."""
     if pa.types.is_dictionary(values.type):
         values = values.dictionary_decode()
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
@@ -390,7 +456,8 @@ def _to_text(path: str, column: str, values: pa.Array, locate, bad: BadRows, rej
                 except UnicodeDecodeError as error:
                     valid[i] = False
                     if not rejected[i]:
-                        bad.one(path, f"{locate(i)}, column {column!r}", BadRowKind.ENCODING, f"byte {raw[error.start]:#04x} at byte {error.start + 1} is not valid UTF-8")
+                        bad.one(path, f"{locate(i)}, column {column!r}", BadRowKind.ENCODING, f"byte {raw[error.start]:#04x} at byte {error.start + 1} is not valid UTF-8",
+                                row=i if rows is None else int(rows[i]))
             rejected |= ~valid
             return pa.array([raw.decode("utf-8") if ok else "" for raw, ok in zip(texts, valid)], pa.string())
     raise DataFormatError(f"{path}: column {column!r} has type {values.type}; expected text or integers")
@@ -549,7 +616,7 @@ def _parse_time_values(path, column, values, locate, bad, rejected) -> np.ndarra
                     out[row] = _whole_seconds(pa.array([stamp]).cast(kind))[0].as_py()
                 except pa.ArrowInvalid:
                     if not rejected[row]:
-                        bad.one(path, where(int(row)), BadRowKind.BAD_VALUE, f"{stamp!r} is not a valid date/time")
+                        bad.one(path, where(int(row)), BadRowKind.BAD_VALUE, f"{stamp!r} is not a valid date/time", row=int(row))
                     rejected[row] = True
     if (integer & ~rejected).any() and (iso & ~rejected).any():  # two units in one column: neither can be trusted
         first_int, first_iso = int(np.flatnonzero(integer & ~rejected)[0]), int(np.flatnonzero(iso & ~rejected)[0])
@@ -644,7 +711,8 @@ def stream_rows(
       first row (Parquet), increasing; `row_location` names it.
 
     Raises:
-      BadRowError: a bad value under `OnBadRow.RAISE`.
+      BadRowError: under `OnBadRow.RAISE`, a file's first bad row (the smallest line or row number, whatever
+        its defect), before any of its batch's rows are yielded.
       DataFormatError: a missing or mistyped column, Parquet files whose types disagree.
     """
     require_columns(files, list(kinds))
@@ -654,26 +722,39 @@ def stream_rows(
             on_file(file)
         path = str(file)
         batches = _csv_batches(file, list(kinds), bad, block_size) if file.format is Format.CSV else _parquet_batches(file, list(kinds), max(1024, block_size // 64))
-        for batch, locate, rows in batches:
-            rejected = np.zeros(batch.num_rows, dtype=bool)
-            parsed: dict[str, object] = {}
-            for column, kind in kinds.items():
-                values = batch.column(column)
-                if kind is ColumnKind.ID:
-                    parsed[column] = _parse_id(path, column, values, locate, bad, rejected)
-                elif kind is ColumnKind.TIME:
-                    parsed[column] = _parse_time(path, column, values, locate, bad, rejected)
-                elif kind in (ColumnKind.NUMBER, ColumnKind.BINARY, ColumnKind.WEIGHT):
-                    parsed[column] = _parse_number(path, column, values, locate, bad, rejected)
-                    if kind is ColumnKind.WEIGHT:
-                        _check_weight(path, column, parsed[column], locate, bad, rejected)
-                    if kind is ColumnKind.BINARY:
-                        _check_binary(path, column, parsed[column], locate, bad, rejected)
-                else:
-                    parsed[column] = _parse_category(path, column, values, locate, bad, rejected, kind is ColumnKind.MULTI_CATEGORY, separator)
-            if rejected.any():
-                keep = ~rejected
-                keep_arrow = pa.array(keep)
-                parsed = {c: v[keep] if isinstance(v, np.ndarray) else pc.filter(v, keep_arrow) for c, v in parsed.items()}
-                rows = rows[keep]
+        while True:
+            # Under RAISE each check, and the CSV parser, finds its first bad row: the first of them in the file raises.
+            with bad.in_file_order():
+                item = next(batches, None)
+                if item is None:
+                    break
+                batch, locate, rows = item
+                bad.number_rows(rows)
+                parsed, rows = _parse_batch(path, batch, locate, rows, kinds, bad, separator)
             yield file, parsed, rows
+
+
+def _parse_batch(path: str, batch: pa.RecordBatch, locate, rows: np.ndarray, kinds: dict[str, ColumnKind], bad: BadRows, separator: str) -> tuple[dict[str, object], np.ndarray]:
+    """`stream_rows`' parsed columns of one batch and the numbers `rows` of the rows kept (bad ones reported, left out)."""
+    rejected = np.zeros(batch.num_rows, dtype=bool)
+    parsed: dict[str, object] = {}
+    for column, kind in kinds.items():
+        values = batch.column(column)
+        if kind is ColumnKind.ID:
+            parsed[column] = _parse_id(path, column, values, locate, bad, rejected)
+        elif kind is ColumnKind.TIME:
+            parsed[column] = _parse_time(path, column, values, locate, bad, rejected)
+        elif kind in (ColumnKind.NUMBER, ColumnKind.BINARY, ColumnKind.WEIGHT):
+            parsed[column] = _parse_number(path, column, values, locate, bad, rejected)
+            if kind is ColumnKind.WEIGHT:
+                _check_weight(path, column, parsed[column], locate, bad, rejected)
+            if kind is ColumnKind.BINARY:
+                _check_binary(path, column, parsed[column], locate, bad, rejected)
+        else:
+            parsed[column] = _parse_category(path, column, values, locate, bad, rejected, kind is ColumnKind.MULTI_CATEGORY, separator)
+    if rejected.any():
+        keep = ~rejected
+        keep_arrow = pa.array(keep)
+        parsed = {c: v[keep] if isinstance(v, np.ndarray) else pc.filter(v, keep_arrow) for c, v in parsed.items()}
+        rows = rows[keep]
+    return parsed, rows

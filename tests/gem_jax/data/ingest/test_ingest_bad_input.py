@@ -5,7 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from gem_jax.data.ingest.convert import ConvertOptions, convert, memory_plan
-from gem_jax.data.ingest.readers import expand_inputs
+from gem_jax.data.ingest.inspect import inspect_raw
+from gem_jax.data.ingest.readers import BadRows, event_kinds, expand_inputs, stream_rows
 from gem_jax.data.ingest.schema import EventSchema, FeatureColumn, LabelRule, SchemaError, Side
 from gem_jax.data.ingest.split import SplitRule
 from gem_jax.data.rows import BadRowError, BadRowKind, DataFormatError, OnBadRow
@@ -59,6 +60,58 @@ def test_a_quote_left_open_is_refused_in_every_mode_rather_than_dropping_the_lin
     assert "the record runs over lines 3-53" in str(error.value) and "would drop all 51 lines" in str(error.value)
     assert "close or remove the quote" in str(error.value)
     assert not (tmp_path / "out").exists()
+
+
+# line 2 good; `early` on line 3 and `late` on line 5, around good lines 4 and 6
+FIRST_BAD_ROW = [
+    ("a,b,2,yes,5", "a,b,3,1", "line 3, column 'click': not a number: 'yes' is not a number"),  # a bad value before a wrong field count
+    ("a,b,3,1", "a,b,2,yes,5", "line 3: wrong number of fields: 4 fields, the header has 5: 'a,b,3,1'"),  # and after one
+    ("a,b,2,1,5,6", "a,b,2,yes,5", "line 3: wrong number of fields: 6 fields, the header has 5: 'a,b,2,1,5,6'"),
+    ("a,b,2,yes,5", ",b,3,1,5", "line 3, column 'click': not a number: 'yes' is not a number"),  # a later column's defect on an earlier line
+    ("a,b,2,1,1e999", "a,b,3,1,x", "line 3, column 'r': value out of range: '1e999' is not a finite float64"),  # a check that runs after another
+    ("a,b,2,2,5", "a,b,soon,1,5", "line 3, column 'click': invalid value: 2 is not 0 or 1 (a 0/1 label; use a rule such as click>=1 for other values)"),
+    ("a,b,2,yes,5", 'a,"b,3,1,5', "line 3, column 'click': not a number: 'yes' is not a number"),  # before a quote left open
+]
+
+
+@pytest.mark.parametrize("early, late, message", FIRST_BAD_ROW)
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_raise_names_the_first_bad_row_of_the_file_whatever_its_defect(tmp_path, early, late, message, command):
+    """`--on-bad-row raise` stops at the file's first malformed row: a wrong field count that the CSV parser finds
+    while the values before it are unchecked, a later column's or a later check's defect, waits for them."""
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + f"a,b,1,1,5\n{early}\nc,d,3,0,3\n{late}\ne,f,4,1,4\n")
+    with pytest.raises(BadRowError) as error:
+        _convert(path, tmp_path / "out") if command == "convert" else inspect_raw([path], SCHEMA)
+    assert str(error.value) == f"{path}, {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_value_before_a_line_break_in_a_quoted_field_raises_first(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + 'a,b,1,1,5\nc,d,2,0,x\n"e\nf",g,3,1,4\nh,i,4,1,4\n')
+    with pytest.raises(BadRowError) as error:
+        _convert(path, tmp_path / "out")
+    assert str(error.value) == f"{path}, line 3, column 'r': not a number: 'x' is not a number"
+
+
+@pytest.mark.parametrize("value_line, count_line", [(41, 42), (42, 41), (40, 41), (41, 40), (12, 150), (150, 12), (97, 97 + 30), (97 + 30, 97)])
+def test_raise_names_the_first_bad_row_across_parser_blocks(tmp_path, value_line, count_line):
+    """Blocks of 64 bytes (a few lines): the wrong field count and the bad value in one block, in two next to each
+    other, or far apart; `skip` drops both rows and keeps the rest."""
+    lines = [f"u{k},i{k},{k},{k % 2},3" for k in range(2, 200)]
+    lines[value_line - 2] = f"u{value_line},i,{value_line},1,x"
+    lines[count_line - 2] = f"u{count_line},i,{count_line}"
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "\n".join(lines) + "\n")
+    with pytest.raises(BadRowError) as error:
+        for _ in stream_rows(expand_inputs([path]), event_kinds(SCHEMA), BadRows(OnBadRow.RAISE), block_size=64):
+            pass
+    first = min(value_line, count_line)
+    assert error.value.location == (f"line {first}, column 'r'" if first == value_line else f"line {first}")
+    skipped = BadRows(OnBadRow.SKIP)
+    rows = [r for _, _, rows in stream_rows(expand_inputs([path]), event_kinds(SCHEMA), skipped, block_size=64) for r in rows.tolist()]
+    assert len(rows) == 196 and value_line not in rows and count_line not in rows and skipped.total == 2
 
 
 def test_a_line_break_in_a_quoted_field_is_a_bad_row_and_later_lines_keep_their_numbers(tmp_path):

@@ -143,6 +143,18 @@ def test_cli_refuses_bad_input_with_exit_2(tmp_path, capsys):
     assert "skipped 1 row(s) of" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_cli_names_the_first_bad_row_of_the_file_before_a_later_wrong_field_count(tmp_path, capsys, command):
+    """A bad value on line 3 is named, not the wrong field count the CSV parser meets first on line 5."""
+    lines = LOG.splitlines()
+    lines[2], lines[4] = "u2,a,2,yes,1,x", "u3,a,4,0"
+    (tmp_path / "log.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as exit:
+        data_cli.main([command, str(tmp_path / "log.csv"), *FLAGS, "--on-bad-row", "error", *(["--out", str(tmp_path / "out")] if command == "convert" else [])])
+    assert exit.value.code == 2
+    assert f"{tmp_path / 'log.csv'}, line 3, column 'click': not a number: 'yes' is not a number" in capsys.readouterr().err
+
+
 def test_inspect_names_a_path_that_does_not_exist_before_asking_for_columns(tmp_path, capsys):
     """Without --user/--item/--time a missing path is named as missing, not answered with the schema flags it would need."""
     with pytest.raises(SystemExit) as exit:
