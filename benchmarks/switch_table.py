@@ -1,7 +1,7 @@
 """The switch table's runs: configs/planted_sharded.py once per numerics switch and seed, on a planted log.
 
 Every switch that changes the step's numerics (`SWITCHES`: FP8 layouts, FP8 saved activations,
-sliding-window and block-local attention, AdamW moments stored in bfloat16) is trained beside the bf16 full-attention reference on
+sliding-window and block-local attention, AdamW moments or weight matrices stored in bfloat16) is trained beside the bf16 full-attention reference on
 the same converted planted log, from the same seeds (seed k: `loop.seed=k data.seed=k`, the
 same parameter init and the same batch order for every switch), and compared on its final eval
 NE and AUC (`benchmarks/compare_runs.py --switch-table`; benchmarks/quality.md, "The switch
@@ -67,6 +67,8 @@ SWITCHES = {  # switch -> the `--set` overrides of configs/planted_sharded.py th
     "block_local_64": ("model.sequence_attention=BLOCK_LOCAL", "model.attention_block_size=64"),
     # the dense group's AdamW moments stored in bfloat16 (the optimizer's numerics, not the model's)
     "bf16_moments": ("optim.moments_dtype=bfloat16",),
+    # the dense weight matrices stored in bfloat16, updates rounded into them stochastically (no float32 copy)
+    "bf16_weights": ("optim.weights_dtype=bfloat16",),
 }
 # Set in every run of the table, whatever the machine's defaults: the RMSNorms as flax computes them. The
 # runs made before the norm kernels became the GPU default ran those; one numerics keeps the runs comparable.

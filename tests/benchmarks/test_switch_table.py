@@ -36,6 +36,7 @@ EXPECTED = {  # switch -> the model or optimizer fields its overrides set (every
     "sliding_256": {"sequence_attention": SequenceAttention.SLIDING_WINDOW, "attention_window": 256},
     "block_local_64": {"sequence_attention": SequenceAttention.BLOCK_LOCAL, "attention_block_size": 64},
     "bf16_moments": {"optim.moments_dtype": "bfloat16"},
+    "bf16_weights": {"optim.weights_dtype": "bfloat16"},
 }
 
 
@@ -72,13 +73,14 @@ def test_bad_run_names_are_refused(switch_table):
 
 
 def test_the_first_pass_is_three_calls_a_preset(switch_table):
+    # the reference's three seeds and every switch's seed 0, five runs a call
     switches = [s for s in switch_table.SWITCHES if s != "bf16"]
     calls = switch_table.plan(["long-range", "short-range"], switches, [0], [0, 1, 2], 5)
-    assert [(preset, len(names)) for preset, names in calls] == [("long-range", 5), ("long-range", 5), ("long-range", 1),
-                                                                 ("short-range", 5), ("short-range", 5), ("short-range", 1)]
+    assert [(preset, len(names)) for preset, names in calls] == [("long-range", 5), ("long-range", 5), ("long-range", 2),
+                                                                 ("short-range", 5), ("short-range", 5), ("short-range", 2)]
     assert calls[0][1] == ["bf16_seed0", "bf16_seed1", "bf16_seed2", "fp8_32_seed0", "fp8_128_seed0"]
     assert calls[1][1] == ["fp8_hadamard_seed0", "fp8_dhen_seed0", "fp8_saved_seed0", "sliding_256_seed0", "block_local_64_seed0"]
-    assert calls[2][1] == ["bf16_moments_seed0"]
+    assert calls[2][1] == ["bf16_moments_seed0", "bf16_weights_seed0"]
     assert switch_table.plan(["short-range"], ["fp8_32", "fp8_saved"], [1, 2], [], 5) == [
         ("short-range", ["fp8_32_seed1", "fp8_32_seed2", "fp8_saved_seed1", "fp8_saved_seed2"])
     ]
