@@ -450,14 +450,17 @@ def _to_text(path: str, column: str, values: pa.Array, locate, bad: BadRows, rej
         except pa.ArrowInvalid:
             texts = values.to_pylist()
             valid = np.ones(len(texts), dtype=bool)
+            reported: set[int] = set()  # batch rows named already (a list row may hold several bad values)
             for i, raw in enumerate(texts):
                 try:
                     raw.decode("utf-8")
                 except UnicodeDecodeError as error:
                     valid[i] = False
-                    if not rejected[i]:
+                    row = i if rows is None else int(rows[i])
+                    if not rejected[i] and row not in reported:
+                        reported.add(row)
                         bad.one(path, f"{locate(i)}, column {column!r}", BadRowKind.ENCODING, f"byte {raw[error.start]:#04x} at byte {error.start + 1} is not valid UTF-8",
-                                row=i if rows is None else int(rows[i]))
+                                row=row)
             rejected |= ~valid
             return pa.array([raw.decode("utf-8") if ok else "" for raw, ok in zip(texts, valid)], pa.string())
     raise DataFormatError(f"{path}: column {column!r} has type {values.type}; expected text or integers")
@@ -630,7 +633,10 @@ def _parse_time_values(path, column, values, locate, bad, rejected) -> np.ndarra
 def _parse_category(path, column, values, locate, bad, rejected, multi: bool, separator: str) -> pa.Array:
     if multi and (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
         parent = pc.list_parent_indices(values)
-        flat = _to_text(path, column, pc.list_flatten(values), lambda i: f"{locate(int(parent[i].as_py()))}", bad, np.zeros(len(parent), dtype=bool))
+        rows = parent.to_numpy(zero_copy_only=False)
+        flat_rejected = rejected[rows]  # a row already refused is not reported again
+        flat = _to_text(path, column, pc.list_flatten(values), lambda i: locate(int(rows[i])), bad, flat_rejected, rows=rows)
+        rejected[rows[flat_rejected]] = True  # a row with a refused value is left out, as it is counted
         return _lists(flat, parent, len(values))
     text = _to_text(path, column, values, locate, bad, rejected)
     text = pc.if_else(pc.equal(pc.utf8_length(text), 0), pa.scalar(None, pa.string()), text)

@@ -323,3 +323,17 @@ def test_a_binary_column_reads_true_and_false_as_python_json_and_spreadsheets_wr
     path.write_text("u,i,t,click\na,x,1,yes\n")
     with pytest.raises(BadRowError, match=r"line 2, column 'click': not a number: 'yes' is not a number"):
         _convert(path, tmp_path / "refused", schema=schema)
+
+
+def test_a_bad_value_in_a_parquet_list_column_drops_its_row_as_it_counts_it(tmp_path):
+    """A multi-valued feature read from a Parquet list column: an undecodable value refuses its row (named by its
+    row, not by its place among the list's values), and under skip the row counted is the row left out."""
+    path = tmp_path / "log.parquet"
+    tags = pa.array([[b"x", b"y"], [b"z"], [b"ok", b"c"], [b"w"], [b"v\xff", b"u\xfe"], [b"q", b"r", b"s", b"t\xff"]], pa.list_(pa.binary()))
+    pq.write_table(pa.table({"u": list("abcdef"), "i": ["b"] * 6, "t": list(range(6)), "click": [1, 0, 1, 1, 0, 0], "tags": tags}), path)
+    schema = EventSchema(user="u", item="i", time="t", labels=(LabelRule.parse("click"),), features=(FeatureColumn("tags", Side.ITEM, multi=True),))
+    with pytest.raises(BadRowError, match=r"row group 0, row 4, column 'tags': undecodable bytes: byte 0xff at byte 2 is not valid UTF-8"):
+        _convert(path, tmp_path / "out", schema=schema)
+    result = _convert(path, tmp_path / "skip", OnBadRow.SKIP, schema=schema)
+    assert result.manifest["counts"]["events"] == 4 and result.manifest["counts"]["skipped_rows"] == 2
+    assert [(e["kind"], e["count"]) for e in result.manifest["skipped_rows"]] == [("undecodable bytes", 2)]
