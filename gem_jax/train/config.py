@@ -74,6 +74,15 @@ class TrainConfig:
     topology: Topology = Topology()
     rules: Rules = DATA_PARALLEL_RULES
 
+    def __post_init__(self):
+        # Across two parts, so checked here, when the config is built (`gem-train` refuses it with exit 2).
+        weights, compute = self.optim.weights_dtype, self.model.compute_dtype
+        if weights not in ("float32", compute):
+            raise ValueError(
+                f"OptimConfig.weights_dtype={weights!r} needs the step to compute in it, but ModelConfig.compute_dtype is "
+                f"{compute!r}: set model.compute_dtype={weights} or optim.weights_dtype=float32"
+            )
+
 
 class ConfigFileError(ValueError):
     """A config file that does not run: a syntax error, or an exception while executing it."""

@@ -3,6 +3,7 @@ dtypes, a bfloat16 step against the float32-master step, checkpoints, restarts a
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +11,16 @@ import numpy as np
 import optax
 import pytest
 
+from gem_jax import cli
+from gem_jax.mesh import make_mesh
 from gem_jax.pytree import path_str
-from gem_jax.train import run_record
+from gem_jax.train import config_tree, run_record
 from gem_jax.train.config import load_config
 from gem_jax.train.loop import train_and_evaluate
 from gem_jax.train.optimizer import OptimConfig, make_optimizer, round_into_bf16_weights, stochastic_round_bf16
 from gem_jax.train.restore import load_params
-from gem_jax.train.setup import setup_training
+from gem_jax.train.setup import model_factory, setup_training
+from gem_jax.train.state import state_setup
 
 
 def test_updates_below_half_a_spacing_land_on_average_and_apply_exactly():
@@ -154,10 +158,27 @@ def test_a_bf16_weight_step_computes_what_the_float32_master_step_computes(runs)
             np.testing.assert_allclose(got, want, rtol=0, atol=2 * np.spacing(np.abs(want).max()), err_msg=path_str(path))
 
 
-def test_bf16_weights_need_a_bf16_step(repo_root):
-    with pytest.raises(ValueError, match=r"OptimConfig.weights_dtype='bfloat16' needs the step to compute in it, but "
-                                         r"ModelConfig.compute_dtype is 'float32': set model.compute_dtype=bfloat16"):
-        setup_training(_config(repo_root, "bfloat16", compute_dtype="float32"), init_state=False)
+NEEDS_BF16_STEP = (r"OptimConfig.weights_dtype='bfloat16' needs the step to compute in it, but ModelConfig.compute_dtype is "
+                   r"'float32': set model.compute_dtype=bfloat16")
+
+
+def test_bf16_weights_need_a_bf16_step(repo_root, tmp_path, capsys):
+    """Refused when the config is built (a TrainConfig across its parts), and by `state_setup` for a caller
+    passing the dtypes itself; `gem-train` refuses the override with exit 2, not a traceback."""
+    with pytest.raises(ValueError, match=NEEDS_BF16_STEP):
+        _config(repo_root, "bfloat16", compute_dtype="float32")
+    config = load_config(str(repo_root / "configs" / "movielens_tiny.py"))
+    with pytest.raises(config_tree.ConfigError, match=r"override 'optim.weights_dtype=bfloat16': " + NEEDS_BF16_STEP):
+        config_tree.apply_overrides(config, ["optim.weights_dtype=bfloat16"])
+    config_tree.apply_overrides(config, ["optim.weights_dtype=bfloat16", "model.compute_dtype=bfloat16"])  # the two together
+    with pytest.raises(ValueError, match=NEEDS_BF16_STEP):
+        state_setup(model_factory(setup_training(config, init_state=False)[0].dataset, config), make_optimizer(OptimConfig()),
+                    make_mesh(config.topology), config.rules, weights_dtype="bfloat16")
+    with pytest.raises(SystemExit) as exited:
+        cli.train_main(["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path / "run"),
+                        "--set", "optim.weights_dtype=bfloat16", "--no-progress"])
+    assert exited.value.code == 2
+    assert re.search(NEEDS_BF16_STEP, capsys.readouterr().err) and not (tmp_path / "run").exists()
 
 
 def test_a_stopped_bf16_weight_run_resumes_bit_for_bit_and_restores_bf16_weights(repo_root, tmp_path):
