@@ -109,8 +109,9 @@ class OptimConfig:
         dtype, "float32" (master weights; the step casts them or keeps their copy) or
         "bfloat16" (the weights themselves, updated in float32 and stochastically rounded
         back: module docstring). "bfloat16" needs `ModelConfig.compute_dtype="bfloat16"`
-        (`gem_jax.train.state.state_setup` refuses another). Only weight matrices (two or
-        more dimensions) are kept in it: norm gains and biases keep their float32 weights
+        (`TrainConfig` refuses another). Only weight matrices (two or more dimensions besides
+        a stacked `expert` one) are kept in it: norm gains and biases (the DHEN experts' too,
+        `[experts, out]`) keep their float32 weights
         and compute copy (a gain near 1 moves by less than its bfloat16 spacing each step,
         so its rounding noise would outweigh its updates; their bytes are negligible), and
         embedding tables stay float32. Changes results, the state's dtypes and the

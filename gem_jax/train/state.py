@@ -91,7 +91,8 @@ class StateSetup:
       plan: every parameter's sharding and the tables' placements.
       compute_dtype: dtype dense weights are cast to before use in a step.
       narrow_weights: the paths of the weights `TrainState.params` holds in `compute_dtype`
-        itself (`OptimConfig.weights_dtype="bfloat16"`: every weight matrix the step casts),
+        itself (`OptimConfig.weights_dtype="bfloat16"`: every weight matrix the step casts,
+        `weight_matrices`),
         in `jax.tree.leaves` order; empty when the weights are float32.
     """
 
@@ -188,8 +189,8 @@ def state_setup(
     `create_train_state`; `keep_compute_params`: the state keeps the `compute_dtype` copy
     of every weight the step casts to it (`gem_jax.parallel.spmd.cast_param_paths`; none
     when `compute_dtype` is the weights' own); `weights_dtype` "bfloat16": the state keeps
-    those of them with two or more dimensions (the matrices) in bfloat16 instead, with no copy
-    (`OptimConfig.weights_dtype`).
+    those of them with two or more dimensions besides a stacked expert one (the matrices,
+    `weight_matrices`) in bfloat16 instead, with no copy (`OptimConfig.weights_dtype`).
 
     Raises:
       ValueError: an embedding table of the model exchanges its rows in another dtype
@@ -209,8 +210,8 @@ def state_setup(
     param_shardings = plan.shardings(mesh)
     abstract = jax.eval_shape(_init_fn(model_factory, optimizer, 0))
     cast = cast_param_paths(plan, abstract.params, compute_dtype)
-    shapes = {path_str(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params)}
-    narrow = tuple(path for path in cast if len(shapes[path]) >= 2) if weights_dtype != "float32" else ()
+    matrices = weight_matrices(plan, abstract.params) if weights_dtype != "float32" else frozenset()
+    narrow = tuple(path for path in cast if path in matrices)
     copied = tuple(path for path in cast if path not in narrow) if keep_compute_params else ()
     abstract = abstract.replace(params=jax.eval_shape(lambda p: with_leaves_cast(p, narrow, compute_dtype), abstract.params))
     abstract = abstract.replace(compute_params=jax.eval_shape(lambda p: compute_params(p, copied, compute_dtype), abstract.params))
@@ -221,6 +222,18 @@ def state_setup(
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, compute_params=copy_shardings)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return StateSetup(graphdef, shardings, abstract, mesh, plan, compute_dtype, narrow)
+
+
+def weight_matrices(plan: rules_lib.ShardingPlan, params: dict) -> frozenset[str]:
+    """The paths (`path_str`) of the leaves of `params` (`plan`'s tree) that are weight matrices: two or more
+    dimensions besides a stacked `expert` one, so that the DHEN experts' kernels `[E, in, out]` are and
+    their biases `[E, out]` are not (`OptimConfig.weights_dtype` keeps biases and gains in float32)."""
+    logical = jax.tree.leaves(plan.logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return frozenset(
+        path_str(path)
+        for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(params), logical, strict=True)
+        if len(leaf.shape) - sum(name == "expert" for name in names) >= 2
+    )
 
 
 def check_exchange_dtypes(model: nnx.Module, compute_dtype: str) -> None:

@@ -7,7 +7,7 @@ MODE:
                expert layer, and the whole model's forward, loss and gradients on
                meshes (2,2,2) and (1,2,4), against single-device references.
   reshard      a checkpoint written on 8 devices restored onto 4 (with the tables' row-wise
-               Adagrad accumulators' shardings on both).
+               Adagrad accumulators' shardings on both), and a state of bfloat16 weights alike.
   process      one of two `jax.distributed` processes (GEM_* env): train, save, restore.
   loop         `train_and_evaluate` of one uneven epoch and an uneven eval set, alone or as one
                of two processes (GEM_* env), recording the examples this process built; of the
@@ -373,6 +373,7 @@ def reshard(out: Path, workdir: Path) -> None:
     out.write_text(
         json.dumps(
             {
+                "bf16_weights": reshard_bf16_weights(workdir / "bf16_weights", config, spec, big, state, small, iterator),
                 "accumulators": {"8 devices": row_accumulators(state), "4 devices": row_accumulators(restored)},
                 "equal": all(jax.tree.leaves(same)),
                 "target_shardings": all(jax.tree.leaves(on_small)),
@@ -382,6 +383,38 @@ def reshard(out: Path, workdir: Path) -> None:
             }
         )
     )
+
+
+def reshard_bf16_weights(workdir: Path, config, spec, big, master, small, iterator) -> dict:
+    """A state of bfloat16 weight matrices (`OptimConfig.weights_dtype`) checkpointed on `big` and restored onto
+    `small`: its dtypes and shardings against the float32 state `master` of the same mesh, and the restore."""
+    from gem_jax.train.checkpoint import CheckpointConfig, Checkpointer
+
+    model = dataclasses.replace(config.model, compute_dtype="bfloat16")
+    optim = dataclasses.replace(config.optim, weights_dtype="bfloat16")
+    optimizer = make_optimizer(optim)
+    factory = lambda rngs: GEMModel(spec, model, rngs=rngs)  # noqa: E731
+    kwargs = dict(compute_dtype="bfloat16", keep_compute_params=True, weights_dtype="bfloat16")
+    state, setup = create_train_state(factory, optimizer, big, config.rules, 0, **kwargs)
+    ckpt = Checkpointer(workdir, CheckpointConfig(every_steps=1, async_save=True))
+    ckpt.save(2, state, iterator, force=True)
+    ckpt.close()
+    small_setup = state_setup(factory, optimizer, small, config.rules, **kwargs)
+    restored = Checkpointer(workdir, CheckpointConfig()).restore_state(2, small_setup.abstract)
+    leaves = lambda tree: {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}  # noqa: E731
+    params, masters = leaves(state.params), leaves(master.params)
+    narrow = set(setup.narrow_weights)
+    return {
+        "narrow": len(narrow),
+        "sharded_narrow": sum(any(e is not None for e in params[p].sharding.spec) for p in narrow),
+        "dtypes": all((x.dtype == jnp.bfloat16) == (p in narrow) for p, x in params.items()),
+        "shardings_as_float32": all(x.sharding.is_equivalent_to(masters[p].sharding, x.ndim) for p, x in params.items()),
+        "values_as_float32_cast": all(np.array_equal(np.asarray(params[p]), np.asarray(masters[p].astype(jnp.bfloat16))) for p in narrow),
+        "expert_biases_float32": sorted(p for p in params if "/mlp_expert/" in p and p.endswith("_bias") and params[p].dtype == jnp.float32),
+        "restored_equal": all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype and bool(np.array_equal(np.asarray(a), np.asarray(b))),
+                                                            jax.device_get(state), jax.device_get(restored)))),
+        "restored_target_shardings": all(jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding == s, restored, small_setup.shardings))),
+    }
 
 
 def row_accumulators(state) -> dict:

@@ -118,11 +118,16 @@ def test_the_state_keeps_the_cast_weights_in_bf16_and_no_copy(runs):
     setup = training.state
     narrow = set(setup.narrow_weights)
     shapes = {path_str(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
-    # every matrix the float32 run copies is kept in bfloat16; gains and biases keep their copy
-    assert narrow == {path for path in master.state.copied if len(shapes[path]) >= 2}
+    # every matrix the float32 run copies is kept in bfloat16; gains and biases keep their copy, the DHEN
+    # experts' biases too, whose stacked `expert` dimension [E, out] does not make them matrices
+    experts = {path for path in master.state.copied if "/mlp_expert/" in path}
+    dims = {path: len(shapes[path]) - (path in experts) for path in master.state.copied}
+    assert {path for path in experts if path.endswith("_bias")} and {path for path in experts if path.endswith("_kernel")} <= narrow
+    assert narrow == {path for path in master.state.copied if dims[path] >= 2}
     assert set(setup.copied) == set(master.state.copied) - narrow and set(state.compute_params) == set(setup.copied)
     assert any(path.endswith("kernel") for path in narrow) and not any(path.endswith("embedding") for path in narrow)
-    assert any(path.endswith("scale") for path in setup.copied) and all(len(shapes[path]) == 1 for path in setup.copied)
+    assert any(path.endswith("scale") for path in setup.copied) and all(dims[path] == 1 for path in setup.copied)
+    assert all(path.endswith(("bias", "scale")) for path in setup.copied)
     for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
         assert leaf.dtype == (jnp.bfloat16 if path_str(path) in narrow else jnp.float32), path_str(path)
     abstract = {path_str(path): leaf.dtype for path, leaf in jax.tree_util.tree_leaves_with_path(setup.abstract.params)}
