@@ -17,7 +17,7 @@ from gem_jax.model.config import ModelConfig
 from gem_jax.mesh import Topology
 from gem_jax.parallel.rules import DATA_PARALLEL_RULES, Rules
 from gem_jax.train.checkpoint import CheckpointConfig
-from gem_jax.train.optimizer import OptimConfig
+from gem_jax.train.optimizer import OptimConfig, check_weights_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +76,7 @@ class TrainConfig:
 
     def __post_init__(self):
         # Across two parts, so checked here, when the config is built (`gem-train` refuses it with exit 2).
-        weights, compute = self.optim.weights_dtype, self.model.compute_dtype
-        if weights not in ("float32", compute):
-            raise ValueError(
-                f"OptimConfig.weights_dtype={weights!r} needs the step to compute in it, but ModelConfig.compute_dtype is "
-                f"{compute!r}: set model.compute_dtype={weights} or optim.weights_dtype=float32"
-            )
+        check_weights_dtype(self.optim.weights_dtype, self.model.compute_dtype)
 
 
 class ConfigFileError(ValueError):

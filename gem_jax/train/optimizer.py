@@ -151,6 +151,20 @@ class OptimConfig:
             )
 
 
+def check_weights_dtype(weights_dtype: str, compute_dtype: str) -> None:
+    """Refuses `OptimConfig.weights_dtype` other than "float32" or the step's `compute_dtype` (weights kept in a
+    narrower dtype than the step computes in).
+
+    Raises:
+      ValueError: naming both fields, their values and the two settings that agree.
+    """
+    if weights_dtype not in ("float32", compute_dtype):
+        raise ValueError(
+            f"OptimConfig.weights_dtype={weights_dtype!r} needs the step to compute in it, but ModelConfig.compute_dtype is "
+            f"{compute_dtype!r}: set model.compute_dtype={weights_dtype} or optim.weights_dtype=float32"
+        )
+
+
 def learning_rate_schedule(config: OptimConfig) -> optax.Schedule:
     """The dense learning rate by step: linear warm-up from 0 to the peak, cosine decay to 10% of it.
 

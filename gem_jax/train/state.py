@@ -28,6 +28,7 @@ from gem_jax.nn.layers import EmbeddingTable
 from gem_jax.parallel import rules as rules_lib
 from gem_jax.pytree import mirrored_params, mirrors_rows, path_keys, path_str
 from gem_jax.parallel.spmd import ShardedModel, cast_param_paths
+from gem_jax.train.optimizer import check_weights_dtype
 
 
 @struct.dataclass
@@ -197,11 +198,7 @@ def state_setup(
         than `compute_dtype` (the model was built for another compute dtype); `weights_dtype`
         is neither "float32" nor `compute_dtype` (bfloat16 weights of a float32 step).
     """
-    if weights_dtype not in ("float32", compute_dtype):
-        raise ValueError(
-            f"OptimConfig.weights_dtype={weights_dtype!r} needs the step to compute in it, but ModelConfig.compute_dtype is "
-            f"{compute_dtype!r}: set model.compute_dtype={weights_dtype} or optim.weights_dtype=float32"
-        )
+    check_weights_dtype(weights_dtype, compute_dtype)
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
     check_exchange_dtypes(abstract_model, compute_dtype)
