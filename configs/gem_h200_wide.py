@@ -12,9 +12,13 @@ at 1536 the DHEN grows 2.25x and the tables 1.5x:
   (`benchmarks/offline_compile.py`, 2026-12-05, at 9aedc53: the GELU recomputed in the
   backward): 116.4 GB (55.3 GB of arguments, 61.1 GB of temporaries) in bf16, and the same
   with FP8 including the DHEN region, of the 129 GB jax takes of the H200 (90%), without remat
-  (as configs/gem_h200.py). Not yet measured on the GPU; if it does not fit,
+  (as configs/gem_h200.py). Not yet measured on an H200; if it does not fit,
   `--set model.remat.budget_gb=...` lets the remat planner choose what to recompute (its
   estimate needs the Pallas kernels: on a CPU it prices the padded reference attention).
+- on an H100: with the weight matrices kept in bfloat16 (`optim.weights_dtype=bfloat16`) and
+  512 examples (`train_bench.py --per-device-batch 512`), 71.4 GB in XLA's H200 compile and
+  71.7 GB measured; there FP8 ran the step at 1.00x bf16 (0.95x with the DHEN region,
+  `benchmarks/step.md`, 2026-12-07).
 
 `configs/gem_h200_wide.py` is the bf16 step; add `--set model.fp8=True model.fp8_block=128`
 (and the DHEN region: `model.fp8_regions=SEQ_ATTENTION,SEQ_MLP,POOLED,CROSS`) for the FP8 one.
