@@ -274,6 +274,7 @@ class Checkpointer:
             raise disk_space.CheckpointSpaceError(
                 f"{self.directory}: the checkpoint folder cannot be written ({problem}); make it writable or use another --workdir"
             )
+        float32_matrices = disk_space.float32_matrices(abstract_state)
         abstract_state = _checkpointed(abstract_state)
         self._copy_bytes = disk_space.checkpoint_bytes(abstract_state)
         largest = disk_space.largest_shard_bytes(abstract_state)
@@ -283,7 +284,9 @@ class Checkpointer:
                 f"{self.write_buffer_gb} GB ({WRITE_BUFFER_FRACTION:g} of host RAM, {format_bytes(host_memory_bytes())}): "
                 "shard it over more devices or use a host with more memory"
             )
-        plan = disk_space.plan_space(abstract_state, self.config.max_to_keep, len(self.all_steps()), self.directory)
+        plan = disk_space.plan_space(
+            abstract_state, self.config.max_to_keep, len(self.all_steps()), self.directory, float32_matrices=float32_matrices
+        )
         plan.check()
         if self._fits(abstract_state)[0]:  # compiled now: a compile after the first step would count as one the run should not need
             self._copy = snapshot.copy_program(abstract_state)

@@ -125,6 +125,8 @@ class SpacePlan:
       path: the folder whose filesystem was measured.
       float32_moments: whether the state holds AdamW moments in float32 (then bfloat16
         moments are one of the remedies named).
+      float32_matrices: whether the state holds float32 weight matrices that a bfloat16 step
+        casts (`float32_matrices`; then bfloat16 weights are one of the remedies named).
 
     The peak is `max(max_to_keep, on_disk) + 1` copies (the kept ones and the one being
     written; a restart holding more than `max_to_keep` deletes the extra ones only after
@@ -137,6 +139,7 @@ class SpacePlan:
     free: int
     path: Path
     float32_moments: bool = True
+    float32_matrices: bool = False
 
     @property
     def peak_copies(self) -> int:
@@ -182,6 +185,7 @@ class SpacePlan:
         return ", ".join(
             ([f"checkpoint.max_to_keep={fewer.max_to_keep} ({format_bytes(fewer.needed)} needed)"] if fewer.max_to_keep >= 1 and fewer.needed < self.needed else [])
             + (["optim.moments_dtype=bfloat16 for a new run (AdamW moments at half size)"] if self.float32_moments else [])
+            + (["optim.weights_dtype=bfloat16 for a new run (weight matrices at half size)"] if self.float32_matrices else [])
             + [
                 "a --workdir on a filesystem with more free space",
                 "free space on this one",
@@ -189,10 +193,20 @@ class SpacePlan:
         )
 
 
-def plan_space(abstract_state, max_to_keep: int, on_disk: int, directory: str | Path) -> SpacePlan:
-    """The `SpacePlan` of saving `abstract_state` into `directory` (free space probed now, via `free_bytes`)."""
+def plan_space(abstract_state, max_to_keep: int, on_disk: int, directory: str | Path, *, float32_matrices: bool = False) -> SpacePlan:
+    """The `SpacePlan` of saving `abstract_state` (what a checkpoint holds) into `directory` (free space probed now,
+    via `free_bytes`); `float32_matrices`: `float32_matrices` of the train state it was taken from."""
     path = nearest_existing(directory)
-    return SpacePlan(checkpoint_bytes(abstract_state), max_to_keep, on_disk, free_bytes(path), path, _float32_moments(abstract_state))
+    return SpacePlan(
+        checkpoint_bytes(abstract_state), max_to_keep, on_disk, free_bytes(path), path, _float32_moments(abstract_state), float32_matrices
+    )
+
+
+def float32_matrices(state) -> bool:
+    """Whether a `TrainState` (abstract or not) keeps compute-dtype copies of weight matrices: float32 weights a
+    bfloat16 step casts, which `optim.weights_dtype=bfloat16` would store at half size. False for any other tree."""
+    copies = getattr(state, "compute_params", None) or {}
+    return any(len(leaf.shape) >= 2 for leaf in copies.values())
 
 
 def _float32_moments(abstract_state) -> bool:

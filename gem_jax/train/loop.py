@@ -364,7 +364,8 @@ def dry_run(config: TrainConfig, workdir: str | Path, force_new: bool = False) -
     train, evals = planned_capacities(training, range(start, config.loop.num_steps), evaluates=True)
     abstract = training.state.abstract
     sizes = {"params": disk_space.array_bytes(abstract.params), "opt_state": disk_space.array_bytes(abstract.opt_state)}
-    plan = disk_space.plan_space(abstract.checkpointed(), config.checkpoint.max_to_keep, 0 if force_new else len(held), checkpoint_dir)
+    plan = disk_space.plan_space(abstract.checkpointed(), config.checkpoint.max_to_keep, 0 if force_new else len(held), checkpoint_dir,
+                                 float32_matrices=disk_space.float32_matrices(abstract))
     steps = ", ".join(f"{capacity} ({count} steps)" for capacity, count in train.items())
     print(
         f"gem-train: would compile {len(train) + len(evals)} programs: train steps at token capacities {steps} "

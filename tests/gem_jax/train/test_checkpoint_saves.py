@@ -131,6 +131,25 @@ def test_space_plan_never_suggests_keeping_no_checkpoint():
     assert "optim.moments_dtype=bfloat16" in message and "--workdir" in message
 
 
+def test_float32_weight_matrices_of_a_bf16_step_name_bf16_weights_as_a_remedy(tmp_path, monkeypatch):
+    """A state keeping bf16 copies of float32 weight matrices (a bf16 step's) could store them at half size; one without
+    copies (float32 steps, bf16 weights already) is not told so. The copy itself is never checkpointed."""
+    state = _state(moments_dtype="bfloat16")
+    copied = state.replace(compute_params={"dense/kernel": state.params["dense"]["kernel"].astype(jnp.bfloat16)})
+    assert disk_space.float32_matrices(copied) and not disk_space.float32_matrices(state)
+    assert not disk_space.float32_matrices({"params": state.params})  # any other tree
+    checkpointer = Checkpointer(tmp_path / "ckpt", CheckpointConfig(max_to_keep=1))
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: disk_space.checkpoint_bytes(state.checkpointed()))
+    messages = {}
+    for name, tree in (("copied", copied), ("plain", state)):
+        with pytest.raises(CheckpointSpaceError) as refused:
+            checkpointer.preflight(tree)
+        messages[name] = str(refused.value)
+    assert "optim.weights_dtype=bfloat16 for a new run (weight matrices at half size)" in messages["copied"]
+    assert "weights_dtype" not in messages["plain"] and "--workdir" in messages["plain"]
+    assert messages["copied"].split(":")[0] == messages["plain"].split(":")[0]  # the same bytes: no copy is written
+
+
 def test_a_full_disk_names_only_remedies_the_config_takes():
     def message(max_to_keep):
         return str(CheckpointWriteError(7, Path("/ckpt"), 1000, True, 5, "OSError: [Errno 28]", max_to_keep))
