@@ -93,8 +93,7 @@ class StateSetup:
       compute_dtype: dtype dense weights are cast to before use in a step.
       narrow_weights: the paths of the weights `TrainState.params` holds in `compute_dtype`
         itself (`OptimConfig.weights_dtype="bfloat16"`: every weight matrix the step casts,
-        `weight_matrices`),
-        in `jax.tree.leaves` order; empty when the weights are float32.
+        `weight_matrices`), in `jax.tree.leaves` order; empty when the weights are float32.
     """
 
     graphdef: nnx.GraphDef
