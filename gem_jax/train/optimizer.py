@@ -111,11 +111,10 @@ class OptimConfig:
         back: module docstring). "bfloat16" needs `ModelConfig.compute_dtype="bfloat16"`
         (`TrainConfig` refuses another). Only weight matrices (two or more dimensions besides
         a stacked `expert` one) are kept in it: norm gains and biases (the DHEN experts' too,
-        `[experts, out]`) keep their float32 weights
-        and compute copy (a gain near 1 moves by less than its bfloat16 spacing each step,
-        so its rounding noise would outweigh its updates; their bytes are negligible), and
-        embedding tables stay float32. Changes results, the state's dtypes and the
-        checkpoints', so a restarted run must keep its value.
+        `[experts, out]`) keep their float32 weights and compute copy (a gain near 1 moves by
+        less than its bfloat16 spacing each step, so its rounding noise would outweigh its
+        updates; their bytes are negligible), and embedding tables stay float32. Changes
+        results, the state's dtypes and the checkpoints', so a restarted run must keep its value.
     """
 
     learning_rate: float = 2e-3
@@ -304,7 +303,13 @@ def _hash32(x: jax.Array) -> jax.Array:
     return x ^ (x >> np.uint32(16))
 
 
-# Salts of `round_into_bf16_weights`' random bits, apart from `bf16_moments`' (which salt with the same step count).
+def _step_salt(count: jax.Array) -> jax.Array:
+    """uint32 scalar: the salt of a transformation's random bits at int `count` (its updates so far); a leaf adds
+    its index in `jax.tree.leaves` order (`stochastic_round_bf16`'s `salt`)."""
+    return count.astype(jnp.uint32) * np.uint32(0x01000193)
+
+
+# Set in `round_into_bf16_weights`' salts, apart from `bf16_moments`' (which salt with the same step count).
 _WEIGHTS_SALT = np.uint32(0x5BD1E995)
 
 
@@ -340,7 +345,7 @@ def round_into_bf16_weights() -> optax.GradientTransformation:
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("round_into_bf16_weights needs the weights: call update(updates, state, params)")
-        salt = (state.count.astype(jnp.uint32) * np.uint32(0x01000193)) ^ _WEIGHTS_SALT
+        salt = _step_salt(state.count) ^ _WEIGHTS_SALT
         leaves, treedef = jax.tree.flatten(updates)
         weights = treedef.flatten_up_to(params)
         rounded = []
@@ -373,7 +378,7 @@ def bf16_moments(adam: optax.GradientTransformation) -> optax.GradientTransforma
         widen = lambda tree: jax.tree.map(lambda v: v.astype(jnp.float32), tree)  # noqa: E731
         wide = state._replace(mu=widen(state.mu), nu=widen(state.nu))
         updates, new = adam.update(updates, wide, params)
-        salt = new.count.astype(jnp.uint32) * np.uint32(0x01000193)
+        salt = _step_salt(new.count)
         leaves, treedef = jax.tree.flatten(new.nu)
         nu = [stochastic_round_bf16(v, salt + np.uint32(k)) for k, v in enumerate(leaves)]
         return updates, new._replace(nu=jax.tree.unflatten(treedef, nu))

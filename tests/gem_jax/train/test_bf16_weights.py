@@ -78,6 +78,8 @@ def test_weight_decay_below_the_spacing_decays_bf16_weights_as_float32_ones():
         runs[dtype] = np.asarray(weights["dense"]["kernel"], np.float32)
     assert runs["bfloat16"].dtype == np.float32 and runs["float32"][0] == pytest.approx(0.9999**100, rel=1e-5)
     decay = 1.0 - runs["float32"][0]
+    # Each step rounds a weight up with p = 1e-4 / 2^-8 (its spacing below 1), variance p (1 - p) 2^-16: over 100 steps
+    # a weight's sd is about 0.0062 and the mean's over 20,000 weights 4.4e-5, so 5% of the decay (5e-4) is 11 sds.
     assert abs(runs["bfloat16"].mean() - runs["float32"][0]) < 0.05 * decay, (runs["bfloat16"].mean(), runs["float32"][0])
     assert np.unique(runs["bfloat16"]).size > 1  # rounded at random, not all alike
 
@@ -150,6 +152,7 @@ def test_a_bf16_weight_step_computes_what_the_float32_master_step_computes(runs)
     master's."""
     (_, master, master_losses), (training, states, losses) = runs["float32"], runs["bfloat16"]
     assert losses[0] == master_losses[0]
+    # a coarse bound on the later losses (they drift apart as the roundings differ); the derived check is the weights'
     np.testing.assert_allclose(losses, master_losses, rtol=2e-2)
     one, one_master, start = states[1], master[1], master[0]
     narrow = set(training.state.narrow_weights)
