@@ -8,7 +8,7 @@ import sys
 import time
 
 from gem_jax.checks import output_directory_problem, positive_int
-from gem_jax.device_memory import claim_device_memory, device_memory_share, is_out_of_memory
+from gem_jax.device_memory import claim_device_memory, device_memory_share, fragmentation_note, is_out_of_memory
 from gem_jax.xla_options import add_project_flags
 
 CHECKPOINT_WRITE_EXIT_CODE = 4  # a save failed (disk full): the run ended with its summary, the last good step intact
@@ -191,10 +191,14 @@ def train_main(argv: list[str] | None = None) -> None:
 
 
 def out_of_memory_message(error: BaseException) -> str:
-    """What ran out, what this process may use of the device, and what to change, for an out-of-memory error."""
+    """What ran out, what this process may use of the device, and what to change, for an out-of-memory error;
+    when the free memory was enough but split, says so (`device_memory.fragmentation_note`)."""
+    import jax
+
     what = str(error).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ")
     return (
-        f"the device ran out of memory ({what}). This process's allocator may take {device_memory_share()} of the device's "
+        f"the device ran out of memory ({what}).{fragmentation_note(what, jax.local_devices())} "
+        f"This process's allocator may take {device_memory_share()} of the device's "
         "memory. Lower data.batch_size or data.max_seq_len, give the backward a memory budget "
         "(--set model.remat.budget_gb=GB: README, Memory), train in bfloat16 (model.compute_dtype: float32 attention takes "
         "the jnp reference, whose scores are padded), or give the process more of the device. The checkpoints already "

@@ -8,6 +8,7 @@ is 75%. Nothing here imports jax: a process sets the share before its first devi
 from __future__ import annotations
 
 import os
+import re
 
 # The share's variable: jaxlib's name, then its deprecated one (jaxlib refuses the two together).
 MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -50,6 +51,50 @@ def peak_memory_gb(devices) -> dict[str, float]:
         return {}
     peak, limit = max(peaks)
     return {"device_peak_gb": peak / 1e9, "device_limit_gb": limit / 1e9}
+
+
+# XLA's allocator writes the size it asked for as tsl's human-readable bytes ("31.32GiB") or as a count ("... bytes").
+_REQUEST = re.compile(r"trying to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB|bytes)\b")
+_UNIT_BYTES = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def requested_bytes(message: str) -> int | None:
+    """The bytes an out-of-memory message says the allocator was asked for ("trying to allocate 31.32GiB"), or None."""
+    match = _REQUEST.search(message)
+    return None if match is None else int(float(match.group(1)) * _UNIT_BYTES[match.group(2)])
+
+
+def fragmentation_note(message: str, devices) -> str:
+    """A sentence for an out-of-memory `message` when `devices`' memory statistics show that enough memory is
+    free but in smaller pieces than the request (XLA needs each buffer, a step's temporaries too, in one
+    piece); "" otherwise, or when a device reports no statistics (the CPU).
+
+    Reads each device's `bytes_limit`, `bytes_in_use` and `largest_free_block_bytes` now, after the error: the
+    step's own temporaries have been given back, so the pieces are those the state and other live buffers
+    leave. The GEM-width planted job with bfloat16 weights (configs/planted_gem.py, 55 GB remat plan, one H100)
+    ran out asking for 31.32 GiB with about 55 GiB free in two pieces.
+    """
+    request = requested_bytes(message)
+    if request is None:
+        return ""
+    pieces = []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if not {"bytes_limit", "bytes_in_use", "largest_free_block_bytes"} <= stats.keys():
+            return ""
+        pieces.append((stats["largest_free_block_bytes"], stats["bytes_limit"] - stats["bytes_in_use"], stats["bytes_limit"]))
+    if not pieces:
+        return ""
+    largest, free, limit = min(pieces)
+    if not largest < request <= free:
+        return ""
+    return (
+        f" The memory was there but not in one piece: {free / 1e9:.1f} GB of the {limit / 1e9:.1f} GB the allocator may "
+        f"take are free, the largest free piece {largest / 1e9:.1f} GB, under the {request / 1e9:.1f} GB asked for (XLA "
+        f"needs each buffer, a step's temporaries too, in one piece). A model.remat.budget_gb at least "
+        f"{(request - largest) / 1e9:.1f} GB lower than the run's (or, without one, a budget) shrinks the step's "
+        "temporaries by about as much."
+    )
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -221,3 +221,54 @@ def test_a_stop_under_force_new_says_to_resume_without_it(repo_root, tmp_path, m
         assert capsys.readouterr().err.splitlines()[-1] == (
             f"gem-train: stopped on SIGTERM after step 3; newest checkpoint: step 3 (x/checkpoints/3); {resume}"
         )
+
+
+def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the_budget(repo_root, tmp_path, monkeypatch, capsys):
+    """When the free memory would hold the request but its largest piece would not (the GEM-width planted job with
+    bfloat16 weights: 31.32 GiB asked, about 55 GiB free in two pieces), the message says so with the sizes and how
+    much lower a remat budget must be; with one piece large enough, or no statistics (the CPU), it does not."""
+    import jax
+    import pytest
+
+    from gem_jax import cli, device_memory
+    from gem_jax.train import loop
+
+    gib = 2**30
+    assert device_memory.requested_bytes("Out of memory while trying to allocate 31.32GiB with allocator") == int(31.32 * gib)
+    assert device_memory.requested_bytes("trying to allocate 33634789376 bytes.") == 33634789376
+    assert device_memory.requested_bytes("trying to allocate 512.0MiB") == 512 * 2**20
+    assert device_memory.requested_bytes("RESOURCE_EXHAUSTED: something else") is None
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    limit = int(71.3 * gib)
+    split = {"bytes_limit": limit, "bytes_in_use": int(16 * gib), "largest_free_block_bytes": int(30.6 * gib)}
+    devices = [Device(split)]
+    monkeypatch.setattr(jax, "local_devices", lambda: devices)
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 31.32GiB with allocator GPU_0_bfc on device 0.")
+
+    monkeypatch.setattr(loop, "train_and_evaluate", out_of_memory)
+    argv = ["--config", str(repo_root / "configs" / "movielens_tiny.py"), "--workdir", str(tmp_path), "--no-progress"]
+    with pytest.raises(SystemExit) as exited:
+        cli.train_main(argv)
+    assert exited.value.code == cli.OUT_OF_MEMORY_EXIT_CODE
+    err = " ".join(capsys.readouterr().err.split())
+    free, largest, request = (limit - 16 * gib) / 1e9, 30.6 * gib / 1e9, 31.32 * gib / 1e9
+    assert (f"The memory was there but not in one piece: {free:.1f} GB of the {limit / 1e9:.1f} GB the allocator may take are free, "
+            f"the largest free piece {largest:.1f} GB, under the {request:.1f} GB asked for") in err
+    assert f"A model.remat.budget_gb at least {request - largest:.1f} GB lower than the run's" in err
+    assert (free, largest, request - largest) == pytest.approx((59.38, 32.86, 0.77), abs=0.01)
+
+    # one piece holds it; too little free in all; no statistics; one of two devices without them
+    for others in ([{**split, "largest_free_block_bytes": int(40 * gib)}], [{**split, "bytes_in_use": int(50 * gib)}], [None], [split, {}]):
+        devices[:] = [Device(stats) for stats in others]
+        with pytest.raises(SystemExit):
+            cli.train_main(argv)
+        assert "not in one piece" not in capsys.readouterr().err
