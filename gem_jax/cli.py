@@ -201,7 +201,8 @@ def out_of_memory_message(error: BaseException) -> str:
         f"This process's allocator may take {device_memory_share()} of the device's "
         "memory. Lower data.batch_size or data.max_seq_len, give the backward a memory budget "
         "(--set model.remat.budget_gb=GB: README, Memory), train in bfloat16 (model.compute_dtype: float32 attention takes "
-        "the jnp reference, whose scores are padded), or give the process more of the device. The checkpoints already "
+        "the jnp reference, whose scores are padded), keep AdamW's moments and the weight matrices in bfloat16 for a new run "
+        "(optim.moments_dtype=bfloat16, optim.weights_dtype=bfloat16), or give the process more of the device. The checkpoints already "
         "written are kept: the same command resumes from the last."
     )
 

@@ -46,6 +46,7 @@ def test_running_out_of_device_memory_says_what_and_exits_5(repo_root, tmp_path,
     err = capsys.readouterr().err
     assert "gem-train: the device ran out of memory (Out of memory while trying to allocate 27.81GiB" in err
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.3" in err and "model.remat.budget_gb" in err and "more" not in err.split("GPU_0_bfc")[1][:40]
+    assert "(optim.moments_dtype=bfloat16, optim.weights_dtype=bfloat16)" in " ".join(err.split())
 
     def other_error(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
