@@ -109,7 +109,11 @@ capacity of 394,496 rows: the train step's peak is 91.3 GB even with bf16 moment
 too close to the 77 GB gem-train takes of an H100); planned and compiled offline (2026-12-06,
 benchmarks/results/offline_planted_gem_{bf16_moments_f6eae8a,remat55_f4fe84a,remat60_6a45df3}.json).
 Run with 55 on an H100 on 2026-12-06 (the outcomes run above): it trained at 0.203 s a step, the plan
-estimating a 53 GB peak (the peak itself was not recorded).
+estimating a 53 GB peak (the peak itself was not recorded). Again on 2026-12-08 (tree e046375,
+`loop.eval_every=1800`, benchmarks/results/planted_gem_f32_weights_long_range_h100_20261208.json):
+0.7383 / 0.8685 at step 1800 (79% / 70% of the lift), 533 s from start to exit, peak 51.2 GB. With
+`optim.weights_dtype=bfloat16` beside it, the same 55 GB budget ran out of memory before step 50
+(benchmarks/quality.md, "bf16 weight matrices at GEM width").
 """
 
 import dataclasses
