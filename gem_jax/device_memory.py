@@ -71,7 +71,8 @@ def fragmentation_note(message: str, devices) -> str:
 
     Reads each device's `bytes_limit`, `bytes_in_use` and `largest_free_block_bytes` now, after the error: the
     step's own temporaries have been given back, so the pieces are those the state and other live buffers
-    leave. The GEM-width planted job with bfloat16 weights (configs/planted_gem.py, 55 GB remat plan, one H100)
+    leave; a buffer that split the memory only while the step asked (and is freed since) leaves no trace,
+    and then there is no note. The GEM-width planted job with bfloat16 weights (configs/planted_gem.py, 55 GB remat plan, one H100)
     ran out asking for 31.32 GiB with about 55 GiB free in two pieces.
     """
     request = requested_bytes(message)
