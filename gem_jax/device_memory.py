@@ -53,8 +53,10 @@ def peak_memory_gb(devices) -> dict[str, float]:
     return {"device_peak_gb": peak / 1e9, "device_limit_gb": limit / 1e9}
 
 
-# XLA's allocator writes the size it asked for as tsl's human-readable bytes ("31.32GiB") or as a count ("... bytes").
+# XLA's allocator writes the size it asked for as tsl's human-readable bytes ("31.32GiB") or as a count ("... bytes"),
+# and the device as "on device 0" (its local hardware id).
 _REQUEST = re.compile(r"trying to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB|bytes)\b")
+_DEVICE = re.compile(r"on device (\d+)")
 _UNIT_BYTES = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
@@ -65,22 +67,29 @@ def requested_bytes(message: str) -> int | None:
 
 
 def fragmentation_note(message: str, devices) -> str:
-    """A sentence for an out-of-memory `message` when `devices`' memory statistics show that enough memory is
-    free but in smaller pieces than the request (XLA needs each buffer, a step's temporaries too, in one
-    piece); "" otherwise, or when a device reports no statistics (the CPU).
+    """A sentence for an out-of-memory `message` when the memory statistics of the device it names (of
+    `devices`, by `local_hardware_id`; all of them when it names none) show that enough memory is free but in
+    smaller pieces than the request (XLA needs each buffer, a step's temporaries too, in one piece); ""
+    otherwise, or when a device reports no statistics (the CPU) or cannot be asked.
 
-    Reads each device's `bytes_limit`, `bytes_in_use` and `largest_free_block_bytes` now, after the error: the
-    step's own temporaries have been given back, so the pieces are those the state and other live buffers
-    leave; a buffer that split the memory only while the step asked (and is freed since) leaves no trace,
-    and then there is no note. The GEM-width planted job with bfloat16 weights (configs/planted_gem.py, 55 GB remat plan, one H100)
-    ran out asking for 31.32 GiB with about 55 GiB free in two pieces.
+    Reads `bytes_limit`, `bytes_in_use` and `largest_free_block_bytes` now, after the error: the step's own
+    temporaries have been given back, so the pieces are those the state and other live buffers leave; a
+    buffer that split the memory only while the step asked (and is freed since) leaves no trace, and then
+    there is no note. The GEM-width planted job with bfloat16 weights (configs/planted_gem.py, 55 GB remat
+    plan, one H100) ran out asking for 31.32 GiB with about 55 GiB free in two pieces.
     """
     request = requested_bytes(message)
     if request is None:
         return ""
+    named = _DEVICE.search(message)
+    if named is not None:
+        devices = [d for d in devices if getattr(d, "local_hardware_id", None) == int(named.group(1))] or devices
     pieces = []
     for device in devices:
-        stats = device.memory_stats() or {}
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - the note is optional; the out-of-memory exit must not fail on it
+            return ""
         if not {"bytes_limit", "bytes_in_use", "largest_free_block_bytes"} <= stats.keys():
             return ""
         pieces.append((stats["largest_free_block_bytes"], stats["bytes_limit"] - stats["bytes_in_use"], stats["bytes_limit"]))

@@ -106,10 +106,12 @@ def test_the_peak_of_device_memory_is_the_largest_devices_with_its_limit():
     from gem_jax.device_memory import peak_memory_gb
 
     class Device:
-        def __init__(self, stats):
-            self.stats = stats
+        def __init__(self, stats, local_hardware_id=0):
+            self.stats, self.local_hardware_id = stats, local_hardware_id
 
         def memory_stats(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
             return self.stats
 
     gpus = [Device({"peak_bytes_in_use": 12_500_000_000, "bytes_limit": 21_000_000_000}),
@@ -227,7 +229,8 @@ def test_a_stop_under_force_new_says_to_resume_without_it(repo_root, tmp_path, m
 def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the_budget(repo_root, tmp_path, monkeypatch, capsys):
     """When the free memory would hold the request but its largest piece would not (the GEM-width planted job with
     bfloat16 weights: 31.32 GiB asked, about 55 GiB free in two pieces), the message says so with the sizes and how
-    much lower a remat budget must be; with one piece large enough, or no statistics (the CPU), it does not."""
+    much lower a remat budget must be, from the statistics of the device the message names; with one piece large
+    enough, too little free, no statistics (the CPU) or statistics that cannot be read, it does not."""
     import jax
     import pytest
 
@@ -241,10 +244,12 @@ def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the
     assert device_memory.requested_bytes("RESOURCE_EXHAUSTED: something else") is None
 
     class Device:
-        def __init__(self, stats):
-            self.stats = stats
+        def __init__(self, stats, local_hardware_id=0):
+            self.stats, self.local_hardware_id = stats, local_hardware_id
 
         def memory_stats(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
             return self.stats
 
     limit = int(71.3 * gib)
@@ -267,9 +272,14 @@ def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the
     assert f"A model.remat.budget_gb at least {request - largest:.1f} GB lower than the run's" in err
     assert (free, largest, request - largest) == pytest.approx((59.38, 32.86, 0.77), abs=0.01)
 
-    # one piece holds it; too little free in all; no statistics; one of two devices without them
-    for others in ([{**split, "largest_free_block_bytes": int(40 * gib)}], [{**split, "bytes_in_use": int(50 * gib)}], [None], [split, {}]):
-        devices[:] = [Device(stats) for stats in others]
-        with pytest.raises(SystemExit):
+    # one piece holds it; too little free in all; no statistics; the named device without them; statistics that fail;
+    # the message names device 0 and device 1 is the split one
+    whole = {**split, "largest_free_block_bytes": int(40 * gib)}
+    for others in ([whole], [{**split, "bytes_in_use": int(50 * gib)}], [None], [{}, split], [RuntimeError("gone")], [whole, split]):
+        devices[:] = [Device(stats, local_hardware_id=i) for i, stats in enumerate(others)]
+        with pytest.raises(SystemExit) as exited:
             cli.train_main(argv)
+        assert exited.value.code == cli.OUT_OF_MEMORY_EXIT_CODE
         assert "not in one piece" not in capsys.readouterr().err
+    note = device_memory.fragmentation_note
+    assert note("trying to allocate 31.32GiB on device 1", devices) and not note("trying to allocate 31.32GiB on device 0", devices)
