@@ -16,6 +16,19 @@ print("HEAVY " + " ".join(sorted(m for m in ("jax", "flax", "orbax", "grain", "g
 """
 
 
+class FakeDevice:
+    """A jax device as `gem_jax.device_memory` reads it: `memory_stats()` returns `stats` (None: the CPU's
+    answer), or raises it when it is an exception."""
+
+    def __init__(self, stats, local_hardware_id=0):
+        self.stats, self.local_hardware_id = stats, local_hardware_id
+
+    def memory_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
 def test_help_imports_neither_jax_nor_the_train_stack(repo_root):
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
     out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, check=True).stdout
@@ -105,19 +118,10 @@ def test_the_peak_of_device_memory_is_the_largest_devices_with_its_limit():
     gives nothing to report rather than a made-up zero."""
     from gem_jax.device_memory import peak_memory_gb
 
-    class Device:
-        def __init__(self, stats, local_hardware_id=0):
-            self.stats, self.local_hardware_id = stats, local_hardware_id
-
-        def memory_stats(self):
-            if isinstance(self.stats, Exception):
-                raise self.stats
-            return self.stats
-
-    gpus = [Device({"peak_bytes_in_use": 12_500_000_000, "bytes_limit": 21_000_000_000}),
-            Device({"peak_bytes_in_use": 30_000_000_000, "bytes_limit": 127_000_000_000})]
+    gpus = [FakeDevice({"peak_bytes_in_use": 12_500_000_000, "bytes_limit": 21_000_000_000}),
+            FakeDevice({"peak_bytes_in_use": 30_000_000_000, "bytes_limit": 127_000_000_000})]
     assert peak_memory_gb(gpus) == {"device_peak_gb": 30.0, "device_limit_gb": 127.0}
-    assert peak_memory_gb([*gpus, Device(None)]) == {} and peak_memory_gb([Device({"bytes_in_use": 1})]) == {}
+    assert peak_memory_gb([*gpus, FakeDevice(None)]) == {} and peak_memory_gb([FakeDevice({"bytes_in_use": 1})]) == {}
     assert peak_memory_gb([]) == {}
 
 
@@ -243,18 +247,9 @@ def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the
     assert device_memory.requested_bytes("trying to allocate 512.0MiB") == 512 * 2**20
     assert device_memory.requested_bytes("RESOURCE_EXHAUSTED: something else") is None
 
-    class Device:
-        def __init__(self, stats, local_hardware_id=0):
-            self.stats, self.local_hardware_id = stats, local_hardware_id
-
-        def memory_stats(self):
-            if isinstance(self.stats, Exception):
-                raise self.stats
-            return self.stats
-
     limit = int(71.3 * gib)
     split = {"bytes_limit": limit, "bytes_in_use": int(16 * gib), "largest_free_block_bytes": int(30.6 * gib)}
-    devices = [Device(split)]
+    devices = [FakeDevice(split)]
     monkeypatch.setattr(jax, "local_devices", lambda: devices)
 
     def out_of_memory(*args, **kwargs):
@@ -276,7 +271,7 @@ def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the
     # the message names device 0 and device 1 is the split one
     whole = {**split, "largest_free_block_bytes": int(40 * gib)}
     for others in ([whole], [{**split, "bytes_in_use": int(50 * gib)}], [None], [{}, split], [RuntimeError("gone")], [whole, split]):
-        devices[:] = [Device(stats, local_hardware_id=i) for i, stats in enumerate(others)]
+        devices[:] = [FakeDevice(stats, local_hardware_id=i) for i, stats in enumerate(others)]
         with pytest.raises(SystemExit) as exited:
             cli.train_main(argv)
         assert exited.value.code == cli.OUT_OF_MEMORY_EXIT_CODE
