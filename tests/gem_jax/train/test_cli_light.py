@@ -1,5 +1,5 @@
 """`gem-train --help` answers without importing jax or the train stack; running out of device memory is a message and exit status 5;
-the device memory share gem-train takes and the peak it reports (gem_jax/device_memory.py)."""
+the device memory share gem-train takes, the peak it reports and the note on split free memory (gem_jax/device_memory.py)."""
 
 import os
 import subprocess
