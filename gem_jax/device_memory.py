@@ -55,7 +55,7 @@ def peak_memory_gb(devices) -> dict[str, float]:
 
 # XLA's allocator writes the size it asked for as tsl's human-readable bytes ("31.32GiB") or as a count ("... bytes"),
 # and the device as "on device 0" (its local hardware id).
-_REQUEST = re.compile(r"trying to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB|bytes)\b")
+_REQUEST = re.compile(r"trying to allocate (\d+(?:\.\d+)?) ?(B|KiB|MiB|GiB|TiB|bytes)\b")
 _DEVICE = re.compile(r"on device (\d+)")
 _UNIT_BYTES = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 

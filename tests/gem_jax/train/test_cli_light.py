@@ -246,6 +246,8 @@ def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the
     assert device_memory.requested_bytes("trying to allocate 33634789376 bytes.") == 33634789376
     assert device_memory.requested_bytes("trying to allocate 512.0MiB") == 512 * 2**20
     assert device_memory.requested_bytes("RESOURCE_EXHAUSTED: something else") is None
+    assert device_memory.requested_bytes("trying to allocate 123B with") == 123
+    assert device_memory.requested_bytes("trying to allocate 1.5.3GiB") is None  # not a number: no note, not an error
 
     limit = int(71.3 * gib)
     split = {"bytes_limit": limit, "bytes_in_use": int(16 * gib), "largest_free_block_bytes": int(30.6 * gib)}
