@@ -196,13 +196,18 @@ def out_of_memory_message(error: BaseException) -> str:
     import jax
 
     what = str(error).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ")
+    try:
+        note = fragmentation_note(what, jax.local_devices())
+    except Exception:  # noqa: BLE001 - the note is optional; the out-of-memory exit must not fail on it
+        note = ""
     return (
-        f"the device ran out of memory ({what}).{fragmentation_note(what, jax.local_devices())} "
+        f"the device ran out of memory ({what}).{note} "
         f"This process's allocator may take {device_memory_share()} of the device's "
         "memory. Lower data.batch_size or data.max_seq_len, give the backward a memory budget "
         "(--set model.remat.budget_gb=GB: README, Memory), train in bfloat16 (model.compute_dtype: float32 attention takes "
         "the jnp reference, whose scores are padded), keep AdamW's moments and the weight matrices in bfloat16 for a new run "
-        "(optim.moments_dtype=bfloat16, optim.weights_dtype=bfloat16), or give the process more of the device. The checkpoints already "
+        "(optim.moments_dtype=bfloat16, optim.weights_dtype=bfloat16; with a remat budget, lower it by what they save, "
+        "or the planner spends the room on saved activations), or give the process more of the device. The checkpoints already "
         "written are kept: the same command resumes from the last."
     )
 

@@ -7,6 +7,7 @@ is 75%. Nothing here imports jax: a process sets the share before its first devi
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -63,12 +64,15 @@ _UNIT_BYTES = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "Ti
 def requested_bytes(message: str) -> int | None:
     """The bytes an out-of-memory message says the allocator was asked for ("trying to allocate 31.32GiB"), or None."""
     match = _REQUEST.search(message)
-    return None if match is None else int(float(match.group(1)) * _UNIT_BYTES[match.group(2)])
+    if match is None:
+        return None
+    number, unit = match.groups()
+    return int(number) if unit in ("B", "bytes") and number.isdigit() else int(float(number) * _UNIT_BYTES[unit])
 
 
 def fragmentation_note(message: str, devices) -> str:
     """A sentence for an out-of-memory `message` when the memory statistics of the device it names (of
-    `devices`, by `local_hardware_id`; all of them when it names none) show that enough memory is free but in
+    `devices`, by `local_hardware_id`; all of them when it names none, no note when it names one not among them) show that enough memory is free but in
     smaller pieces than the request (XLA needs each buffer, a step's temporaries too, in one piece); ""
     otherwise, or when a device reports no statistics (the CPU) or cannot be asked.
 
@@ -82,8 +86,8 @@ def fragmentation_note(message: str, devices) -> str:
     if request is None:
         return ""
     named = _DEVICE.search(message)
-    if named is not None:
-        devices = [d for d in devices if getattr(d, "local_hardware_id", None) == int(named.group(1))] or devices
+    if named is not None:  # a device this process does not hold gives no note rather than another device's
+        devices = [d for d in devices if getattr(d, "local_hardware_id", None) == int(named.group(1))]
     pieces = []
     for device in devices:
         try:
@@ -98,12 +102,13 @@ def fragmentation_note(message: str, devices) -> str:
     largest, free, limit = min(pieces)
     if not largest < request <= free:
         return ""
+    short_gb = max(0.1, math.ceil((request - largest) / 1e8) / 10)  # rounded up: the request's size is rounded in its message
     return (
         f" The memory was there but not in one piece: {free / 1e9:.1f} GB of the {limit / 1e9:.1f} GB the allocator may "
-        f"take are free, the largest free piece {largest / 1e9:.1f} GB, under the {request / 1e9:.1f} GB asked for (XLA "
-        f"needs each buffer, a step's temporaries too, in one piece). A model.remat.budget_gb at least "
-        f"{(request - largest) / 1e9:.1f} GB lower than the run's (or, without one, a budget) shrinks the step's "
-        "temporaries by about as much."
+        f"take are free, the largest free piece {largest / 1e9:.1f} GB, under the {request / 1e9:.1f} GB "
+        f"({request / 2**30:.2f} GiB) asked for (XLA needs each buffer, a step's temporaries too, in one piece). Where "
+        f"model.remat.budget_gb binds, a budget at least {short_gb:.1f} GB lower shrinks the step's temporaries by about "
+        "as much; without one, a budget lets the planner recompute activations instead of keeping them."
     )
 
 

@@ -59,7 +59,7 @@ def test_running_out_of_device_memory_says_what_and_exits_5(repo_root, tmp_path,
     err = capsys.readouterr().err
     assert "gem-train: the device ran out of memory (Out of memory while trying to allocate 27.81GiB" in err
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.3" in err and "model.remat.budget_gb" in err and "more" not in err.split("GPU_0_bfc")[1][:40]
-    assert "(optim.moments_dtype=bfloat16, optim.weights_dtype=bfloat16)" in " ".join(err.split())
+    assert "(optim.moments_dtype=bfloat16, optim.weights_dtype=bfloat16; with a remat budget, lower it by what they save" in " ".join(err.split())
 
     def other_error(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
@@ -265,8 +265,8 @@ def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the
     err = " ".join(capsys.readouterr().err.split())
     free, largest, request = (limit - 16 * gib) / 1e9, 30.6 * gib / 1e9, 31.32 * gib / 1e9
     assert (f"The memory was there but not in one piece: {free:.1f} GB of the {limit / 1e9:.1f} GB the allocator may take are free, "
-            f"the largest free piece {largest:.1f} GB, under the {request:.1f} GB asked for") in err
-    assert f"A model.remat.budget_gb at least {request - largest:.1f} GB lower than the run's" in err
+            f"the largest free piece {largest:.1f} GB, under the {request:.1f} GB (31.32 GiB) asked for") in err
+    assert "Where model.remat.budget_gb binds, a budget at least 0.8 GB lower shrinks the step's temporaries" in err
     assert (free, largest, request - largest) == pytest.approx((59.38, 32.86, 0.77), abs=0.01)
 
     # one piece holds it; too little free in all; no statistics; the named device without them; statistics that fail;
@@ -280,3 +280,14 @@ def test_out_of_memory_in_split_free_memory_says_so_and_by_how_much_to_lower_the
         assert "not in one piece" not in capsys.readouterr().err
     note = device_memory.fragmentation_note
     assert note("trying to allocate 31.32GiB on device 1", devices) and not note("trying to allocate 31.32GiB on device 0", devices)
+    assert not note("trying to allocate 31.32GiB on device 7", devices)  # not this process's: no other device's numbers
+    # a request a few MB over the largest piece (its size rounded in the message) still asks for at least 0.1 GB less
+    tight = [FakeDevice({**split, "largest_free_block_bytes": int(31.31 * gib)})]
+    assert "a budget at least 0.1 GB lower" in note("trying to allocate 31.32GiB", tight)
+    assert device_memory.requested_bytes("trying to allocate " + "9" * 400 + " bytes") == int("9" * 400)
+
+    # an error inside the note leaves the clean exit and its message
+    monkeypatch.setattr(jax, "local_devices", lambda: 1 / 0)
+    with pytest.raises(SystemExit) as exited:
+        cli.train_main(argv)
+    assert exited.value.code == cli.OUT_OF_MEMORY_EXIT_CODE and "the device ran out of memory" in capsys.readouterr().err
