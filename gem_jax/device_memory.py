@@ -71,16 +71,28 @@ def requested_bytes(message: str) -> int | None:
 
 
 def fragmentation_note(message: str, devices) -> str:
-    """A sentence for an out-of-memory `message` when the memory statistics of the device it names (of
-    `devices`, by `local_hardware_id`; all of them when it names none, no note when it names one not among them) show that enough memory is free but in
-    smaller pieces than the request (XLA needs each buffer, a step's temporaries too, in one piece); ""
-    otherwise, or when a device reports no statistics (the CPU) or cannot be asked.
+    """A sentence for an out-of-memory message when enough memory is free but in smaller pieces than the
+    request: XLA needs each buffer, a step's temporaries too, in one piece.
 
-    Reads `bytes_limit`, `bytes_in_use` and `largest_free_block_bytes` now, after the error: the step's own
-    temporaries have been given back, so the pieces are those the state and other live buffers leave; a
-    buffer that split the memory only while the step asked (and is freed since) leaves no trace, and then
-    there is no note. The GEM-width planted job with bfloat16 weights (configs/planted_gem.py, 55 GB remat
-    plan, one H100) ran out asking for 31.32 GiB with about 55 GiB free in two pieces.
+    Reads `bytes_limit`, `bytes_in_use` and `largest_free_block_bytes` (bytes, `jax.Device.memory_stats()`)
+    now, after the error: the step's own temporaries have been given back, so the pieces are those the state
+    and other live buffers leave; a buffer that split the memory only while the step asked (and is freed
+    since) leaves no trace, and then there is no note. The GEM-width planted job with bfloat16 weights
+    (configs/planted_gem.py, 55 GB remat plan, one H100) ran out asking for 31.32 GiB with about 55 GiB
+    free in two pieces (benchmarks/quality.md, "bf16 weight matrices at GEM width").
+
+    Args:
+      message: the error's first line ("Out of memory while trying to allocate 31.32GiB ... on device 0").
+      devices: the process's devices (`jax.local_devices()`); the one the message names is read (by
+        `local_hardware_id`), or all of them, the smallest largest piece counting, when it names none.
+
+    Returns:
+      The sentence (sizes in GB of 1e9 bytes, and the request in GiB as XLA wrote it), or "" when the
+      message names no size, names a device not among `devices`, a device reports no statistics (the CPU),
+      one piece would hold the request or too little is free.
+
+    Raises:
+      whatever `memory_stats()` raises (`gem_jax.cli.out_of_memory_message` then gives no note).
     """
     request = requested_bytes(message)
     if request is None:
@@ -90,10 +102,7 @@ def fragmentation_note(message: str, devices) -> str:
         devices = [d for d in devices if getattr(d, "local_hardware_id", None) == int(named.group(1))]
     pieces = []
     for device in devices:
-        try:
-            stats = device.memory_stats() or {}
-        except Exception:  # noqa: BLE001 - the note is optional; the out-of-memory exit must not fail on it
-            return ""
+        stats = device.memory_stats() or {}
         if not {"bytes_limit", "bytes_in_use", "largest_free_block_bytes"} <= stats.keys():
             return ""
         pieces.append((stats["largest_free_block_bytes"], stats["bytes_limit"] - stats["bytes_in_use"], stats["bytes_limit"]))
